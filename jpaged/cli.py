@@ -1,0 +1,63 @@
+"""The `jpaged` command: `jpaged generate` (serve and bench arrive with their issues)."""
+
+import argparse
+import dataclasses
+import logging
+import sys
+import typing
+
+from jpaged.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, spelled as vLLM spells them (--max-model-len ...)."""
+    for field in dataclasses.fields(EngineConfig):
+        flag = "--" + field.name.replace("_", "-")
+        kind = next(t for t in (typing.get_args(field.type) or (field.type,)) if t is not type(None))
+        if kind is bool:
+            parser.add_argument(flag, action="store_true", default=field.default)
+        else:
+            parser.add_argument(flag, type=kind, default=field.default)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+
+
+def cmd_generate(args) -> int:
+    import jpaged
+
+    kwargs = engine_kwargs(args)
+    llm = jpaged.LLM(kwargs.pop("model"), **kwargs)
+    params = jpaged.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                   top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    prompts = args.prompt or ["Hello, my name is"]
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        print(f"Prompt: {out.prompt!r}\nGenerated: {out.outputs[0].text!r}\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="jpaged", description="PagedAttention LLM serving in JAX/Pallas")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for prompts and print it")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=cmd_generate)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

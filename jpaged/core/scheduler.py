@@ -1,0 +1,230 @@
+"""The iteration-level scheduler: FCFS continuous batching with chunked prefill and preemption
+(paper §4.5; vLLM v0.5/0.6 semantics).
+
+Every step it decides which sequence groups compute which tokens:
+  1. Running groups that decode get one slot per sequence, in FCFS order. When the device
+     blocks run out, whole groups are preempted from the end of the running queue (the latest
+     first) until the current group fits or is preempted itself. Groups still prefilling then
+     take their next chunk from what is left of the token budget.
+  2. If nothing was preempted, swapped-out groups come back first (FCFS).
+  3. If nothing was preempted and nothing is swapped out, waiting groups are admitted (FCFS)
+     while blocks (leaving the watermark free), max_num_seqs and the token budget allow; a
+     prompt longer than the remaining budget is split into chunks over several steps.
+
+Preemption by recompute frees a group's blocks and puts it back at the front of the waiting
+queue: its prompt and outputs so far are prefilled again. Preemption by swap moves its blocks
+to host memory. With preemption_mode=None a group with one running sequence is recomputed and
+a larger one swapped (vLLM's choice); when host memory is full, swapping falls back to
+recompute instead of failing the step.
+"""
+
+import collections
+import dataclasses
+
+from jpaged.core.block_manager import AllocStatus, BlockManager
+from jpaged.core.sequence import SequenceGroup, SequenceStatus
+
+
+@dataclasses.dataclass
+class ScheduledSequenceGroup:
+    seq_group: SequenceGroup
+    token_chunk_size: int  # tokens each running sequence of the group computes this step
+
+
+@dataclasses.dataclass
+class SchedulerOutputs:
+    scheduled_seq_groups: list[ScheduledSequenceGroup] = dataclasses.field(default_factory=list)
+    num_batched_tokens: int = 0
+    # Block copies to make before the step, in this order: swap out, swap in, copy-on-write.
+    blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (gpu, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (cpu, gpu)
+    blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst) on the device
+    ignored_seq_groups: list[SequenceGroup] = dataclasses.field(default_factory=list)  # now FINISHED_IGNORED
+    preempted: int = 0  # groups preempted this step
+
+    def is_empty(self) -> bool:
+        return not (self.scheduled_seq_groups or self.blocks_to_swap_out or self.blocks_to_swap_in
+                    or self.blocks_to_copy)
+
+
+@dataclasses.dataclass
+class _Budget:
+    """What is left of this step's limits."""
+
+    num_tokens: int
+    num_seqs: int
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, preemption_mode: str | None = None):
+        # Every running sequence decodes one token per step: they must all fit in one step.
+        if not 1 <= max_num_seqs <= max_num_batched_tokens:
+            raise ValueError(f"need 1 <= max_num_seqs ({max_num_seqs}) <= max_num_batched_tokens "
+                             f"({max_num_batched_tokens})")
+        if preemption_mode not in (None, "swap", "recompute"):
+            raise ValueError(f"preemption_mode={preemption_mode!r}; expected None, 'swap' or 'recompute'")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.preemption_mode = preemption_mode
+        self.waiting: collections.deque[SequenceGroup] = collections.deque()
+        self.running: collections.deque[SequenceGroup] = collections.deque()
+        self.swapped: collections.deque[SequenceGroup] = collections.deque()
+        self.num_preemptions = 0
+
+    def add_seq_group(self, seq_group: SequenceGroup):
+        self.waiting.append(seq_group)
+
+    def abort_seq_group(self, request_id: str):
+        """Finish the request as aborted and free its blocks now, whichever queue holds it."""
+        for queue in (self.waiting, self.running, self.swapped):
+            for seq_group in queue:
+                if seq_group.request_id == request_id:
+                    queue.remove(seq_group)
+                    self._finish(seq_group, SequenceStatus.FINISHED_ABORTED)
+                    return
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def get_num_unfinished_seq_groups(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def fork_seq(self, parent, child):
+        self.block_manager.fork(parent, child)
+
+    def free_seq(self, seq):
+        self.block_manager.free(seq)
+
+    def free_finished_seq_groups(self):
+        self.running = collections.deque(g for g in self.running if not g.is_finished())
+
+    def schedule(self) -> SchedulerOutputs:
+        out = SchedulerOutputs()
+        budget = _Budget(self.max_num_batched_tokens,
+                         self.max_num_seqs - sum(g.get_max_num_running_seqs() for g in self.running))
+        prefilling = self._schedule_running(out, budget)
+        # Decodes came first; prompts already being prefilled take their next chunk.
+        for seq_group in prefilling:
+            chunk = self._chunk_size(seq_group, budget)
+            if chunk:
+                self._add(out, budget, seq_group, chunk)
+        # A preemption means blocks are short: don't bring anyone in this step.
+        if not out.preempted:
+            self._schedule_swapped(out, budget)
+            if not self.swapped:
+                self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutputs, budget: _Budget) -> list[SequenceGroup]:
+        """Give each decoding group its slots, preempting the latest groups when blocks run out.
+        Returns the groups still prefilling (they need no new blocks), in order."""
+        queue, self.running = self.running, collections.deque()
+        prefilling, swapped_out = [], []
+        while queue:
+            seq_group = queue.popleft()
+            if seq_group.is_prefill():
+                prefilling.append(seq_group)
+                self.running.append(seq_group)
+                continue
+            while not self.block_manager.can_append_slots(seq_group):
+                victim = queue.pop() if queue else seq_group
+                self._preempt(victim, out, swapped_out)
+                if victim is seq_group:
+                    break
+            else:
+                self._append_slots(seq_group, out)
+                self.running.append(seq_group)
+                self._add(out, budget, seq_group, 1)
+        # Victims were taken latest first; keep the swapped queue in arrival order.
+        self.swapped.extend(reversed(swapped_out))
+        return prefilling
+
+    def _schedule_swapped(self, out: SchedulerOutputs, budget: _Budget):
+        while self.swapped:
+            seq_group = self.swapped[0]
+            status = self.block_manager.can_swap_in(seq_group)
+            if status is AllocStatus.NEVER:
+                self.swapped.popleft()
+                self._ignore(seq_group, out)
+                continue
+            num_seqs = seq_group.get_max_num_running_seqs()
+            chunk = self._chunk_size(seq_group, budget)
+            if status is AllocStatus.LATER or num_seqs > budget.num_seqs or not chunk:
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(self.block_manager.swap_in(seq_group))
+            for seq in seq_group.get_seqs(SequenceStatus.SWAPPED):
+                seq.status = SequenceStatus.RUNNING
+            self._append_slots(seq_group, out)  # can_swap_in kept a block per sequence for this
+            self.running.append(seq_group)
+            budget.num_seqs -= num_seqs
+            self._add(out, budget, seq_group, chunk)
+
+    def _schedule_waiting(self, out: SchedulerOutputs, budget: _Budget):
+        while self.waiting:
+            seq_group = self.waiting[0]
+            if seq_group.get_unfinished_seqs()[0].get_len() > self.max_model_len:
+                status = AllocStatus.NEVER
+            else:
+                status = self.block_manager.can_allocate(seq_group)
+            if status is AllocStatus.NEVER:
+                self.waiting.popleft()
+                self._ignore(seq_group, out)
+                continue
+            num_seqs = seq_group.get_max_num_running_seqs()
+            chunk = self._chunk_size(seq_group, budget)
+            if status is AllocStatus.LATER or num_seqs > budget.num_seqs or not chunk:
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq_group)
+            for seq in seq_group.get_seqs(SequenceStatus.WAITING):
+                seq.status = SequenceStatus.RUNNING
+            self.running.append(seq_group)
+            budget.num_seqs -= num_seqs
+            self._add(out, budget, seq_group, chunk)
+
+    def _chunk_size(self, seq_group: SequenceGroup, budget: _Budget) -> int:
+        """Tokens per sequence the group can compute now: all it has left, up to its share of the
+        token budget."""
+        return min(seq_group.get_num_uncomputed_tokens(), budget.num_tokens // seq_group.num_unfinished_seqs())
+
+    def _add(self, out: SchedulerOutputs, budget: _Budget, seq_group: SequenceGroup, chunk: int):
+        num_tokens = chunk * seq_group.num_seqs(SequenceStatus.RUNNING)
+        out.scheduled_seq_groups.append(ScheduledSequenceGroup(seq_group, chunk))
+        out.num_batched_tokens += num_tokens
+        budget.num_tokens -= num_tokens
+
+    def _append_slots(self, seq_group: SequenceGroup, out: SchedulerOutputs):
+        for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
+            out.blocks_to_copy.extend(self.block_manager.append_slots(seq))
+
+    def _preempt(self, seq_group: SequenceGroup, out: SchedulerOutputs, swapped_out: list):
+        running = seq_group.get_seqs(SequenceStatus.RUNNING)
+        mode = self.preemption_mode or ("recompute" if len(running) == 1 else "swap")
+        if mode == "swap" and self.block_manager.can_swap_out(seq_group):
+            out.blocks_to_swap_out.extend(self.block_manager.swap_out(seq_group))
+            for seq in running:
+                seq.status = SequenceStatus.SWAPPED
+            swapped_out.append(seq_group)
+        else:  # recompute; also when host memory is full, so preemption never fails
+            for seq in running:
+                self.block_manager.free(seq)
+                seq.status = SequenceStatus.WAITING
+                seq.reset_for_recompute()
+            # Victims come latest first, so the earliest ends up at the very front.
+            self.waiting.appendleft(seq_group)
+        out.preempted += 1
+        self.num_preemptions += 1
+
+    def _ignore(self, seq_group: SequenceGroup, out: SchedulerOutputs):
+        self._finish(seq_group, SequenceStatus.FINISHED_IGNORED)
+        out.ignored_seq_groups.append(seq_group)
+
+    def _finish(self, seq_group: SequenceGroup, status: SequenceStatus):
+        for seq in seq_group.get_unfinished_seqs():
+            if seq.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
+                self.block_manager.free(seq)
+            seq.status = status

@@ -1,0 +1,160 @@
+"""Sequences and sequence groups: the host-side state of requests.
+
+A request is one SequenceGroup. It starts with one Sequence (the prompt); when the prompt has
+been computed the engine forks it into `best_of` sequences that share the prompt's KV blocks.
+The sequences of a group advance in lockstep: all unfinished ones have the same length and the
+same number of computed tokens.
+"""
+
+import copy
+import enum
+
+from jpaged.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()  # no KV blocks: not admitted yet, or preempted by recompute
+    RUNNING = enum.auto()  # KV blocks on the device
+    SWAPPED = enum.auto()  # KV blocks in host memory
+    FINISHED_STOPPED = enum.auto()  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens or max_model_len
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()  # could never be scheduled (too long for the model or the KV pool)
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_IGNORED: "length",
+}
+
+
+class Sequence:
+    def __init__(self, seq_id: int, prompt_token_ids: list[int]):
+        if not prompt_token_ids:
+            raise ValueError("a sequence needs at least one prompt token")
+        self.seq_id = seq_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.status = SequenceStatus.WAITING
+        # Tokens whose K/V are in the KV pages. The tokens after them are what the next steps
+        # compute: the prompt in chunks, then one sampled token per step.
+        self.num_computed_tokens = 0
+        self.cumulative_logprob = 0.0
+        self.output_logprobs: list[dict[int, float]] = []  # per output token, when logprobs are asked for
+        # Incremental detokenization state, owned by the engine.
+        self.output_text = ""
+        self.tokens: list[str] | None = None
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def get_len(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def get_prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def get_output_len(self) -> int:
+        return len(self.output_token_ids)
+
+    def get_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def get_last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def get_num_uncomputed_tokens(self) -> int:
+        return self.get_len() - self.num_computed_tokens
+
+    def is_prefill(self) -> bool:
+        # A single uncomputed token is computed exactly like a decode step, whatever it is.
+        return self.get_num_uncomputed_tokens() > 1
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token_id(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None = None):
+        self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        if top_logprobs is not None:
+            self.output_logprobs.append(top_logprobs)
+
+    def fork(self, new_seq_id: int) -> "Sequence":
+        child = copy.deepcopy(self)
+        child.seq_id = new_seq_id
+        return child
+
+    def reset_for_recompute(self):
+        """After preemption by recompute: prompt and outputs so far are prefilled again."""
+        self.num_computed_tokens = 0
+
+    def __repr__(self):
+        return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, len={self.get_len()}, "
+                f"num_computed_tokens={self.num_computed_tokens})")
+
+
+class SequenceGroup:
+    def __init__(self, request_id: str, seqs: list[Sequence], sampling_params: SamplingParams,
+                 arrival_time: float, prompt: str | None = None):
+        self.request_id = request_id
+        self.seqs = seqs
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.prompt = prompt
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids
+
+    def add(self, seq: Sequence):
+        self.seqs.append(seq)
+
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        if status is None:
+            return list(self.seqs)
+        return [seq for seq in self.seqs if seq.status is status]
+
+    def get_unfinished_seqs(self) -> list[Sequence]:
+        return [seq for seq in self.seqs if not seq.is_finished()]
+
+    def num_seqs(self, status: SequenceStatus | None = None) -> int:
+        return len(self.get_seqs(status))
+
+    def num_unfinished_seqs(self) -> int:
+        return len(self.get_unfinished_seqs())
+
+    def is_finished(self) -> bool:
+        return all(seq.is_finished() for seq in self.seqs)
+
+    def get_num_uncomputed_tokens(self) -> int:
+        """Per sequence (the unfinished ones are in lockstep)."""
+        return self.get_unfinished_seqs()[0].get_num_uncomputed_tokens()
+
+    def is_prefill(self) -> bool:
+        return self.get_unfinished_seqs()[0].is_prefill()
+
+    def get_max_num_running_seqs(self) -> int:
+        """Sequences this group will run at once: best_of from the start, since the engine forks
+        the single prompt sequence into best_of sequences as soon as the prompt is computed."""
+        if len(self.seqs) == 1 and not self.seqs[0].output_token_ids:
+            return self.sampling_params.best_of
+        return self.num_unfinished_seqs()
+
+    def update_num_computed_tokens(self, num_new_tokens: int):
+        """After a step: the running sequences computed `num_new_tokens` more tokens each."""
+        for seq in self.get_seqs(SequenceStatus.RUNNING):
+            seq.num_computed_tokens += num_new_tokens
+            if seq.num_computed_tokens > seq.get_len():
+                raise ValueError(f"{seq} computed more tokens than it has")
+
+    def __repr__(self):
+        return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.seqs})"

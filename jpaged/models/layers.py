@@ -1,0 +1,296 @@
+"""Building blocks shared by every model: linear layers with logical axis names, norms,
+rotary embeddings, MLPs and the one paged attention layer.
+
+Every weight is an `nnx.Param` carrying `logical_axes` (names such as "embed", "q_heads",
+"kv_heads", "mlp", "vocab"); tensor parallelism maps those names to mesh axes by rule.
+Modules are built abstractly (`nnx.eval_shape`) and filled by the loader, so their
+constructors never initialise real weights. Each module that owns weights describes how
+Hugging Face stores them (`hf_weights`), which is all the loader needs to know.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import pallas_kernels
+
+
+class WeightTarget(NamedTuple):
+    """Where one Hugging Face tensor (of `hf_shape`) goes: `convert` maps it to `param`'s layout."""
+
+    param: nnx.Param
+    hf_shape: tuple[int, ...]
+    convert: Callable[[np.ndarray], np.ndarray]
+
+
+HFWeights = dict[str, list[WeightTarget]]
+
+
+def _param(shape, axes, dtype) -> nnx.Param:
+    assert len(shape) == len(axes), (shape, axes)
+    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=tuple(axes))
+
+
+class Linear(nnx.Module):
+    """y = x · W (+ b), W of shape in_shape + out_shape (e.g. [embed, q_heads, head_dim])."""
+
+    def __init__(self, in_shape, out_shape, axes, *, use_bias=False, dtype=jnp.float32):
+        self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
+        self.kernel = _param(self.in_shape + self.out_shape, axes, dtype)
+        self.bias = _param(self.out_shape, axes[len(self.in_shape):], dtype) if use_bias else None
+
+    def __call__(self, x):
+        n_in = len(self.in_shape)
+        y = jax.lax.dot_general(x, self.kernel[...], (((tuple(range(x.ndim - n_in, x.ndim))), tuple(range(n_in))), ((), ())))
+        return y if self.bias is None else y + self.bias[...]
+
+    def hf_weights(self, prefix: str, *, hf_layout: str = "out_in") -> HFWeights:
+        """torch.nn.Linear stores weight as [out, in] ("out_in"); GPT-2's Conv1D as [in, out] ("in_out")."""
+        n_in, n_out = math.prod(self.in_shape), math.prod(self.out_shape)
+        full = self.in_shape + self.out_shape
+        if hf_layout == "out_in":
+            w = WeightTarget(self.kernel, (n_out, n_in), lambda a: a.T.reshape(full))
+        else:
+            w = WeightTarget(self.kernel, (n_in, n_out), lambda a: a.reshape(full))
+        specs = {f"{prefix}.weight": [w]}
+        if self.bias is not None:
+            specs[f"{prefix}.bias"] = [WeightTarget(self.bias, (n_out,), lambda a: a.reshape(self.out_shape))]
+        return specs
+
+
+class Embedding(nnx.Module):
+    def __init__(self, num_embeddings, features, axes=("vocab", "embed"), *, dtype=jnp.float32):
+        self.embedding = _param((num_embeddings, features), axes, dtype)
+
+    def __call__(self, ids):
+        return jnp.take(self.embedding[...], ids, axis=0)
+
+    def attend(self, x):
+        """Tied output projection: logits = x · Eᵀ."""
+        return x @ self.embedding[...].T
+
+    def hf_weights(self, name: str) -> HFWeights:
+        return {name: [WeightTarget(self.embedding, self.embedding.shape, lambda a: a)]}
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim, eps, *, dtype=jnp.float32):
+        self.eps = eps
+        self.weight = _param((dim,), ("norm",), dtype)
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+    def hf_weights(self, prefix: str) -> HFWeights:
+        return {f"{prefix}.weight": [WeightTarget(self.weight, self.weight.shape, lambda a: a)]}
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim, eps, *, dtype=jnp.float32):
+        self.eps = eps
+        self.weight = _param((dim,), ("norm",), dtype)
+        self.bias = _param((dim,), ("norm",), dtype)
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+    def hf_weights(self, prefix: str) -> HFWeights:
+        return {f"{prefix}.{n}": [WeightTarget(p, p.shape, lambda a: a)] for n, p in (("weight", self.weight), ("bias", self.bias))}
+
+
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "relu": jax.nn.relu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
+
+
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+class GatedMLP(nnx.Module):
+    """Llama-style MLP: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, hidden, intermediate, act, *, dtype):
+        self.act = act
+        self.gate_proj = Linear((hidden,), (intermediate,), ("embed", "mlp"), dtype=dtype)
+        self.up_proj = Linear((hidden,), (intermediate,), ("embed", "mlp"), dtype=dtype)
+        self.down_proj = Linear((intermediate,), (hidden,), ("mlp", "embed"), dtype=dtype)
+
+    def __call__(self, x):
+        return self.down_proj(activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
+
+    def hf_weights(self, prefix: str) -> HFWeights:
+        return {**self.gate_proj.hf_weights(f"{prefix}.gate_proj"), **self.up_proj.hf_weights(f"{prefix}.up_proj"),
+                **self.down_proj.hf_weights(f"{prefix}.down_proj")}
+
+
+class MLP(nnx.Module):
+    """OPT / GPT-2 MLP: fc2(act(fc1(x))), with biases."""
+
+    def __init__(self, hidden, intermediate, act, *, dtype):
+        self.act = act
+        self.fc1 = Linear((hidden,), (intermediate,), ("embed", "mlp"), use_bias=True, dtype=dtype)
+        self.fc2 = Linear((intermediate,), (hidden,), ("mlp", "embed"), use_bias=True, dtype=dtype)
+
+    def __call__(self, x):
+        return self.fc2(activation(self.act)(self.fc1(x)))
+
+
+# ----------------------------------------------------------------------------- rotary embedding
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters; `scaling` is a sorted tuple of the HF rope_scaling items."""
+
+    head_dim: int
+    theta: float
+    scaling: tuple = ()
+
+    @classmethod
+    def from_hf(cls, hf_config, head_dim: int) -> "RopeConfig":
+        # transformers >= 5 keeps everything in `rope_parameters`; older versions use
+        # `rope_theta` + `rope_scaling`.
+        params = dict(getattr(hf_config, "rope_parameters", None) or {})
+        theta = params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", 10000.0)
+        if not params:
+            params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: 'default', 'llama3'")
+        scaling = () if rope_type == "default" else tuple(sorted(
+            (k, v) for k, v in params.items() if k in ("rope_type", "factor", "low_freq_factor", "high_freq_factor",
+                                                     "original_max_position_embeddings")))
+        return cls(head_dim, float(theta), scaling)
+
+    def inv_freq(self) -> np.ndarray:
+        inv_freq = 1.0 / (self.theta ** (np.arange(0, self.head_dim, 2, dtype=np.float32) / self.head_dim))
+        scaling = dict(self.scaling)
+        if scaling.get("rope_type") == "llama3":
+            # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+            factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+            old_len = scaling["original_max_position_embeddings"]
+            wavelen = 2 * np.pi / inv_freq
+            scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+            smooth = (old_len / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+            inv_freq = np.where(medium, smoothed, scaled)
+        return inv_freq.astype(np.float32)
+
+
+def apply_rope(x, positions, rope: RopeConfig):
+    """Rotate-half rotary embedding of x: [tokens, heads, head_dim] at integer positions [tokens]."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope.inv_freq())[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+# ----------------------------------------------------------------------------- paged attention
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["slot_mapping", "block_tables", "context_lens", "query_start_loc"],
+                   meta_fields=["is_decode"])
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Where a step's tokens live in the KV pages (one entry per token or per sequence).
+
+    slot_mapping: int32[tokens], page * page_size + offset of each new token (-1: padding).
+    block_tables: int32[seqs, max_blocks], physical page of each logical block.
+    context_lens: int32[seqs], tokens in pages after this step (cached + new); 0 for padding.
+    query_start_loc: int32[seqs + 1], where each sequence's new tokens start in the token axis.
+    is_decode: static; every sequence has exactly one new token (tokens == seqs).
+    """
+
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    context_lens: jax.Array
+    query_start_loc: jax.Array
+    is_decode: bool = False
+
+
+ATTENTION_BACKENDS = ("auto", "pallas", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOps:
+    """The swappable attention functions (hashable, so they live in the static graph)."""
+
+    backend: str = "auto"
+
+    def __post_init__(self):
+        if self.backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.backend!r}; expected one of {ATTENTION_BACKENDS}")
+
+    def _interpret(self):
+        # "pallas" off-GPU runs the Pallas kernels in interpret mode; "auto" lets
+        # pallas_kernels pick (Pallas on GPU, XLA elsewhere).
+        if self.backend == "pallas":
+            return jax.default_backend() != "gpu"
+        return None
+
+    def __call__(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
+        k_pages, v_pages = pallas_kernels.write_kv(*kv_cache, k, v, meta.slot_mapping)
+        args = (q, k_pages, v_pages, meta.block_tables, meta.context_lens)
+        if self.backend == "xla":
+            out = (pallas_kernels.paged_attention_xla(*args, scale=scale) if meta.is_decode
+                   else pallas_kernels.ragged_paged_attention_xla(*args, meta.query_start_loc, scale=scale))
+        elif meta.is_decode:
+            out = pallas_kernels.paged_attention(*args, scale=scale, interpret=self._interpret())
+        else:
+            out = pallas_kernels.ragged_paged_attention(*args, meta.query_start_loc, scale=scale,
+                                                        interpret=self._interpret())
+        return out, (k_pages, v_pages)
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with GQA/MQA over paged K/V, shared by every architecture.
+
+    Projections keep heads as their own axis ([embed, q_heads, head_dim]) so tensor
+    parallelism splits them by rule. New K/V are scattered into the pages first, then the
+    queries attend through the block tables.
+    """
+
+    def __init__(self, hidden, num_heads, num_kv_heads, head_dim, *, ops: AttentionOps, dtype,
+                 qkv_bias=False, o_bias=False, rope: RopeConfig | None = None, scale=None):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+        self.ops, self.rope = ops, rope
+        self.scale = scale if scale is not None else head_dim ** -0.5
+        self.q_proj = Linear((hidden,), (num_heads, head_dim), ("embed", "q_heads", "head_dim"), use_bias=qkv_bias, dtype=dtype)
+        self.k_proj = Linear((hidden,), (num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), use_bias=qkv_bias, dtype=dtype)
+        self.v_proj = Linear((hidden,), (num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), use_bias=qkv_bias, dtype=dtype)
+        self.o_proj = Linear((num_heads, head_dim), (hidden,), ("q_heads", "head_dim", "embed"), use_bias=o_bias, dtype=dtype)
+
+    def __call__(self, x, positions, kv_cache, meta: AttentionMetadata):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.rope is not None:
+            q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)
+        out, kv_cache = self.ops(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.astype(x.dtype)), kv_cache
+
+    def hf_weights(self, prefix: str, names=("q_proj", "k_proj", "v_proj", "o_proj")) -> HFWeights:
+        specs = {}
+        for ours, theirs in zip(("q_proj", "k_proj", "v_proj", "o_proj"), names):
+            specs.update(getattr(self, ours).hf_weights(f"{prefix}.{theirs}"))
+        return specs

@@ -1,0 +1,150 @@
+"""Checkpoint loading: the one place that turns a model name into a Flax model with weights.
+
+`model` is "tiny" (built in), a local Hugging Face directory (config.json, *.safetensors,
+optionally sharded with model.safetensors.index.json, tokenizer files) or a hub id fetched
+with huggingface_hub. The model is first built abstractly (shapes only); tensors are then
+streamed one at a time from the files, converted to our layout and placed on the device, so
+the host never holds two copies of the weights.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import re
+from typing import Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+from flax import nnx
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+
+from jpaged.models.gpt2 import GPT2LMHeadModel
+from jpaged.models.layers import AttentionOps
+from jpaged.models.llama import LlamaForCausalLM
+from jpaged.models.opt import OPTForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# HF `architectures` name -> model class. Each class lives in its own file under models/.
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+}
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    model: nnx.Module
+    hf_config: PretrainedConfig
+    tokenizer: object | None  # a transformers tokenizer, or None when the checkpoint has none
+    dtype: jnp.dtype
+
+
+def get_model_class(hf_config: PretrainedConfig):
+    archs = getattr(hf_config, "architectures", None) or []
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(f"unsupported architecture {archs or hf_config.model_type!r}; "
+                     f"supported: {', '.join(sorted(MODEL_REGISTRY))}")
+
+
+def resolve_dtype(dtype, hf_config: PretrainedConfig) -> jnp.dtype:
+    if dtype == "auto":
+        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
+        dtype = str(dtype).removeprefix("torch.")
+        if dtype not in DTYPES:  # e.g. a float64 config: compute in float32
+            dtype = "float32"
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}; expected 'auto' or one of {sorted(DTYPES)}")
+        return jnp.dtype(DTYPES[dtype])
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES.values()]:
+        raise ValueError(f"dtype={dtype!r}; expected 'auto' or one of {sorted(DTYPES)}")
+    return jnp.dtype(dtype)
+
+
+def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.ndarray]], *, dtype: jnp.dtype,
+                attention_backend: str = "auto") -> nnx.Module:
+    """Build the model for `hf_config` abstractly and fill it from (name, tensor) pairs in HF naming."""
+    model_cls = get_model_class(hf_config)
+    ops = AttentionOps(attention_backend)
+    model = nnx.eval_shape(lambda: model_cls(hf_config, dtype=dtype, ops=ops))
+    specs = model.hf_weights()
+    ignored = [re.compile(p) for p in model_cls.ignored_hf_weights]
+    seen = set()
+    for name, tensor in weights:
+        if name not in specs:
+            if any(p.fullmatch(name) for p in ignored):
+                continue
+            raise ValueError(f"unexpected tensor {name!r} (shape {tuple(tensor.shape)}) in checkpoint for "
+                             f"{model_cls.__name__}")
+        for target in specs[name]:
+            if tuple(tensor.shape) != target.hf_shape:
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint, "
+                                 f"expected {target.hf_shape}")
+            target.param.set_value(jax.device_put(np.asarray(target.convert(tensor)).astype(dtype)))
+        seen.add(name)
+    missing = [f"{n} (shape {specs[n][0].hf_shape})" for n in specs if n not in seen]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) for {model_cls.__name__}: "
+                         + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
+    return model
+
+
+def iter_safetensors(model_dir: str) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield the checkpoint's tensors one by one (sharded checkpoints via their index)."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_dir}")
+    for file in files:
+        with safetensors.safe_open(os.path.join(model_dir, file), framework="np") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def resolve_model_dir(model: str, revision: str | None = None) -> str:
+    if os.path.isdir(model):
+        return model
+    if os.path.isabs(model) or model.startswith((".", "~")) or os.path.exists(model):
+        raise ValueError(f"model {model!r} is not a directory with a Hugging Face checkpoint")
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(model, revision=revision,
+                                 allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+    except Exception as e:  # offline, unknown repo, no access
+        raise ValueError(f"model {model!r} is neither a local directory nor a reachable Hugging Face hub id: {e}") from e
+
+
+def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", revision: str | None = None) -> LoadedModel:
+    if model == "tiny":
+        from jpaged.models import tiny
+        hf_config = tiny.tiny_config()
+        jdtype = resolve_dtype(dtype, hf_config)
+        weights, tokenizer = tiny.tiny_weights(hf_config), tiny.tiny_tokenizer()
+    else:
+        model_dir = resolve_model_dir(model, revision)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        get_model_class(hf_config)  # fail on an unsupported architecture before reading any weights
+        jdtype = resolve_dtype(dtype, hf_config)
+        weights = iter_safetensors(model_dir)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        except (OSError, ValueError, TypeError):
+            logger.warning("no tokenizer found in %s: prompts must be token ids", model_dir)
+            tokenizer = None
+    nn_model = build_model(hf_config, weights, dtype=jdtype, attention_backend=attention_backend)
+    return LoadedModel(nn_model, hf_config, tokenizer, jdtype)

@@ -1,0 +1,52 @@
+"""KV cache updates: write new tokens' K/V, copy whole pages.
+
+Both are one fused XLA scatter on every backend. A Pallas version would only
+re-implement a scatter that XLA already emits as a single in-place kernel when
+the page arrays are donated (callers jit with donate_argnums); there is no
+reduction or reuse a custom kernel could exploit.
+
+Layout: k_pages, v_pages [num_kv_heads, num_pages, page_size, head_dim];
+slot = page * page_size + offset.
+"""
+import jax
+import jax.numpy as jnp
+
+
+@jax.jit
+def write_kv(k_pages, v_pages, k, v, slot_mapping):
+  """Store k, v [T, num_kv_heads, head_dim] at slots int32[T].
+
+  Negative slots (padding, -1) and slots >= num_pages * page_size are
+  dropped: those tokens leave the pages untouched. With duplicate slots one
+  of the writes wins (unspecified which).
+  """
+  kvh, num_pages, page_size, head_dim = k_pages.shape
+  num_slots = num_pages * page_size
+  slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
+
+  def scatter(pages, new):
+    flat = pages.reshape(kvh, num_slots, head_dim)  # a bitcast: stays in place
+    new = jnp.swapaxes(new, 0, 1).astype(pages.dtype)
+    flat = flat.at[:, slots].set(new, mode="drop")
+    return flat.reshape(pages.shape)
+
+  return scatter(k_pages, k), scatter(v_pages, v)
+
+
+@jax.jit
+def copy_blocks(k_pages, v_pages, src, dst):
+  """Copy page src[i] -> dst[i] (all kv heads) for every i, in one call.
+
+  Pairs with src < 0 (padding) or an out-of-range src/dst are skipped. All
+  copies read the pages as they were before the call (copy-on-write never
+  chains copies within one step).
+  """
+  num_pages = k_pages.shape[1]
+  ok = (src >= 0) & (src < num_pages) & (dst >= 0) & (dst < num_pages)
+  src = jnp.clip(src, 0, num_pages - 1)
+  dst = jnp.where(ok, dst, num_pages)
+
+  def copy(pages):
+    return pages.at[:, dst].set(pages[:, src], mode="drop")
+
+  return copy(k_pages), copy(v_pages)
