@@ -21,6 +21,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"
     seed: int = 0
+    # Skip the start-up compilation of every step shape; compile each on first use instead
+    # (quick experiments and tests; serving should leave it off).
+    enforce_eager: bool = False
     revision: str | None = None
 
     def __post_init__(self):

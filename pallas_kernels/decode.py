@@ -14,7 +14,9 @@ GPU and the table is long.
 
 head_dim that is not a power of two (80, 96, ...) is handled with the K/V
 block padded to the next power of two and masked loads, so the page arrays
-are never copied; q is padded in the wrapper (it is small).
+are never copied; q is padded in the wrapper (it is small). Compiled, the
+page size must be a power of two (Triton tensor shapes); interpret mode and
+the XLA twin take any page size.
 """
 import functools
 
@@ -24,8 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import tiling
-from pallas_kernels import blocks
+from pallas_kernels import blocks, tiling
 from pallas_kernels.xla import default_scale
 
 TARGET_PROGRAMS = 256  # ~2 waves on a 108-132 SM GPU

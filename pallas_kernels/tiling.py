@@ -40,14 +40,18 @@ def num_ragged_tiles(num_tokens: int, num_seqs: int, tile: int) -> int:
   return max(1, (num_tokens - m) // tile + m)
 
 
+def _seq_tiles(query_start_loc, tile: int):
+  """Per sequence: q_len and the [begin, end) range of its tiles."""
+  qsl = query_start_loc.astype(jnp.int32)
+  q_lens = jnp.maximum(qsl[1:] - qsl[:-1], 0)
+  tile_end = jnp.cumsum(cdiv(q_lens, tile))
+  return qsl, q_lens, tile_end - cdiv(q_lens, tile), tile_end
+
+
 def ragged_tiles(query_start_loc, context_lens, num_tokens: int, tile: int):
   """Returns (tile_seq, tile_tok0, tile_pos0, tile_rows), each int32[NT]."""
   num_seqs = query_start_loc.shape[0] - 1
-  qsl = query_start_loc.astype(jnp.int32)
-  q_lens = jnp.maximum(qsl[1:] - qsl[:-1], 0)
-  seq_tiles = (q_lens + tile - 1) // tile
-  tile_end = jnp.cumsum(seq_tiles)
-  tile_begin = tile_end - seq_tiles
+  qsl, q_lens, tile_begin, tile_end = _seq_tiles(query_start_loc, tile)
   nt = num_ragged_tiles(num_tokens, num_seqs, tile)
   j = jnp.arange(nt, dtype=jnp.int32)
   seq = jnp.searchsorted(tile_end, j, side="right").astype(jnp.int32)
@@ -72,11 +76,8 @@ def scatter_tiles_to_tokens(out_tiles, query_start_loc, num_tokens: int,
   """Inverse of gather_query_tiles: [NT, tile, ...] -> [num_tokens, ...].
   Padding tokens (outside query_start_loc[0]..[S]) get zeros. Written as a
   gather (each token finds its tile and row), which XLA does well."""
-  qsl = query_start_loc.astype(jnp.int32)
-  num_seqs = qsl.shape[0] - 1
-  q_lens = jnp.maximum(qsl[1:] - qsl[:-1], 0)
-  seq_tiles = (q_lens + tile - 1) // tile
-  tile_begin = jnp.cumsum(seq_tiles) - seq_tiles
+  num_seqs = query_start_loc.shape[0] - 1
+  qsl, _, tile_begin, _ = _seq_tiles(query_start_loc, tile)
   t = jnp.arange(num_tokens, dtype=jnp.int32)
   seq = jnp.clip(jnp.searchsorted(qsl, t, side="right") - 1, 0, num_seqs - 1)
   valid = (t >= qsl[0]) & (t < qsl[num_seqs])

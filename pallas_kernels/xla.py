@@ -14,8 +14,10 @@ tiling.py) and gathers K/V per tile, so memory is O(num_tiles * L * d) for K/V
 and O((T + S*tile) * heads * L) for the scores -- never K/V per token.
 Softmax is computed in fp32; rows with no visible key give zeros, not NaN.
 """
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -47,6 +49,7 @@ def _masked_softmax_av(scores, mask, v, equation):
   return out / jnp.where(denom > 0, denom, 1.0)
 
 
+@functools.partial(jax.jit, static_argnames=("scale",))
 def paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, *,
                         scale=None):
   """Decode attention: q [S, H, d] -> [S, H, d]; see paged_attention."""
@@ -75,6 +78,7 @@ def xla_query_tile(num_tokens: int, num_seqs: int) -> int:
   return min(128, tiling.next_pow2(avg))
 
 
+@functools.partial(jax.jit, static_argnames=("scale",))
 def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables,
                                context_lens, query_start_loc, *, scale=None):
   """Ragged prefill: q [T, H, d] -> [T, H, d]; see ragged_paged_attention."""

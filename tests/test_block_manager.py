@@ -41,8 +41,8 @@ def fork(bm: BlockManager, group: SequenceGroup, parent: Sequence) -> Sequence:
 
 def assert_all_free(bm: BlockManager):
     bm.check_invariants()
-    assert bm.get_num_free_gpu_blocks() == bm.gpu_pool.num_blocks
-    assert bm.get_num_free_cpu_blocks() == bm.cpu_pool.num_blocks
+    assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
+    assert bm.get_num_free_cpu_blocks() == bm.num_cpu_blocks
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -200,18 +200,23 @@ def test_swap_limits():
     bm = BlockManager(4, num_gpu_blocks=4, num_cpu_blocks=8, watermark=0)
     group = make_group(12)
     admit(bm, group)
+    group.seqs[0].append_token_id(1, 0.0)  # sampled; its slot needs a 4th block
     bm.swap_out(group)
     group.seqs[0].status = SequenceStatus.SWAPPED
     other = make_group(4)
     admit(bm, other)
-    assert bm.can_swap_in(group) is AllocStatus.LATER  # 3 blocks + 1 for the next token, 3 free
+    assert bm.can_swap_in(group) is AllocStatus.LATER  # 3 blocks + 1 for the new token, 3 free
     bm.free(other.seqs[0])
     assert bm.can_swap_in(group) is AllocStatus.OK
+    bm.swap_in(group)
+    bm.free(group.seqs[0])
     big = make_group(16)
     admit(bm, big)
-    bm.swap_out(big)  # 4 blocks + 1 for the next token can never fit 4
+    bm.swap_out(big)
     big.seqs[0].status = SequenceStatus.SWAPPED
-    assert bm.can_swap_in(big) is AllocStatus.NEVER
+    assert bm.can_swap_in(big) is AllocStatus.OK  # exactly the pool: nothing more to write
+    big.seqs[0].append_token_id(1, 0.0)
+    assert bm.can_swap_in(big) is AllocStatus.NEVER  # 4 blocks + 1 for the new token
 
 
 def test_watermark():

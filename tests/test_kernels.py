@@ -104,7 +104,7 @@ DECODE_CASES = [
 
 
 def decode_lens(page):
-  return [1, page - 1, page, page + 1, 0, 5 * page + 3]
+  return [1, page - 1, page, page + 1, 0, 20 * page + 3]
 
 
 @pytest.mark.parametrize("impl", ["xla", "interpret"])
@@ -170,6 +170,7 @@ PREFILL_CASES = [
     ("bf16", 16, 8, 2, 128, 0, None),
     ("f32", 32, 8, 1, 96, 3, 16),
     ("f16", 64, 6, 2, 64, 2, 4),
+    ("bf16", 8, 4, 2, 64, 1, 8),
 ]
 
 
@@ -284,7 +285,11 @@ def test_kernels_lower_to_triton(dtype):
   for fn, args in ((pk.paged_attention, decode),
                    (pk.ragged_paged_attention, prefill)):
     lowered = jax.jit(functools.partial(fn, interpret=False)).trace(*args)
-    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    try:
+      text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    except RuntimeError as e:  # newer jaxlib compiles the emitted IR at once
+      assert "Triton compilation handler" in str(e), e
+      continue
     assert "triton" in text
 
 

@@ -1,10 +1,13 @@
 """Parity of every supported architecture with Hugging Face transformers (torch, fp32), on tiny
 random checkpoints written with save_pretrained and loaded back through jpaged's loader."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers as tf
+from flax import nnx
 
 import jpaged
 from jpaged.models.layers import AttentionMetadata
@@ -48,12 +51,16 @@ def make_checkpoint(path, case, **save_kwargs):
 
 
 def prompt_logits(llm: jpaged.LLM, ids: list[int]) -> np.ndarray:
-    """All prompt positions' logits through the paged prefill path (pages 0, 1, ... in order)."""
-    n, bs = len(ids), llm.runner.block_size
-    meta = AttentionMetadata(slot_mapping=np.arange(n, dtype=np.int32),
-                             block_tables=np.arange(-(-n // bs), dtype=np.int32)[None],
-                             context_lens=np.array([n], np.int32), query_start_loc=np.array([0, n], np.int32))
-    return llm.runner.forward(np.array(ids), np.arange(n), meta, np.arange(n))
+    """All prompt positions' logits through the paged prefill path, in fresh pages 0, 1, ..."""
+    runner = llm.llm_engine.runner
+    model = nnx.merge(runner.graphdef, runner.state)
+    n, bs = len(ids), runner.block_size
+    kv_caches = [(jnp.zeros_like(k), jnp.zeros_like(v)) for k, v in runner.kv_caches]
+    meta = AttentionMetadata(slot_mapping=jnp.arange(n, dtype=jnp.int32),
+                             block_tables=jnp.arange(-(-n // bs), dtype=jnp.int32)[None],
+                             context_lens=jnp.array([n], jnp.int32), query_start_loc=jnp.array([0, n], jnp.int32))
+    hidden, _ = model(jnp.array(ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), kv_caches, meta)
+    return np.asarray(model.compute_logits(hidden))
 
 
 def hf_greedy(model, ids: list[int], steps: int) -> list[int]:
@@ -65,10 +72,11 @@ def hf_greedy(model, ids: list[int], steps: int) -> list[int]:
     return tokens[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_hf_parity(case, tmp_path):
+@pytest.mark.parametrize("case,backend", [(case, "xla") for case in CASES] + [("llama3-gqa-rope-scaling", "pallas")])
+def test_hf_parity(case, backend, tmp_path):
     hf = make_checkpoint(tmp_path, case)
-    llm = jpaged.LLM(str(tmp_path), dtype="float32", block_size=8, attention_backend="xla")
+    llm = jpaged.LLM(str(tmp_path), dtype="float32", block_size=8, attention_backend=backend, enforce_eager=True,
+                     max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
     ids = np.random.randint(0, VOCAB, size=np.random.randint(17, 40)).tolist()
 
     ours = prompt_logits(llm, ids)
@@ -84,9 +92,10 @@ def test_sharded_bf16_checkpoint_auto_dtype(tmp_path):
     hf = make_checkpoint(tmp_path, "llama3-gqa-rope-scaling", max_shard_size="20KB")
     hf.to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="20KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
-    llm = jpaged.LLM(str(tmp_path), block_size=8, attention_backend="xla")  # dtype="auto" -> bfloat16
+    # dtype="auto" -> bfloat16
+    llm = jpaged.LLM(str(tmp_path), block_size=8, attention_backend="xla", enforce_eager=True, max_model_len=128)
     assert all(leaf.dtype == np.dtype("bfloat16") for leaf in
-               __import__("jax").tree_util.tree_leaves(llm.runner.state))
+               jax.tree_util.tree_leaves(llm.llm_engine.runner.state))
     ids = np.random.randint(0, VOCAB, size=24).tolist()
     with torch.no_grad():
         ref = hf.float()(torch.tensor([ids])).logits[0].numpy()

@@ -29,7 +29,7 @@ def test_tiny_tokenizer_bytes_specials_and_chat_template():
 
 
 def test_tiny_greedy_is_decisive_and_generates_text():
-    llm = jpaged.LLM("tiny", attention_backend="xla")
+    llm = jpaged.LLM("tiny", enforce_eager=True, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
     rng = np.random.default_rng()
     for _ in range(3):
         ids = [256] + rng.integers(0, 256, size=rng.integers(5, 60)).tolist()

@@ -101,6 +101,14 @@ class BlockManager:
         self.gpu_tables: dict[int, list[int]] = {}  # seq_id -> device block ids
         self.cpu_tables: dict[int, list[int]] = {}  # seq_id -> host block ids (swapped out)
 
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.gpu_pool.num_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.cpu_pool.num_blocks
+
     def get_num_free_gpu_blocks(self) -> int:
         return self.gpu_pool.get_num_free_blocks()
 
@@ -140,7 +148,7 @@ class BlockManager:
         return num_shared + sum(self._num_blocks(seq.get_len()) - num_shared for seq in seqs)
 
     def _fit(self, num_required: int, num_free: int) -> AllocStatus:
-        if self.gpu_pool.num_blocks - num_required < self.watermark_blocks:
+        if self.num_gpu_blocks - num_required < self.watermark_blocks:
             return AllocStatus.NEVER
         if num_free - num_required >= self.watermark_blocks:
             return AllocStatus.OK
@@ -170,30 +178,32 @@ class BlockManager:
 
     # Decoding.
 
-    def _num_missing_blocks(self, seq: Sequence) -> int:
-        return self._num_blocks(seq.get_len()) - len(self.gpu_tables[seq.seq_id])
-
-    def can_append_slots(self, seq_group: SequenceGroup) -> bool:
-        """Whether append_slots can run for every running sequence of the group (exact count)."""
+    def _num_blocks_to_append(self, seqs: list[Sequence], tables: dict[int, list[int]], pool: BlockPool) -> int:
+        """Exactly how many new blocks append_slots takes for these sequences (wherever their
+        tables are now: swapping keeps the sharing)."""
         num_required = 0
-        sharers = collections.Counter()  # shared last block -> how many of the group write into it
-        for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
-            missing = self._num_missing_blocks(seq)
-            last = self.gpu_tables[seq.seq_id][-1]
+        sharers = collections.Counter()  # shared last block -> how many of these sequences write into it
+        for seq in seqs:
+            table = tables[seq.seq_id]
+            missing = self._num_blocks(seq.get_len()) - len(table)
             if missing:
                 num_required += missing
-            elif self.gpu_pool.ref_cnt(last) > 1:
-                sharers[last] += 1
-        # The last of a block's sharers to write keeps it when nobody outside the group holds it.
-        num_required += sum(min(k, self.gpu_pool.ref_cnt(b) - 1) for b, k in sharers.items())
-        return num_required <= self.get_num_free_gpu_blocks()
+            elif pool.ref_cnt(table[-1]) > 1:
+                sharers[table[-1]] += 1
+        # The last sharer of a block to write keeps it, unless someone else holds it too.
+        return num_required + sum(min(k, pool.ref_cnt(b) - 1) for b, k in sharers.items())
+
+    def can_append_slots(self, seq_group: SequenceGroup) -> bool:
+        """Whether append_slots can run for every running sequence of the group."""
+        seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
+        return self._num_blocks_to_append(seqs, self.gpu_tables, self.gpu_pool) <= self.get_num_free_gpu_blocks()
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
         """Make room for the sequence's tokens after it grew (normally by the token sampled last
         step). Returns the (src, dst) block copies to make first: a shared block is copied
         before this sequence writes into it (copy-on-write)."""
         table = self.gpu_tables[seq.seq_id]
-        missing = self._num_missing_blocks(seq)
+        missing = self._num_blocks(seq.get_len()) - len(table)
         if missing:
             if missing > self.get_num_free_gpu_blocks():
                 raise NoFreeBlocksError(f"{seq} needs {missing} blocks, {self.get_num_free_gpu_blocks()} are free")
@@ -244,8 +254,9 @@ class BlockManager:
 
     def can_swap_in(self, seq_group: SequenceGroup) -> AllocStatus:
         seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
-        # Each sequence may need a new block right after, for its next token.
-        num_required = len(self._distinct_blocks(self.cpu_tables, seqs)) + len(seqs)
+        # Its blocks, and those it takes at once for the token it was about to compute.
+        num_required = (len(self._distinct_blocks(self.cpu_tables, seqs))
+                        + self._num_blocks_to_append(seqs, self.cpu_tables, self.cpu_pool))
         return self._fit(num_required, self.get_num_free_gpu_blocks())
 
     def swap_in(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:

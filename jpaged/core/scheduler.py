@@ -22,7 +22,7 @@ import collections
 import dataclasses
 
 from jpaged.core.block_manager import AllocStatus, BlockManager
-from jpaged.core.sequence import SequenceGroup, SequenceStatus
+from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 @dataclasses.dataclass
@@ -92,13 +92,16 @@ class Scheduler:
     def get_num_unfinished_seq_groups(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
-    def fork_seq(self, parent, child):
+    def fork_seq(self, parent: Sequence, child: Sequence):
+        """After the engine forked `child` from `parent` and added it to the group: share the blocks."""
         self.block_manager.fork(parent, child)
 
-    def free_seq(self, seq):
+    def free_seq(self, seq: Sequence):
+        """Right after the engine finished `seq`: its blocks go back at once."""
         self.block_manager.free(seq)
 
     def free_finished_seq_groups(self):
+        """Drop finished groups from the running queue; call once per step, after the outputs."""
         self.running = collections.deque(g for g in self.running if not g.is_finished())
 
     def schedule(self) -> SchedulerOutputs:
@@ -158,7 +161,7 @@ class Scheduler:
             out.blocks_to_swap_in.extend(self.block_manager.swap_in(seq_group))
             for seq in seq_group.get_seqs(SequenceStatus.SWAPPED):
                 seq.status = SequenceStatus.RUNNING
-            self._append_slots(seq_group, out)  # can_swap_in kept a block per sequence for this
+            self._append_slots(seq_group, out)  # can_swap_in counted the blocks this takes
             self.running.append(seq_group)
             budget.num_seqs -= num_seqs
             self._add(out, budget, seq_group, chunk)
@@ -166,7 +169,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutputs, budget: _Budget):
         while self.waiting:
             seq_group = self.waiting[0]
-            if seq_group.get_unfinished_seqs()[0].get_len() > self.max_model_len:
+            if (seq_group.get_unfinished_seqs()[0].get_len() > self.max_model_len
+                    or seq_group.get_max_num_running_seqs() > self.max_num_seqs):
                 status = AllocStatus.NEVER
             else:
                 status = self.block_manager.can_allocate(seq_group)

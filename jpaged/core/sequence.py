@@ -51,6 +51,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.cumulative_logprob = 0.0
         self.output_logprobs: list[dict[int, float]] = []  # per output token, when logprobs are asked for
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it
         # Incremental detokenization state, owned by the engine.
         self.output_text = ""
         self.tokens: list[str] | None = None

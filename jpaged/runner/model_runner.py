@@ -1,20 +1,40 @@
-"""ModelRunner: owns the model's weights and the KV page arrays and runs jitted forward steps.
+"""ModelRunner: owns the weights and the KV pages and runs one padded, precompiled step.
 
-The NNX model is split once into a static graph definition and a state pytree; the jitted
-step merges them inside, so no Python object traversal happens per step. The KV page arrays
+The NNX model is split once into a static graph definition and a state pytree; the step
+merges them inside jit, so no Python object traversal happens per step. The KV page arrays
 (one (k_pages, v_pages) pair per layer, each [num_kv_heads, num_pages, page_size, head_dim])
-are donated to the step and come back updated in place.
+are donated to the step and come back updated in place. Sampling runs inside the step: only
+sampled ids and logprobs return to the host.
+
+Every step is padded to a bucket (tokens, sequences, block-table width) and every bucket is
+compiled ahead of time at warm-up, so serving never compiles; `num_compilations` counts them.
 """
 
+import concurrent.futures
+import dataclasses
 import functools
+import logging
+import math
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import pallas_kernels
+from tqdm.auto import tqdm
+
 from jpaged.models.layers import Attention, AttentionMetadata
 from jpaged.models.loader import LoadedModel
+from jpaged.runner import sampler
+
+logger = logging.getLogger(__name__)
+
+# Top logprobs computed every step (OpenAI's and vLLM's maximum); requests slice their own.
+MAX_LOGPROBS = 20
+# Tokens a row can forbid in one step (EOS and stop_token_ids while min_tokens is not reached).
+MAX_BANNED_TOKENS = 32
 
 
 def kv_cache_layout(model: nnx.Module) -> tuple[int, int, int]:
@@ -24,24 +44,219 @@ def kv_cache_layout(model: nnx.Module) -> tuple[int, int, int]:
     return len(attns), num_kv_heads, head_dim
 
 
+def _ladder(smallest: int, largest: int, factor: int = 2) -> list[int]:
+    """smallest, smallest * factor, ... below `largest`, then `largest` itself."""
+    sizes, n = [], smallest
+    while n < largest:
+        sizes.append(n)
+        n *= factor
+    return sizes + [largest]
+
+
+def _fit(buckets: list[int], n: int) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The fixed set of step shapes. Decode steps: (seqs, width); mixed steps: (tokens, width) with
+    the sequence axis at its maximum, which keeps the number of compiled shapes small."""
+
+    seqs: list[int]
+    tokens: list[int]
+    widths: list[int]
+
+    @classmethod
+    def create(cls, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int) -> "Buckets":
+        # Decode cost follows the batch closely (doubling ladder); prefill tokens and table
+        # widths take coarser steps to keep warm-up short.
+        tokens = _ladder(min(32, max_num_batched_tokens), max_num_batched_tokens, factor=4)
+        widths = _ladder(min(4, max_blocks_per_seq), max_blocks_per_seq, factor=4)
+        return cls(_ladder(1, max_num_seqs), tokens, widths)
+
+    def keys(self):
+        for width in self.widths:
+            for do_penalties in (False, True):
+                for seqs in self.seqs:
+                    yield (True, seqs, seqs, width, do_penalties)
+                for tokens in self.tokens:
+                    yield (False, tokens, self.seqs[-1], width, do_penalties)
+
+
+@dataclasses.dataclass
+class SeqInput:
+    """One sequence's share of a step: compute `token_ids` at positions start_pos.. through
+    `block_table`, and sample `num_samples` tokens after the last one (0: a prefill chunk)."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    num_samples: int
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["input_ids", "positions", "attn", "logits_indices"],
+                   meta_fields=[])
+@dataclasses.dataclass
+class StepInputs:
+    input_ids: jax.Array  # int32[tokens]
+    positions: jax.Array  # int32[tokens]
+    attn: AttentionMetadata
+    logits_indices: jax.Array  # int32[seqs]: token row whose logits each sampling row uses
+
+
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, *, block_size: int, num_blocks: int):
-        self.block_size, self.num_blocks = block_size, num_blocks
+    def __init__(self, loaded: LoadedModel, *, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+        self.block_size, self.num_gpu_blocks = block_size, num_gpu_blocks
+        self.vocab_size = loaded.hf_config.vocab_size
+        self.max_model_len = max_model_len
         self.graphdef, self.state = nnx.split(loaded.model)
         num_layers, num_kv_heads, head_dim = kv_cache_layout(loaded.model)
-        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        shape = (num_kv_heads, num_gpu_blocks, block_size, head_dim)
         self.kv_caches = [(jnp.zeros(shape, loaded.dtype), jnp.zeros(shape, loaded.dtype)) for _ in range(num_layers)]
-        self._forward = jax.jit(functools.partial(_forward, self.graphdef), donate_argnums=(1,))
+        # Host pool for swapped-out pages: [layer, k/v, kv_heads, cpu_blocks, block_size, head_dim].
+        self.host_kv = np.zeros((num_layers, 2, num_kv_heads, num_cpu_blocks, block_size, head_dim),
+                                jnp.dtype(loaded.dtype))
+        self.buckets = Buckets.create(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size))
+        self._step = jax.jit(functools.partial(_step, self.graphdef), donate_argnums=(1,))
+        self._executables = {}
+        self._warm = False
+        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
+        self._gather = jax.jit(_gather_blocks)
+        self._scatter = jax.jit(_scatter_blocks, donate_argnums=(0,))
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, logits_indices) -> np.ndarray:
-        """Run one step over the packed tokens; returns fp32 logits of the rows in `logits_indices`."""
-        logits, self.kv_caches = self._forward(self.state, self.kv_caches, jnp.asarray(input_ids, jnp.int32),
-                                               jnp.asarray(positions, jnp.int32), meta,
-                                               jnp.asarray(logits_indices, jnp.int32))
-        return np.asarray(logits)
+    @property
+    def num_compilations(self) -> int:
+        return len(self._executables)
+
+    def warm_up(self):
+        """Compile every bucket now (XLA compiles in parallel threads), so serving never compiles."""
+        keys = [k for k in self.buckets.keys() if k not in self._executables]
+        lowered = [self._lower(k) for k in keys]
+        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool, \
+                tqdm(total=len(keys), desc="Compiling step buckets", unit="shape") as bar:
+            for key, executable in zip(keys, pool.map(lambda low: low.compile(), lowered)):
+                self._executables[key] = executable
+                bar.update(1)
+        self._warm = True
+
+    def _lower(self, key):
+        return self._step.lower(self.state, self.kv_caches, *self._abstract_inputs(key))
+
+    def _executable(self, key):
+        if key not in self._executables:
+            if self._warm:
+                logger.warning("compiling an unexpected step shape %s while serving", key)
+            self._executables[key] = self._lower(key).compile()
+        return self._executables[key]
+
+    def _abstract_inputs(self, key):
+        is_decode, num_tokens, num_seqs, width, do_penalties = key
+        i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+        attn = AttentionMetadata(i32((num_tokens,)), i32((num_seqs, width)), i32((num_seqs,)), i32((num_seqs + 1,)),
+                                 is_decode=is_decode)
+        inputs = StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn, i32((num_seqs,)))
+        return inputs, self._sampling_metadata([], num_seqs, do_penalties)
+
+    def _sampling_metadata(self, rows, num_seqs: int, do_penalties: bool | None) -> sampler.SamplingMetadata:
+        """Fixed widths and logprob count, so the sampler adds only the penalties on/off variant."""
+        if do_penalties is None:
+            do_penalties = any(r.params.presence_penalty or r.params.frequency_penalty
+                               or r.params.repetition_penalty != 1.0 for r in rows)
+        width = self.max_model_len if do_penalties else 0
+        return sampler.SamplingMetadata.from_rows(rows, num_seqs, vocab_size=self.vocab_size, num_logprobs=MAX_LOGPROBS,
+                                                  do_penalties=do_penalties, prompt_width=width, output_width=width,
+                                                  banned_width=MAX_BANNED_TOKENS)
+
+    def execute(self, seqs: list[SeqInput], sampling_rows: list) -> sampler.SamplerOutput:
+        """Run one step. `sampling_rows` are the per-sample rows for the sampler, in the order of
+        the sequences' samples. Returns the sampler's output as numpy arrays."""
+        is_decode = all(len(s.token_ids) == 1 for s in seqs)
+        num_rows = sum(s.num_samples for s in seqs)
+        num_seqs = _fit(self.buckets.seqs, max(len(seqs), num_rows))
+        num_tokens_real = sum(len(s.token_ids) for s in seqs)
+        if is_decode:
+            num_tokens = num_seqs
+        else:
+            num_tokens, num_seqs = _fit(self.buckets.tokens, num_tokens_real), self.buckets.seqs[-1]
+        width = _fit(self.buckets.widths, max(len(s.block_table) for s in seqs))
+
+        input_ids = np.zeros(num_tokens, np.int32)
+        positions = np.zeros(num_tokens, np.int32)
+        slot_mapping = np.full(num_tokens, -1, np.int32)
+        block_tables = np.zeros((num_seqs, width), np.int32)
+        context_lens = np.zeros(num_seqs, np.int32)
+        query_start_loc = np.full(num_seqs + 1, num_tokens_real, np.int32)
+        logits_indices = np.zeros(num_seqs, np.int32)
+        start, row = 0, 0
+        for i, s in enumerate(seqs):
+            n = len(s.token_ids)
+            table = np.asarray(s.block_table, np.int32)
+            pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int32)
+            input_ids[start:start + n] = s.token_ids
+            positions[start:start + n] = pos
+            slot_mapping[start:start + n] = table[pos // self.block_size] * self.block_size + pos % self.block_size
+            block_tables[i, :len(table)] = table
+            context_lens[i] = s.start_pos + n
+            query_start_loc[i] = start
+            logits_indices[row:row + s.num_samples] = start + n - 1
+            start, row = start + n, row + s.num_samples
+
+        smeta = self._sampling_metadata(sampling_rows, num_seqs, None)
+        key = (is_decode, num_tokens, num_seqs, width, smeta.do_penalties)
+        attn = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, is_decode=is_decode)
+        out, self.kv_caches = self._executable(key)(self.state, self.kv_caches,
+                                                    StepInputs(input_ids, positions, attn, logits_indices), smeta)
+        return jax.tree.map(lambda x: np.asarray(x)[:num_rows], out)
+
+    # ------------------------------------------------------------------ block copies
+    def _pad_pairs(self, pairs):
+        """Pad index pairs to a power of two (-1: skip) so a few shapes cover every plan."""
+        n = 1 << max(0, len(pairs) - 1).bit_length()
+        arr = np.full((n, 2), -1, np.int32)
+        arr[:len(pairs)] = pairs
+        return arr[:, 0], arr[:, 1]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]):
+        if pairs:
+            self.kv_caches = self._copy(self.kv_caches, *self._pad_pairs(pairs))
+
+    def swap_out(self, pairs: list[tuple[int, int]]):
+        """Device pages -> host pool, for (gpu_block, cpu_block) pairs."""
+        if pairs:
+            gpu, cpu = np.asarray(pairs, np.int32).T
+            pages = np.asarray(self._gather(self.kv_caches, self._pad_pairs(pairs)[0]))[:, :, :, :len(pairs)]
+            self.host_kv[:, :, :, cpu] = pages
+
+    def swap_in(self, pairs: list[tuple[int, int]]):
+        """Host pool -> device pages, for (cpu_block, gpu_block) pairs."""
+        if pairs:
+            cpu, _ = np.asarray(pairs, np.int32).T
+            _, gpu = self._pad_pairs(pairs)
+            pages = np.zeros(self.host_kv.shape[:3] + (len(gpu),) + self.host_kv.shape[4:], self.host_kv.dtype)
+            pages[:, :, :, :len(cpu)] = self.host_kv[:, :, :, cpu]
+            self.kv_caches = self._scatter(self.kv_caches, pages, gpu)
 
 
-def _forward(graphdef, state, kv_caches, input_ids, positions, meta, logits_indices):
+def _step(graphdef, state, kv_caches, inputs: StepInputs, smeta):
     model = nnx.merge(graphdef, state)
-    hidden, kv_caches = model(input_ids, positions, kv_caches, meta)
-    return model.compute_logits(hidden[logits_indices]), kv_caches
+    hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn)
+    logits = model.compute_logits(hidden[inputs.logits_indices])
+    return sampler.sample(logits, smeta), kv_caches
+
+
+def _copy_blocks(kv_caches, src, dst):
+    return [pallas_kernels.copy_blocks(k, v, src, dst) for k, v in kv_caches]
+
+
+def _gather_blocks(kv_caches, blocks):
+    return jnp.stack([jnp.stack([k[:, blocks], v[:, blocks]]) for k, v in kv_caches])
+
+
+def _scatter_blocks(kv_caches, pages, blocks):
+    blocks = jnp.where(blocks < 0, kv_caches[0][0].shape[1], blocks)  # padding -> dropped
+    return [(k.at[:, blocks].set(pages[i, 0], mode="drop"), v.at[:, blocks].set(pages[i, 1], mode="drop"))
+            for i, (k, v) in enumerate(kv_caches)]

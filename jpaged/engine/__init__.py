@@ -1,0 +1,1 @@
+"""The engine: scheduler + runner + detokenizer behind add_request / step / abort."""

@@ -1,0 +1,254 @@
+"""LLMEngine: requests in, incremental outputs out, one scheduler iteration per `step()`.
+
+One step's data flows one way: scheduler (which sequences compute which tokens, block copies
+and swaps) -> runner (padded host arrays, precompiled jitted step: write KV, attend, sample)
+-> sampled ids -> sequences updated, detokenized, stop checks -> RequestOutputs.
+"""
+
+import itertools
+import logging
+import math
+import os
+import time
+
+import jax
+import numpy as np
+
+from jpaged.config import EngineConfig
+from jpaged.core.block_manager import BlockManager
+from jpaged.core.detokenizer import Detokenizer
+from jpaged.core.scheduler import Scheduler
+from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from jpaged.models.loader import load_model
+from jpaged.outputs import CompletionOutput, RequestOutput
+from jpaged.runner.model_runner import MAX_BANNED_TOKENS, MAX_LOGPROBS, ModelRunner, SeqInput, kv_cache_layout
+from jpaged.runner.sampler import SamplingRow
+from jpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# vLLM's default step token budget with chunked prefill.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def derive_max_model_len(hf_config, requested: int | None) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    # Sliding-window attention (Mistral) is not implemented: never attend past the window.
+    if getattr(hf_config, "use_sliding_window", True) and getattr(hf_config, "sliding_window", None):
+        limit = min(limit or hf_config.sliding_window, hf_config.sliding_window)
+    if requested is None:
+        if limit is None:
+            raise ValueError("max_model_len must be given: the model config has no max_position_embeddings")
+        return limit
+    if limit is not None and requested > limit:
+        raise ValueError(f"max_model_len={requested} exceeds the model's limit of {limit} positions")
+    return requested
+
+
+def enable_compilation_cache():
+    """Keep compiled steps on disk (~/.cache/jpaged/xla, or $JPAGED_CACHE_DIR) so a restart with the
+    same model and limits loads them instead of compiling; respects a cache dir set by the user."""
+    if jax.config.jax_compilation_cache_dir is None:
+        path = os.environ.get("JPAGED_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "xla"))
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        enable_compilation_cache()
+        loaded = load_model(config.model, dtype=config.dtype, attention_backend=config.attention_backend,
+                            revision=config.revision)
+        self.tokenizer, self.hf_config = loaded.tokenizer, loaded.hf_config
+        self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.max_model_len = derive_max_model_len(loaded.hf_config, config.max_model_len)
+        max_num_batched_tokens = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
+        if max_num_batched_tokens < config.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is smaller than "
+                             f"max_num_seqs={config.max_num_seqs}")
+        num_layers, num_kv_heads, head_dim = kv_cache_layout(loaded.model)
+        bytes_per_block = 2 * num_layers * num_kv_heads * config.block_size * head_dim * loaded.dtype.itemsize
+        num_gpu_blocks = self._num_gpu_blocks(bytes_per_block)
+        num_cpu_blocks = int(config.swap_space * 2**30 // bytes_per_block)
+        logger.info("jpaged: %s (%s) on %s; KV pool: %d device blocks, %d host blocks of %d tokens (%.1f KiB each)",
+                    config.model, loaded.dtype.name, jax.default_backend(), num_gpu_blocks, num_cpu_blocks,
+                    config.block_size, bytes_per_block / 1024)
+        self.block_manager = BlockManager(config.block_size, num_gpu_blocks, num_cpu_blocks)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
+                                   preemption_mode=config.preemption_mode)
+        self.runner = ModelRunner(loaded, block_size=config.block_size, num_gpu_blocks=num_gpu_blocks,
+                                  num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len)
+        if not config.enforce_eager:
+            self.runner.warm_up()
+        self._seq_ids = itertools.count()
+        self._groups: dict[str, SequenceGroup] = {}
+
+    def _num_gpu_blocks(self, bytes_per_block: int) -> int:
+        if self.config.num_gpu_blocks_override:
+            return self.config.num_gpu_blocks_override
+        device = jax.devices()[0]
+        stats = device.memory_stats() if device.platform == "gpu" else None
+        if stats and "bytes_limit" in stats:
+            # Weights are already resident; leave (1 - utilization) of the device for activations.
+            budget = stats["bytes_limit"] * self.config.gpu_memory_utilization - stats["bytes_in_use"]
+        else:
+            # CPU: enough for every sequence at full length, but at most 5% of the available RAM.
+            needed = self.config.max_num_seqs * math.ceil(self.max_model_len / self.config.block_size) * bytes_per_block
+            budget = min(needed, 0.05 * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        num_blocks = int(budget // bytes_per_block)
+        if num_blocks < math.ceil(self.max_model_len / self.config.block_size):
+            logger.warning("only %d KV blocks fit: fewer than one max_model_len sequence needs", num_blocks)
+        return max(num_blocks, 1)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams,
+                    arrival_time: float | None = None):
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token ids")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) + sampling_params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sampling_params.max_tokens}) = "
+                             f"{len(ids) + sampling_params.max_tokens} exceeds max_model_len={self.max_model_len}")
+        if (sampling_params.logprobs or 0) > MAX_LOGPROBS:
+            raise ValueError(f"logprobs={sampling_params.logprobs}; at most {MAX_LOGPROBS} are supported")
+        if len(sampling_params.stop_token_ids) >= MAX_BANNED_TOKENS:
+            raise ValueError(f"stop_token_ids has {len(sampling_params.stop_token_ids)} entries; "
+                             f"at most {MAX_BANNED_TOKENS - 1} are supported")
+        group = SequenceGroup(request_id, [Sequence(next(self._seq_ids), ids)], sampling_params,
+                              arrival_time if arrival_time is not None else time.monotonic(), prompt=text)
+        self._groups[request_id] = group
+        self.scheduler.add_seq_group(group)
+
+    def abort_request(self, request_id: str):
+        if request_id in self._groups:
+            self.scheduler.abort_seq_group(request_id)
+            del self._groups[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_seqs()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        self.runner.swap_out(plan.blocks_to_swap_out)
+        self.runner.swap_in(plan.blocks_to_swap_in)
+        self.runner.copy_blocks(plan.blocks_to_copy)
+
+        seq_inputs, rows, sampled_seqs = [], [], []
+        for scheduled in plan.scheduled_seq_groups:
+            group, chunk = scheduled.seq_group, scheduled.token_chunk_size
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                start = seq.num_computed_tokens
+                samples = 0
+                if start + chunk == seq.get_len():  # this chunk reaches the end: sample what follows
+                    # A fresh prompt samples best_of tokens at once: one per sequence it forks into.
+                    samples = group.sampling_params.best_of if not seq.output_token_ids and len(group.seqs) == 1 else 1
+                    for i in range(samples):
+                        index = i if samples > 1 else group.seqs.index(seq)
+                        rows.append(self._sampling_row(group, seq, index))
+                    sampled_seqs.append((group, seq, samples))
+                seq_inputs.append(SeqInput(seq.get_token_ids()[start:start + chunk], start,
+                                           self.block_manager.get_block_table(seq), samples))
+        out = self.runner.execute(seq_inputs, rows) if seq_inputs else None
+
+        for scheduled in plan.scheduled_seq_groups:
+            scheduled.seq_group.update_num_computed_tokens(scheduled.token_chunk_size)
+        row = 0
+        touched = {id(s.seq_group): s.seq_group for s in plan.scheduled_seq_groups}
+        for group, seq, samples in sampled_seqs:
+            seqs = [seq] + [self._fork(group, seq) for _ in range(samples - 1)]
+            for s in seqs:
+                self._append(group, s, out, row)
+                row += 1
+        for group in plan.ignored_seq_groups:
+            touched[id(group)] = group
+        outputs = [self._request_output(g) for g in touched.values()]
+        self.scheduler.free_finished_seq_groups()
+        for o in outputs:
+            if o.finished:
+                self._groups.pop(o.request_id, None)
+        return outputs
+
+    def _sampling_row(self, group: SequenceGroup, seq: Sequence, index: int) -> SamplingRow:
+        sp = group.sampling_params
+        # Unseeded requests draw from the engine seed and the sequence id; seeded ones only from
+        # their own seed, so the same seed gives the same output whatever else runs.
+        seed = sp.seed if sp.seed is not None else hash((self.config.seed, seq.seq_id)) & 0x7FFFFFFF
+        banned = []
+        if seq.get_output_len() < sp.min_tokens:
+            banned = list(sp.stop_token_ids) + ([self.tokenizer.eos_token_id] if self._eos() is not None else [])
+        return SamplingRow(sp, seed, index, seq.get_output_len(), seq.prompt_token_ids, seq.output_token_ids, banned)
+
+    def _eos(self):
+        return getattr(self.tokenizer, "eos_token_id", None)
+
+    def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+        child = parent.fork(next(self._seq_ids))
+        group.add(child)
+        self.scheduler.fork_seq(parent, child)
+        return child
+
+    def _append(self, group: SequenceGroup, seq: Sequence, out, row: int):
+        sp = group.sampling_params
+        token = int(out.token_ids[row])
+        top = None
+        if sp.logprobs is not None:
+            top = {int(t): float(lp) for t, lp in zip(out.top_ids[row, :sp.logprobs], out.top_logprobs[row, :sp.logprobs])}
+            top[token] = float(out.logprobs[row])
+        seq.append_token_id(token, float(out.logprobs[row]), top)
+        if self.detokenizer is not None:
+            self.detokenizer.decode_sequence_incrementally(seq)
+        self._check_stop(sp, seq, token)
+        if seq.is_finished():
+            self.scheduler.free_seq(seq)
+
+    def _check_stop(self, sp: SamplingParams, seq: Sequence, token: int):
+        if seq.get_output_len() >= sp.min_tokens:
+            if (not sp.ignore_eos and token == self._eos()) or token in sp.stop_token_ids:
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+                return
+            if sp.stop and self.detokenizer is not None:
+                matched = self.detokenizer.check_stop_strings(seq, sp.stop)
+                if matched is not None:
+                    seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, matched
+                    return
+        if seq.get_output_len() >= sp.max_tokens or seq.get_len() >= self.max_model_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+
+    def _request_output(self, group: SequenceGroup) -> RequestOutput:
+        sp = group.sampling_params
+        seqs = group.get_seqs()
+        finished = group.is_finished()
+        if finished and len(seqs) > sp.n:  # best_of: keep the n most likely
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:sp.n]
+        completions = [CompletionOutput(
+            index=i, text=s.output_text, token_ids=list(s.output_token_ids), cumulative_logprob=s.cumulative_logprob,
+            logprobs=list(s.output_logprobs) if sp.logprobs is not None else None,
+            finish_reason=s.status.finish_reason, stop_reason=getattr(s, "stop_reason", None))
+            for i, s in enumerate(seqs)]
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        bm, sched = self.block_manager, self.scheduler
+        return {
+            "num_gpu_blocks": bm.num_gpu_blocks, "num_free_gpu_blocks": bm.get_num_free_gpu_blocks(),
+            "num_cpu_blocks": bm.num_cpu_blocks, "num_free_cpu_blocks": bm.get_num_free_cpu_blocks(),
+            "num_running": len(sched.running), "num_waiting": len(sched.waiting), "num_swapped": len(sched.swapped),
+            "num_preemptions": sched.num_preemptions, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+            "num_compilations": self.runner.num_compilations,
+        }

@@ -1,0 +1,427 @@
+import itertools
+import random
+import zlib
+
+import pytest
+
+from jpaged.core.block_manager import BlockManager
+from jpaged.core.scheduler import Scheduler
+from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from jpaged.sampling_params import SamplingParams
+
+RUNNING, SWAPPED, WAITING = SequenceStatus.RUNNING, SequenceStatus.SWAPPED, SequenceStatus.WAITING
+
+
+def _salt(request_id: str) -> int:
+    return zlib.crc32(request_id.encode())
+
+
+class FakeEngine:
+    """Plays the engine and the model runner around a real Scheduler and BlockManager.
+
+    The fake KV pages hold token ids: a step writes the scheduled tokens of every sequence
+    through its block table, then each sequence "attends" by reading its whole context back
+    and checks it is exactly its own tokens. The sampled token is a function of that context,
+    of the sequence's index in its group and of the request, so a lost or repeated token
+    changes everything after it. A sequence stops at max_tokens, at max_model_len, or when it
+    samples a multiple of `stop_every` (so the forks of a request finish at different times).
+    """
+
+    def __init__(self, *, block_size=4, num_gpu_blocks=64, num_cpu_blocks=16, watermark=0.0, max_num_seqs=8,
+                 max_num_batched_tokens=32, max_model_len=256, preemption_mode=None, stop_every=0):
+        self.block_size = block_size
+        self.bm = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks, watermark)
+        self.scheduler = Scheduler(self.bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                   max_model_len=max_model_len, preemption_mode=preemption_mode)
+        self.gpu = [[None] * block_size for _ in range(num_gpu_blocks)]
+        self.cpu = [[None] * block_size for _ in range(num_cpu_blocks)]
+        self.max_model_len = max_model_len
+        self.stop_every = stop_every
+        self.seq_ids = itertools.count()
+        self.groups: dict[str, SequenceGroup] = {}
+        self.ignored: set[str] = set()
+        self.num_steps = 0
+
+    def add(self, request_id: str, prompt_len: int, max_tokens: int, best_of: int = 1) -> SequenceGroup:
+        prompt = [(_salt(request_id) + i) % 1000 for i in range(prompt_len)]
+        group = SequenceGroup(request_id, [Sequence(next(self.seq_ids), prompt)],
+                              SamplingParams(n=best_of, max_tokens=max_tokens), arrival_time=float(self.num_steps))
+        self.groups[request_id] = group
+        self.scheduler.add_seq_group(group)
+        return group
+
+    def step(self):
+        sched = self.scheduler
+        waiting_before = set(map(id, sched.waiting))
+        out = sched.schedule()
+        self.num_steps += 1
+        self.check_step(out, waiting_before)
+        self.ignored.update(g.request_id for g in out.ignored_seq_groups)
+        # The runner: block copies first, in this order, then one batched forward.
+        for g, c in out.blocks_to_swap_out:
+            self.cpu[c] = list(self.gpu[g])
+        for c, g in out.blocks_to_swap_in:
+            self.gpu[g] = list(self.cpu[c])
+        for src, dst in out.blocks_to_copy:
+            self.gpu[dst] = list(self.gpu[src])
+        for sg in out.scheduled_seq_groups:
+            for seq in sg.seq_group.get_seqs(RUNNING):
+                self.write(seq, seq.num_computed_tokens, seq.num_computed_tokens + sg.token_chunk_size)
+        contexts = {}
+        for sg in out.scheduled_seq_groups:
+            for seq in sg.seq_group.get_seqs(RUNNING):
+                end = seq.num_computed_tokens + sg.token_chunk_size
+                contexts[seq.seq_id] = self.read(seq, end)
+                assert contexts[seq.seq_id] == seq.get_token_ids()[:end], f"KV pages corrupted for {seq}"
+        # The engine: record progress, sample where the whole sequence has been computed.
+        for sg in out.scheduled_seq_groups:
+            group = sg.seq_group
+            group.update_num_computed_tokens(sg.token_chunk_size)
+            for seq in group.get_seqs(RUNNING):
+                if seq.num_computed_tokens < seq.get_len():
+                    continue  # a prefill chunk, not the last one
+                if not seq.output_token_ids and len(group.seqs) < group.sampling_params.best_of:
+                    for _ in range(group.sampling_params.best_of - 1):
+                        child = seq.fork(next(self.seq_ids))
+                        group.add(child)
+                        sched.fork_seq(seq, child)
+                        contexts[child.seq_id] = contexts[seq.seq_id]
+            for index, seq in enumerate(group.seqs):
+                if seq.status is RUNNING and seq.num_computed_tokens == seq.get_len():
+                    self.sample(group, index, seq, contexts[seq.seq_id])
+        sched.free_finished_seq_groups()
+        self.check_state()
+        return out
+
+    def sample(self, group, index, seq, context):
+        token = (sum((i + 1) * t for i, t in enumerate(context)) + 31 * index + _salt(group.request_id)) % 1000
+        seq.append_token_id(token, -1.0)
+        if self.stop_every and token % self.stop_every == 0:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+        elif seq.get_output_len() == group.sampling_params.max_tokens or seq.get_len() == self.max_model_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+        else:
+            return
+        self.scheduler.free_seq(seq)
+
+    def write(self, seq, start, end):
+        table, tokens = self.bm.get_block_table(seq), seq.get_token_ids()
+        for pos in range(start, end):
+            self.gpu[table[pos // self.block_size]][pos % self.block_size] = tokens[pos]
+
+    def read(self, seq, end):
+        table = self.bm.get_block_table(seq)
+        return [self.gpu[table[pos // self.block_size]][pos % self.block_size] for pos in range(end)]
+
+    def check_step(self, out, waiting_before):
+        sched = self.scheduler
+        groups = [sg.seq_group for sg in out.scheduled_seq_groups]
+        assert len(set(map(id, groups))) == len(groups)
+        num_tokens = 0
+        for sg in out.scheduled_seq_groups:
+            seqs = sg.seq_group.get_seqs(RUNNING)
+            assert seqs and len(seqs) == sg.seq_group.num_unfinished_seqs()
+            assert all(1 <= sg.token_chunk_size <= seq.get_num_uncomputed_tokens() for seq in seqs)
+            num_tokens += sg.token_chunk_size * len(seqs)
+        assert out.num_batched_tokens == num_tokens <= sched.max_num_batched_tokens
+        assert sum(g.get_max_num_running_seqs() for g in sched.running) <= sched.max_num_seqs
+        # Every running sequence decodes each step unless blocks ran short.
+        decoding = [g for g in sched.running if not g.is_prefill()]
+        assert all(id(g) in set(map(id, groups)) for g in decoding)
+        admitted = [g for g in sched.running if id(g) in waiting_before]
+        if out.preempted or sched.swapped:
+            assert not admitted, "admitted a waiting group while blocks were short"
+        if out.preempted:
+            assert not out.blocks_to_swap_in
+        for g in out.ignored_seq_groups:
+            assert all(seq.status is SequenceStatus.FINISHED_IGNORED for seq in g.seqs)
+
+    def check_state(self):
+        self.bm.check_invariants()
+        sched = self.scheduler
+        assert sum(len(g.get_seqs(RUNNING)) for g in sched.running) <= sched.max_num_seqs
+        # A sequence holds blocks exactly while it runs (device) or is swapped out (host).
+        seen = {RUNNING: set(), SWAPPED: set(), WAITING: set()}
+        for queue, status in ((sched.running, RUNNING), (sched.swapped, SWAPPED), (sched.waiting, WAITING)):
+            for group in queue:
+                for seq in group.get_unfinished_seqs():
+                    assert seq.status is status
+                    seen[status].add(seq.seq_id)
+        assert seen[RUNNING] == set(self.bm.gpu_tables) and seen[SWAPPED] == set(self.bm.cpu_tables)
+
+    def run(self, max_steps=10_000, arrivals=None):
+        """Step until everything finished; `arrivals` maps a step number to requests to add then."""
+        arrivals = dict(arrivals or {})
+        while self.scheduler.has_unfinished_seqs() or arrivals:
+            for args in arrivals.pop(self.num_steps, []):
+                self.add(*args)
+            if self.num_steps >= max_steps:
+                raise AssertionError("the scheduler made no progress")
+            self.step()
+        self.bm.check_invariants()
+        assert self.bm.get_num_free_gpu_blocks() == self.bm.num_gpu_blocks
+        assert self.bm.get_num_free_cpu_blocks() == self.bm.num_cpu_blocks
+
+    def outputs(self, request_id):
+        return [seq.output_token_ids for seq in self.groups[request_id].seqs]
+
+
+def run_alone(request_id, prompt_len, max_tokens, best_of=1, **engine_kwargs):
+    """The request's outputs with the whole engine to itself: a big pool, no preemption."""
+    kwargs = dict(engine_kwargs, num_gpu_blocks=1024, num_cpu_blocks=0, watermark=0.0)
+    engine = FakeEngine(**kwargs)
+    engine.add(request_id, prompt_len, max_tokens, best_of)
+    engine.run()
+    assert engine.scheduler.num_preemptions == 0
+    return engine.outputs(request_id)
+
+
+def scheduled(out):
+    return [(sg.seq_group.request_id, sg.token_chunk_size) for sg in out.scheduled_seq_groups]
+
+
+def test_fcfs_admission_order():
+    engine = FakeEngine(max_num_seqs=1)
+    for name in "abc":
+        engine.add(name, 5, 3)
+    order = []
+    while engine.scheduler.has_unfinished_seqs():
+        out = engine.step()
+        order += [rid for rid, _ in scheduled(out) if not order or order[-1] != rid]
+    assert order == ["a", "b", "c"]
+
+
+def test_fcfs_no_overtaking_when_blocks_are_short():
+    engine = FakeEngine(num_gpu_blocks=8)
+    engine.add("a", 24, 4)  # 6 blocks
+    engine.step()
+    engine.add("b", 12, 1)  # 3 blocks: must wait for a
+    engine.add("c", 1, 1)  # 1 block would fit now, but c came after b
+    while engine.scheduler.running:
+        assert [rid for rid, _ in scheduled(engine.step())] == ["a"]
+    assert scheduled(engine.step()) == [("b", 12), ("c", 1)]
+
+
+def test_chunked_prefill_mixes_with_decodes_within_the_token_budget():
+    engine = FakeEngine(max_num_batched_tokens=8, max_num_seqs=4)
+    engine.add("a", 3, 10)
+    engine.add("b", 20, 2)
+    assert scheduled(engine.step()) == [("a", 3), ("b", 5)]  # b's prompt is split
+    engine.add("c", 4, 2)
+    # a decodes first; b continues before c is admitted, and takes the rest of the budget.
+    assert scheduled(engine.step()) == [("a", 1), ("b", 7)]
+    assert scheduled(engine.step()) == [("a", 1), ("b", 7)]
+    assert scheduled(engine.step()) == [("a", 1), ("b", 1), ("c", 4)]  # b's last prompt token
+    assert engine.groups["b"].seqs[0].get_output_len() == 1
+    assert scheduled(engine.step()) == [("a", 1), ("b", 1), ("c", 1)]
+    engine.run()
+    for name in "abc":
+        assert engine.outputs(name) == run_alone(name, *{"a": (3, 10), "b": (20, 2), "c": (4, 2)}[name])
+
+
+def test_seq_budget_counts_best_of_before_the_fork():
+    engine = FakeEngine(max_num_seqs=4)
+    engine.add("a", 5, 4, best_of=3)
+    engine.add("b", 5, 4, best_of=2)
+    out = engine.step()
+    assert scheduled(out) == [("a", 5)]  # b would make 5 sequences once a forks
+    assert len(engine.groups["a"].seqs) == 3
+    engine.run()
+    assert engine.outputs("a") == run_alone("a", 5, 4, 3)
+    assert engine.outputs("b") == run_alone("b", 5, 4, 2)
+
+
+def fill_pool_engine(preemption_mode, num_cpu_blocks=16):
+    """Three 4-token prompts (1 block each) in a 6-block pool: their second blocks fill it, and
+    the third block each needs (at its 9th token) is not there for everyone. A fourth request,
+    d, comes after the first step and waits."""
+    engine = FakeEngine(num_gpu_blocks=6, num_cpu_blocks=num_cpu_blocks, preemption_mode=preemption_mode)
+    for name in "abc":
+        engine.add(name, 4, 8)
+    assert scheduled(engine.step()) == [("a", 4), ("b", 4), ("c", 4)]
+    engine.add("d", 4, 2)
+    return engine
+
+
+def step_until_preemption(engine):
+    while True:
+        before = {name: list(g.seqs[0].output_token_ids) for name, g in engine.groups.items()}
+        out = engine.step()
+        if out.preempted:
+            return out, before
+
+
+def test_preemption_by_recompute_takes_the_latest_group_back_to_the_front():
+    engine = fill_pool_engine(None)
+    out, before = step_until_preemption(engine)
+    assert out.preempted == 1 and engine.scheduler.num_preemptions == 1
+    assert scheduled(out) == [("a", 1), ("b", 1)]
+    assert not out.blocks_to_swap_out
+    c = engine.groups["c"]
+    assert engine.scheduler.waiting[0] is c and engine.scheduler.waiting[1] is engine.groups["d"]
+    assert c.seqs[0].status is WAITING and c.seqs[0].num_computed_tokens == 0
+    assert c.seqs[0].output_token_ids == before["c"] and c.seqs[0].get_len() == 9
+    # c comes back first (once a and b finish), prefilling its prompt and outputs in one go.
+    while not any(rid in ("c", "d") for rid, _ in scheduled(out)):
+        out = engine.step()
+    assert scheduled(out) == [("c", 9), ("d", 4)]
+    engine.run()
+    for name in "abc":
+        assert engine.outputs(name) == run_alone(name, 4, 8)
+
+
+def test_preemption_by_swap():
+    engine = fill_pool_engine("swap")
+    out, _ = step_until_preemption(engine)
+    c = engine.groups["c"]
+    assert scheduled(out) == [("a", 1), ("b", 1)]
+    assert len(out.blocks_to_swap_out) == 2 and list(engine.scheduler.swapped) == [c]
+    assert c.seqs[0].status is SWAPPED and c.seqs[0].num_computed_tokens == 8
+    swapped_cpu = {cpu for _, cpu in out.blocks_to_swap_out}
+    # Nothing is admitted while c is out; c comes back first, then d.
+    while True:
+        out = engine.step()
+        if not engine.scheduler.swapped:
+            break
+        assert not out.blocks_to_swap_in and "d" not in dict(scheduled(out))
+    assert {cpu for cpu, _ in out.blocks_to_swap_in} == swapped_cpu
+    assert scheduled(out) == [("c", 1), ("d", 4)]
+    engine.run()
+    for name in "abc":
+        assert engine.outputs(name) == run_alone(name, 4, 8)
+
+
+def test_several_victims_in_one_step_keep_their_arrival_order():
+    # a's three forks need three blocks at their 9th token; c, then b, must go to free them.
+    engine = FakeEngine(num_gpu_blocks=8, preemption_mode="swap")
+    engine.add("a", 4, 8, best_of=3)
+    engine.add("b", 4, 10)
+    engine.add("c", 4, 10)
+    out, _ = step_until_preemption(engine)
+    assert out.preempted == 2 and scheduled(out) == [("a", 1)]
+    assert [g.request_id for g in engine.scheduler.swapped] == ["b", "c"]
+    engine.run()
+    assert engine.outputs("a") == run_alone("a", 4, 8, 3)
+    for name in "bc":
+        assert engine.outputs(name) == run_alone(name, 4, 10)
+
+
+def test_swap_falls_back_to_recompute_when_host_memory_is_full():
+    engine = fill_pool_engine("swap", num_cpu_blocks=1)
+    out, _ = step_until_preemption(engine)
+    assert not out.blocks_to_swap_out and engine.scheduler.waiting[0] is engine.groups["c"]
+    engine.run()
+    for name in "abc":
+        assert engine.outputs(name) == run_alone(name, 4, 8)
+
+
+@pytest.mark.parametrize("num_cpu_blocks", [32, 0])  # swapped, or recomputed when host memory is missing
+def test_multi_sequence_group_preemption(num_cpu_blocks):
+    engine = FakeEngine(num_gpu_blocks=12, num_cpu_blocks=num_cpu_blocks, max_num_seqs=6)
+    engine.add("a", 6, 12)
+    engine.add("b", 6, 8, best_of=3)
+    preempted = []
+    while engine.scheduler.has_unfinished_seqs():
+        out = engine.step()
+        if out.preempted:
+            preempted.append(bool(out.blocks_to_swap_out))
+    assert preempted and all(preempted) == bool(num_cpu_blocks)
+    assert engine.outputs("a") == run_alone("a", 6, 12)
+    assert engine.outputs("b") == run_alone("b", 6, 8, 3)
+
+
+def test_the_last_group_preempts_itself():
+    engine = FakeEngine(num_gpu_blocks=5)
+    engine.add("a", 4, 8)
+    engine.add("b", 4, 8)
+    out, _ = step_until_preemption(engine)  # at their 9th token a takes the last free block
+    assert scheduled(out) == [("a", 1)] and engine.scheduler.waiting[0] is engine.groups["b"]
+    engine.run()
+    assert engine.outputs("b") == run_alone("b", 4, 8)
+
+
+def test_a_sequence_growing_past_the_pool_is_ignored_with_its_outputs_so_far():
+    engine = FakeEngine(num_gpu_blocks=3, num_cpu_blocks=0)
+    engine.add("a", 5, 50)
+    engine.run()
+    seq = engine.groups["a"].seqs[0]
+    assert engine.ignored == {"a"} and seq.status is SequenceStatus.FINISHED_IGNORED
+    assert seq.get_len() == 13  # 12 tokens fill the pool; the 13th has no slot
+    assert seq.output_token_ids == run_alone("a", 5, 50)[0][:8]
+    assert seq.status.finish_reason == "length"
+
+
+def test_requests_that_can_never_run_are_ignored():
+    engine = FakeEngine(num_gpu_blocks=8, max_model_len=40, max_num_seqs=2)
+    engine.add("too_long_for_the_model", 41, 1)
+    engine.add("too_long_for_the_pool", 33, 1)  # 9 blocks of 4
+    engine.add("too_many_seqs", 4, 1, best_of=3)
+    engine.add("ok", 10, 3)
+    out = engine.step()
+    assert scheduled(out) == [("ok", 10)]
+    assert [g.request_id for g in out.ignored_seq_groups] == ["too_long_for_the_model", "too_long_for_the_pool",
+                                                             "too_many_seqs"]
+    engine.run()
+    assert engine.outputs("ok") == run_alone("ok", 10, 3)
+
+
+def test_abort_frees_blocks_from_every_queue():
+    engine = fill_pool_engine("swap")
+    step_until_preemption(engine)
+    sched = engine.scheduler
+    assert [g.request_id for g in sched.running] == ["a", "b"]
+    assert [g.request_id for g in sched.swapped] == ["c"] and [g.request_id for g in sched.waiting] == ["d"]
+    for name in "cdb":
+        sched.abort_seq_group(name)
+        assert all(seq.status is SequenceStatus.FINISHED_ABORTED for seq in engine.groups[name].seqs)
+        engine.check_state()
+    assert sched.get_num_unfinished_seq_groups() == 1
+    assert engine.bm.get_num_free_cpu_blocks() == 16
+    assert engine.bm.get_num_free_gpu_blocks() == 6 - len(engine.bm.get_block_table(engine.groups["a"].seqs[0]))
+    sched.abort_seq_group("a")
+    sched.abort_seq_group("unknown")
+    assert not sched.has_unfinished_seqs()
+    assert engine.bm.get_num_free_gpu_blocks() == 6
+
+
+def test_scheduler_arguments():
+    bm = BlockManager(4, 8, 0)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=4, max_model_len=16)
+    with pytest.raises(ValueError, match="preemption_mode"):
+        Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=4, max_model_len=16, preemption_mode="drop")
+
+
+@pytest.mark.parametrize("preemption_mode", [None, "swap", "recompute"])
+@pytest.mark.parametrize("seed", range(8))
+def test_random_workloads(preemption_mode, seed):
+    rng = random.Random(f"{preemption_mode}-{seed}")
+    block_size = rng.choice([1, 2, 4, 8])
+    num_gpu_blocks = rng.randint(8, 24)
+    max_num_seqs = rng.randint(1, 12)
+    config = dict(block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=rng.choice([0, 4, 64]),
+                  watermark=rng.choice([0.0, 0.1]), max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=rng.randint(max_num_seqs, 40), max_model_len=rng.randint(24, 48),
+                  preemption_mode=preemption_mode, stop_every=rng.choice([0, 13]))
+    engine = FakeEngine(**config)
+    capacity = (num_gpu_blocks - engine.bm.watermark_blocks) * block_size
+    requests, arrivals = {}, {}
+    for i in range(rng.randint(10, 25)):
+        best_of = rng.choice([1, 1, 1, 2, 3])
+        prompt_len = rng.randint(1, min(40, capacity + 4))  # a few too long for the pool
+        # Keep every request within what the pool holds at its longest, so that whether it
+        # finishes depends only on its prompt (growing past the pool is tested above).
+        room = (num_gpu_blocks - engine.bm.watermark_blocks - best_of) // best_of * block_size
+        max_tokens = max(1, min(rng.randint(1, 30), room - prompt_len, config["max_model_len"] - prompt_len))
+        requests[f"r{i}"] = (prompt_len, max_tokens, best_of)
+        arrivals.setdefault(rng.choice([0, 0, rng.randint(0, 30)]), []).append((f"r{i}", prompt_len, max_tokens,
+                                                                                 best_of))
+    engine.run(arrivals=arrivals)
+    expected_ignored = {name for name, (prompt_len, _, best_of) in requests.items()
+                        if prompt_len > min(config["max_model_len"], capacity) or best_of > max_num_seqs}
+    assert engine.ignored == expected_ignored
+    alone = {key: config[key] for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                                          "stop_every")}
+    for name, (prompt_len, max_tokens, best_of) in requests.items():
+        if name not in expected_ignored:
+            assert engine.outputs(name) == run_alone(name, prompt_len, max_tokens, best_of, **alone), name
