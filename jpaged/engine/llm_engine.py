@@ -219,6 +219,8 @@ class LLMEngine:
     def _check_stop(self, sp: SamplingParams, seq: Sequence, token: int):
         if seq.get_output_len() >= sp.min_tokens:
             if (not sp.ignore_eos and token == self._eos()) or token in sp.stop_token_ids:
+                if self.detokenizer is not None:  # the stop token's own text is not output
+                    self.detokenizer.remove_last_delta(seq)
                 seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
                 return
             if sp.stop and self.detokenizer is not None:

@@ -1,0 +1,420 @@
+"""Offline throughput benchmark (vLLM's benchmarks/benchmark_throughput.py, for jpaged).
+
+All requests are submitted at once; the engine runs them to completion with continuous
+batching, and we report requests/s, output tokens/s and total (prompt + output) tokens/s
+over the wall-clock time of generation only (model load, compilation and warm-up are
+timed and reported separately).
+
+Workload: synthetic ShareGPT-like lengths (right-skewed lognormals: prompt mean ~200,
+output mean ~260 tokens before caps; prompt <= 1024, prompt + output <= 2048, both >= 4,
+as vLLM filters ShareGPT), random token ids drawn from the vocabulary, fixed --seed.
+Every request ignores EOS, so it produces exactly its requested number of output tokens.
+Scale down for a CPU with --num-prompts, --length-scale and --max-input-len/--max-output-len,
+or use fixed lengths with --input-len/--output-len.
+
+Backends:
+  jpaged  jpaged.LLM(...).generate(token-id prompts, per-request SamplingParams(max_tokens=...,
+          ignore_eos=True, temperature=0)); engine flags pass through.
+  hf      Hugging Face transformers' continuous batching (the engine behind
+          `model.generate_batch`) on the same checkpoint and requests: torch, fp32 on CPU
+          (the checkpoint's dtype on CUDA), greedy, eos_token_id=-1 (no EOS). generate_batch()
+          takes a single max_new_tokens for all prompts, so by default (--hf-api manager) we drive
+          the same ContinuousBatchingManager it wraps (init_continuous_batching / warmup / start /
+          add_request(max_new_tokens=per request) / get_result / stop) — exactly what
+          generate_batch does, minus the single-length restriction. --hf-api generate_batch calls
+          generate_batch() itself and needs one output length (--output-len).
+  both    runs jpaged then hf on the same requests and prints the jpaged/hf ratios.
+
+Models: --model tiny (built in; for hf it is materialised into a temp dir), a local HF
+checkpoint dir, or --random-llama {25m,1b,8b}: a randomly initialised LlamaForCausalLM built
+with transformers and saved (save_pretrained) to a temp dir (or --save-dir) that both
+backends load. 25m uses the tiny byte-level tokenizer (vocab 259) so that, as in real LLMs,
+nearly all FLOPs are in the transformer layers rather than the vocabulary projection
+(override with --vocab-size; a vocab other than 259 is saved without a tokenizer, which
+is fine since prompts are token ids).
+
+Examples (CPU):
+  JAX_PLATFORMS=cpu python scripts/bench_throughput.py --random-llama 25m --num-prompts 64 \
+      --length-scale 0.25 --backend both --max-num-seqs 64 --output-json /tmp/tp.json
+  JAX_PLATFORMS=cpu python scripts/bench_throughput.py --model tiny --num-prompts 8 \
+      --input-len 16 --output-len 16 --enforce-eager
+GPU:
+  python scripts/bench_throughput.py --random-llama 1b --num-prompts 1000 --backend both
+"""
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# ShareGPT-like length distributions (lognormal; mean = exp(mu + sigma^2 / 2) before caps).
+PROMPT_LOGNORMAL = (math.log(200) - 0.5, 1.0)  # mean 200 uncapped, median ~121
+OUTPUT_LOGNORMAL = (math.log(260) - 0.405, 0.9)  # mean 260 uncapped, median ~173
+MAX_PROMPT_LEN, MAX_TOTAL_LEN, MIN_LEN = 1024, 2048, 4
+
+# Random-Llama presets: LlamaConfig overrides. 25m ~= 25.2M parameters (fp32 on CPU);
+# 1b is Llama-3.2-1B-shaped and 8b Llama-3-8B-shaped (bf16, for GPUs).
+PRESETS = {
+    "25m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                intermediate_size=1344, vocab_size=259, max_position_embeddings=4096, rope_theta=10000.0,
+                tie_word_embeddings=False, dtype="float32"),
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+               tie_word_embeddings=True, dtype="bfloat16"),
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+               tie_word_embeddings=False, dtype="bfloat16"),
+}
+TINY_VOCAB = 259
+
+
+@dataclasses.dataclass
+class Request:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+# ---------------------------------------------------------------------------------- workload
+def sample_lengths(args, rng: np.random.Generator) -> list[tuple[int, int]]:
+    """(prompt_len, output_len) per request, after caps and scaling."""
+    n = args.num_prompts
+    prompt = rng.lognormal(*PROMPT_LOGNORMAL, size=n)
+    output = rng.lognormal(*OUTPUT_LOGNORMAL, size=n)
+    lengths = []
+    for p, o in zip(prompt, output):
+        p = int(np.clip(round(p), MIN_LEN, MAX_PROMPT_LEN))
+        o = int(np.clip(round(o), MIN_LEN, MAX_TOTAL_LEN - p))
+        p, o = max(1, round(p * args.length_scale)), max(1, round(o * args.length_scale))
+        if args.max_input_len:
+            p = min(p, args.max_input_len)
+        if args.max_output_len:
+            o = min(o, args.max_output_len)
+        if args.input_len:
+            p = args.input_len
+        if args.output_len:
+            o = args.output_len
+        lengths.append((p, o))
+    return lengths
+
+
+def make_requests(args, vocab_size: int) -> list[Request]:
+    rng = np.random.default_rng(args.seed)
+    lengths = sample_lengths(args, rng)
+    return [Request(rng.integers(0, vocab_size, size=p).tolist(), o) for p, o in lengths]
+
+
+# ---------------------------------------------------------------------------------- models
+def build_random_llama(size: str, out_dir: str, seed: int, vocab_size: int | None = None) -> str:
+    """Save a randomly initialised Llama (config + safetensors [+ tiny tokenizer]) to out_dir."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = dict(PRESETS[size])
+    if vocab_size:
+        spec["vocab_size"] = vocab_size
+    dtype = getattr(torch, spec.pop("dtype"))
+    with_tokenizer = spec["vocab_size"] == TINY_VOCAB
+    special = dict(bos_token_id=256, eos_token_id=257, pad_token_id=258) if with_tokenizer else \
+        dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = LlamaConfig(**spec, **special, rms_norm_eps=1e-5, initializer_range=0.02,
+                      architectures=["LlamaForCausalLM"])
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    model.config.dtype = dtype
+    model.save_pretrained(out_dir)
+    if with_tokenizer:
+        from jpaged.models.tiny import tiny_tokenizer
+        tiny_tokenizer().save_pretrained(out_dir)
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    logging.info("random Llama %s: %.1fM parameters (%s) -> %s", size, n / 1e6, dtype, out_dir)
+    return out_dir
+
+
+def build_tiny_checkpoint(out_dir: str) -> str:
+    """jpaged's built-in tiny model as an HF checkpoint dir (for the hf backend)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from jpaged.models.tiny import tiny_config, tiny_tokenizer, tiny_weights
+
+    cfg = tiny_config()
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    state = {k: torch.from_numpy(v) for k, v in tiny_weights(cfg)}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if "rotary" not in m]:
+        raise RuntimeError(f"tiny weights do not match LlamaForCausalLM: {missing} {unexpected}")
+    model.save_pretrained(out_dir)
+    tiny_tokenizer().save_pretrained(out_dir)
+    return out_dir
+
+
+def model_vocab_size(model: str) -> int:
+    if model == "tiny":
+        return TINY_VOCAB
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model).get_text_config().vocab_size
+
+
+# ---------------------------------------------------------------------------------- backends
+def engine_kwargs(args) -> dict:
+    kw = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
+              tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager, seed=args.seed)
+    for name in ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override", "swap_space",
+                 "gpu_memory_utilization", "preemption_mode"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    if args.attention_backend:
+        kw["attention_backend"] = args.attention_backend
+    return kw
+
+
+def run_jpaged(args, model: str, requests: list[Request]) -> dict:
+    import jax
+
+    import jpaged
+
+    kw = engine_kwargs(args)
+    if "max_model_len" not in kw:  # the workload's longest request, not the model's 4k-128k positions
+        kw["max_model_len"] = max(len(r.prompt_token_ids) + r.output_len for r in requests)
+    t0 = time.perf_counter()
+    llm = jpaged.LLM(model, **kw)
+    init_s = time.perf_counter() - t0
+    prompts = [r.prompt_token_ids for r in requests]
+    params = [jpaged.SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    warmup_s = 0.0
+    if args.num_warmup_prompts:
+        k = args.num_warmup_prompts
+        t0 = time.perf_counter()
+        llm.generate(prompts[:k], params[:k], use_tqdm=False)
+        warmup_s = time.perf_counter() - t0
+    compilations_before = llm.stats()["num_compilations"]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+    elapsed = time.perf_counter() - t0
+    stats = llm.stats()
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    produced = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return dict(backend="jpaged", elapsed_s=elapsed, token_ids=tokens, init_s=init_s, warmup_s=warmup_s,
+                output_tokens=produced, engine=kw, jax_backend=jax.default_backend(), num_gpu_blocks=stats["num_gpu_blocks"],
+                num_preemptions=stats["num_preemptions"],
+                compilations_during_run=stats["num_compilations"] - compilations_before)
+
+
+def run_hf(args, model_dir: str, requests: list[Request]) -> dict:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    device = "cuda" if torch.cuda.is_available() and not args.hf_cpu else "cpu"
+    dtype = torch.float32 if device == "cpu" else "auto"
+    if args.dtype not in (None, "auto"):
+        dtype = getattr(torch, args.dtype)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=args.hf_attn).to(device)
+    model.eval()
+    gen_config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
+                                  max_new_tokens=max(r.output_len for r in requests))
+    cb_kw = {}
+    if args.hf_page_size:
+        cb_kw["page_size"] = args.hf_page_size
+    if args.hf_max_batch_tokens:
+        cb_kw["max_batch_tokens"] = args.hf_max_batch_tokens
+    if args.hf_num_blocks:
+        cb_kw["num_blocks"] = args.hf_num_blocks
+    if args.hf_max_requests_per_batch:
+        cb_kw["max_requests_per_batch"] = args.hf_max_requests_per_batch
+    cb_config = ContinuousBatchingConfig(**cb_kw)
+    inputs = [r.prompt_token_ids for r in requests]
+    load_s = time.perf_counter() - t0
+
+    if args.hf_api == "generate_batch":
+        lens = {r.output_len for r in requests}
+        if len(lens) != 1:
+            raise SystemExit("--hf-api generate_batch needs one output length for all requests (--output-len)")
+        t0 = time.perf_counter()
+        results = model.generate_batch(inputs=inputs, generation_config=gen_config,
+                                       continuous_batching_config=cb_config, progress_bar=not args.no_tqdm)
+        elapsed = time.perf_counter() - t0  # includes the manager's warm-up (CUDA graphs; little on CPU)
+        warmup_s = 0.0
+        tokens = [list(res.generated_tokens) for res in results.values()]
+    else:
+        hints = WorkloadHints(max_prompt_length=max(len(x) for x in inputs),
+                              max_generated_length=gen_config.max_new_tokens, num_requests=len(inputs))
+        manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config,
+                                                 workload_hints=hints)
+        t0 = time.perf_counter()
+        manager.warmup()
+        warmup_s = time.perf_counter() - t0
+        results = {}
+        t0 = time.perf_counter()
+        manager.start()
+        try:
+            ids = [manager.add_request(x, request_id=f"r{i}", max_new_tokens=r.output_len)
+                   for i, (x, r) in enumerate(zip(inputs, requests))]
+            while len(results) < len(ids):
+                res = manager.get_result(timeout=1)
+                if res is not None and res.is_finished():
+                    if res.error is not None:
+                        raise RuntimeError(f"hf request {res.request_id} failed: {res.error}")
+                    results[res.request_id] = res
+                elif res is None and not manager.is_running():
+                    raise RuntimeError("hf continuous batching thread died")
+            elapsed = time.perf_counter() - t0
+        finally:
+            manager.stop(block=True, timeout=30)
+            manager.destroy()
+        tokens = [list(results[f"r{i}"].generated_tokens) for i in range(len(requests))]
+    return dict(backend="hf", elapsed_s=elapsed, token_ids=tokens, init_s=load_s, warmup_s=warmup_s,
+                output_tokens=sum(len(t) for t in tokens),
+                device=device, dtype=str(model.dtype), attn_implementation=args.hf_attn, hf_api=args.hf_api,
+                torch_threads=torch.get_num_threads(), transformers=transformers.__version__,
+                continuous_batching_config={k: v for k, v in cb_kw.items()})
+
+
+def summarise(res: dict, requests: list[Request]) -> dict:
+    n = len(requests)
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    expected = sum(r.output_len for r in requests)
+    t = res["elapsed_s"]
+    res.update(num_requests=n, prompt_tokens=prompt_tokens, expected_output_tokens=expected,
+               requests_per_s=n / t, output_tokens_per_s=res["output_tokens"] / t,
+               total_tokens_per_s=(prompt_tokens + res["output_tokens"]) / t)
+    return res
+
+
+def print_summary(res: dict):
+    print(f"[{res['backend']}] Throughput: {res['requests_per_s']:.2f} requests/s, "
+          f"{res['total_tokens_per_s']:.2f} total tokens/s, {res['output_tokens_per_s']:.2f} output tokens/s "
+          f"({res['num_requests']} requests, {res['prompt_tokens']} prompt + {res['output_tokens']} output tokens "
+          f"in {res['elapsed_s']:.2f} s; init {res['init_s']:.1f} s, warm-up {res['warmup_s']:.1f} s)", flush=True)
+    if res["output_tokens"] != res["expected_output_tokens"]:
+        print(f"[{res['backend']}] WARNING: produced {res['output_tokens']} output tokens, "
+              f"requested {res['expected_output_tokens']}", flush=True)
+
+
+# ---------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", choices=["jpaged", "hf", "both"], default="jpaged")
+    p.add_argument("--model", default="tiny", help='"tiny" or a local HF checkpoint dir')
+    p.add_argument("--random-llama", choices=sorted(PRESETS), help="benchmark a random Llama of this size instead")
+    p.add_argument("--vocab-size", type=int, help="override the --random-llama preset's vocabulary")
+    p.add_argument("--save-dir", help="keep the --random-llama checkpoint here (reused if it has a config.json)")
+    # workload
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--length-scale", type=float, default=1.0, help="multiply sampled prompt/output lengths")
+    p.add_argument("--max-input-len", type=int)
+    p.add_argument("--max-output-len", type=int)
+    p.add_argument("--input-len", type=int, help="fixed prompt length (overrides the distribution)")
+    p.add_argument("--output-len", type=int, help="fixed output length (overrides the distribution)")
+    # jpaged engine flags
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--max-model-len", type=int, help="default: the workload's longest prompt + output")
+    p.add_argument("--num-gpu-blocks-override", type=int)
+    p.add_argument("--gpu-memory-utilization", type=float)
+    p.add_argument("--swap-space", type=float)
+    p.add_argument("--preemption-mode", choices=["swap", "recompute"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--attention-backend", choices=["auto", "pallas", "xla"])
+    p.add_argument("--enforce-eager", action="store_true", help="compile step shapes on first use (not at start-up)")
+    p.add_argument("--num-warmup-prompts", type=int, default=0,
+                   help="jpaged: run the first N requests once, untimed, before the timed run")
+    # hf flags
+    p.add_argument("--hf-api", choices=["manager", "generate_batch"], default="manager")
+    p.add_argument("--hf-attn", default="sdpa", help='attn_implementation: "sdpa" or "paged|eager" (or flash on GPU)')
+    p.add_argument("--hf-cpu", action="store_true", help="run hf on the CPU even if CUDA is available")
+    p.add_argument("--hf-page-size", type=int)
+    p.add_argument("--hf-max-batch-tokens", type=int)
+    p.add_argument("--hf-num-blocks", type=int)
+    p.add_argument("--hf-max-requests-per-batch", type=int)
+    # output
+    p.add_argument("--output-json")
+    p.add_argument("--no-tqdm", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    tmp = None
+    try:
+        model = args.model
+        if args.random_llama:
+            model = args.save_dir or (tmp := tempfile.mkdtemp(prefix=f"jpaged-llama-{args.random_llama}-"))
+            if not os.path.exists(os.path.join(model, "config.json")):
+                t0 = time.perf_counter()
+                build_random_llama(args.random_llama, model, args.seed, args.vocab_size)
+                logging.info("built in %.1f s", time.perf_counter() - t0)
+        requests = make_requests(args, model_vocab_size(model))
+        p_lens = [len(r.prompt_token_ids) for r in requests]
+        o_lens = [r.output_len for r in requests]
+        print(f"workload: {len(requests)} requests; prompt len mean {np.mean(p_lens):.1f} (max {max(p_lens)}), "
+              f"output len mean {np.mean(o_lens):.1f} (max {max(o_lens)}); seed {args.seed}", flush=True)
+
+        results = []
+        if args.backend in ("jpaged", "both"):
+            results.append(summarise(run_jpaged(args, model, requests), requests))
+            print_summary(results[-1])
+        if args.backend in ("hf", "both"):
+            hf_model = model
+            if model == "tiny":
+                hf_model = build_tiny_checkpoint(tmp := tmp or tempfile.mkdtemp(prefix="jpaged-tiny-"))
+            results.append(summarise(run_hf(args, hf_model, requests), requests))
+            print_summary(results[-1])
+        report = dict(model=args.random_llama and f"random-llama-{args.random_llama}" or args.model,
+                      args=vars(args), host=platform.node(), python=platform.python_version(),
+                      workload=dict(num_requests=len(requests), mean_prompt_len=float(np.mean(p_lens)),
+                                    mean_output_len=float(np.mean(o_lens)), max_prompt_len=max(p_lens),
+                                    max_output_len=max(o_lens)),
+                      results=results)
+        try:
+            import jax
+            report["jax"] = jax.__version__
+        except ImportError:
+            pass
+        if len(results) == 2:
+            j, h = results
+            report["ratio_jpaged_over_hf"] = {k: j[k] / h[k] for k in
+                                              ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
+            # Same checkpoint, greedy: outputs should mostly agree (random weights have near-ties, and
+            # fp32 summation order differs, so a few may diverge after some tokens).
+            same = sum(a == b for a, b in zip(j["token_ids"], h["token_ids"]))
+            report["identical_outputs"] = f"{same}/{len(requests)}"
+            print(f"jpaged / hf: {report['ratio_jpaged_over_hf']['output_tokens_per_s']:.2f}x output tokens/s "
+                  f"(identical greedy outputs: {same}/{len(requests)})", flush=True)
+        if args.output_json:
+            slim = dict(report, results=[{k: v for k, v in r.items() if k != "token_ids"} for r in results])
+            with open(args.output_json, "w") as f:
+                json.dump(slim, f, indent=2, default=str)
+        return report
+    finally:
+        if tmp and not args.save_dir:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
