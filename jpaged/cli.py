@@ -15,7 +15,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + field.name.replace("_", "-")
         kind = next(t for t in (typing.get_args(field.type) or (field.type,)) if t is not type(None))
         if kind is bool:
-            parser.add_argument(flag, action="store_true", default=field.default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
         else:
             parser.add_argument(flag, type=kind, default=field.default)
 
@@ -50,7 +50,8 @@ def main(argv=None) -> int:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.set_defaults(func=cmd_generate)
+    # A one-shot run compiles only the step shapes it uses; `serve` warms up every bucket.
+    gen.set_defaults(func=cmd_generate, enforce_eager=True)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

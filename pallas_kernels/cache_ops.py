@@ -20,15 +20,16 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
   dropped: those tokens leave the pages untouched. With duplicate slots one
   of the writes wins (unspecified which).
   """
-  kvh, num_pages, page_size, head_dim = k_pages.shape
-  num_slots = num_pages * page_size
-  slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
+  num_pages, page_size = k_pages.shape[1:3]
+  # Index (page, offset) in the 4-D layout: scattering into a flattened
+  # [kvh, slots, d] view makes XLA copy the whole pool when the same step
+  # then reads the pages (measured: 0.14 s per step for 1 GiB on CPU).
+  slots = jnp.where(slot_mapping < 0, num_pages * page_size, slot_mapping)
+  pages_idx, offsets = slots // page_size, slots % page_size
 
   def scatter(pages, new):
-    flat = pages.reshape(kvh, num_slots, head_dim)  # a bitcast: stays in place
-    new = jnp.swapaxes(new, 0, 1).astype(pages.dtype)
-    flat = flat.at[:, slots].set(new, mode="drop")
-    return flat.reshape(pages.shape)
+    new = jnp.swapaxes(new, 0, 1).astype(pages.dtype)  # [kvh, T, d]
+    return pages.at[:, pages_idx, offsets].set(new, mode="drop")
 
   return scatter(k_pages, k), scatter(v_pages, v)
 
