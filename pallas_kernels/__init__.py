@@ -29,6 +29,7 @@ Backend dispatch (`interpret` kwarg): None -> compiled Pallas (Triton) on GPU,
 XLA twin elsewhere; True -> Pallas in interpret mode; False -> compiled Pallas.
 The XLA twins are exported as paged_attention_xla / ragged_paged_attention_xla.
 """
+
 import functools
 
 import jax
@@ -39,47 +40,46 @@ from pallas_kernels.prefill import ragged_paged_attention_pallas
 from pallas_kernels.xla import paged_attention_xla, ragged_paged_attention_xla
 
 __all__ = [
-    "paged_attention", "ragged_paged_attention", "write_kv", "copy_blocks",
-    "paged_attention_xla", "ragged_paged_attention_xla",
+    "paged_attention",
+    "ragged_paged_attention",
+    "write_kv",
+    "copy_blocks",
+    "paged_attention_xla",
+    "ragged_paged_attention_xla",
 ]
 
 
 def _xla_fallback(interpret) -> bool:
-  return interpret is None and jax.default_backend() != "gpu"
+    return interpret is None and jax.default_backend() != "gpu"
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("scale", "interpret", "num_splits"))
-def paged_attention(q, k_pages, v_pages, block_tables, context_lens, *,
-                    scale=None, interpret=None, num_splits=None):
-  """Decode attention over paged K/V.
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits"))
+def paged_attention(q, k_pages, v_pages, block_tables, context_lens, *, scale=None, interpret=None, num_splits=None):
+    """Decode attention over paged K/V.
 
-  q [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim]
-  (q's dtype). Sequence s attends to tokens [0, context_lens[s]) of its
-  pages. scale defaults to 1/sqrt(head_dim). num_splits (Pallas only) forces
-  the number of split-K partitions; None picks it from the shapes.
-  """
-  if _xla_fallback(interpret):
-    return paged_attention_xla(q, k_pages, v_pages, block_tables,
-                               context_lens, scale=scale)
-  return paged_attention_pallas(q, k_pages, v_pages, block_tables,
-                                context_lens, scale=scale,
-                                num_splits=num_splits,
-                                interpret=bool(interpret))
+    q [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim]
+    (q's dtype). Sequence s attends to tokens [0, context_lens[s]) of its
+    pages. scale defaults to 1/sqrt(head_dim). num_splits (Pallas only) forces
+    the number of split-K partitions; None picks it from the shapes.
+    """
+    if _xla_fallback(interpret):
+        return paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, scale=scale)
+    return paged_attention_pallas(
+        q, k_pages, v_pages, block_tables, context_lens, scale=scale, num_splits=num_splits, interpret=bool(interpret)
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
-def ragged_paged_attention(q, k_pages, v_pages, block_tables, context_lens,
-                           query_start_loc, *, scale=None, interpret=None):
-  """Causal attention of packed new tokens over paged K/V.
+def ragged_paged_attention(
+    q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None, interpret=None
+):
+    """Causal attention of packed new tokens over paged K/V.
 
-  q [num_tokens, num_heads, head_dim] -> same shape (q's dtype);
-  query_start_loc int32[num_seqs + 1], nondecreasing. See module docstring.
-  """
-  if _xla_fallback(interpret):
-    return ragged_paged_attention_xla(q, k_pages, v_pages, block_tables,
-                                      context_lens, query_start_loc,
-                                      scale=scale)
-  return ragged_paged_attention_pallas(q, k_pages, v_pages, block_tables,
-                                       context_lens, query_start_loc,
-                                       scale=scale, interpret=bool(interpret))
+    q [num_tokens, num_heads, head_dim] -> same shape (q's dtype);
+    query_start_loc int32[num_seqs + 1], nondecreasing. See module docstring.
+    """
+    if _xla_fallback(interpret):
+        return ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, scale=scale)
+    return ragged_paged_attention_pallas(
+        q, k_pages, v_pages, block_tables, context_lens, query_start_loc, scale=scale, interpret=bool(interpret)
+    )

@@ -5,6 +5,7 @@ sequence's block table `pages_per_iter` pages (~KEYS_PER_ITER keys) at a time:
 one vector load gathers the pages of K and of V, then one online-softmax step
 updates (out, max, sumexp) in fp32.
 """
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
@@ -14,42 +15,42 @@ KEYS_PER_ITER = 64
 
 
 def init_carry(rows, dp):
-  return (jnp.zeros((rows, dp), jnp.float32),
-          jnp.full((rows,), MASK_VALUE, jnp.float32),
-          jnp.zeros((rows,), jnp.float32))
+    return (
+        jnp.zeros((rows, dp), jnp.float32),
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
 
 
 def normalize(out, l):
-  """Final out / sumexp; rows that saw no key (l == 0) stay zero."""
-  return out / jnp.where(l > 0, l, 1.0)[:, None]
+    """Final out / sumexp; rows that saw no key (l == 0) stay zero."""
+    return out / jnp.where(l > 0, l, 1.0)[:, None]
 
 
 def attend_block(carry, q, k, v, key_live, scale, row_ok=None):
-  """One online-softmax step. q [R, dp], k/v [B, dp]; key_live bool [B]
-  marks real keys, row_ok bool [R, B] (optional) a per-row (causal) mask."""
-  out, m, l = carry
-  prec = lax.Precision.HIGHEST  # IEEE fp32 instead of TF32; no-op for bf16
-  s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=prec)
-  ok = key_live[None, :] if row_ok is None else key_live[None, :] & row_ok
-  s = jnp.where(ok, s * scale, MASK_VALUE)
-  m_new = jnp.maximum(m, jnp.max(s, axis=1))
-  alpha = jnp.exp(m - m_new)
-  p = jnp.exp(s - m_new[:, None])
-  # Unused slots may hold anything (even NaN): keep them out of p @ v.
-  v = jnp.where(key_live[:, None], v, jnp.zeros_like(v))
-  pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32,
-               precision=prec)
-  return out * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
+    """One online-softmax step. q [R, dp], k/v [B, dp]; key_live bool [B]
+    marks real keys, row_ok bool [R, B] (optional) a per-row (causal) mask."""
+    out, m, l = carry
+    prec = lax.Precision.HIGHEST  # IEEE fp32 instead of TF32; no-op for bf16
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=prec)
+    ok = key_live[None, :] if row_ok is None else key_live[None, :] & row_ok
+    s = jnp.where(ok, s * scale, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[:, None])
+    # Unused slots may hold anything (even NaN): keep them out of p @ v.
+    v = jnp.where(key_live[:, None], v, jnp.zeros_like(v))
+    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
+    return out * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
 
 
 def load_pages(pages_ref, page_ids, head_dim):
-  """Gather pages [n] -> [n * page_size, dp], zero past head_dim."""
-  n = page_ids.shape[0]
-  _, page_size, dp = pages_ref.shape
-  if head_dim == dp:
-    x = pages_ref[page_ids]
-  else:  # all-array indices: the form masked loads support in interpret mode
-    idx = (page_ids[:, None, None], jnp.arange(page_size)[None, :, None],
-           jnp.arange(dp)[None, None, :])
-    x = plgpu.load(pages_ref.at[idx], mask=idx[2] < head_dim, other=0)
-  return x.reshape(n * page_size, dp)
+    """Gather pages [n] -> [n * page_size, dp], zero past head_dim."""
+    n = page_ids.shape[0]
+    _, page_size, dp = pages_ref.shape
+    if head_dim == dp:
+        x = pages_ref[page_ids]
+    else:  # all-array indices: the form masked loads support in interpret mode
+        idx = (page_ids[:, None, None], jnp.arange(page_size)[None, :, None], jnp.arange(dp)[None, None, :])
+        x = plgpu.load(pages_ref.at[idx], mask=idx[2] < head_dim, other=0)
+    return x.reshape(n * page_size, dp)

@@ -18,6 +18,7 @@ are never copied; q is padded in the wrapper (it is small). Compiled, the
 page size must be a power of two (Triton tensor shapes); interpret mode and
 the XLA twin take any page size.
 """
+
 import functools
 
 import jax
@@ -33,105 +34,96 @@ TARGET_PROGRAMS = 256  # ~2 waves on a 108-132 SM GPU
 MAX_SPLITS = 16
 
 
-def auto_num_splits(num_programs: int, table_width: int,
-                    pages_per_iter: int) -> int:
-  """Enough splits to reach TARGET_PROGRAMS, but >= 2 iterations each."""
-  want = tiling.next_pow2(tiling.cdiv(TARGET_PROGRAMS, num_programs))
-  most = max(1, table_width // (2 * pages_per_iter))
-  return max(1, min(want, most, MAX_SPLITS))
+def auto_num_splits(num_programs: int, table_width: int, pages_per_iter: int) -> int:
+    """Enough splits to reach TARGET_PROGRAMS, but >= 2 iterations each."""
+    want = tiling.next_pow2(tiling.cdiv(TARGET_PROGRAMS, num_programs))
+    most = max(1, table_width // (2 * pages_per_iter))
+    return max(1, min(want, most, MAX_SPLITS))
 
 
-def _decode_kernel(ctx_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *stat_refs,
-                   scale, head_dim, pages_per_iter):
-  seq, split = pl.program_id(0), pl.program_id(2)
-  page_size = k_ref.shape[1]
-  rows, dp = q_ref.shape
-  span = table_ref.shape[0] * page_size  # keys covered by this split
-  first = split * span
-  block = pages_per_iter * page_size
-  num_keys = jnp.clip(ctx_ref[seq] - first, 0, span)
-  q = q_ref[...]
+def _decode_kernel(ctx_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *stat_refs, scale, head_dim, pages_per_iter):
+    seq, split = pl.program_id(0), pl.program_id(2)
+    page_size = k_ref.shape[1]
+    rows, dp = q_ref.shape
+    span = table_ref.shape[0] * page_size  # keys covered by this split
+    first = split * span
+    block = pages_per_iter * page_size
+    num_keys = jnp.clip(ctx_ref[seq] - first, 0, span)
+    q = q_ref[...]
 
-  def body(i, carry):
-    ids = table_ref[pl.ds(i * pages_per_iter, pages_per_iter)]
-    k = blocks.load_pages(k_ref, ids, head_dim)
-    v = blocks.load_pages(v_ref, ids, head_dim)
-    key_live = i * block + jnp.arange(block) < num_keys
-    return blocks.attend_block(carry, q, k, v, key_live, scale)
+    def body(i, carry):
+        ids = table_ref[pl.ds(i * pages_per_iter, pages_per_iter)]
+        k = blocks.load_pages(k_ref, ids, head_dim)
+        v = blocks.load_pages(v_ref, ids, head_dim)
+        key_live = i * block + jnp.arange(block) < num_keys
+        return blocks.attend_block(carry, q, k, v, key_live, scale)
 
-  out, m, l = lax.fori_loop(0, tiling.cdiv(num_keys, block), body,
-                            blocks.init_carry(rows, dp))
-  if stat_refs:  # split-K partial: combined outside
-    m_ref, l_ref = stat_refs
-    o_ref[...] = out
-    m_ref[...] = m
-    l_ref[...] = l
-  else:
-    o_ref[...] = blocks.normalize(out, l).astype(o_ref.dtype)
+    out, m, l = lax.fori_loop(0, tiling.cdiv(num_keys, block), body, blocks.init_carry(rows, dp))
+    if stat_refs:  # split-K partial: combined outside
+        m_ref, l_ref = stat_refs
+        o_ref[...] = out
+        m_ref[...] = m
+        l_ref[...] = l
+    else:
+        o_ref[...] = blocks.normalize(out, l).astype(o_ref.dtype)
 
 
 def _combine(out, m, l):
-  """Merge split partials: out [K, ..., R, dp], m/l [K, ..., R]."""
-  m_all = jnp.max(m, axis=0)
-  w = jnp.exp(m - m_all)
-  denom = jnp.sum(w * l, axis=0)
-  num = jnp.sum(w[..., None] * out, axis=0)
-  return num / jnp.where(denom > 0, denom, 1.0)[..., None]
+    """Merge split partials: out [K, ..., R, dp], m/l [K, ..., R]."""
+    m_all = jnp.max(m, axis=0)
+    w = jnp.exp(m - m_all)
+    denom = jnp.sum(w * l, axis=0)
+    num = jnp.sum(w[..., None] * out, axis=0)
+    return num / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("scale", "num_splits", "interpret"))
-def paged_attention_pallas(q, k_pages, v_pages, block_tables, context_lens, *,
-                           scale=None, num_splits=None, interpret=False):
-  num_seqs, num_heads, head_dim = q.shape
-  num_kv_heads, num_pages, page_size, _ = k_pages.shape
-  group = num_heads // num_kv_heads
-  rows = max(16, tiling.next_pow2(group))
-  dp = max(16, tiling.next_pow2(head_dim))
-  pages_per_iter = max(1, blocks.KEYS_PER_ITER // page_size)
-  width = block_tables.shape[1]
-  splits = num_splits or auto_num_splits(num_seqs * num_kv_heads, width,
-                                         pages_per_iter)
-  per_split = tiling.round_up(tiling.cdiv(width, splits), pages_per_iter)
-  tables = tiling.clamp_block_tables(block_tables, num_pages)
-  tables = jnp.pad(tables, ((0, 0), (0, splits * per_split - width)))
-  qp = q.reshape(num_seqs, num_kv_heads, group, head_dim)
-  qp = jnp.pad(qp, ((0, 0), (0, 0), (0, rows - group), (0, dp - head_dim)))
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret"))
+def paged_attention_pallas(
+    q, k_pages, v_pages, block_tables, context_lens, *, scale=None, num_splits=None, interpret=False
+):
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    group = num_heads // num_kv_heads
+    rows = max(16, tiling.next_pow2(group))
+    dp = max(16, tiling.next_pow2(head_dim))
+    pages_per_iter = max(1, blocks.KEYS_PER_ITER // page_size)
+    width = block_tables.shape[1]
+    splits = num_splits or auto_num_splits(num_seqs * num_kv_heads, width, pages_per_iter)
+    per_split = tiling.round_up(tiling.cdiv(width, splits), pages_per_iter)
+    tables = tiling.clamp_block_tables(block_tables, num_pages)
+    tables = jnp.pad(tables, ((0, 0), (0, splits * per_split - width)))
+    qp = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    qp = jnp.pad(qp, ((0, 0), (0, 0), (0, rows - group), (0, dp - head_dim)))
 
-  part = splits > 1
-  out_dtype = jnp.float32 if part else q.dtype
-  out_shape = [jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, rows, dp),
-                                    out_dtype)]
-  out_specs = [pl.BlockSpec((None, None, None, rows, dp),
-                            lambda s, h, k: (k, s, h, 0, 0))]
-  if part:
-    stat = jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, rows),
-                                jnp.float32)
-    stat_spec = pl.BlockSpec((None, None, None, rows),
-                             lambda s, h, k: (k, s, h, 0))
-    out_shape += [stat, stat]
-    out_specs += [stat_spec, stat_spec]
-  page_spec = pl.BlockSpec((None, num_pages, page_size, dp),
-                           lambda s, h, k: (h, 0, 0, 0))
-  kernel = functools.partial(_decode_kernel,
-                             scale=default_scale(scale, head_dim),
-                             head_dim=head_dim, pages_per_iter=pages_per_iter)
-  res = pl.pallas_call(
-      kernel,
-      grid=(num_seqs, num_kv_heads, splits),
-      in_specs=[
-          pl.BlockSpec((num_seqs,), lambda s, h, k: (0,)),
-          pl.BlockSpec((None, per_split), lambda s, h, k: (s, k)),
-          pl.BlockSpec((None, None, rows, dp), lambda s, h, k: (s, h, 0, 0)),
-          page_spec,
-          page_spec,
-      ],
-      out_specs=out_specs,
-      out_shape=out_shape,
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-      interpret=interpret,
-      name="jpaged_decode",
-  )(context_lens.astype(jnp.int32), tables, qp, k_pages, v_pages)
-  out = _combine(*res) if part else res[0][0]
-  out = out[:, :, :group, :head_dim].reshape(q.shape)
-  return out.astype(q.dtype)
+    part = splits > 1
+    out_dtype = jnp.float32 if part else q.dtype
+    out_shape = [jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, rows, dp), out_dtype)]
+    out_specs = [pl.BlockSpec((None, None, None, rows, dp), lambda s, h, k: (k, s, h, 0, 0))]
+    if part:
+        stat = jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, rows), jnp.float32)
+        stat_spec = pl.BlockSpec((None, None, None, rows), lambda s, h, k: (k, s, h, 0))
+        out_shape += [stat, stat]
+        out_specs += [stat_spec, stat_spec]
+    page_spec = pl.BlockSpec((None, num_pages, page_size, dp), lambda s, h, k: (h, 0, 0, 0))
+    kernel = functools.partial(
+        _decode_kernel, scale=default_scale(scale, head_dim), head_dim=head_dim, pages_per_iter=pages_per_iter
+    )
+    res = pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, splits),
+        in_specs=[
+            pl.BlockSpec((num_seqs,), lambda s, h, k: (0,)),
+            pl.BlockSpec((None, per_split), lambda s, h, k: (s, k)),
+            pl.BlockSpec((None, None, rows, dp), lambda s, h, k: (s, h, 0, 0)),
+            page_spec,
+            page_spec,
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="jpaged_decode",
+    )(context_lens.astype(jnp.int32), tables, qp, k_pages, v_pages)
+    out = _combine(*res) if part else res[0][0]
+    out = out[:, :, :group, :head_dim].reshape(q.shape)
+    return out.astype(q.dtype)

@@ -21,6 +21,7 @@ applies the causal mask per row. Queries are gathered into tiles and outputs
 scattered back to tokens with XLA gathers around the kernel (cheap next to
 the attention itself).
 """
+
 import functools
 
 import jax
@@ -36,93 +37,95 @@ MAX_ROWS = 64  # query rows per program (group * tile): registers bound this
 
 
 def query_tile(num_tokens: int, num_seqs: int, group_pow2: int) -> int:
-  """Tokens per tile: ~ the average new tokens per sequence, with
-  group * tile in [16, MAX_ROWS] (Triton dots need >= 16 rows)."""
-  avg = tiling.next_pow2(
-      tiling.cdiv(num_tokens, max(1, min(num_seqs, num_tokens))))
-  smallest = max(1, 16 // group_pow2)
-  return max(smallest, min(max(1, MAX_ROWS // group_pow2), avg))
+    """Tokens per tile: ~ the average new tokens per sequence, with
+    group * tile in [16, MAX_ROWS] (Triton dots need >= 16 rows)."""
+    avg = tiling.next_pow2(tiling.cdiv(num_tokens, max(1, min(num_seqs, num_tokens))))
+    smallest = max(1, 16 // group_pow2)
+    return max(smallest, min(max(1, MAX_ROWS // group_pow2), avg))
 
 
-def _prefill_kernel(seq_ref, pos0_ref, keys_ref, table_ref, q_ref, k_ref,
-                    v_ref, o_ref, *, scale, head_dim, tile, pages_per_iter):
-  j = pl.program_id(0)
-  seq, pos0, num_keys = seq_ref[j], pos0_ref[j], keys_ref[j]
-  page_size = k_ref.shape[1]
-  rows, dp = q_ref.shape
-  block = pages_per_iter * page_size
-  q = q_ref[...]
-  q_pos = pos0 + jnp.arange(rows) % tile
+def _prefill_kernel(
+    seq_ref, pos0_ref, keys_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, scale, head_dim, tile, pages_per_iter
+):
+    j = pl.program_id(0)
+    seq, pos0, num_keys = seq_ref[j], pos0_ref[j], keys_ref[j]
+    page_size = k_ref.shape[1]
+    rows, dp = q_ref.shape
+    block = pages_per_iter * page_size
+    q = q_ref[...]
+    q_pos = pos0 + jnp.arange(rows) % tile
 
-  def body(i, carry):
-    ids = table_ref[seq, pl.ds(i * pages_per_iter, pages_per_iter)]
-    k = blocks.load_pages(k_ref, ids, head_dim)
-    v = blocks.load_pages(v_ref, ids, head_dim)
-    k_pos = i * block + jnp.arange(block)
-    causal = k_pos[None, :] <= q_pos[:, None]
-    return blocks.attend_block(carry, q, k, v, k_pos < num_keys, scale, causal)
+    def body(i, carry):
+        ids = table_ref[seq, pl.ds(i * pages_per_iter, pages_per_iter)]
+        k = blocks.load_pages(k_ref, ids, head_dim)
+        v = blocks.load_pages(v_ref, ids, head_dim)
+        k_pos = i * block + jnp.arange(block)
+        causal = k_pos[None, :] <= q_pos[:, None]
+        return blocks.attend_block(carry, q, k, v, k_pos < num_keys, scale, causal)
 
-  out, _, l = lax.fori_loop(0, tiling.cdiv(num_keys, block), body,
-                            blocks.init_carry(rows, dp))
-  o_ref[...] = blocks.normalize(out, l).astype(o_ref.dtype)
+    out, _, l = lax.fori_loop(0, tiling.cdiv(num_keys, block), body, blocks.init_carry(rows, dp))
+    o_ref[...] = blocks.normalize(out, l).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "q_tile"))
-def ragged_paged_attention_pallas(q, k_pages, v_pages, block_tables,
-                                  context_lens, query_start_loc, *, scale=None,
-                                  interpret=False, q_tile=None):
-  """q_tile overrides the tokens per tile (tests use it to cross tiles)."""
-  num_tokens, num_heads, head_dim = q.shape
-  num_kv_heads, num_pages, page_size, _ = k_pages.shape
-  num_seqs, width = block_tables.shape
-  group = num_heads // num_kv_heads
-  gp = tiling.next_pow2(group)
-  dp = max(16, tiling.next_pow2(head_dim))
-  tile = max(q_tile or query_tile(num_tokens, num_seqs, gp), 16 // gp, 1)
-  rows = gp * tile
-  pages_per_iter = max(1, blocks.KEYS_PER_ITER // page_size)
-  padded_width = tiling.round_up(width, pages_per_iter)
-  tables = tiling.clamp_block_tables(block_tables, num_pages)
-  tables = jnp.pad(tables, ((0, 0), (0, padded_width - width)))
+def ragged_paged_attention_pallas(
+    q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None, interpret=False, q_tile=None
+):
+    """q_tile overrides the tokens per tile (tests use it to cross tiles)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_seqs, width = block_tables.shape
+    group = num_heads // num_kv_heads
+    gp = tiling.next_pow2(group)
+    dp = max(16, tiling.next_pow2(head_dim))
+    tile = max(q_tile or query_tile(num_tokens, num_seqs, gp), 16 // gp, 1)
+    rows = gp * tile
+    pages_per_iter = max(1, blocks.KEYS_PER_ITER // page_size)
+    padded_width = tiling.round_up(width, pages_per_iter)
+    tables = tiling.clamp_block_tables(block_tables, num_pages)
+    tables = jnp.pad(tables, ((0, 0), (0, padded_width - width)))
 
-  seq, tok0, pos0, n_rows = tiling.ragged_tiles(
-      query_start_loc, context_lens, num_tokens, tile)
-  num_tiles = seq.shape[0]
-  # Keys the tile's last real token sees; 0 for empty tiles.
-  num_keys = jnp.minimum(context_lens[seq].astype(jnp.int32), pos0 + n_rows)
-  num_keys = jnp.where(n_rows > 0,
-                       jnp.clip(num_keys, 0, padded_width * page_size), 0)
+    seq, tok0, pos0, n_rows = tiling.ragged_tiles(query_start_loc, context_lens, num_tokens, tile)
+    num_tiles = seq.shape[0]
+    # Keys the tile's last real token sees; 0 for empty tiles.
+    num_keys = jnp.minimum(context_lens[seq].astype(jnp.int32), pos0 + n_rows)
+    num_keys = jnp.where(n_rows > 0, jnp.clip(num_keys, 0, padded_width * page_size), 0)
 
-  qt = tiling.gather_query_tiles(q, tok0, n_rows, tile)
-  qt = qt.reshape(num_tiles, tile, num_kv_heads, group, head_dim)
-  qt = qt.transpose(0, 2, 3, 1, 4)  # head-major rows within a kv head
-  qt = jnp.pad(qt, ((0, 0), (0, 0), (0, gp - group), (0, 0),
-                    (0, dp - head_dim)))
-  qt = qt.reshape(num_tiles, num_kv_heads, rows, dp)
+    qt = tiling.gather_query_tiles(q, tok0, n_rows, tile)
+    qt = qt.reshape(num_tiles, tile, num_kv_heads, group, head_dim)
+    qt = qt.transpose(0, 2, 3, 1, 4)  # head-major rows within a kv head
+    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, gp - group), (0, 0), (0, dp - head_dim)))
+    qt = qt.reshape(num_tiles, num_kv_heads, rows, dp)
 
-  scalar_spec = pl.BlockSpec((num_tiles,), lambda j, h: (0,))
-  page_spec = pl.BlockSpec((None, num_pages, page_size, dp),
-                           lambda j, h: (h, 0, 0, 0))
-  row_spec = pl.BlockSpec((None, None, rows, dp), lambda j, h: (j, h, 0, 0))
-  kernel = functools.partial(_prefill_kernel,
-                             scale=default_scale(scale, head_dim),
-                             head_dim=head_dim, tile=tile,
-                             pages_per_iter=pages_per_iter)
-  out = pl.pallas_call(
-      kernel,
-      grid=(num_tiles, num_kv_heads),
-      in_specs=[
-          scalar_spec, scalar_spec, scalar_spec,
-          pl.BlockSpec((num_seqs, padded_width), lambda j, h: (0, 0)),
-          row_spec, page_spec, page_spec,
-      ],
-      out_specs=row_spec,
-      out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-      interpret=interpret,
-      name="jpaged_ragged_prefill",
-  )(seq, pos0, num_keys, tables, qt, k_pages, v_pages)
-  out = out.reshape(num_tiles, num_kv_heads, gp, tile, dp)
-  out = out[:, :, :group, :, :head_dim].transpose(0, 3, 1, 2, 4)
-  out = out.reshape(num_tiles, tile, num_heads, head_dim)
-  return tiling.scatter_tiles_to_tokens(out, query_start_loc, num_tokens, tile)
+    scalar_spec = pl.BlockSpec((num_tiles,), lambda j, h: (0,))
+    page_spec = pl.BlockSpec((None, num_pages, page_size, dp), lambda j, h: (h, 0, 0, 0))
+    row_spec = pl.BlockSpec((None, None, rows, dp), lambda j, h: (j, h, 0, 0))
+    kernel = functools.partial(
+        _prefill_kernel,
+        scale=default_scale(scale, head_dim),
+        head_dim=head_dim,
+        tile=tile,
+        pages_per_iter=pages_per_iter,
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_tiles, num_kv_heads),
+        in_specs=[
+            scalar_spec,
+            scalar_spec,
+            scalar_spec,
+            pl.BlockSpec((num_seqs, padded_width), lambda j, h: (0, 0)),
+            row_spec,
+            page_spec,
+            page_spec,
+        ],
+        out_specs=row_spec,
+        out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="jpaged_ragged_prefill",
+    )(seq, pos0, num_keys, tables, qt, k_pages, v_pages)
+    out = out.reshape(num_tiles, num_kv_heads, gp, tile, dp)
+    out = out[:, :, :group, :, :head_dim].transpose(0, 3, 1, 2, 4)
+    out = out.reshape(num_tiles, tile, num_heads, head_dim)
+    return tiling.scatter_tiles_to_tokens(out, query_start_loc, num_tokens, tile)

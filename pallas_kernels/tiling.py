@@ -13,76 +13,76 @@ The number of tiles is a static bound that depends only on the static shapes:
 sum_i cdiv(q_len_i, tile) <= (T - m) // tile + m with m = min(S, T), because
 each non-empty sequence wastes less than one tile.
 """
+
 import jax.numpy as jnp
 
 
 def next_pow2(n: int) -> int:
-  return 1 << max(0, int(n) - 1).bit_length()
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def cdiv(a, b):
-  """Ceil division for non-negative a (python or traced ints)."""
-  return (a + b - 1) // b
+    """Ceil division for non-negative a (python or traced ints)."""
+    return (a + b - 1) // b
 
 
 def round_up(a: int, b: int) -> int:
-  return cdiv(a, b) * b
+    return cdiv(a, b) * b
 
 
 def clamp_block_tables(block_tables, num_pages):
-  """Garbage table entries (past a sequence's length) become valid page ids,
-  so every gather/load stays in bounds; the keys they hold are masked out."""
-  return jnp.clip(block_tables, 0, num_pages - 1).astype(jnp.int32)
+    """Garbage table entries (past a sequence's length) become valid page ids,
+    so every gather/load stays in bounds; the keys they hold are masked out."""
+    return jnp.clip(block_tables, 0, num_pages - 1).astype(jnp.int32)
 
 
 def num_ragged_tiles(num_tokens: int, num_seqs: int, tile: int) -> int:
-  m = min(num_seqs, num_tokens)
-  return max(1, (num_tokens - m) // tile + m)
+    m = min(num_seqs, num_tokens)
+    return max(1, (num_tokens - m) // tile + m)
 
 
 def _seq_tiles(query_start_loc, tile: int):
-  """Per sequence: q_len and the [begin, end) range of its tiles."""
-  qsl = query_start_loc.astype(jnp.int32)
-  q_lens = jnp.maximum(qsl[1:] - qsl[:-1], 0)
-  tile_end = jnp.cumsum(cdiv(q_lens, tile))
-  return qsl, q_lens, tile_end - cdiv(q_lens, tile), tile_end
+    """Per sequence: q_len and the [begin, end) range of its tiles."""
+    qsl = query_start_loc.astype(jnp.int32)
+    q_lens = jnp.maximum(qsl[1:] - qsl[:-1], 0)
+    tile_end = jnp.cumsum(cdiv(q_lens, tile))
+    return qsl, q_lens, tile_end - cdiv(q_lens, tile), tile_end
 
 
 def ragged_tiles(query_start_loc, context_lens, num_tokens: int, tile: int):
-  """Returns (tile_seq, tile_tok0, tile_pos0, tile_rows), each int32[NT]."""
-  num_seqs = query_start_loc.shape[0] - 1
-  qsl, q_lens, tile_begin, tile_end = _seq_tiles(query_start_loc, tile)
-  nt = num_ragged_tiles(num_tokens, num_seqs, tile)
-  j = jnp.arange(nt, dtype=jnp.int32)
-  seq = jnp.searchsorted(tile_end, j, side="right").astype(jnp.int32)
-  used = seq < num_seqs
-  seq = jnp.minimum(seq, num_seqs - 1)
-  first = (j - tile_begin[seq]) * tile  # first token of the tile, seq-local
-  rows = jnp.where(used, jnp.clip(q_lens[seq] - first, 0, tile), 0)
-  tok0 = qsl[seq] + first
-  pos0 = context_lens[seq].astype(jnp.int32) - q_lens[seq] + first
-  return seq, tok0, pos0, rows.astype(jnp.int32)
+    """Returns (tile_seq, tile_tok0, tile_pos0, tile_rows), each int32[NT]."""
+    num_seqs = query_start_loc.shape[0] - 1
+    qsl, q_lens, tile_begin, tile_end = _seq_tiles(query_start_loc, tile)
+    nt = num_ragged_tiles(num_tokens, num_seqs, tile)
+    j = jnp.arange(nt, dtype=jnp.int32)
+    seq = jnp.searchsorted(tile_end, j, side="right").astype(jnp.int32)
+    used = seq < num_seqs
+    seq = jnp.minimum(seq, num_seqs - 1)
+    first = (j - tile_begin[seq]) * tile  # first token of the tile, seq-local
+    rows = jnp.where(used, jnp.clip(q_lens[seq] - first, 0, tile), 0)
+    tok0 = qsl[seq] + first
+    pos0 = context_lens[seq].astype(jnp.int32) - q_lens[seq] + first
+    return seq, tok0, pos0, rows.astype(jnp.int32)
 
 
 def gather_query_tiles(q, tile_tok0, tile_rows, tile: int):
-  """q [T, ...] -> [NT, tile, ...]; rows past tile_rows read token 0."""
-  r = jnp.arange(tile, dtype=jnp.int32)
-  idx = jnp.where(r[None, :] < tile_rows[:, None], tile_tok0[:, None] + r, 0)
-  return q[jnp.clip(idx, 0, q.shape[0] - 1)]
+    """q [T, ...] -> [NT, tile, ...]; rows past tile_rows read token 0."""
+    r = jnp.arange(tile, dtype=jnp.int32)
+    idx = jnp.where(r[None, :] < tile_rows[:, None], tile_tok0[:, None] + r, 0)
+    return q[jnp.clip(idx, 0, q.shape[0] - 1)]
 
 
-def scatter_tiles_to_tokens(out_tiles, query_start_loc, num_tokens: int,
-                            tile: int):
-  """Inverse of gather_query_tiles: [NT, tile, ...] -> [num_tokens, ...].
-  Padding tokens (outside query_start_loc[0]..[S]) get zeros. Written as a
-  gather (each token finds its tile and row), which XLA does well."""
-  num_seqs = query_start_loc.shape[0] - 1
-  qsl, _, tile_begin, _ = _seq_tiles(query_start_loc, tile)
-  t = jnp.arange(num_tokens, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(qsl, t, side="right") - 1, 0, num_seqs - 1)
-  valid = (t >= qsl[0]) & (t < qsl[num_seqs])
-  local = jnp.maximum(t - qsl[seq], 0)
-  tile_idx = jnp.clip(tile_begin[seq] + local // tile, 0, out_tiles.shape[0] - 1)
-  out = out_tiles[tile_idx, local % tile]
-  mask = valid.reshape((-1,) + (1,) * (out.ndim - 1))
-  return jnp.where(mask, out, jnp.zeros((), out.dtype))
+def scatter_tiles_to_tokens(out_tiles, query_start_loc, num_tokens: int, tile: int):
+    """Inverse of gather_query_tiles: [NT, tile, ...] -> [num_tokens, ...].
+    Padding tokens (outside query_start_loc[0]..[S]) get zeros. Written as a
+    gather (each token finds its tile and row), which XLA does well."""
+    num_seqs = query_start_loc.shape[0] - 1
+    qsl, _, tile_begin, _ = _seq_tiles(query_start_loc, tile)
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(qsl, t, side="right") - 1, 0, num_seqs - 1)
+    valid = (t >= qsl[0]) & (t < qsl[num_seqs])
+    local = jnp.maximum(t - qsl[seq], 0)
+    tile_idx = jnp.clip(tile_begin[seq] + local // tile, 0, out_tiles.shape[0] - 1)
+    out = out_tiles[tile_idx, local % tile]
+    mask = valid.reshape((-1,) + (1,) * (out.ndim - 1))
+    return jnp.where(mask, out, jnp.zeros((), out.dtype))

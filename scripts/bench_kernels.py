@@ -14,6 +14,7 @@ same run.
   python scripts/bench_kernels.py            # GPU grid (CPU: tiny grid)
   python scripts/bench_kernels.py --tiny     # seconds, any backend
 """
+
 import argparse
 import os
 import sys
@@ -25,148 +26,148 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pallas_kernels as pk  # noqa: E402
 
-GPU_GRID = dict(batch=[1, 8, 32, 64, 128, 256],
-                context=[128, 1024, 4096, 16384, 32768],
-                heads=[(32, 8), (64, 8)], head_dim=128, page=16,
-                dtype=jnp.bfloat16)
-TINY_GRID = dict(batch=[1, 4], context=[32, 128], heads=[(4, 2)],
-                 head_dim=32, page=16, dtype=jnp.float32)
+GPU_GRID = dict(
+    batch=[1, 8, 32, 64, 128, 256],
+    context=[128, 1024, 4096, 16384, 32768],
+    heads=[(32, 8), (64, 8)],
+    head_dim=128,
+    page=16,
+    dtype=jnp.bfloat16,
+)
+TINY_GRID = dict(batch=[1, 4], context=[32, 128], heads=[(4, 2)], head_dim=32, page=16, dtype=jnp.float32)
 
 
 def time_call(fn, *args, iters):
-  """Mean seconds per call after warm-up (compile) calls."""
-  for _ in range(2):
-    jax.block_until_ready(fn(*args))
-  start = time.perf_counter()
-  for _ in range(iters):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - start) / iters
+    """Mean seconds per call after warm-up (compile) calls."""
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(iters):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / iters
 
 
 def copy_bandwidth(nbytes, iters):
-  """Device-to-device copy rate in bytes/s (read + write counted)."""
-  x = jnp.zeros((nbytes // 4,), jnp.float32)
-  sec = time_call(jax.jit(lambda a: a + 1.0), x, iters=iters)
-  return 2 * x.nbytes / sec
+    """Device-to-device copy rate in bytes/s (read + write counted)."""
+    x = jnp.zeros((nbytes // 4,), jnp.float32)
+    sec = time_call(jax.jit(lambda a: a + 1.0), x, iters=iters)
+    return 2 * x.nbytes / sec
 
 
 def contiguous_attention(q, k, v, lens):
-  """q [B, H, d]; k, v [B, kvh, L, d]; dense masked softmax attention."""
-  b, h, d = q.shape
-  kvh, length = k.shape[1], k.shape[2]
-  qg = q.reshape(b, kvh, h // kvh, d)
-  s = jnp.einsum("bkgd,bkld->bkgl", qg, k,
-                 preferred_element_type=jnp.float32) / jnp.sqrt(d)
-  s = jnp.where(jnp.arange(length) < lens[:, None, None, None], s, -jnp.inf)
-  p = jax.nn.softmax(s, axis=-1)
-  o = jnp.einsum("bkgl,bkld->bkgd", p.astype(v.dtype), v,
-                 preferred_element_type=jnp.float32)
-  return o.reshape(b, h, d).astype(q.dtype)
+    """q [B, H, d]; k, v [B, kvh, L, d]; dense masked softmax attention."""
+    b, h, d = q.shape
+    kvh, length = k.shape[1], k.shape[2]
+    qg = q.reshape(b, kvh, h // kvh, d)
+    s = jnp.einsum("bkgd,bkld->bkgl", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(d)
+    s = jnp.where(jnp.arange(length) < lens[:, None, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgl,bkld->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, h, d).astype(q.dtype)
 
 
 def jax_peer(interpret, pages_per_seq):
-  """jax's bundled Triton paged attention, or None (with the reason)."""
-  try:
-    from jax.experimental.pallas.ops.gpu import paged_attention as peer
-  except ImportError as e:
-    return None, f"import failed: {e}"
-  splits = min(16, pages_per_seq & -pages_per_seq)  # largest pow2 divisor
-  per_part = pages_per_seq // splits
-  per_block = min(8, per_part & -per_part)
+    """jax's bundled Triton paged attention, or None (with the reason)."""
+    try:
+        from jax.experimental.pallas.ops.gpu import paged_attention as peer
+    except ImportError as e:
+        return None, f"import failed: {e}"
+    splits = min(16, pages_per_seq & -pages_per_seq)  # largest pow2 divisor
+    per_part = pages_per_seq // splits
+    per_block = min(8, per_part & -per_part)
 
-  def run(q, k_pages, v_pages, tables, lens):
-    return peer.paged_attention(q, k_pages, v_pages, tables, lens,
-                                k_splits=splits,
-                                pages_per_compute_block=per_block,
-                                interpret=interpret)
-  return jax.jit(run), None
+    def run(q, k_pages, v_pages, tables, lens):
+        return peer.paged_attention(
+            q, k_pages, v_pages, tables, lens, k_splits=splits, pages_per_compute_block=per_block, interpret=interpret
+        )
+
+    return jax.jit(run), None
 
 
 def make_inputs(key, batch, context, heads, kv_heads, head_dim, page, dtype):
-  pages_per_seq = context // page
-  num_pages = batch * pages_per_seq
-  kq, kk, kv, kp = jax.random.split(key, 4)
-  shape = (kv_heads, num_pages, page, head_dim)
-  k_pages = jax.random.normal(kk, shape, dtype)
-  v_pages = jax.random.normal(kv, shape, dtype)
-  q = jax.random.normal(kq, (batch, heads, head_dim), dtype)
-  tables = jax.random.permutation(kp, num_pages).reshape(batch, pages_per_seq)
-  lens = jnp.full((batch,), context, jnp.int32)
-  return q, k_pages, v_pages, tables.astype(jnp.int32), lens
+    pages_per_seq = context // page
+    num_pages = batch * pages_per_seq
+    kq, kk, kv, kp = jax.random.split(key, 4)
+    shape = (kv_heads, num_pages, page, head_dim)
+    k_pages = jax.random.normal(kk, shape, dtype)
+    v_pages = jax.random.normal(kv, shape, dtype)
+    q = jax.random.normal(kq, (batch, heads, head_dim), dtype)
+    tables = jax.random.permutation(kp, num_pages).reshape(batch, pages_per_seq)
+    lens = jnp.full((batch,), context, jnp.int32)
+    return q, k_pages, v_pages, tables.astype(jnp.int32), lens
 
 
 def bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters):
-  head_dim, page, dtype = grid["head_dim"], grid["page"], grid["dtype"]
-  q, k_pages, v_pages, tables, lens = make_inputs(
-      jax.random.PRNGKey(batch * 7 + context), batch, context, heads,
-      kv_heads, head_dim, page, dtype)
-  gathered = jax.jit(lambda p, t: p[:, t].reshape(
-      kv_heads, batch, context, head_dim).transpose(1, 0, 2, 3))
-  k_dense, v_dense = gathered(k_pages, tables), gathered(v_pages, tables)
-  interpret = not on_gpu
-  impls = {
-      "pallas": (jax.jit(lambda *a: pk.paged_attention(*a, interpret=interpret)),
-                 (q, k_pages, v_pages, tables, lens)),
-      "xla": (jax.jit(pk.paged_attention_xla), (q, k_pages, v_pages, tables, lens)),
-      "contiguous": (jax.jit(contiguous_attention), (q, k_dense, v_dense, lens)),
-  }
-  peer, why = jax_peer(interpret, context // page)
-  if peer is not None:
-    impls["jax_peer"] = (peer, (q, k_pages, v_pages, tables, lens))
-  results = {}
-  for name, (fn, args) in impls.items():
-    try:
-      results[name] = time_call(fn, *args, iters=iters)
-    except Exception as e:  # a peer failing must not stop the table
-      results[name] = f"failed: {type(e).__name__}"
-  if why:
-    results["jax_peer"] = why
-  del k_dense, v_dense, k_pages, v_pages
-  return results
+    head_dim, page, dtype = grid["head_dim"], grid["page"], grid["dtype"]
+    q, k_pages, v_pages, tables, lens = make_inputs(
+        jax.random.PRNGKey(batch * 7 + context), batch, context, heads, kv_heads, head_dim, page, dtype
+    )
+    gathered = jax.jit(lambda p, t: p[:, t].reshape(kv_heads, batch, context, head_dim).transpose(1, 0, 2, 3))
+    k_dense, v_dense = gathered(k_pages, tables), gathered(v_pages, tables)
+    interpret = not on_gpu
+    impls = {
+        "pallas": (
+            jax.jit(lambda *a: pk.paged_attention(*a, interpret=interpret)),
+            (q, k_pages, v_pages, tables, lens),
+        ),
+        "xla": (jax.jit(pk.paged_attention_xla), (q, k_pages, v_pages, tables, lens)),
+        "contiguous": (jax.jit(contiguous_attention), (q, k_dense, v_dense, lens)),
+    }
+    peer, why = jax_peer(interpret, context // page)
+    if peer is not None:
+        impls["jax_peer"] = (peer, (q, k_pages, v_pages, tables, lens))
+    results = {}
+    for name, (fn, args) in impls.items():
+        try:
+            results[name] = time_call(fn, *args, iters=iters)
+        except Exception as e:  # a peer failing must not stop the table
+            results[name] = f"failed: {type(e).__name__}"
+    if why:
+        results["jax_peer"] = why
+    del k_dense, v_dense, k_pages, v_pages
+    return results
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--tiny", action="store_true",
-                      help="tiny grid (default when no GPU is present)")
-  parser.add_argument("--iters", type=int, default=None)
-  parser.add_argument("--max-tokens", type=int, default=1 << 21,
-                      help="skip points with batch * context above this")
-  args = parser.parse_args(argv)
-  on_gpu = jax.default_backend() == "gpu"
-  tiny = args.tiny or not on_gpu
-  grid = TINY_GRID if tiny else GPU_GRID
-  iters = args.iters or (2 if tiny else 20)
-  copy_bw = copy_bandwidth((1 << 20) if tiny else (1 << 30), iters)
-  itemsize = jnp.dtype(grid["dtype"]).itemsize
-  print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind}"
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny grid (default when no GPU is present)")
+    parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=1 << 21, help="skip points with batch * context above this")
+    args = parser.parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    tiny = args.tiny or not on_gpu
+    grid = TINY_GRID if tiny else GPU_GRID
+    iters = args.iters or (2 if tiny else 20)
+    copy_bw = copy_bandwidth((1 << 20) if tiny else (1 << 30), iters)
+    itemsize = jnp.dtype(grid["dtype"]).itemsize
+    print(
+        f"backend={jax.default_backend()} device={jax.devices()[0].device_kind}"
         f" dtype={jnp.dtype(grid['dtype']).name} head_dim={grid['head_dim']}"
         f" page={grid['page']} copy={copy_bw / 1e9:.1f} GB/s"
-        f"{' (pallas in interpret mode)' if not on_gpu else ''}\n")
-  print("| batch | context | heads/kv | impl | µs | GB/s | % copy |")
-  print("|---|---|---|---|---|---|---|")
-  rows = []
-  for heads, kv_heads in grid["heads"]:
-    for batch in grid["batch"]:
-      for context in grid["context"]:
-        if batch * context > args.max_tokens:
-          continue
-        kv_bytes = 2 * batch * context * kv_heads * grid["head_dim"] * itemsize
-        res = bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters)
-        for impl, sec in res.items():
-          row = dict(batch=batch, context=context, heads=heads,
-                     kv_heads=kv_heads, impl=impl, seconds=sec)
-          rows.append(row)
-          if isinstance(sec, str):
-            cells = f"{sec} | | "
-          else:
-            rate = kv_bytes / sec
-            cells = f"{sec * 1e6:.1f} | {rate / 1e9:.1f} | {100 * rate / copy_bw:.0f}"
-          print(f"| {batch} | {context} | {heads}/{kv_heads} | {impl} | {cells} |",
-                flush=True)
-  return rows
+        f"{' (pallas in interpret mode)' if not on_gpu else ''}\n"
+    )
+    print("| batch | context | heads/kv | impl | µs | GB/s | % copy |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for heads, kv_heads in grid["heads"]:
+        for batch in grid["batch"]:
+            for context in grid["context"]:
+                if batch * context > args.max_tokens:
+                    continue
+                kv_bytes = 2 * batch * context * kv_heads * grid["head_dim"] * itemsize
+                res = bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters)
+                for impl, sec in res.items():
+                    row = dict(batch=batch, context=context, heads=heads, kv_heads=kv_heads, impl=impl, seconds=sec)
+                    rows.append(row)
+                    if isinstance(sec, str):
+                        cells = f"{sec} | | "
+                    else:
+                        rate = kv_bytes / sec
+                        cells = f"{sec * 1e6:.1f} | {rate / 1e9:.1f} | {100 * rate / copy_bw:.0f}"
+                    print(f"| {batch} | {context} | {heads}/{kv_heads} | {impl} | {cells} |", flush=True)
+    return rows
 
 
 if __name__ == "__main__":
-  main()
+    main()

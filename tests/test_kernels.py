@@ -6,6 +6,7 @@ Unused table entries hold garbage (negative, out of range, huge), and every
 page slot that no sequence owns holds NaN: any read of a slot that should be
 masked shows up as NaN in the output.
 """
+
 import functools
 import importlib.util
 import warnings
@@ -27,67 +28,66 @@ rng = np.random.default_rng()
 
 # ---------------------------------------------------------------- fixtures --
 def make_cache(lens, num_kv_heads, page_size, head_dim, dtype):
-  """Random pages + shuffled block tables for sequences of the given lengths.
+    """Random pages + shuffled block tables for sequences of the given lengths.
 
-  Returns jnp (k_pages, v_pages, block_tables) and the float64 copies of the
-  pages (with NaN in every slot no sequence owns)."""
-  blocks = [-(-n // page_size) for n in lens]
-  width = max(blocks + [1]) + 1  # one always-garbage column
-  num_pages = sum(blocks) + 3  # spare pages nobody owns
-  owner = rng.permutation(num_pages)
-  tables = rng.integers(-3, 3 * num_pages, size=(len(lens), width))
-  tables[rng.random(tables.shape) < 0.2] = 2**30
-  shape = (num_kv_heads, num_pages, page_size, head_dim)
-  k = rng.standard_normal(shape)
-  v = rng.standard_normal(shape)
-  owned = np.zeros((num_pages, page_size), bool)
-  nxt = 0
-  for s, n in enumerate(lens):
-    for b in range(blocks[s]):
-      page = owner[nxt]
-      nxt += 1
-      tables[s, b] = page
-      owned[page, : min(page_size, n - b * page_size)] = True
-  k[:, ~owned] = np.nan
-  v[:, ~owned] = np.nan
-  k_j = jnp.asarray(k, dtype)
-  v_j = jnp.asarray(v, dtype)
-  return (k_j, v_j, jnp.asarray(tables, jnp.int32),
-          np.asarray(k_j, np.float64), np.asarray(v_j, np.float64))
+    Returns jnp (k_pages, v_pages, block_tables) and the float64 copies of the
+    pages (with NaN in every slot no sequence owns)."""
+    blocks = [-(-n // page_size) for n in lens]
+    width = max(blocks + [1]) + 1  # one always-garbage column
+    num_pages = sum(blocks) + 3  # spare pages nobody owns
+    owner = rng.permutation(num_pages)
+    tables = rng.integers(-3, 3 * num_pages, size=(len(lens), width))
+    tables[rng.random(tables.shape) < 0.2] = 2**30
+    shape = (num_kv_heads, num_pages, page_size, head_dim)
+    k = rng.standard_normal(shape)
+    v = rng.standard_normal(shape)
+    owned = np.zeros((num_pages, page_size), bool)
+    nxt = 0
+    for s, n in enumerate(lens):
+        for b in range(blocks[s]):
+            page = owner[nxt]
+            nxt += 1
+            tables[s, b] = page
+            owned[page, : min(page_size, n - b * page_size)] = True
+    k[:, ~owned] = np.nan
+    v[:, ~owned] = np.nan
+    k_j = jnp.asarray(k, dtype)
+    v_j = jnp.asarray(v, dtype)
+    return (k_j, v_j, jnp.asarray(tables, jnp.int32), np.asarray(k_j, np.float64), np.asarray(v_j, np.float64))
 
 
 def gather_seq(pages64, table, n):
-  """[kvh, P, ps, d] -> the first n tokens of one sequence, [kvh, n, d]."""
-  ps = pages64.shape[2]
-  pos = np.arange(n)
-  return pages64[:, table[pos // ps], pos % ps]
+    """[kvh, P, ps, d] -> the first n tokens of one sequence, [kvh, n, d]."""
+    ps = pages64.shape[2]
+    pos = np.arange(n)
+    return pages64[:, table[pos // ps], pos % ps]
 
 
 def attend(q, k, v, scale):
-  """q [H, d] over k, v [kvh, n, d] (GQA) in float64."""
-  heads = q.shape[0]
-  group = heads // k.shape[0]
-  out = np.zeros_like(q)
-  if k.shape[1] == 0:
+    """q [H, d] over k, v [kvh, n, d] (GQA) in float64."""
+    heads = q.shape[0]
+    group = heads // k.shape[0]
+    out = np.zeros_like(q)
+    if k.shape[1] == 0:
+        return out
+    for h in range(heads):
+        s = k[h // group] @ q[h] * scale
+        p = np.exp(s - s.max())
+        out[h] = p @ v[h // group] / p.sum()
     return out
-  for h in range(heads):
-    s = k[h // group] @ q[h] * scale
-    p = np.exp(s - s.max())
-    out[h] = p @ v[h // group] / p.sum()
-  return out
 
 
 def check_close(out, ref, dtype_name, label):
-  out = np.asarray(out.astype(jnp.float32), np.float64)
-  assert not np.isnan(out).any(), f"{label}: NaN in output"
-  err = np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-6)
-  print(f"{label}: max rel err {err:.2e}")
-  assert err <= TOL[dtype_name], f"{label}: rel err {err:.2e}"
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    assert not np.isnan(out).any(), f"{label}: NaN in output"
+    err = np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-6)
+    print(f"{label}: max rel err {err:.2e}")
+    assert err <= TOL[dtype_name], f"{label}: rel err {err:.2e}"
 
 
 def random_q(shape, dtype):
-  q = jnp.asarray(rng.standard_normal(shape), dtype)
-  return q, np.asarray(q, np.float64)
+    q = jnp.asarray(rng.standard_normal(shape), dtype)
+    return q, np.asarray(q, np.float64)
 
 
 # ------------------------------------------------------------------ decode --
@@ -104,63 +104,79 @@ DECODE_CASES = [
 
 
 def decode_lens(page):
-  return [1, page - 1, page, page + 1, 0, 20 * page + 3]
+    return [1, page - 1, page, page + 1, 0, 20 * page + 3]
 
 
 @pytest.mark.parametrize("impl", ["xla", "interpret"])
 @pytest.mark.parametrize("case", DECODE_CASES, ids=str)
 def test_paged_attention(impl, case):
-  dtype_name, page, heads, kv_heads, head_dim, splits = case
-  dtype = DTYPES[dtype_name]
-  lens = decode_lens(page)
-  k, v, tables, k64, v64 = make_cache(lens, kv_heads, page, head_dim, dtype)
-  q, q64 = random_q((len(lens), heads, head_dim), dtype)
-  scale = 0.7 / np.sqrt(head_dim)
-  if impl == "xla":
-    out = pk.paged_attention_xla(q, k, v, tables, jnp.asarray(lens), scale=scale)
-  else:
-    out = pk.paged_attention(q, k, v, tables, jnp.asarray(lens, jnp.int32),
-                             scale=scale, interpret=True, num_splits=splits)
-  assert out.shape == q.shape and out.dtype == q.dtype
-  tables_np = np.asarray(tables)
-  ref = np.stack([
-      attend(q64[s], gather_seq(k64, tables_np[s], n),
-             gather_seq(v64, tables_np[s], n), scale)
-      for s, n in enumerate(lens)])
-  check_close(out, ref, dtype_name, f"{impl} {case} lens={lens}")
+    dtype_name, page, heads, kv_heads, head_dim, splits = case
+    dtype = DTYPES[dtype_name]
+    lens = decode_lens(page)
+    k, v, tables, k64, v64 = make_cache(lens, kv_heads, page, head_dim, dtype)
+    q, q64 = random_q((len(lens), heads, head_dim), dtype)
+    scale = 0.7 / np.sqrt(head_dim)
+    if impl == "xla":
+        out = pk.paged_attention_xla(q, k, v, tables, jnp.asarray(lens), scale=scale)
+    else:
+        out = pk.paged_attention(
+            q, k, v, tables, jnp.asarray(lens, jnp.int32), scale=scale, interpret=True, num_splits=splits
+        )
+    assert out.shape == q.shape and out.dtype == q.dtype
+    tables_np = np.asarray(tables)
+    ref = np.stack(
+        [
+            attend(q64[s], gather_seq(k64, tables_np[s], n), gather_seq(v64, tables_np[s], n), scale)
+            for s, n in enumerate(lens)
+        ]
+    )
+    check_close(out, ref, dtype_name, f"{impl} {case} lens={lens}")
 
 
 def test_paged_attention_default_scale_and_dispatch():
-  lens = [3, 20]
-  k, v, tables, k64, v64 = make_cache(lens, 2, 8, 64, jnp.float32)
-  q, q64 = random_q((2, 4, 64), jnp.float32)
-  out = pk.paged_attention(q, k, v, tables, jnp.asarray(lens, jnp.int32))
-  ref = np.stack([attend(q64[s], gather_seq(k64, np.asarray(tables)[s], n),
-                         gather_seq(v64, np.asarray(tables)[s], n), 1 / 8)
-                  for s, n in enumerate(lens)])
-  check_close(out, ref, "f32", "default scale, interpret=None")
+    lens = [3, 20]
+    k, v, tables, k64, v64 = make_cache(lens, 2, 8, 64, jnp.float32)
+    q, q64 = random_q((2, 4, 64), jnp.float32)
+    out = pk.paged_attention(q, k, v, tables, jnp.asarray(lens, jnp.int32))
+    ref = np.stack(
+        [
+            attend(q64[s], gather_seq(k64, np.asarray(tables)[s], n), gather_seq(v64, np.asarray(tables)[s], n), 1 / 8)
+            for s, n in enumerate(lens)
+        ]
+    )
+    check_close(out, ref, "f32", "default scale, interpret=None")
 
 
 def test_paged_attention_auto_split_k():
-  """Few sequences and a long table: the default picks split-K."""
-  lens = [300, 2]
-  assert auto_num_splits(2, 300 // 8 + 2, 8) > 1
-  k, v, tables, k64, v64 = make_cache(lens, 1, 8, 64, jnp.float32)
-  q, q64 = random_q((2, 2, 64), jnp.float32)
-  out = pk.paged_attention(q, k, v, tables, jnp.asarray(lens, jnp.int32),
-                           interpret=True)
-  ref = np.stack([attend(q64[s], gather_seq(k64, np.asarray(tables)[s], n),
-                         gather_seq(v64, np.asarray(tables)[s], n), 1 / 8)
-                  for s, n in enumerate(lens)])
-  check_close(out, ref, "f32", "auto split-K")
+    """Few sequences and a long table: the default picks split-K."""
+    lens = [300, 2]
+    assert auto_num_splits(2, 300 // 8 + 2, 8) > 1
+    k, v, tables, k64, v64 = make_cache(lens, 1, 8, 64, jnp.float32)
+    q, q64 = random_q((2, 2, 64), jnp.float32)
+    out = pk.paged_attention(q, k, v, tables, jnp.asarray(lens, jnp.int32), interpret=True)
+    ref = np.stack(
+        [
+            attend(q64[s], gather_seq(k64, np.asarray(tables)[s], n), gather_seq(v64, np.asarray(tables)[s], n), 1 / 8)
+            for s, n in enumerate(lens)
+        ]
+    )
+    check_close(out, ref, "f32", "auto split-K")
 
 
 # ------------------------------------------------------------------ prefill --
 # Each sequence is (context_len, q_len): fresh prompts, chunks starting
 # mid-page and on a page boundary, q_len 1 next to long ones, empty rows.
 def prefill_seqs(page):
-  return [(5, 5), (3 * page + 5, 2 * page + 3), (2 * page, page), (page + 1, 1),
-          (0, 0), (page - 1, page - 1), (4 * page, 1), (page + 2, page + 2)]
+    return [
+        (5, 5),
+        (3 * page + 5, 2 * page + 3),
+        (2 * page, page),
+        (page + 1, 1),
+        (0, 0),
+        (page - 1, page - 1),
+        (4 * page, 1),
+        (page + 2, page + 2),
+    ]
 
 
 # (dtype, page, heads, kv_heads, head_dim, pad_tokens, q_tile); q_tile
@@ -175,129 +191,127 @@ PREFILL_CASES = [
 
 
 def run_prefill(impl, case, seqs):
-  dtype_name, page, heads, kv_heads, head_dim, pad_tokens, q_tile = case
-  dtype = DTYPES[dtype_name]
-  ctx = [c for c, _ in seqs]
-  qlens = [n for _, n in seqs]
-  qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
-  num_tokens = int(qsl[-1]) + pad_tokens
-  k, v, tables, k64, v64 = make_cache(ctx, kv_heads, page, head_dim, dtype)
-  q, q64 = random_q((num_tokens, heads, head_dim), dtype)
-  args = (q, k, v, tables, jnp.asarray(ctx, jnp.int32), jnp.asarray(qsl))
-  if impl == "xla":
-    out = pk.ragged_paged_attention_xla(*args)
-  else:
-    out = ragged_paged_attention_pallas(*args, interpret=True, q_tile=q_tile)
-  assert out.shape == q.shape and out.dtype == q.dtype
-  ref = np.zeros_like(q64)
-  tables_np = np.asarray(tables)
-  scale = 1 / np.sqrt(head_dim)
-  for s, (c, n) in enumerate(seqs):
-    kk = gather_seq(k64, tables_np[s], c)
-    vv = gather_seq(v64, tables_np[s], c)
-    for j in range(n):
-      pos = c - n + j
-      t = qsl[s] + j
-      ref[t] = attend(q64[t], kk[:, : pos + 1], vv[:, : pos + 1], scale)
-  check_close(out, ref, dtype_name, f"{impl} {case} seqs={seqs}")
+    dtype_name, page, heads, kv_heads, head_dim, pad_tokens, q_tile = case
+    dtype = DTYPES[dtype_name]
+    ctx = [c for c, _ in seqs]
+    qlens = [n for _, n in seqs]
+    qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    num_tokens = int(qsl[-1]) + pad_tokens
+    k, v, tables, k64, v64 = make_cache(ctx, kv_heads, page, head_dim, dtype)
+    q, q64 = random_q((num_tokens, heads, head_dim), dtype)
+    args = (q, k, v, tables, jnp.asarray(ctx, jnp.int32), jnp.asarray(qsl))
+    if impl == "xla":
+        out = pk.ragged_paged_attention_xla(*args)
+    else:
+        out = ragged_paged_attention_pallas(*args, interpret=True, q_tile=q_tile)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = np.zeros_like(q64)
+    tables_np = np.asarray(tables)
+    scale = 1 / np.sqrt(head_dim)
+    for s, (c, n) in enumerate(seqs):
+        kk = gather_seq(k64, tables_np[s], c)
+        vv = gather_seq(v64, tables_np[s], c)
+        for j in range(n):
+            pos = c - n + j
+            t = qsl[s] + j
+            ref[t] = attend(q64[t], kk[:, : pos + 1], vv[:, : pos + 1], scale)
+    check_close(out, ref, dtype_name, f"{impl} {case} seqs={seqs}")
 
 
 @pytest.mark.parametrize("impl", ["xla", "interpret"])
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=str)
 def test_ragged_paged_attention(impl, case):
-  seqs = prefill_seqs(case[1])
-  order = rng.permutation(len(seqs))
-  run_prefill(impl, case, [seqs[i] for i in order])
+    seqs = prefill_seqs(case[1])
+    order = rng.permutation(len(seqs))
+    run_prefill(impl, case, [seqs[i] for i in order])
 
 
 def test_ragged_paged_attention_single_long_prompt():
-  run_prefill("xla", ("f32", 16, 4, 2, 64, 0, None), [(150, 150)])
+    run_prefill("xla", ("f32", 16, 4, 2, 64, 0, None), [(150, 150)])
 
 
 def test_ragged_paged_attention_dispatch_all_padding():
-  """Public entry point, interpret=None; a batch with no real tokens."""
-  k, v, tables, _, _ = make_cache([0, 0], 2, 8, 64, jnp.float32)
-  q = jnp.full((6, 4, 64), jnp.nan, jnp.float32)
-  out = pk.ragged_paged_attention(q, k, v, tables, jnp.zeros(2, jnp.int32),
-                                  jnp.zeros(3, jnp.int32))
-  np.testing.assert_array_equal(np.asarray(out), 0.0)
+    """Public entry point, interpret=None; a batch with no real tokens."""
+    k, v, tables, _, _ = make_cache([0, 0], 2, 8, 64, jnp.float32)
+    q = jnp.full((6, 4, 64), jnp.nan, jnp.float32)
+    out = pk.ragged_paged_attention(q, k, v, tables, jnp.zeros(2, jnp.int32), jnp.zeros(3, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(out), 0.0)
 
 
 # -------------------------------------------------------------- cache ops --
 def test_write_kv():
-  kvh, pages, page, d, tokens = 2, 6, 8, 16, 20
-  k_pages = jnp.asarray(rng.standard_normal((kvh, pages, page, d)), jnp.bfloat16)
-  v_pages = jnp.asarray(rng.standard_normal((kvh, pages, page, d)), jnp.bfloat16)
-  slots = rng.permutation(pages * page)[:tokens]
-  slots[rng.random(tokens) < 0.3] = -1
-  k = jnp.asarray(rng.standard_normal((tokens, kvh, d)), jnp.float32)
-  v = jnp.asarray(rng.standard_normal((tokens, kvh, d)), jnp.float32)
-  new_k, new_v = pk.write_kv(k_pages, v_pages, k, v, jnp.asarray(slots, jnp.int32))
-  for old, new, src in ((k_pages, new_k, k), (v_pages, new_v, v)):
-    expect = np.asarray(old).reshape(kvh, pages * page, d).copy()
-    live = slots >= 0
-    expect[:, slots[live]] = np.swapaxes(np.asarray(src.astype(old.dtype)), 0, 1)[:, live]
-    got = np.asarray(new).reshape(kvh, pages * page, d)
-    assert new.dtype == old.dtype
-    np.testing.assert_array_equal(got, expect)
+    kvh, pages, page, d, tokens = 2, 6, 8, 16, 20
+    k_pages = jnp.asarray(rng.standard_normal((kvh, pages, page, d)), jnp.bfloat16)
+    v_pages = jnp.asarray(rng.standard_normal((kvh, pages, page, d)), jnp.bfloat16)
+    slots = rng.permutation(pages * page)[:tokens]
+    slots[rng.random(tokens) < 0.3] = -1
+    k = jnp.asarray(rng.standard_normal((tokens, kvh, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((tokens, kvh, d)), jnp.float32)
+    new_k, new_v = pk.write_kv(k_pages, v_pages, k, v, jnp.asarray(slots, jnp.int32))
+    for old, new, src in ((k_pages, new_k, k), (v_pages, new_v, v)):
+        expect = np.asarray(old).reshape(kvh, pages * page, d).copy()
+        live = slots >= 0
+        expect[:, slots[live]] = np.swapaxes(np.asarray(src.astype(old.dtype)), 0, 1)[:, live]
+        got = np.asarray(new).reshape(kvh, pages * page, d)
+        assert new.dtype == old.dtype
+        np.testing.assert_array_equal(got, expect)
 
 
 def test_write_kv_donated_in_place():
-  k_pages = jnp.zeros((1, 4, 4, 8))
-  v_pages = jnp.zeros((1, 4, 4, 8))
-  step = jax.jit(pk.write_kv, donate_argnums=(0, 1))
-  x = jnp.ones((2, 1, 8))
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    new_k, _ = step(k_pages, v_pages, x, x, jnp.asarray([5, -1], jnp.int32))
-  assert float(new_k.sum()) == 8.0
+    k_pages = jnp.zeros((1, 4, 4, 8))
+    v_pages = jnp.zeros((1, 4, 4, 8))
+    step = jax.jit(pk.write_kv, donate_argnums=(0, 1))
+    x = jnp.ones((2, 1, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new_k, _ = step(k_pages, v_pages, x, x, jnp.asarray([5, -1], jnp.int32))
+    assert float(new_k.sum()) == 8.0
 
 
 def test_copy_blocks():
-  kvh, pages, page, d = 2, 10, 4, 8
-  k_pages = jnp.asarray(rng.standard_normal((kvh, pages, page, d)), jnp.float32)
-  v_pages = jnp.asarray(rng.standard_normal((kvh, pages, page, d)), jnp.float32)
-  perm = rng.permutation(pages)
-  src, dst = perm[:4].copy(), perm[4:8].copy()
-  src[2] = -1  # padding pair
-  new_k, new_v = pk.copy_blocks(k_pages, v_pages, jnp.asarray(src, jnp.int32),
-                                jnp.asarray(dst, jnp.int32))
-  for old, new in ((k_pages, new_k), (v_pages, new_v)):
-    expect = np.asarray(old).copy()
-    for s, t in zip(src, dst):
-      if s >= 0:
-        expect[:, t] = expect[:, s]
-    np.testing.assert_array_equal(np.asarray(new), expect)
+    kvh, pages, page, d = 2, 10, 4, 8
+    k_pages = jnp.asarray(rng.standard_normal((kvh, pages, page, d)), jnp.float32)
+    v_pages = jnp.asarray(rng.standard_normal((kvh, pages, page, d)), jnp.float32)
+    perm = rng.permutation(pages)
+    src, dst = perm[:4].copy(), perm[4:8].copy()
+    src[2] = -1  # padding pair
+    new_k, new_v = pk.copy_blocks(k_pages, v_pages, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
+    for old, new in ((k_pages, new_k), (v_pages, new_v)):
+        expect = np.asarray(old).copy()
+        for s, t in zip(src, dst):
+            if s >= 0:
+                expect[:, t] = expect[:, s]
+        np.testing.assert_array_equal(np.asarray(new), expect)
 
 
 # ------------------------------------------------- GPU lowering, benchmark --
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kernels_lower_to_triton(dtype):
-  """No GPU needed: lowering for CUDA emits the Triton IR, which catches
-  unsupported primitives and non-power-of-two block shapes."""
-  def shapes(*specs):
-    return [jax.ShapeDtypeStruct(s, t) for s, t in specs]
-  pages = ((8, 50, 16, 80), dtype)
-  decode = shapes(((3, 24, 80), dtype), pages, pages, ((3, 9), jnp.int32),
-                  ((3,), jnp.int32))
-  prefill = shapes(((40, 24, 80), dtype), pages, pages, ((3, 9), jnp.int32),
-                   ((3,), jnp.int32), ((4,), jnp.int32))
-  for fn, args in ((pk.paged_attention, decode),
-                   (pk.ragged_paged_attention, prefill)):
-    lowered = jax.jit(functools.partial(fn, interpret=False)).trace(*args)
-    try:
-      text = lowered.lower(lowering_platforms=("cuda",)).as_text()
-    except RuntimeError as e:  # newer jaxlib compiles the emitted IR at once
-      assert "Triton compilation handler" in str(e), e
-      continue
-    assert "triton" in text
+    """No GPU needed: lowering for CUDA emits the Triton IR, which catches
+    unsupported primitives and non-power-of-two block shapes."""
+
+    def shapes(*specs):
+        return [jax.ShapeDtypeStruct(s, t) for s, t in specs]
+
+    pages = ((8, 50, 16, 80), dtype)
+    decode = shapes(((3, 24, 80), dtype), pages, pages, ((3, 9), jnp.int32), ((3,), jnp.int32))
+    prefill = shapes(((40, 24, 80), dtype), pages, pages, ((3, 9), jnp.int32), ((3,), jnp.int32), ((4,), jnp.int32))
+    for fn, args in ((pk.paged_attention, decode), (pk.ragged_paged_attention, prefill)):
+        lowered = jax.jit(functools.partial(fn, interpret=False)).trace(*args)
+        try:
+            text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+        except RuntimeError as e:  # newer jaxlib compiles the emitted IR at once
+            assert "Triton compilation handler" in str(e), e
+            continue
+        assert "triton" in text
 
 
 def test_bench_tiny_runs():
-  spec = importlib.util.spec_from_file_location(
-      "bench_kernels", Path(__file__).parents[1] / "scripts/bench_kernels.py")
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
-  rows = bench.main(["--tiny", "--iters", "1", "--max-tokens", "32"])
-  timed = [r for r in rows if not isinstance(r["seconds"], str)]
-  assert {r["impl"] for r in timed} >= {"pallas", "xla", "contiguous"}
+    spec = importlib.util.spec_from_file_location(
+        "bench_kernels", Path(__file__).parents[1] / "scripts/bench_kernels.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--tiny", "--iters", "1", "--max-tokens", "32"])
+    timed = [r for r in rows if not isinstance(r["seconds"], str)]
+    assert {r["impl"] for r in timed} >= {"pallas", "xla", "contiguous"}
