@@ -240,7 +240,7 @@ class LLMEngine:
         completions = [CompletionOutput(
             index=i, text=s.output_text, token_ids=list(s.output_token_ids), cumulative_logprob=s.cumulative_logprob,
             logprobs=list(s.output_logprobs) if sp.logprobs is not None else None,
-            finish_reason=s.status.finish_reason, stop_reason=getattr(s, "stop_reason", None))
+            finish_reason=s.status.finish_reason, stop_reason=s.stop_reason)
             for i, s in enumerate(seqs)]
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished)
 
