@@ -14,11 +14,26 @@ LIMITS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, bloc
 def workload(rng, num):
     prompts = [rng.integers(0, 256, size=rng.integers(3, 120)).tolist() for _ in range(num)]
     max_tokens = rng.integers(4, 48, size=num).tolist()
-    return prompts, [jpaged.SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in max_tokens]
+    return prompts, [jpaged.SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True, logprobs=1)
+                     for m in max_tokens]
 
 
 def token_ids(outs):
     return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_same_greedy(reference, outs):
+    """Greedy outputs must be identical. Different batch shapes round fp32 differently (~1e-5), so
+    a divergence is tolerated only where the reference's top two tokens are a near-tie (logprob
+    gap < 1e-3: measured, 0.1% of the tiny model's steps); the rest of that sequence is then moot."""
+    for ref, out in zip(reference, outs):
+        ref_ids, ids = ref.outputs[0].token_ids, out.outputs[0].token_ids
+        assert len(ids) == len(ref_ids)
+        for step, (a, b) in enumerate(zip(ref_ids, ids)):
+            if a != b:
+                top2 = sorted(ref.outputs[0].logprobs[step].values(), reverse=True)[:2]
+                assert top2[0] - top2[1] < 1e-3, f"diverged at step {step} without a near-tie: {ref_ids} vs {ids}"
+                break
 
 
 def assert_all_blocks_free(llm):
@@ -48,15 +63,14 @@ def cramped_swap():
 
 def test_greedy_outputs_identical_under_batching_and_preemption(roomy, cramped_recompute, cramped_swap):
     prompts, params = workload(np.random.default_rng(), 14)
-    batched = token_ids(roomy.generate(prompts, params, use_tqdm=False))
-    assert [len(t) for t in batched] == [p.max_tokens for p in params]
-    alone = [roomy.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
-    assert batched == alone
+    batched = roomy.generate(prompts, params, use_tqdm=False)
+    assert [len(t) for t in token_ids(batched)] == [p.max_tokens for p in params]
+    assert_same_greedy(batched, [roomy.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)])
     assert_all_blocks_free(roomy)
 
     for llm in (cramped_recompute, cramped_swap):
         before = llm.stats()["num_preemptions"]
-        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == batched
+        assert_same_greedy(batched, llm.generate(prompts, params, use_tqdm=False))
         assert llm.stats()["num_preemptions"] > before
         assert_all_blocks_free(llm)
 
