@@ -1,4 +1,4 @@
-"""The built-in `tiny` model: a ~3.4M-parameter Llama with seeded weights and a byte-level
+"""The built-in `tiny` model: a 3.3M-parameter Llama with seeded weights and a byte-level
 tokenizer, so everything runs on a fresh machine with no files and no network.
 
 Its text is meaningless. Weights are drawn with a gain large enough that greedy choices are
