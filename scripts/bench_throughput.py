@@ -16,13 +16,15 @@ Backends:
   jpaged  jpaged.LLM(...).generate(token-id prompts, per-request SamplingParams(max_tokens=...,
           ignore_eos=True, temperature=0)); engine flags pass through.
   hf      Hugging Face transformers' continuous batching (the engine behind
-          `model.generate_batch`) on the same checkpoint and requests: torch, fp32 on CPU
-          (the checkpoint's dtype on CUDA), greedy, eos_token_id=-1 (no EOS). generate_batch()
+          `model.generate_batch`) on the same checkpoint and requests: torch (CUDA if available),
+          the checkpoint's dtype or --dtype, greedy, eos_token_id=-1 (no EOS). generate_batch()
           takes a single max_new_tokens for all prompts, so by default (--hf-api manager) we drive
           the same ContinuousBatchingManager it wraps (init_continuous_batching / warmup / start /
           add_request(max_new_tokens=per request) / get_result / stop) — exactly what
           generate_batch does, minus the single-length restriction. --hf-api generate_batch calls
-          generate_batch() itself and needs one output length (--output-len).
+          generate_batch() itself and needs one output length (--output-len). --hf-api static is
+          plain padded `model.generate` in batches of --hf-max-batch-size (the paper's / vLLM's HF
+          baseline); there only each request's requested tokens count as output.
   both    runs jpaged then hf on the same requests and prints the jpaged/hf ratios.
 
 Models: --model tiny (built in; for hf it is materialised into a temp dir), a local HF
@@ -66,17 +68,18 @@ MAX_PROMPT_LEN, MAX_TOTAL_LEN, MIN_LEN = 1024, 2048, 4
 # Random-Llama presets: LlamaConfig overrides. 25m ~= 25.2M parameters (fp32 on CPU);
 # 1b is Llama-3.2-1B-shaped and 8b Llama-3-8B-shaped (bf16, for GPUs).
 PRESETS = {
-    "25m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
-                intermediate_size=1344, vocab_size=259, max_position_embeddings=4096, rope_theta=10000.0,
-                tie_word_embeddings=False, dtype="float32"),
-    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-               intermediate_size=8192, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
-               tie_word_embeddings=True, dtype="bfloat16"),
-    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-               intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
-               tie_word_embeddings=False, dtype="bfloat16"),
+    "25m": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
+            "intermediate_size": 1344, "vocab_size": 259, "max_position_embeddings": 4096,
+            "rope_theta": 10000.0, "tie_word_embeddings": False, "dtype": "float32"},
+    "1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "intermediate_size": 8192, "vocab_size": 128256, "max_position_embeddings": 8192,
+           "rope_theta": 500000.0, "tie_word_embeddings": True, "dtype": "bfloat16"},
+    "8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 8192,
+           "rope_theta": 500000.0, "tie_word_embeddings": False, "dtype": "bfloat16"},
 }
 TINY_VOCAB = 259
+logger = logging.getLogger("bench_throughput")
 
 
 @dataclasses.dataclass
@@ -125,8 +128,8 @@ def build_random_llama(size: str, out_dir: str, seed: int, vocab_size: int | Non
         spec["vocab_size"] = vocab_size
     dtype = getattr(torch, spec.pop("dtype"))
     with_tokenizer = spec["vocab_size"] == TINY_VOCAB
-    special = dict(bos_token_id=256, eos_token_id=257, pad_token_id=258) if with_tokenizer else \
-        dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    special = {"bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258} if with_tokenizer else \
+        {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
     cfg = LlamaConfig(**spec, **special, rms_norm_eps=1e-5, initializer_range=0.02,
                       architectures=["LlamaForCausalLM"])
     torch.manual_seed(seed)
@@ -145,7 +148,7 @@ def build_random_llama(size: str, out_dir: str, seed: int, vocab_size: int | Non
         tiny_tokenizer().save_pretrained(out_dir)
     n = sum(p.numel() for p in model.parameters())
     del model
-    logging.info("random Llama %s: %.1fM parameters (%s) -> %s", size, n / 1e6, dtype, out_dir)
+    logger.info("random Llama %s: %.1fM parameters (%s) -> %s", size, n / 1e6, dtype, out_dir)
     return out_dir
 
 
@@ -176,8 +179,8 @@ def model_vocab_size(model: str) -> int:
 
 # ---------------------------------------------------------------------------------- backends
 def engine_kwargs(args) -> dict:
-    kw = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
-              tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager, seed=args.seed)
+    kw = {"block_size": args.block_size, "max_num_seqs": args.max_num_seqs, "dtype": args.dtype,
+          "tensor_parallel_size": args.tensor_parallel_size, "enforce_eager": args.enforce_eager, "seed": args.seed}
     for name in ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override", "swap_space",
                  "gpu_memory_utilization", "preemption_mode"):
         if getattr(args, name) is not None:
@@ -213,22 +216,25 @@ def run_jpaged(args, model: str, requests: list[Request]) -> dict:
     stats = llm.stats()
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     produced = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return dict(backend="jpaged", elapsed_s=elapsed, token_ids=tokens, init_s=init_s, warmup_s=warmup_s,
-                output_tokens=produced, engine=kw, jax_backend=jax.default_backend(), num_gpu_blocks=stats["num_gpu_blocks"],
-                num_preemptions=stats["num_preemptions"],
-                compilations_during_run=stats["num_compilations"] - compilations_before)
+    return {"backend": "jpaged", "elapsed_s": elapsed, "token_ids": tokens, "init_s": init_s, "warmup_s": warmup_s,
+            "output_tokens": produced, "engine": kw, "jax_backend": jax.default_backend(),
+            "num_gpu_blocks": stats["num_gpu_blocks"], "num_preemptions": stats["num_preemptions"],
+            "compilations_during_run": stats["num_compilations"] - compilations_before}
 
 
 def run_hf(args, model_dir: str, requests: list[Request]) -> dict:
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+    from transformers import (
+        AutoModelForCausalLM,
+        ContinuousBatchingConfig,
+        GenerationConfig,
+    )
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     device = "cuda" if torch.cuda.is_available() and not args.hf_cpu else "cpu"
-    dtype = torch.float32 if device == "cpu" else "auto"
-    if args.dtype not in (None, "auto"):
-        dtype = getattr(torch, args.dtype)
+    # The checkpoint's dtype (or --dtype), as jpaged uses: fp32 for the 25m preset, bf16 for 1b/8b.
+    dtype = "auto" if args.dtype in (None, "auto") else getattr(torch, args.dtype)
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=args.hf_attn).to(device)
     model.eval()
@@ -247,6 +253,8 @@ def run_hf(args, model_dir: str, requests: list[Request]) -> dict:
     inputs = [r.prompt_token_ids for r in requests]
     load_s = time.perf_counter() - t0
 
+    if args.hf_api == "static":
+        return run_hf_static(args, model, load_s, requests)
     if args.hf_api == "generate_batch":
         lens = {r.output_len for r in requests}
         if len(lens) != 1:
@@ -284,11 +292,43 @@ def run_hf(args, model_dir: str, requests: list[Request]) -> dict:
             manager.stop(block=True, timeout=30)
             manager.destroy()
         tokens = [list(results[f"r{i}"].generated_tokens) for i in range(len(requests))]
-    return dict(backend="hf", elapsed_s=elapsed, token_ids=tokens, init_s=load_s, warmup_s=warmup_s,
-                output_tokens=sum(len(t) for t in tokens),
-                device=device, dtype=str(model.dtype), attn_implementation=args.hf_attn, hf_api=args.hf_api,
-                torch_threads=torch.get_num_threads(), transformers=transformers.__version__,
-                continuous_batching_config={k: v for k, v in cb_kw.items()})
+    return {"backend": "hf", "elapsed_s": elapsed, "token_ids": tokens, "init_s": load_s, "warmup_s": warmup_s,
+            "output_tokens": sum(len(t) for t in tokens), "device": device, "dtype": str(model.dtype),
+            "attn_implementation": args.hf_attn, "hf_api": args.hf_api, "torch_threads": torch.get_num_threads(),
+            "transformers": transformers.__version__, "continuous_batching_config": dict(cb_kw)}
+
+
+def run_hf_static(args, model, load_s: float, requests: list[Request]) -> dict:
+    """Plain `model.generate` with static batches (the paper's HF baseline, and vLLM's `--backend hf`):
+    consecutive requests are grouped into batches of at most --hf-max-batch-size, left-padded, and
+    each batch generates max(output_len in batch) tokens (min_new_tokens = max_new_tokens, so EOS never
+    stops it). As in vLLM's benchmark_throughput, only the tokens each request asked for count as
+    output; the rest is the padding waste continuous batching removes."""
+    import torch
+
+    device = model.device
+    tokens, elapsed = [], 0.0
+    for start in range(0, len(requests), args.hf_max_batch_size):
+        batch = requests[start:start + args.hf_max_batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):
+            ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[i, width - len(r.prompt_token_ids):] = 1
+        new = max(r.output_len for r in batch)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                                 max_new_tokens=new, min_new_tokens=new, pad_token_id=0, use_cache=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed += time.perf_counter() - t0
+        tokens += [out[i, width:width + r.output_len].tolist() for i, r in enumerate(batch)]
+    return {"backend": "hf", "elapsed_s": elapsed, "token_ids": tokens, "init_s": load_s, "warmup_s": 0.0,
+            "output_tokens": sum(len(t) for t in tokens), "device": str(device), "dtype": str(model.dtype),
+            "attn_implementation": args.hf_attn, "hf_api": "static", "hf_max_batch_size": args.hf_max_batch_size,
+            "torch_threads": torch.get_num_threads()}
 
 
 def summarise(res: dict, requests: list[Request]) -> dict:
@@ -314,7 +354,8 @@ def print_summary(res: dict):
 
 # ---------------------------------------------------------------------------------- main
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=["jpaged", "hf", "both"], default="jpaged")
     p.add_argument("--model", default="tiny", help='"tiny" or a local HF checkpoint dir')
     p.add_argument("--random-llama", choices=sorted(PRESETS), help="benchmark a random Llama of this size instead")
@@ -344,7 +385,10 @@ def parse_args(argv=None):
     p.add_argument("--num-warmup-prompts", type=int, default=0,
                    help="jpaged: run the first N requests once, untimed, before the timed run")
     # hf flags
-    p.add_argument("--hf-api", choices=["manager", "generate_batch"], default="manager")
+    p.add_argument("--hf-api", choices=["manager", "generate_batch", "static"], default="manager",
+                   help="manager: continuous batching with per-request lengths (default); generate_batch: the "
+                        "one-call API (one output length); static: plain padded model.generate batches")
+    p.add_argument("--hf-max-batch-size", type=int, default=64, help="--hf-api static: requests per batch")
     p.add_argument("--hf-attn", default="sdpa", help='attn_implementation: "sdpa" or "paged|eager" (or flash on GPU)')
     p.add_argument("--hf-cpu", action="store_true", help="run hf on the CPU even if CUDA is available")
     p.add_argument("--hf-page-size", type=int)
@@ -368,7 +412,7 @@ def main(argv=None) -> dict:
             if not os.path.exists(os.path.join(model, "config.json")):
                 t0 = time.perf_counter()
                 build_random_llama(args.random_llama, model, args.seed, args.vocab_size)
-                logging.info("built in %.1f s", time.perf_counter() - t0)
+                logger.info("built in %.1f s", time.perf_counter() - t0)
         requests = make_requests(args, model_vocab_size(model))
         p_lens = [len(r.prompt_token_ids) for r in requests]
         o_lens = [r.output_len for r in requests]
@@ -385,12 +429,12 @@ def main(argv=None) -> dict:
                 hf_model = build_tiny_checkpoint(tmp := tmp or tempfile.mkdtemp(prefix="jpaged-tiny-"))
             results.append(summarise(run_hf(args, hf_model, requests), requests))
             print_summary(results[-1])
-        report = dict(model=args.random_llama and f"random-llama-{args.random_llama}" or args.model,
-                      args=vars(args), host=platform.node(), python=platform.python_version(),
-                      workload=dict(num_requests=len(requests), mean_prompt_len=float(np.mean(p_lens)),
-                                    mean_output_len=float(np.mean(o_lens)), max_prompt_len=max(p_lens),
-                                    max_output_len=max(o_lens)),
-                      results=results)
+        report = {"model": args.random_llama and f"random-llama-{args.random_llama}" or args.model,
+                  "args": vars(args), "host": platform.node(), "python": platform.python_version(),
+                  "workload": {"num_requests": len(requests), "mean_prompt_len": float(np.mean(p_lens)),
+                               "mean_output_len": float(np.mean(o_lens)), "max_prompt_len": max(p_lens),
+                               "max_output_len": max(o_lens)},
+                  "results": results}
         try:
             import jax
             report["jax"] = jax.__version__
