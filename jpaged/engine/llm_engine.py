@@ -61,6 +61,7 @@ class LLMEngine:
         loaded = load_model(config.model, dtype=config.dtype, attention_backend=config.attention_backend,
                             revision=config.revision)
         self.tokenizer, self.hf_config = loaded.tokenizer, loaded.hf_config
+        self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.max_model_len = derive_max_model_len(loaded.hf_config, config.max_model_len)
         max_num_batched_tokens = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
@@ -153,15 +154,19 @@ class LLMEngine:
             group, chunk = scheduled.seq_group, scheduled.token_chunk_size
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 start = seq.num_computed_tokens
+                end = start + chunk
                 samples = 0
-                if start + chunk == seq.get_len():  # this chunk reaches the end: sample what follows
+                if end == seq.get_len():  # this chunk reaches the end: sample what follows
                     # A fresh prompt samples best_of tokens at once: one per sequence it forks into.
                     samples = group.sampling_params.best_of if not seq.output_token_ids and len(group.seqs) == 1 else 1
                     for i in range(samples):
                         index = i if samples > 1 else group.seqs.index(seq)
                         rows.append(self._sampling_row(group, seq, index))
                     sampled_seqs.append((group, seq, samples))
-                seq_inputs.append(SeqInput(seq.get_token_ids()[start:start + chunk], start,
+                # A decode computes just the last token: skip rebuilding the whole token list.
+                token_ids = [seq.get_last_token_id()] if chunk == 1 and end == seq.get_len() \
+                    else seq.get_token_ids()[start:end]
+                seq_inputs.append(SeqInput(token_ids, start,
                                            self.block_manager.get_block_table(seq), samples))
         out = self.runner.execute(seq_inputs, rows) if seq_inputs else None
 
@@ -190,11 +195,8 @@ class LLMEngine:
         seed = sp.seed if sp.seed is not None else hash((self.config.seed, seq.seq_id)) & 0x7FFFFFFF
         banned = []
         if seq.get_output_len() < sp.min_tokens:
-            banned = list(sp.stop_token_ids) + ([self.tokenizer.eos_token_id] if self._eos() is not None else [])
+            banned = list(sp.stop_token_ids) + ([self.eos_token_id] if self.eos_token_id is not None else [])
         return SamplingRow(sp, seed, index, seq.get_output_len(), seq.prompt_token_ids, seq.output_token_ids, banned)
-
-    def _eos(self):
-        return getattr(self.tokenizer, "eos_token_id", None)
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         child = parent.fork(next(self._seq_ids))
@@ -218,7 +220,7 @@ class LLMEngine:
 
     def _check_stop(self, sp: SamplingParams, seq: Sequence, token: int):
         if seq.get_output_len() >= sp.min_tokens:
-            if (not sp.ignore_eos and token == self._eos()) or token in sp.stop_token_ids:
+            if (not sp.ignore_eos and token == self.eos_token_id) or token in sp.stop_token_ids:
                 if self.detokenizer is not None:  # the stop token's own text is not output
                     self.detokenizer.remove_last_delta(seq)
                 seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token

@@ -227,17 +227,16 @@ class ModelRunner:
     def swap_out(self, pairs: list[tuple[int, int]]):
         """Device pages -> host pool, for (gpu_block, cpu_block) pairs."""
         if pairs:
-            gpu, cpu = np.asarray(pairs, np.int32).T
-            pages = np.asarray(self._gather(self.kv_caches, self._pad_pairs(pairs)[0]))[:, :, :, :len(pairs)]
-            self.host_kv[:, :, :, cpu] = pages
+            gpu, cpu = self._pad_pairs(pairs)
+            pages = np.asarray(self._gather(self.kv_caches, gpu))
+            self.host_kv[:, :, :, cpu[:len(pairs)]] = pages[:, :, :, :len(pairs)]
 
     def swap_in(self, pairs: list[tuple[int, int]]):
         """Host pool -> device pages, for (cpu_block, gpu_block) pairs."""
         if pairs:
-            cpu, _ = np.asarray(pairs, np.int32).T
-            _, gpu = self._pad_pairs(pairs)
+            cpu, gpu = self._pad_pairs(pairs)
             pages = np.zeros(self.host_kv.shape[:3] + (len(gpu),) + self.host_kv.shape[4:], self.host_kv.dtype)
-            pages[:, :, :, :len(cpu)] = self.host_kv[:, :, :, cpu]
+            pages[:, :, :, :len(pairs)] = self.host_kv[:, :, :, cpu[:len(pairs)]]
             self.kv_caches = self._scatter(self.kv_caches, pages, gpu)
 
 
