@@ -1,1 +1,1 @@
-"""OpenAI-compatible HTTP server (arrives with the server issue)."""
+"""The OpenAI-compatible HTTP server: aiohttp app, protocol, async engine wrapper (imports jpaged, never the reverse)."""

@@ -1,4 +1,6 @@
-"""The `jpaged` command: `jpaged generate` (serve and bench arrive with their issues)."""
+"""The `jpaged` command: `jpaged serve` (the OpenAI-compatible server) and `jpaged generate`.
+
+It lives in serving/ because it starts the server: serving imports jpaged, never the reverse."""
 
 import argparse
 import dataclasses
@@ -37,10 +39,27 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from serving.api_server import run_server
+
+    run_server(EngineConfig(**engine_kwargs(args)), host=args.host, port=args.port,
+               served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue)
+    return 0
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="jpaged", description="PagedAttention LLM serving in JAX/Pallas")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--max-queue", type=int, default=None,
+                       help="answer 503 while more than this many requests are waiting")
+    serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="generate text for prompts and print it")
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")

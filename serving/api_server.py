@@ -1,0 +1,413 @@
+"""The OpenAI-compatible HTTP server (aiohttp) in front of the AsyncLLMEngine.
+
+Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
+POST /tokenize, POST /detokenize, GET /metrics. Handlers check the whole request before anything
+reaches the engine, tokenize prompts themselves (to check the context length with both numbers),
+and abort their requests in `finally`: a client that leaves (the handler is cancelled) frees its
+blocks before the next engine step.
+"""
+
+import asyncio
+import dataclasses
+import json
+import logging
+import signal
+import time
+import uuid
+
+from aiohttp import web
+
+from jpaged.config import EngineConfig
+from jpaged.core.detokenizer import held_back_chars
+from jpaged.engine.llm_engine import LLMEngine
+from jpaged.outputs import CompletionOutput, RequestOutput
+from jpaged.sampling_params import SamplingParams
+from serving import protocol
+from serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from serving.metrics import Metrics
+from serving.protocol import APIError, field
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 * 2**20  # larger bodies get a 413
+
+
+@dataclasses.dataclass
+class ChoiceState:
+    """What one streamed choice has sent so far."""
+
+    text_sent: int = 0
+    tokens_sent: int = 0
+    done: bool = False
+
+    def advance(self, c: CompletionOutput, stop: list[str], with_tokens: bool) -> tuple[str, range] | None:
+        """The new text and new token positions of `c` since the last call; None when there is
+        nothing to send (no new text, no new tokens whose logprobs are wanted, not finished).
+        Unfinished text keeps back a tail that might still become a stop string."""
+        if self.done:
+            return None
+        text = c.text if c.finish_reason else c.text[:len(c.text) - held_back_chars(c.text, stop)]
+        delta, tokens = text[self.text_sent:], range(self.tokens_sent, len(c.token_ids))
+        self.done = c.finish_reason is not None
+        if not delta and not (with_tokens and tokens) and not self.done:
+            return None
+        self.text_sent, self.tokens_sent = len(text), len(c.token_ids)
+        return delta, tokens
+
+
+class OpenAIServer:
+    def __init__(self, engine: AsyncLLMEngine, *, served_model_name: str, api_key: str | None = None,
+                 max_queue: int | None = None):
+        self.engine = engine
+        self.tokenizer = engine.engine.tokenizer
+        self.vocab_size = engine.engine.hf_config.vocab_size
+        self.max_model_len = engine.engine.max_model_len
+        self.model_name, self.api_key, self.max_queue = served_model_name, api_key, max_queue
+        self.created = int(time.time())
+
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_BODY_BYTES)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    # ------------------------------------------------------------------ middlewares
+    @web.middleware
+    async def _errors(self, request, handler):
+        try:
+            return await handler(request)
+        except APIError as e:
+            return web.json_response(e.to_json(), status=e.status)
+        except web.HTTPException as e:  # unknown route, wrong method, body too large
+            if e.status < 400:
+                raise
+            return web.json_response(APIError(e.reason, status=e.status).to_json(), status=e.status)
+        except EngineDeadError as e:
+            return web.json_response(APIError(str(e), status=500).to_json(), status=500)
+
+    @web.middleware
+    async def _auth(self, request, handler):
+        if self.api_key is not None and request.path.startswith("/v1/"):
+            if request.headers.get("Authorization") != f"Bearer {self.api_key}":
+                raise APIError("Incorrect API key provided.", status=401, code="invalid_api_key")
+        return await handler(request)
+
+    # ------------------------------------------------------------------ simple endpoints
+    async def health(self, request):
+        if self.engine.dead is not None:
+            raise APIError(f"the engine stopped after an error: {self.engine.dead!r}", status=503)
+        return web.Response(status=200)
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "jpaged",
+            "root": self.engine.engine.config.model, "max_model_len": self.max_model_len}]})
+
+    async def metrics(self, request):
+        return web.Response(body=self.engine.metrics.render(self.engine.stats).encode(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def tokenize(self, request):
+        body = await _json_body(request)
+        self._check_model(body)
+        if "messages" in body:
+            ids = self._encode_chat(body)
+        else:
+            prompt = field(body, "prompt", "string", required=True)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=field(body, "add_special_tokens", "boolean", True))
+        return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids})
+
+    async def detokenize(self, request):
+        body = await _json_body(request)
+        self._check_model(body)
+        ids = field(body, "tokens", "array of integers", required=True)
+        self._check_token_ids(ids, "tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(ids)})
+
+    # ------------------------------------------------------------------ completions
+    async def completions(self, request):
+        body = await _json_body(request)
+        self._check_model(body)
+        prompts = protocol.parse_prompts(body)
+        stream = protocol.parse_stream(body)
+        echo = field(body, "echo", "boolean", False)
+        logprobs = field(body, "logprobs", "integer")
+        if echo and logprobs is not None:
+            raise APIError("echo with logprobs needs prompt logprobs, which jpaged does not compute", param="echo")
+        params = protocol.sampling_params(body, max_tokens=field(body, "max_tokens", "integer", 16), logprobs=logprobs,
+                                          best_of=field(body, "best_of", "integer"), stream=stream.stream)
+        token_prompts = []
+        for p in prompts:
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else p
+            self._check_token_ids(ids, "prompt")
+            self._check_context(len(ids), params.max_tokens, "prompt")
+            token_prompts.append(ids)
+        echoes = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if echo else "" for p in prompts]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self._add_requests(request_id, token_prompts, params)
+        try:
+            if stream.stream:
+                return await self._stream_completions(request, request_id, streams, params, echoes,
+                                                      stream.include_usage)
+            finals = await asyncio.gather(*(_last(s) for s in streams))
+        finally:
+            for s in streams:
+                s.abort()
+        choices = [{"index": i * params.n + c.index, "text": echoes[i] + c.text,
+                    "logprobs": self._completion_logprobs(c, range(len(c.token_ids)), len(echoes[i]))
+                    if logprobs is not None else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   for i, out in enumerate(finals) for c in out.outputs]
+        return web.json_response({"id": request_id, "object": "text_completion", "created": int(time.time()),
+                                  "model": self.model_name, "choices": choices, "usage": _usage(finals)})
+
+    async def _stream_completions(self, request, request_id, streams, params, echoes, include_usage):
+        states = [[ChoiceState() for _ in range(params.n)] for _ in streams]
+        offsets = [[len(e)] * params.n for e in echoes]  # text_offset of the next token
+        echoed = set()
+
+        def chunk(i, c, text, tokens):
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = self._completion_logprobs(c, tokens, offsets[i][c.index])
+                offsets[i][c.index] += sum(len(t) for t in logprobs["tokens"])
+            if (i, c.index) not in echoed:  # the choice's first chunk carries the echoed prompt
+                echoed.add((i, c.index))
+                text = echoes[i] + text
+            return {"index": i * params.n + c.index, "text": text, "logprobs": logprobs,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+        return await self._stream(request, request_id, "text_completion", streams, params, states, chunk,
+                                  include_usage, first_delta=None)
+
+    # ------------------------------------------------------------------ chat
+    async def chat_completions(self, request):
+        body = await _json_body(request)
+        self._check_model(body)
+        stream = protocol.parse_stream(body)
+        ids = self._encode_chat(body)
+        self._check_token_ids(ids, "messages")
+        want_logprobs = field(body, "logprobs", "boolean", False)
+        top_logprobs = field(body, "top_logprobs", "integer")
+        if top_logprobs is not None and not want_logprobs:
+            raise APIError("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
+        max_tokens = field(body, "max_completion_tokens", "integer") or field(body, "max_tokens", "integer")
+        if max_tokens is None:  # vLLM's default: whatever room the context leaves
+            max_tokens = max(1, self.max_model_len - len(ids))
+        params = protocol.sampling_params(body, max_tokens=max_tokens, best_of=None, stream=stream.stream,
+                                          logprobs=(top_logprobs or 0) if want_logprobs else None)
+        self._check_context(len(ids), params.max_tokens, "messages")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._add_requests(request_id, [ids], params)
+        try:
+            if stream.stream:
+                states = [[ChoiceState() for _ in range(params.n)]]
+
+                def chunk(i, c, text, tokens):
+                    return {"index": c.index, "delta": {"content": text} if text else {},
+                            "logprobs": self._chat_logprobs(c, tokens, params.logprobs) if want_logprobs else None,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+                return await self._stream(request, request_id, "chat.completion.chunk", streams, params, states,
+                                          chunk, stream.include_usage,
+                                          first_delta={"role": "assistant", "content": ""})
+            final = await _last(streams[0])
+        finally:
+            streams[0].abort()
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._chat_logprobs(c, range(len(c.token_ids)), params.logprobs)
+                    if want_logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
+        return web.json_response({"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                                  "model": self.model_name, "choices": choices, "usage": _usage([final])})
+
+    def _encode_chat(self, body: dict) -> list[int]:
+        messages = protocol.parse_messages(body)
+        add_generation_prompt = field(body, "add_generation_prompt", "boolean", True)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
+        except Exception as e:  # jinja errors, a missing template: the messages cannot be rendered
+            raise APIError(f"the chat template could not render the messages: {e}", param="messages") from None
+        # The template writes its own special tokens (BOS); don't add them twice.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ------------------------------------------------------------------ shared
+    def _check_model(self, body: dict):
+        model = field(body, "model", "string")
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found")
+
+    def _check_token_ids(self, ids: list[int], param: str):
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param)
+
+    def _check_context(self, prompt_len: int, max_tokens: int, param: str):
+        if prompt_len + max_tokens > self.max_model_len:
+            raise protocol.context_length_error(self.max_model_len, prompt_len, max_tokens, param)
+
+    async def _add_requests(self, request_id: str, prompts: list[list[int]],
+                            params: SamplingParams) -> list[RequestStream]:
+        """All of the request's prompts, or none (a rejected one aborts those already added)."""
+        if self.max_queue is not None:
+            waiting = self.engine.stats["num_waiting"] + self.engine.num_pending_adds
+            if waiting + len(prompts) > self.max_queue:
+                raise APIError(f"the server is busy: {waiting} requests are waiting (max_queue={self.max_queue}); "
+                               "retry later", status=503, code="queue_full")
+        streams = []
+        try:
+            for i, ids in enumerate(prompts):
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", ids, params))
+        except ValueError as e:
+            raise APIError(str(e), param=protocol.param_of(str(e))) from None
+        finally:
+            if len(streams) < len(prompts):
+                for s in streams:
+                    s.abort()
+        return streams
+
+    async def _stream(self, request, request_id, kind, streams, params, states, chunk, include_usage, first_delta):
+        """Server-sent events: one `data: {json}` per new piece of each choice, `data: [DONE]` last."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        created = int(time.time())
+
+        async def send(choices, **extra):
+            event = {"id": request_id, "object": kind, "created": created, "model": self.model_name,
+                     "choices": choices, **extra}
+            if include_usage and "usage" not in extra:
+                event["usage"] = None
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+
+        if first_delta is not None:
+            await send([{"index": i, "delta": first_delta, "logprobs": None, "finish_reason": None}
+                        for i in range(params.n)])
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for i, out in _merge(streams):
+                finals[i] = out
+                for c in out.outputs:
+                    new = states[i][c.index].advance(c, params.stop, params.logprobs is not None)
+                    if new is not None:
+                        await send([chunk(i, c, *new)])
+            if include_usage:
+                await send([], usage=_usage(finals))
+        except EngineDeadError as e:
+            await response.write(f"data: {json.dumps(APIError(str(e), status=500).to_json())}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _completion_logprobs(self, c: CompletionOutput, tokens: range, offset: int) -> dict:
+        texts = [self._token_text(c.token_ids[t]) for t in tokens]
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": texts, "token_logprobs": [c.logprobs[t][c.token_ids[t]] for t in tokens],
+                "top_logprobs": [{self._token_text(k): v for k, v in c.logprobs[t].items()} for t in tokens],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, c: CompletionOutput, tokens: range, top: int) -> dict:
+        def entry(token_id, logprob):
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = []
+        for t in tokens:
+            ranked = sorted(c.logprobs[t].items(), key=lambda kv: kv[1], reverse=True)[:top]
+            content.append({**entry(c.token_ids[t], c.logprobs[t][c.token_ids[t]]),
+                            "top_logprobs": [entry(k, v) for k, v in ranked]})
+        return {"content": content}
+
+
+async def _json_body(request) -> dict:
+    try:
+        body = json.loads(await request.text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    out = None
+    async for out in stream:
+        pass
+    return out
+
+
+async def _merge(streams: list[RequestStream]):
+    """(index, output) from several streams as they arrive, until all have finished."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _usage(finals: list[RequestOutput]) -> dict:
+    return protocol.usage(sum(len(o.prompt_token_ids) for o in finals),
+                          sum(len(c.token_ids) for o in finals for c in o.outputs))
+
+
+# ---------------------------------------------------------------------- running it
+async def serve(engine: LLMEngine, *, host: str, port: int, served_model_name: str, api_key: str | None,
+                max_queue: int | None):
+    """Serve until SIGTERM or SIGINT; then stop accepting, abort in-flight requests and return."""
+    async_engine = AsyncLLMEngine(engine, Metrics(served_model_name))
+    async_engine.start()
+    app = OpenAIServer(async_engine, served_model_name=served_model_name, api_key=api_key,
+                       max_queue=max_queue).build_app()
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound_host, bound_port = runner.addresses[0][:2]
+    print(f"jpaged: serving {served_model_name!r} at http://{bound_host}:{bound_port}/v1 "
+          "(OpenAI API; also /health, /metrics, /tokenize, /detokenize)", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("jpaged: shutting down", flush=True)
+    await site.stop()  # no new connections
+    await async_engine.shutdown()  # in-flight requests end with finish_reason "abort"
+    await runner.cleanup()
+
+
+def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
+               served_model_name: str | None = None, api_key: str | None = None, max_queue: int | None = None):
+    engine = LLMEngine(config)  # loads the weights and compiles every step shape before we listen
+    asyncio.run(serve(engine, host=host, port=port, served_model_name=served_model_name or config.model,
+                      api_key=api_key, max_queue=max_queue))

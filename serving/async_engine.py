@@ -1,0 +1,201 @@
+"""AsyncLLMEngine: the engine stepped in a background thread, one stream of outputs per request.
+
+The LLMEngine is not thread-safe, so only its thread touches it: the event loop sends commands
+(add, abort) through a queue and gets answers back through futures; the engine thread drains the
+commands between steps and hands each step's RequestOutputs to the loop with
+call_soon_threadsafe. The loop therefore never waits on a device step.
+"""
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+
+from jpaged.engine.llm_engine import LLMEngine
+from jpaged.outputs import CompletionOutput, RequestOutput
+from jpaged.sampling_params import SamplingParams
+from serving.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread hit an unexpected error and stopped; the server cannot serve any more."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, metrics: Metrics):
+        self.engine, self.metrics = engine, metrics
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead: BaseException | None = None
+        # Refreshed by the engine thread after every step; read by /metrics and the queue limit.
+        self.stats = engine.stats()
+        self.num_pending_adds = 0  # submitted, not yet taken by the engine thread
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self):
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="jpaged-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self):
+        """Abort whatever is still running and stop the engine thread."""
+        for stream in list(self._streams.values()):
+            stream.abort()
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    # ------------------------------------------------------------------ requests
+    async def add_request(self, request_id: str, prompt_token_ids: list[int],
+                          sampling_params: SamplingParams) -> "RequestStream":
+        """Queue the request with the engine; its ValueError for bad input is raised here, before
+        any output. Iterate the returned stream for the outputs; abort it when giving up early."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self.dead!r}")
+        stream = RequestStream(self, request_id, prompt_token_ids, sampling_params)
+        self._streams[request_id] = stream
+        added: concurrent.futures.Future = concurrent.futures.Future()
+        self.num_pending_adds += 1
+        self._send(("add", request_id, prompt_token_ids, sampling_params, added))
+        try:
+            await asyncio.wrap_future(added)
+        except BaseException:  # bad input, or the client left while it was queued
+            stream.abort()
+            raise
+        return stream
+
+    def _abort(self, request_id: str):
+        self._streams.pop(request_id, None)
+        self._send(("abort", request_id))
+
+    def _send(self, command):
+        self._commands.put(command)
+        self._wakeup.set()
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self):
+        while not self._stopping:
+            self._wakeup.wait()
+            self._wakeup.clear()
+            self._run_commands()
+            while self.engine.has_unfinished_requests() and not self._stopping:
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # a bug, not bad input: fail every request, refuse new ones
+                    logger.exception("engine step failed")
+                    self.dead = e
+                    self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine step failed: {e!r}"))
+                    return
+                self.stats = self.engine.stats()
+                self._loop.call_soon_threadsafe(self._deliver, outputs)
+                self._run_commands()
+
+    def _run_commands(self):
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add":
+                _, request_id, prompt, params, added = command
+                try:
+                    self.engine.add_request(request_id, prompt, params)
+                except Exception as e:  # ValueError for bad input; anything else still answers
+                    added.set_exception(e)
+                else:
+                    added.set_result(None)
+                finally:
+                    self._loop.call_soon_threadsafe(self._taken)
+            else:
+                self.engine.abort_request(command[1])
+        self.stats = self.engine.stats()
+
+    # ------------------------------------------------------------------ on the event loop
+    def _taken(self):
+        self.num_pending_adds -= 1
+
+    def _deliver(self, outputs: list[RequestOutput]):
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+                if out.finished:
+                    del self._streams[out.request_id]
+
+    def _fail_all(self, error: BaseException):
+        for stream in self._streams.values():
+            stream.put(error)
+        self._streams.clear()
+
+
+class RequestStream:
+    """One request's outputs in order, ending with a finished one; records latency metrics as they
+    are consumed. abort() ends it early with finish_reason "abort" on the unfinished completions."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams):
+        self.engine, self.request_id, self.params = engine, request_id, params
+        self.latest = RequestOutput(request_id, None, prompt_token_ids, [
+            CompletionOutput(i, "", [], 0.0, [] if params.logprobs is not None else None) for i in range(params.n)],
+            finished=False)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.closed = False  # nothing more will be put
+        self._done = False  # the finished output was consumed
+        self._metrics = engine.metrics
+        self._arrival = self._last = time.monotonic()
+        self._num_tokens = 0
+
+    def put(self, item: RequestOutput | BaseException):
+        if isinstance(item, RequestOutput):
+            self.latest = item
+        self.closed = isinstance(item, BaseException) or item.finished
+        self.queue.put_nowait(item)
+
+    def abort(self):
+        """Stop the request (no-op once finished); the engine frees its blocks before its next step."""
+        if not self.closed:
+            self._metrics.request_finished("abort")
+            self.engine._abort(self.request_id)
+            self.put(dataclasses.replace(self.latest, finished=True, outputs=[
+                dataclasses.replace(c, finish_reason=c.finish_reason or "abort") for c in self.latest.outputs]))
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._record(item)
+        self._done = item.finished
+        return item
+
+    def _record(self, out: RequestOutput):
+        now, metrics = time.monotonic(), self._metrics
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        new = num_tokens - self._num_tokens
+        if new > 0:
+            if self._num_tokens == 0:
+                metrics.prompt_tokens += len(out.prompt_token_ids)
+                metrics.ttft.observe(now - self._arrival)
+            else:
+                metrics.tpot.observe((now - self._last) / new)
+            metrics.generation_tokens += new
+            self._num_tokens, self._last = num_tokens, now
+        if out.finished and all(c.finish_reason != "abort" for c in out.outputs):  # aborts count in abort()
+            metrics.e2e.observe(now - self._arrival)
+            for c in out.outputs:
+                metrics.request_finished(c.finish_reason)

@@ -1,0 +1,90 @@
+"""Prometheus metrics in the text exposition format, named as vLLM names them (prefix `jpaged:`).
+
+Request-level series (token totals, latency histograms) are recorded by the server as outputs
+stream by; engine-level gauges are read from the engine's stats() snapshot at scrape time.
+"""
+
+import bisect
+import dataclasses
+
+PREFIX = "jpaged:"
+# vLLM's bucket edges (seconds) for the latency histograms.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0]
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0]
+
+
+@dataclasses.dataclass
+class Histogram:
+    name: str
+    help: str
+    buckets: list[float]
+    counts: list[int] = dataclasses.field(default=None)
+    total: float = 0.0
+
+    def __post_init__(self):
+        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
+
+    def observe(self, value: float):
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+
+    def render(self, labels: str) -> list[str]:
+        name = PREFIX + self.name
+        lines = [f"# HELP {name} {self.help}", f"# TYPE {name} histogram"]
+        cumulative = 0
+        for edge, count in zip(self.buckets + ["+Inf"], self.counts):
+            cumulative += count
+            lines.append(f'{name}_bucket{{{labels},le="{edge}"}} {cumulative}')
+        lines += [f"{name}_sum{{{labels}}} {self.total}", f"{name}_count{{{labels}}} {cumulative}"]
+        return lines
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.labels = f'model_name="{model_name}"'
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished = {}  # finish reason -> requests
+        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
+        self.tpot = Histogram("time_per_output_token_seconds", "Time per output token (inter-token latency) in "
+                              "seconds.", TPOT_BUCKETS)
+        self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds.", E2E_BUCKETS)
+
+    def request_finished(self, reason: str):
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+
+    def render(self, stats: dict) -> str:
+        lines = []
+
+        def metric(name, kind, help, value, labels=self.labels):
+            lines.extend([f"# HELP {PREFIX}{name} {help}", f"# TYPE {PREFIX}{name} {kind}",
+                          f"{PREFIX}{name}{{{labels}}} {value}"])
+
+        gpu_used = 1 - stats["num_free_gpu_blocks"] / stats["num_gpu_blocks"]
+        cpu_used = 1 - stats["num_free_cpu_blocks"] / stats["num_cpu_blocks"] if stats["num_cpu_blocks"] else 0.0
+        queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
+        metric("num_requests_running", "gauge", "Requests running on the device.", stats["num_running"])
+        metric("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", stats["num_waiting"])
+        metric("num_requests_swapped", "gauge", "Requests swapped out to host memory.", stats["num_swapped"])
+        metric("gpu_cache_usage_perc", "gauge", "Fraction of device KV blocks in use (1 = full).", gpu_used)
+        metric("cpu_cache_usage_perc", "gauge", "Fraction of host (swap) KV blocks in use (1 = full).", cpu_used)
+        metric("num_preemptions_total", "counter", "Sequence-group preemptions.", stats["num_preemptions"])
+        metric("prompt_tokens_total", "counter", "Prompt tokens of started requests.", self.prompt_tokens)
+        metric("generation_tokens_total", "counter", "Generated tokens.", self.generation_tokens)
+        metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", queries)
+        metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", hits)
+        metric("gpu_prefix_cache_hit_rate", "gauge", "Prefix-cache hits / queries, in tokens.",
+               hits / queries if queries else 0.0)
+        metric("num_compilations", "gauge", "Step shapes compiled (constant after warm-up).",
+               stats["num_compilations"])
+        lines += [f"# HELP {PREFIX}request_success_total Finished requests by finish reason.",
+                  f"# TYPE {PREFIX}request_success_total counter"]
+        lines += [f'{PREFIX}request_success_total{{{self.labels},finished_reason="{reason}"}} {count}'
+                  for reason, count in sorted(self.finished.items())]
+        for histogram in (self.ttft, self.tpot, self.e2e):
+            lines += histogram.render(self.labels)
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,176 @@
+"""The OpenAI protocol: request bodies checked field by field, errors in OpenAI's shape.
+
+Every check raises APIError, which the server answers with its status and
+{"error": {"message", "type", "param", "code"}}. Unknown fields are ignored, as OpenAI's
+clients send extras freely; known fields of the wrong type or out of range are a 400 naming them.
+"""
+
+import dataclasses
+import re
+from typing import Any
+
+from jpaged.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+
+    def to_json(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def _type_name(value) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_int_list(x) -> bool:
+    return isinstance(x, list) and all(_is_int(t) for t in x)
+
+
+_KINDS = {
+    "integer": (_is_int, "an integer"),
+    "number": (_is_number, "a number"),
+    "boolean": (lambda x: isinstance(x, bool), "a boolean"),
+    "string": (lambda x: isinstance(x, str), "a string"),
+    "object": (lambda x: isinstance(x, dict), "an object"),
+    "string or array of strings": (lambda x: isinstance(x, str) or (isinstance(x, list) and all(
+        isinstance(s, str) for s in x)), "a string or an array of strings"),
+    "array of integers": (_is_int_list, "an array of integers"),
+}
+
+
+def field(body: dict, name: str, kind: str, default=None, required: bool = False):
+    """body[name] checked against `kind`; null or absent gives `default` (or a 400 if required)."""
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise APIError(f"'{name}' is a required property", param=name, code="missing_required_parameter")
+        return default
+    ok, expected = _KINDS[kind]
+    if not ok(value):
+        raise APIError(f"'{name}' must be {expected}, got {_type_name(value)}: {value!r:.80}", param=name,
+                       code="invalid_type")
+    return value
+
+
+def parse_prompts(body: dict) -> list[str | list[int]]:
+    """`prompt` as a string, a list of strings, token ids, or a list of token-id lists."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise APIError("'prompt' is a required property", param="prompt", code="missing_required_parameter")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif _is_int_list(prompt) and prompt:
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = prompt
+    elif isinstance(prompt, list) and prompt and all(_is_int_list(p) for p in prompt):
+        prompts = prompt
+    else:
+        raise APIError("'prompt' must be a string, an array of strings, an array of token ids or an array of "
+                       f"token-id arrays, got {_type_name(prompt)}: {prompt!r:.80}", param="prompt",
+                       code="invalid_type")
+    if any(len(p) == 0 for p in prompts):
+        raise APIError("'prompt' must not be empty", param="prompt")
+    return prompts
+
+
+def parse_messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if messages is None:
+        raise APIError("'messages' is a required property", param="messages", code="missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise APIError("'messages' must be a non-empty array of message objects", param="messages",
+                       code="invalid_type")
+    parsed = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]",
+                           code="invalid_type")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text parts carry meaning for a text model
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise APIError(f"messages[{i}].content parts must be {{'type': 'text', 'text': str}}",
+                               param=f"messages[{i}].content", code="invalid_type")
+            content = "".join(p["text"] for p in content)
+        elif content is not None and not isinstance(content, str):
+            raise APIError(f"messages[{i}].content must be a string or an array of text parts, got "
+                           f"{_type_name(content)}", param=f"messages[{i}].content", code="invalid_type")
+        parsed.append({**m, "content": content or ""})
+    return parsed
+
+
+@dataclasses.dataclass
+class StreamOptions:
+    stream: bool
+    include_usage: bool
+
+
+def parse_stream(body: dict) -> StreamOptions:
+    stream = field(body, "stream", "boolean", False)
+    options = field(body, "stream_options", "object", {})
+    include_usage = field(options, "include_usage", "boolean", False)
+    if options and not stream:
+        raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    return StreamOptions(stream, include_usage)
+
+
+_SAMPLING_FIELDS = [  # (name, kind) shared by completions and chat, passed to SamplingParams as is
+    ("n", "integer"), ("temperature", "number"), ("top_p", "number"), ("top_k", "integer"), ("min_p", "number"),
+    ("seed", "integer"), ("min_tokens", "integer"), ("stop_token_ids", "array of integers"),
+    ("ignore_eos", "boolean"), ("presence_penalty", "number"), ("frequency_penalty", "number"),
+    ("repetition_penalty", "number"), ("length_penalty", "number"), ("use_beam_search", "boolean"),
+]
+
+
+def sampling_params(body: dict, *, max_tokens: int, logprobs: int | None, best_of: int | None,
+                    stream: bool) -> SamplingParams:
+    """SamplingParams from the body's sampling fields; SamplingParams' own range checks become
+    400s naming the field."""
+    kwargs = {name: body[name] for name, kind in _SAMPLING_FIELDS if field(body, name, kind) is not None}
+    kwargs["stop"] = field(body, "stop", "string or array of strings")
+    field(body, "user", "string")  # accepted and unused, as in vLLM
+    try:
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, best_of=best_of, **kwargs)
+    except ValueError as e:
+        raise APIError(str(e), param=param_of(str(e))) from None
+    if stream and params.best_of != params.n:
+        raise APIError(f"best_of ({params.best_of}) must equal n ({params.n}) when streaming", param="best_of")
+    if stream and params.use_beam_search:
+        raise APIError("beam search cannot stream: its beams are only ranked at the end", param="stream")
+    return params
+
+
+def param_of(message: str) -> str | None:
+    """The field a jpaged ValueError names ("temperature=-1; expected >= 0" -> "temperature")."""
+    m = re.match(r"(\w+)=", message)
+    if m:
+        return m.group(1)
+    if message.startswith("prompt"):
+        return "prompt"
+    return None
+
+
+def context_length_error(max_model_len: int, prompt_len: int, max_tokens: int, param: str) -> APIError:
+    return APIError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                    f"{prompt_len + max_tokens} tokens ({prompt_len} in the {param}, {max_tokens} in the "
+                    "completion). Please reduce the length of the prompt or completion.",
+                    param=param, code="context_length_exceeded")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,406 @@
+"""The OpenAI-compatible server, driven over real HTTP on 127.0.0.1 with aiohttp and the official
+`openai` client. The server runs in a subprocess (`python -m serving.cli serve`), as users run it."""
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from jpaged.models.tiny import tiny_tokenizer
+
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MAX_MODEL_LEN = 256
+
+
+class Server:
+    """`jpaged serve` in a subprocess on a free port; its log is kept for failure messages."""
+
+    def __init__(self, *flags: str, startup_timeout: float = 600):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", "--model", "tiny", "--port", "0",
+                                      *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.log: list[str] = []
+        self.url = None
+        ready = threading.Event()
+
+        def drain():
+            for line in self.proc.stdout:
+                self.log.append(line)
+                if self.url is None and line.startswith("jpaged: serving"):
+                    self.url = line.split(" at ")[1].split("/v1")[0]
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        if not ready.wait(startup_timeout) or self.url is None:
+            self.proc.kill()
+            raise RuntimeError("server did not start:\n" + "".join(self.log))
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--api-key", API_KEY, "--max-num-seqs", "64", "--max-model-len", str(MAX_MODEL_LEN),
+               "--max-num-batched-tokens", "512", "--enforce-eager")
+    yield s
+    assert s.stop() == 0, "".join(s.log[-30:])
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def post(url, path, body=None, *, data=None, headers=AUTH):
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + path, json=body if data is None else None, data=data, headers=headers) as r:
+            return r.status, await r.json(content_type=None)
+
+
+async def get(url, path, headers=AUTH):
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + path, headers=headers) as r:
+            return r.status, await r.text()
+
+
+async def stream_events(url, path, body):
+    """The parsed `data:` events of a streamed response, up to and including [DONE]."""
+    events = []
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + path, json={**body, "stream": True}, headers=AUTH) as r:
+            assert r.status == 200, await r.text()
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            async for line in r.content:
+                line = line.decode().strip()
+                if line:
+                    assert line.startswith("data: ")
+                    events.append(line[len("data: "):])
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def metrics(url) -> dict[str, float]:
+    status, text = run(get(url, "/metrics"))
+    assert status == 200
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = values[name.split("{")[0]] = float(value)
+    return values
+
+
+def random_prompt(rng, n_words=4):
+    return " ".join("".join(rng.choice("abcdefghij klmno") for _ in range(rng.randint(2, 6))) for _ in range(n_words))
+
+
+# ---------------------------------------------------------------------- endpoints
+def test_health_models_auth(server):
+    assert run(get(server.url, "/health", headers={}))[0] == 200  # no key needed for health
+    status, text = run(get(server.url, "/v1/models"))
+    assert status == 200
+    model = json.loads(text)["data"][0]
+    assert model["id"] == "tiny" and model["max_model_len"] == MAX_MODEL_LEN
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        status, text = run(get(server.url, "/v1/models", headers=headers))
+        assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key"
+
+
+def test_completions_stream_equals_non_stream(server):
+    rng = random.Random()
+    prompt = random_prompt(rng)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    status, full = run(post(server.url, "/v1/completions", body))
+    assert status == 200, full
+    text = full["choices"][0]["text"]
+    assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 40
+    events = run(stream_events(server.url, "/v1/completions", body))
+    assert "".join(e["choices"][0]["text"] for e in events) == text
+    assert [e["choices"][0]["finish_reason"] for e in events][-1] == "length"
+    assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
+    # A stop string from the middle of the greedy text: cut there in both modes, never leaked in a chunk.
+    stop = text[10:13]
+    if stop.strip() and len(stop) == 3:
+        body = {**body, "stop": [stop]}
+        status, cut = run(post(server.url, "/v1/completions", body))
+        expected = text[:text.index(stop)]
+        assert cut["choices"][0]["text"] == expected and cut["choices"][0]["finish_reason"] == "stop"
+        events = run(stream_events(server.url, "/v1/completions", body))
+        assert "".join(e["choices"][0]["text"] for e in events) == expected
+
+
+def test_openai_client_completions_and_chat(client):
+    rng = random.Random()
+    prompt = random_prompt(rng)
+    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == full.choices[0].text
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": prompt}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    assert chunks[-2].choices[0].finish_reason == chat.choices[0].finish_reason
+
+
+def test_chat_template_and_tokenize(server, client):
+    tokenizer = tiny_tokenizer()
+    messages = [{"role": "user", "content": "héllo"}, {"role": "assistant", "content": "hi"},
+                {"role": "user", "content": [{"type": "text", "text": "again"}]}]
+    rendered = tokenizer.apply_chat_template([{**m, "content": m["content"] if isinstance(m["content"], str) else
+                                               "again"} for m in messages], add_generation_prompt=True, tokenize=False)
+    expected = tokenizer.encode(rendered, add_special_tokens=False)
+    status, tok = run(post(server.url, "/tokenize", {"messages": messages}))
+    assert status == 200 and tok["tokens"] == expected and tok["count"] == len(expected)
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    assert chat.usage.prompt_tokens == len(expected)
+    status, tok = run(post(server.url, "/tokenize", {"prompt": "héllo"}))
+    assert tok["tokens"] == tokenizer.encode("héllo")
+    status, detok = run(post(server.url, "/detokenize", {"tokens": tok["tokens"]}))
+    assert status == 200 and detok["prompt"] == "<s>héllo"  # special tokens kept, as tokenizer.decode does
+
+
+def test_token_id_prompts_and_batches(server, client):
+    rng = random.Random()
+    prompts = [random_prompt(rng) for _ in range(3)]
+    texts = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0).choices[0].text
+             for p in prompts]
+    ids = [run(post(server.url, "/tokenize", {"prompt": p}))[1]["tokens"] for p in prompts]
+    single = client.completions.create(model="tiny", prompt=ids[0], max_tokens=12, temperature=0)
+    assert single.choices[0].text == texts[0]
+    for batch in (prompts, ids):
+        out = client.completions.create(model="tiny", prompt=batch, max_tokens=12, temperature=0)
+        assert [c.index for c in out.choices] == [0, 1, 2]
+        assert [c.text for c in out.choices] == texts
+        assert out.usage.prompt_tokens == sum(len(i) for i in ids)
+    streamed = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0, stream=True)
+    joined = ["", "", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            joined[c.index] += c.text
+    assert joined == texts
+
+
+def test_n_samples_seed_logprobs_echo(client):
+    prompt = random_prompt(random.Random())
+    kwargs = dict(model="tiny", prompt=prompt, max_tokens=10, temperature=1.0, n=3, seed=1234, logprobs=3)
+    a = client.completions.create(**kwargs)
+    b = client.completions.create(**kwargs)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    assert len({c.text for c in a.choices}) > 1
+    for c in a.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 10
+        for token, token_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            # Top entries are keyed by token text; byte tokens that are not whole characters all read
+            # "\ufffd" and collapse into one key, so up to logprobs + 1 (the sampled one) remain.
+            assert token_lp <= 0 and 1 <= len(top) <= 4 and token in top
+    streamed = client.completions.create(**kwargs, stream=True)
+    joined = ["", "", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            joined[c.index] += c.text
+    assert joined == [c.text for c in a.choices]
+    echo = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, echo=True)
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0)
+    assert echo.choices[0].text == prompt + plain.choices[0].text
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=2, n=1)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.logprob - 1e-6
+
+
+# ---------------------------------------------------------------------- bad input
+LONG = "x" * (MAX_MODEL_LEN + 10)
+BAD_REQUESTS = [
+    # (path, body or raw bytes, status, param)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "10"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -5}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 2}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 1, "temperature": 1}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3, "temperature": 1, "stream": True}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "stop": [1]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "seed": 1.5}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 1, "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": [5, 999999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[5, 6], [-1]]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": LONG}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, 400,
+     "max_tokens"),
+    ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+    ("/tokenize", {}, 400, "prompt"),
+]
+
+
+def test_bad_requests_get_openai_errors(server, client):
+    async def send_all():
+        results = []
+        for path, body, _, _ in BAD_REQUESTS:
+            if isinstance(body, bytes):
+                results.append(await post(server.url, path, data=body, headers={**AUTH, "Content-Type":
+                                                                                 "application/json"}))
+            else:
+                results.append(await post(server.url, path, body))
+        return results
+
+    for (path, body, status, param), (got_status, got) in zip(BAD_REQUESTS, run(send_all())):
+        assert got_status == status, (path, body, got)
+        error = got["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], got
+        assert error["param"] == param, (body, error)
+    too_long = run(post(server.url, "/v1/completions", {"prompt": LONG}))[1]["error"]["message"]
+    assert str(MAX_MODEL_LEN) in too_long and str(len(LONG) + 1 + 16) in too_long  # BOS + text + max_tokens
+    # Oversized body: 413 with an OpenAI error object.
+    status, got = run(post(server.url, "/v1/completions", {"prompt": "x" * (17 * 2**20)}))
+    assert status == 413 and "error" in got
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="hi", temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+    # None of that harmed the server: a good request still works and nothing is left running.
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=3).usage.completion_tokens >= 1
+    m = metrics(server.url)
+    assert m["jpaged:num_requests_running"] == 0 and m["jpaged:num_requests_waiting"] == 0
+
+
+# ---------------------------------------------------------------------- load and disconnects
+def test_64_concurrent_streams(server):
+    rng = random.Random()
+    bodies = [{"prompt": random_prompt(rng, rng.randint(1, 12)), "max_tokens": rng.randint(4, 32),
+               "temperature": rng.choice([0, 0.8]), "ignore_eos": True} for _ in range(64)]
+
+    async def all_streams():
+        return await asyncio.gather(*(stream_events(server.url, "/v1/completions", b) for b in bodies))
+
+    for body, events in zip(bodies, run(all_streams())):
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(len(e["choices"][0]["text"]) > 0 for e in events) >= 1
+    m = metrics(server.url)
+    assert m["jpaged:num_requests_running"] == 0 and m["jpaged:gpu_cache_usage_perc"] == 0
+    assert m["jpaged:time_to_first_token_seconds_count"] >= 64
+
+
+def _wait_idle(url, timeout=60.0) -> float:
+    """Seconds until no request runs and no KV block is in use."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        m = metrics(url)
+        if m["jpaged:num_requests_running"] == 0 and m["jpaged:gpu_cache_usage_perc"] == 0:
+            return time.monotonic() - start
+        time.sleep(0.02)
+    raise AssertionError(f"requests still running after {timeout}s: {m}")
+
+
+def _aborted(url) -> float:
+    return metrics(url).get('jpaged:request_success_total{model_name="tiny",finished_reason="abort"}', 0)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_request(server, stream):
+    body = {"prompt": f"disconnect {stream}", "max_tokens": MAX_MODEL_LEN - 20, "ignore_eos": True}
+    start = time.monotonic()
+    assert run(post(server.url, "/v1/completions", body))[0] == 200
+    full_time = time.monotonic() - start  # what the whole request takes when nobody leaves
+
+    async def leave_early():
+        async with aiohttp.ClientSession() as session:
+            if stream:
+                async with session.post(server.url + "/v1/completions", json={**body, "stream": True},
+                                        headers=AUTH) as r:
+                    await r.content.readline()  # the first event arrived: the request is running
+                # leaving the block closes the connection mid-response
+            else:  # no byte comes before the end: give up (and close the connection) a tenth of the way in
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(session.post(server.url + "/v1/completions", json=body, headers=AUTH),
+                                           full_time / 10)
+
+    aborted = _aborted(server.url)
+    run(leave_early())
+    idle_after = _wait_idle(server.url)
+    assert _aborted(server.url) == aborted + 1
+    # Blocks were freed at once, not when the request would have run out of tokens.
+    assert idle_after < full_time / 2, (idle_after, full_time)
+
+
+# ---------------------------------------------------------------------- queue limit and shutdown
+def test_max_queue_and_sigterm():
+    # Real warm-up here (no --enforce-eager), on tiny limits so it is quick.
+    s = Server("--max-num-seqs", "1", "--max-model-len", "64", "--max-num-batched-tokens", "64", "--max-queue", "1")
+    try:
+        compiled = metrics(s.url)["jpaged:num_compilations"]
+        body = {"prompt": "queue", "max_tokens": 40, "ignore_eos": True}
+
+        async def burst():
+            return await asyncio.gather(*(post(s.url, "/v1/completions", body, headers={}) for _ in range(8)))
+
+        statuses = [status for status, _ in run(burst())]
+        assert statuses.count(200) >= 1 and statuses.count(503) >= 1, statuses
+        assert set(statuses) <= {200, 503}
+        assert metrics(s.url)["jpaged:num_compilations"] == compiled  # warmed up: serving compiled nothing
+
+        async def stream_then_sigterm():
+            events = []
+            async with aiohttp.ClientSession() as session:
+                async with session.post(s.url + "/v1/completions", json={**body, "stream": True}) as r:
+                    async for line in r.content:
+                        line = line.decode().strip()
+                        if line:
+                            events.append(line)
+                            if len(events) == 2:
+                                s.proc.send_signal(signal.SIGTERM)
+            return events
+
+        events = run(stream_then_sigterm())
+        assert events[-1] == "data: [DONE]"
+        last = json.loads(events[-2][len("data: "):])
+        assert last["choices"][0]["finish_reason"] in ("abort", "length")
+        assert s.proc.wait(60) == 0, "".join(s.log[-30:])
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
