@@ -404,3 +404,24 @@ def test_max_queue_and_sigterm():
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
+
+
+# ---------------------------------------------------------------------- the serving benchmark
+def test_bench_serving_against_the_server(server, tmp_path):
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_serving.py")
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, script, "--base-url", server.url, "--api-key", API_KEY, "--model", "tiny",
+                           "--num-prompts", "12", "--length-scale", "0.05", "--request-rate", "20", "--seed", "5",
+                           "--output-json", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Serving Benchmark Result" in done.stdout and "Median TTFT (ms)" in done.stdout
+    result = json.loads(out.read_text())
+    sys.path.insert(0, os.path.dirname(script))
+    import bench_serving
+
+    expected = bench_serving.make_requests(bench_serving.parse_args(["--num-prompts", "12", "--length-scale", "0.05",
+                                                                     "--seed", "5"]))
+    assert result["completed"] == 12 and result["failed"] == 0
+    assert result["total_output_tokens"] == sum(r.output_len for r in expected)  # ignore_eos: exact lengths
+    assert result["total_input_tokens"] == sum(len(r.prompt_token_ids) for r in expected)
+    assert 0 < result["median_ttft_ms"] <= result["median_e2el_ms"] and result["output_throughput"] > 0
