@@ -25,6 +25,11 @@ class EngineConfig:
     # (quick experiments and tests; serving should leave it off).
     enforce_eager: bool = False
     revision: str | None = None
+    # Multi-host (jax.distributed): the same command on every host; unset -> JAX_COORDINATOR_ADDRESS,
+    # JAX_NUM_PROCESSES, JAX_PROCESS_ID or cluster auto-detection; none of them -> one process.
+    coordinator_address: str | None = None  # "host:port" of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
 
     def __post_init__(self):
         def check(field, ok, expected):
@@ -42,5 +47,8 @@ class EngineConfig:
               "None or >= 1")
         check("max_model_len", self.max_model_len is None or self.max_model_len >= 1, "None or >= 1")
         check("preemption_mode", self.preemption_mode in (None, "swap", "recompute"), "None, 'swap' or 'recompute'")
-        check("tensor_parallel_size", self.tensor_parallel_size >= 1, ">= 1")
+        check("tensor_parallel_size", isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+              "an integer >= 1")
+        check("num_processes", self.num_processes is None or self.num_processes >= 1, "None or >= 1")
+        check("process_id", self.process_id is None or self.process_id >= 0, "None or >= 0")
         check("attention_backend", self.attention_backend in ATTENTION_BACKENDS, f"one of {ATTENTION_BACKENDS}")

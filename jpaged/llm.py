@@ -27,7 +27,12 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion with continuous batching; results in input order."""
+        """Run every prompt to completion with continuous batching; results in input order.
+        Multi-host: every process calls this; process 0 schedules (its arguments count), the
+        others run the same device steps, and all return process 0's results."""
+        return self.llm_engine.runner.lead(lambda: self._generate(prompts, sampling_params, use_tqdm))
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)

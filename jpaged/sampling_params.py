@@ -11,6 +11,7 @@ class SamplingType(enum.Enum):
     GREEDY = enum.auto()
     RANDOM = enum.auto()
     RANDOM_SEED = enum.auto()  # random, from the request's own generator
+    BEAM = enum.auto()
 
 
 @dataclasses.dataclass
@@ -31,8 +32,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Beam search (vLLM v0.4): best_of beams, the n best finished ones returned; temperature 0 only.
     use_beam_search: bool = False
-    length_penalty: float = 1.0  # beam search only
+    length_penalty: float = 1.0  # beam score = cumulative logprob / (prompt + output len) ** length_penalty
+    # When beam search stops once best_of beams have finished: True at once; False when the best
+    # live beam scores no better at its current length (HF's heuristic); "never" at any length.
+    early_stopping: bool | str = False
 
     def __post_init__(self):
         if self.best_of is None:
@@ -82,14 +87,25 @@ class SamplingParams:
               "in [-2, 2]")
         check("repetition_penalty", is_number(self.repetition_penalty) and self.repetition_penalty > 0, "> 0")
         check("length_penalty", is_number(self.length_penalty), "a number")
+        check("use_beam_search", isinstance(self.use_beam_search, bool), "a bool")
         if self.use_beam_search:
-            raise ValueError("use_beam_search is not supported yet")
+            check("temperature", self.temperature < _GREEDY_TEMPERATURE, "0 with use_beam_search")
+            check("top_p", self.top_p == 1, "1 with use_beam_search")
+            check("top_k", self.top_k == -1, "-1 with use_beam_search")
+            check("min_p", self.min_p == 0, "0 with use_beam_search")
+            check("early_stopping", self.early_stopping is True or self.early_stopping is False
+                  or self.early_stopping == "never", "True, False or 'never'")
+            return
+        check("early_stopping", self.early_stopping is False, "False without use_beam_search")
+        check("length_penalty", self.length_penalty == 1, "1.0 without use_beam_search")
         if self.temperature < _GREEDY_TEMPERATURE:
             # vLLM's rule: greedy completions are all the same, so asking for several is a mistake.
             check("best_of", self.best_of == 1, f"1 with greedy sampling (temperature={self.temperature})")
 
     @property
     def sampling_type(self) -> SamplingType:
+        if self.use_beam_search:
+            return SamplingType.BEAM
         if self.temperature < _GREEDY_TEMPERATURE:
             return SamplingType.GREEDY
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED

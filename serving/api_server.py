@@ -409,5 +409,6 @@ async def serve(engine: LLMEngine, *, host: str, port: int, served_model_name: s
 def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | None = None, api_key: str | None = None, max_queue: int | None = None):
     engine = LLMEngine(config)  # loads the weights and compiles every step shape before we listen
-    asyncio.run(serve(engine, host=host, port=port, served_model_name=served_model_name or config.model,
-                      api_key=api_key, max_queue=max_queue))
+    # Multi-host: process 0 serves HTTP; the other processes run its device steps until it stops.
+    engine.runner.lead(lambda: asyncio.run(serve(engine, host=host, port=port, api_key=api_key, max_queue=max_queue,
+                                                 served_model_name=served_model_name or config.model)))

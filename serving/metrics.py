@@ -75,10 +75,16 @@ class Metrics:
         metric("num_preemptions_total", "counter", "Sequence-group preemptions.", stats["num_preemptions"])
         metric("prompt_tokens_total", "counter", "Prompt tokens of started requests.", self.prompt_tokens)
         metric("generation_tokens_total", "counter", "Generated tokens.", self.generation_tokens)
-        metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", queries)
-        metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", hits)
+        metric("prefix_cache_queries_total", "counter", "Tokens looked up in the prefix cache at admission.", queries)
+        metric("prefix_cache_hits_total", "counter", "Tokens found in the prefix cache at admission.", hits)
         metric("gpu_prefix_cache_hit_rate", "gauge", "Prefix-cache hits / queries, in tokens.",
                hits / queries if queries else 0.0)
+        metric("num_gpu_blocks_in_use", "gauge", "Device KV blocks held by sequences (shared blocks once).",
+               stats["num_gpu_blocks_in_use"])
+        metric("num_gpu_blocks_without_sharing", "gauge", "Device KV blocks the same block tables would hold "
+               "without sharing (forks, beams, cached prefixes).", stats["num_gpu_blocks_without_sharing"])
+        metric("num_cached_gpu_blocks", "gauge", "Free device KV blocks still holding a cached prefix.",
+               stats["num_cached_gpu_blocks"])
         metric("num_compilations", "gauge", "Step shapes compiled (constant after warm-up).",
                stats["num_compilations"])
         lines += [f"# HELP {PREFIX}request_success_total Finished requests by finish reason.",

@@ -48,6 +48,7 @@ _KINDS = {
     "string or array of strings": (lambda x: isinstance(x, str) or (isinstance(x, list) and all(
         isinstance(s, str) for s in x)), "a string or an array of strings"),
     "array of integers": (_is_int_list, "an array of integers"),
+    "boolean or 'never'": (lambda x: isinstance(x, bool) or x == "never", "a boolean or 'never'"),
 }
 
 
@@ -133,6 +134,7 @@ _SAMPLING_FIELDS = [  # (name, kind) shared by completions and chat, passed to S
     ("seed", "integer"), ("min_tokens", "integer"), ("stop_token_ids", "array of integers"),
     ("ignore_eos", "boolean"), ("presence_penalty", "number"), ("frequency_penalty", "number"),
     ("repetition_penalty", "number"), ("length_penalty", "number"), ("use_beam_search", "boolean"),
+    ("early_stopping", "boolean or 'never'"),
 ]
 
 

@@ -389,3 +389,121 @@ def test_random_operations_keep_contents_and_invariants():
         for seq in group.seqs:
             bm.free(seq)
     assert_all_free(bm)
+
+
+# Prefix caching.
+
+def make_request(token_ids: list[int]) -> SequenceGroup:
+    seq = Sequence(next(_ids), token_ids)
+    return SequenceGroup(f"r{seq.seq_id}", [seq], SamplingParams(), arrival_time=0.0)
+
+
+def admit_cached(bm: BlockManager, group: SequenceGroup) -> int:
+    """Allocate, compute the uncached rest of the prompt and cache its full blocks; returns the
+    cached tokens."""
+    num_cached = bm.allocate(group)
+    for seq in group.get_seqs():
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = seq.get_len()
+        bm.cache_full_blocks(seq, seq.get_len())
+    return num_cached
+
+
+def test_prefix_cache_hits_whole_blocks_but_never_the_last_token():
+    bm = BlockManager(4, num_gpu_blocks=32, num_cpu_blocks=0, watermark=0, enable_caching=True)
+    prompt = list(range(10))  # 2 full blocks + 2 tokens
+    a = make_request(prompt)
+    assert admit_cached(bm, a) == 0
+    table_a = list(bm.get_block_table(a.seqs[0]))
+    b = make_request(prompt)
+    assert admit_cached(bm, b) == 8  # the partial block is not cached
+    table_b = bm.get_block_table(b.seqs[0])
+    assert table_b[:2] == table_a[:2] and table_b[2] != table_a[2]
+    assert [bm.gpu_pool.ref_cnt(block) for block in table_a] == [2, 2, 1]
+    assert admit_cached(bm, make_request(prompt[:8])) == 4  # exactly 2 blocks: the 2nd holds the last token
+    assert admit_cached(bm, make_request(prompt[:7] + [99, 100])) == 4  # diverges inside block 2
+    assert admit_cached(bm, make_request([99] + prompt[1:])) == 0  # the chain breaks at block 1
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (10 + 10 + 8 + 9 + 10, 8 + 4 + 4)
+    assert bm.get_num_gpu_blocks_without_sharing() == 3 + 3 + 2 + 3 + 3
+    assert bm.get_num_gpu_blocks_in_use() == 3 + 1 + 1 + 2 + 3
+    bm.check_invariants()
+
+
+def test_freed_blocks_stay_cached_and_are_evicted_lru_longest_prefix_first():
+    bm = BlockManager(4, num_gpu_blocks=8, num_cpu_blocks=0, watermark=0, enable_caching=True)
+    prompt = list(range(13))  # 3 full blocks + 1 token
+    a = make_request(prompt)
+    admit_cached(bm, a)
+    bm.free(a.seqs[0])
+    assert bm.get_num_free_gpu_blocks() == 8 and bm.get_num_cached_gpu_blocks() == 3
+    bm.check_invariants()
+    # The 4 never used blocks go first, then a's partial block, then its longest prefix block.
+    other = make_request([50] * 21)
+    admit_cached(bm, other)
+    assert bm.get_num_cached_gpu_blocks() == 2
+    bm.free(other.seqs[0])
+    again = make_request(prompt)
+    assert admit_cached(bm, again) == 8  # blocks 0 and 1 are still there
+    bm.free(again.seqs[0])
+    bm.check_invariants()
+
+
+def test_admission_counts_cached_blocks_taken_from_the_free_queue():
+    bm = BlockManager(4, num_gpu_blocks=4, num_cpu_blocks=0, watermark=0, enable_caching=True)
+    prompt = list(range(9))  # 2 full blocks + 1 token: 3 blocks
+    a = make_request(prompt)
+    admit_cached(bm, a)
+    bm.free(a.seqs[0])
+    admit_cached(bm, make_request([50] * 8))  # the unused block and a's partial one
+    assert bm.get_num_free_gpu_blocks() == 2 and bm.get_num_cached_gpu_blocks() == 2
+    # The same prompt hits both cached blocks but needs a third, and nothing else is free.
+    assert bm.can_allocate(make_request(prompt)) is AllocStatus.LATER
+    # 8 tokens: one hit (the 2nd block holds the last token), one new block that evicts the other.
+    exact = make_request(prompt[:8])
+    assert bm.can_allocate(exact) is AllocStatus.OK
+    assert admit_cached(bm, exact) == 4
+    assert bm.get_num_free_gpu_blocks() == 0
+    bm.check_invariants()
+
+
+def test_prefix_caching_with_fork_copy_on_write_and_swap():
+    bm = BlockManager(4, num_gpu_blocks=16, num_cpu_blocks=16, watermark=0, enable_caching=True)
+    group = make_request(list(range(6)))
+    admit_cached(bm, group)
+    parent = group.seqs[0]
+    child = fork(bm, group, parent)
+    for seq, token in ((parent, 7), (child, 8)):  # copy-on-write of the partial block
+        decode(bm, seq, token)
+        decode(bm, seq, token)
+        bm.cache_full_blocks(seq, seq.get_len())
+    assert bm.get_block_table(parent)[0] == bm.get_block_table(child)[0]
+    assert len({bm.get_block_table(parent)[1], bm.get_block_table(child)[1]}) == 2  # now full and cached
+    bm.check_invariants()
+    assert admit_cached(bm, make_request(list(range(6)) + [8, 8, 0])) == 8  # the child's path
+
+    swap_out = dict(bm.swap_out(group))
+    for seq in group.seqs:
+        seq.status = SequenceStatus.SWAPPED
+    assert all(bm.gpu_pool.blocks[b].block_hash is not None for b in swap_out if bm.gpu_pool.ref_cnt(b) == 0)
+    bm.swap_in(group)
+    for seq in group.seqs:
+        seq.status = SequenceStatus.RUNNING
+        bm.cache_full_blocks(seq, seq.get_len())  # the copies duplicate cached blocks: not cached again
+    bm.check_invariants()
+    for seq in group.seqs:
+        bm.free(seq)
+    bm.check_invariants()
+
+
+def test_check_invariants_catches_a_wrong_reference_count_and_a_stale_cache_entry():
+    bm = BlockManager(4, num_gpu_blocks=8, num_cpu_blocks=0, watermark=0, enable_caching=True)
+    group = make_request(list(range(9)))
+    admit_cached(bm, group)
+    block = bm.gpu_pool.blocks[bm.get_block_table(group.seqs[0])[0]]
+    block.ref_cnt += 1
+    with pytest.raises(AssertionError, match="ref_cnt 2, held by 1"):
+        bm.check_invariants()
+    block.ref_cnt -= 1
+    block.block_hash = b"stale"
+    with pytest.raises(AssertionError, match="hash"):
+        bm.check_invariants()

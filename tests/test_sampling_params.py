@@ -9,7 +9,7 @@ def test_defaults_and_field_order():
     names = [f.name for f in dataclasses.fields(SamplingParams)]
     assert names == ["n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
                      "stop", "stop_token_ids", "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "use_beam_search", "length_penalty"]
+                     "repetition_penalty", "use_beam_search", "length_penalty", "early_stopping"]
     sp = SamplingParams()
     assert (sp.n, sp.best_of, sp.max_tokens, sp.stop, sp.stop_token_ids, sp.top_k) == (1, 1, 16, [], [], -1)
     assert sp.sampling_type is SamplingType.RANDOM
@@ -30,7 +30,9 @@ def test_defaults_and_field_order():
     ("presence_penalty", 2.5), ("presence_penalty", -2.1),
     ("frequency_penalty", 2.01), ("frequency_penalty", -3),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1),
-    ("length_penalty", "1"),
+    ("length_penalty", "1"), ("length_penalty", 0.5),  # only beam search uses it
+    ("early_stopping", True),  # likewise
+    ("use_beam_search", 1),
 ])
 def test_invalid_field_names_it_and_its_value(field, value):
     with pytest.raises(ValueError, match=f"^{field}=") as error:
@@ -73,6 +75,15 @@ def test_greedy():
         SamplingParams(temperature=0, n=2)
 
 
-def test_beam_search_not_supported_yet():
-    with pytest.raises(ValueError, match="use_beam_search"):
-        SamplingParams(use_beam_search=True)
+def test_beam_search():
+    sp = SamplingParams(use_beam_search=True, n=2, best_of=4, temperature=0, length_penalty=0.5,
+                        early_stopping="never")
+    assert sp.sampling_type is SamplingType.BEAM and sp.best_of == 4
+    assert SamplingParams(use_beam_search=True, temperature=0).best_of == 1  # width 1: greedy
+    for early_stopping in (True, False):
+        SamplingParams(use_beam_search=True, temperature=0, n=3, early_stopping=early_stopping)
+    # vLLM v0.4's rules: deterministic, no truncation.
+    for field, value in (("temperature", 1.0), ("top_p", 0.9), ("top_k", 5), ("min_p", 0.1),
+                         ("early_stopping", "sometimes"), ("early_stopping", 1)):
+        with pytest.raises(ValueError, match=f"^{field}="):
+            SamplingParams(use_beam_search=True, **{"temperature": 0, field: value})

@@ -25,12 +25,15 @@ class FakeEngine:
     of the sequence's index in its group and of the request, so a lost or repeated token
     changes everything after it. A sequence stops at max_tokens, at max_model_len, or when it
     samples a multiple of `stop_every` (so the forks of a request finish at different times).
+
+    Pages nobody may read are poisoned (None): free ones, and prefix-cached ones when evicted.
     """
 
     def __init__(self, *, block_size=4, num_gpu_blocks=64, num_cpu_blocks=16, watermark=0.0, max_num_seqs=8,
-                 max_num_batched_tokens=32, max_model_len=256, preemption_mode=None, stop_every=0):
+                 max_num_batched_tokens=32, max_model_len=256, preemption_mode=None, stop_every=0,
+                 enable_caching=False):
         self.block_size = block_size
-        self.bm = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks, watermark)
+        self.bm = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks, watermark, enable_caching=enable_caching)
         self.scheduler = Scheduler(self.bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=max_model_len, preemption_mode=preemption_mode)
         self.gpu = [[None] * block_size for _ in range(num_gpu_blocks)]
@@ -42,8 +45,9 @@ class FakeEngine:
         self.ignored: set[str] = set()
         self.num_steps = 0
 
-    def add(self, request_id: str, prompt_len: int, max_tokens: int, best_of: int = 1) -> SequenceGroup:
-        prompt = [(_salt(request_id) + i) % 1000 for i in range(prompt_len)]
+    def add(self, request_id: str, prompt_len: int, max_tokens: int, best_of: int = 1, prefix=()) -> SequenceGroup:
+        """A request whose prompt starts with `prefix` (its first tokens), the rest its own."""
+        prompt = list(prefix[:prompt_len]) + [(_salt(request_id) + i) % 1000 for i in range(len(prefix), prompt_len)]
         group = SequenceGroup(request_id, [Sequence(next(self.seq_ids), prompt)],
                               SamplingParams(n=best_of, max_tokens=max_tokens), arrival_time=float(self.num_steps))
         self.groups[request_id] = group
@@ -53,6 +57,7 @@ class FakeEngine:
     def step(self):
         sched = self.scheduler
         waiting_before = set(map(id, sched.waiting))
+        hashes = {b.block_id: b.block_hash for b in self.bm.gpu_pool.blocks if b.block_hash is not None}
         out = sched.schedule()
         self.num_steps += 1
         self.check_step(out, waiting_before)
@@ -60,6 +65,9 @@ class FakeEngine:
         # The runner: block copies first, in this order, then one batched forward.
         for g, c in out.blocks_to_swap_out:
             self.cpu[c] = list(self.gpu[g])
+        # Swapped out, pages freed by preemption and evicted cached ones hold nothing anyone may read.
+        self.poison(b for b, h in hashes.items() if self.bm.gpu_pool.blocks[b].block_hash != h)
+        self.poison(self.free_blocks())
         for c, g in out.blocks_to_swap_in:
             self.gpu[g] = list(self.cpu[c])
         for src, dst in out.blocks_to_copy:
@@ -90,8 +98,17 @@ class FakeEngine:
                 if seq.status is RUNNING and seq.num_computed_tokens == seq.get_len():
                     self.sample(group, index, seq, contexts[seq.seq_id])
         sched.free_finished_seq_groups()
+        self.poison(self.free_blocks())
         self.check_state()
         return out
+
+    def free_blocks(self):
+        """Free pages that hold no cached prefix."""
+        return [b.block_id for b in self.bm.gpu_pool.blocks if b.ref_cnt == 0 and b.block_hash is None]
+
+    def poison(self, block_ids):
+        for block_id in block_ids:
+            self.gpu[block_id] = [None] * self.block_size
 
     def sample(self, group, index, seq, context):
         token = (sum((i + 1) * t for i, t in enumerate(context)) + 31 * index + _salt(group.request_id)) % 1000
@@ -166,11 +183,11 @@ class FakeEngine:
         return [seq.output_token_ids for seq in self.groups[request_id].seqs]
 
 
-def run_alone(request_id, prompt_len, max_tokens, best_of=1, **engine_kwargs):
-    """The request's outputs with the whole engine to itself: a big pool, no preemption."""
+def run_alone(request_id, prompt_len, max_tokens, best_of=1, prefix=(), **engine_kwargs):
+    """The request's outputs with the whole engine to itself: a big pool, no preemption, no cache."""
     kwargs = dict(engine_kwargs, num_gpu_blocks=1024, num_cpu_blocks=0, watermark=0.0)
     engine = FakeEngine(**kwargs)
-    engine.add(request_id, prompt_len, max_tokens, best_of)
+    engine.add(request_id, prompt_len, max_tokens, best_of, prefix)
     engine.run()
     assert engine.scheduler.num_preemptions == 0
     return engine.outputs(request_id)
@@ -392,9 +409,10 @@ def test_scheduler_arguments():
         Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=4, max_model_len=16, preemption_mode="drop")
 
 
+@pytest.mark.parametrize("enable_caching", [False, True])
 @pytest.mark.parametrize("preemption_mode", [None, "swap", "recompute"])
 @pytest.mark.parametrize("seed", range(8))
-def test_random_workloads(preemption_mode, seed):
+def test_random_workloads(preemption_mode, seed, enable_caching):
     rng = random.Random(f"{preemption_mode}-{seed}")
     block_size = rng.choice([1, 2, 4, 8])
     num_gpu_blocks = rng.randint(8, 24)
@@ -403,25 +421,66 @@ def test_random_workloads(preemption_mode, seed):
                   watermark=rng.choice([0.0, 0.1]), max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=rng.randint(max_num_seqs, 40), max_model_len=rng.randint(24, 48),
                   preemption_mode=preemption_mode, stop_every=rng.choice([0, 13]))
-    engine = FakeEngine(**config)
+    engine = FakeEngine(**config, enable_caching=enable_caching)
     capacity = (num_gpu_blocks - engine.bm.watermark_blocks) * block_size
+    # With caching, prompts share prefixes of every length (often all of it) from two families.
+    families = [[rng.randrange(1000) for _ in range(40)] for _ in range(2)] if enable_caching else [[]]
     requests, arrivals = {}, {}
     for i in range(rng.randint(10, 25)):
         best_of = rng.choice([1, 1, 1, 2, 3])
         prompt_len = rng.randint(1, min(40, capacity + 4))  # a few too long for the pool
+        prefix = tuple(rng.choice(families)[:rng.choice([prompt_len, rng.randint(0, prompt_len)])])
         # Keep every request within what the pool holds at its longest, so that whether it
         # finishes depends only on its prompt (growing past the pool is tested above).
         room = (num_gpu_blocks - engine.bm.watermark_blocks - best_of) // best_of * block_size
         max_tokens = max(1, min(rng.randint(1, 30), room - prompt_len, config["max_model_len"] - prompt_len))
-        requests[f"r{i}"] = (prompt_len, max_tokens, best_of)
-        arrivals.setdefault(rng.choice([0, 0, rng.randint(0, 30)]), []).append((f"r{i}", prompt_len, max_tokens,
-                                                                                 best_of))
+        requests[f"r{i}"] = (prompt_len, max_tokens, best_of, prefix)
+        arrivals.setdefault(rng.choice([0, 0, rng.randint(0, 30)]), []).append((f"r{i}", *requests[f"r{i}"]))
     engine.run(arrivals=arrivals)
-    expected_ignored = {name for name, (prompt_len, _, best_of) in requests.items()
+    expected_ignored = {name for name, (prompt_len, _, best_of, _) in requests.items()
                         if prompt_len > min(config["max_model_len"], capacity) or best_of > max_num_seqs}
     assert engine.ignored == expected_ignored
+    assert (engine.bm.prefix_cache_hits > 0) == enable_caching
     alone = {key: config[key] for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                                           "stop_every")}
-    for name, (prompt_len, max_tokens, best_of) in requests.items():
+    for name, request in requests.items():
         if name not in expected_ignored:
-            assert engine.outputs(name) == run_alone(name, prompt_len, max_tokens, best_of, **alone), name
+            assert engine.outputs(name) == run_alone(name, *request, **alone), name
+
+
+def test_prefix_caching_computes_only_the_uncached_tokens():
+    engine = FakeEngine(block_size=4, max_num_batched_tokens=64, enable_caching=True)
+    prefix = tuple(range(500, 513))  # 3 full blocks and a token
+    engine.add("a", 16, 2, prefix=prefix)
+    engine.run()
+    # b shares 13 tokens with a: the 3 full blocks among them are cached, the rest is computed.
+    engine.add("b", 15, 2, prefix=prefix)
+    assert scheduled(engine.step()) == [("b", 3)]
+    assert (engine.bm.prefix_cache_queries, engine.bm.prefix_cache_hits) == (16 + 15, 12)
+    engine.run()
+    # Same step: d reads the blocks c fills in this very step.
+    engine.add("c", 10, 2, prefix=tuple(range(600, 610)))
+    engine.add("d", 12, 2, prefix=tuple(range(600, 610)))
+    assert scheduled(engine.step()) == [("c", 10), ("d", 4)]
+    engine.run()
+    # A prompt that is entirely cached still computes its last block (the token gives the logits).
+    engine.add("e", 12, 2, prefix=engine.groups["d"].prompt_token_ids)
+    assert scheduled(engine.step()) == [("e", 4)]
+    engine.run()
+    assert engine.bm.prefix_cache_hits == 12 + 8 + 8
+    for name, prompt_len, shared in (("b", 15, prefix), ("d", 12, tuple(range(600, 610)))):
+        assert engine.outputs(name) == run_alone(name, prompt_len, 2, prefix=shared)
+
+
+@pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
+def test_prefix_caching_under_preemption(preemption_mode):
+    # Six requests with one 12-token prefix in a pool that holds about two of them.
+    engine = FakeEngine(block_size=4, num_gpu_blocks=14, num_cpu_blocks=32, max_num_seqs=6,
+                        preemption_mode=preemption_mode, enable_caching=True)
+    prefix = tuple(range(700, 712))
+    for i in range(6):
+        engine.add(f"r{i}", 13 + i, 10, best_of=1 + i % 2, prefix=prefix)
+    engine.run()
+    assert engine.scheduler.num_preemptions > 0 and engine.bm.prefix_cache_hits >= 5 * 12
+    for i in range(6):
+        assert engine.outputs(f"r{i}") == run_alone(f"r{i}", 13 + i, 10, 1 + i % 2, prefix)

@@ -233,6 +233,19 @@ def test_n_samples_seed_logprobs_echo(client):
         assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.logprob - 1e-6
 
 
+def test_beam_search(client):
+    prompt = random_prompt(random.Random())
+    greedy = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    one = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                    extra_body={"use_beam_search": True})
+    assert one.choices[0].text == greedy.choices[0].text  # width 1 is greedy
+    beams = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, n=3, logprobs=0,
+                                      extra_body={"use_beam_search": True, "early_stopping": "never"})
+    assert [c.index for c in beams.choices] == [0, 1, 2] and len({c.text for c in beams.choices}) == 3
+    scores = [sum(c.logprobs.token_logprobs) for c in beams.choices]
+    assert scores == sorted(scores, reverse=True)  # ranked best first (same lengths: by cumulative logprob)
+
+
 # ---------------------------------------------------------------------- bad input
 LONG = "x" * (MAX_MODEL_LEN + 10)
 BAD_REQUESTS = [
@@ -259,6 +272,14 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "seed": 1.5}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 1, "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "temperature": 0, "stream": True}, 400,
+     "stream"),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "temperature": 1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "temperature": 0, "early_stopping": "sometimes"},
+     400,
+     "early_stopping"),
+    ("/v1/completions", {"prompt": "hi", "length_penalty": 2}, 400, "length_penalty"),
+    ("/v1/completions", {"prompt": "hi", "n": 100, "temperature": 1}, 400, "best_of"),
     ("/v1/completions", {"prompt": [5, 999999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": [[5, 6], [-1]]}, 400, "prompt"),
     ("/v1/completions", {"prompt": LONG}, 400, "prompt"),
@@ -318,9 +339,16 @@ def test_64_concurrent_streams(server):
     async def all_streams():
         return await asyncio.gather(*(stream_events(server.url, "/v1/completions", b) for b in bodies))
 
-    for body, events in zip(bodies, run(all_streams())):
+    async def greedy_non_streamed():
+        return await asyncio.gather(*(post(server.url, "/v1/completions", b) for b in bodies if b["temperature"] == 0))
+
+    streamed = run(all_streams())
+    reference = iter(run(greedy_non_streamed()))
+    for body, events in zip(bodies, streamed):
         assert events[-1]["choices"][0]["finish_reason"] == "length"
-        assert sum(len(e["choices"][0]["text"]) > 0 for e in events) >= 1
+        assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
+        if body["temperature"] == 0:
+            assert "".join(e["choices"][0]["text"] for e in events) == next(reference)[1]["choices"][0]["text"]
     m = metrics(server.url)
     assert m["jpaged:num_requests_running"] == 0 and m["jpaged:gpu_cache_usage_perc"] == 0
     assert m["jpaged:time_to_first_token_seconds_count"] >= 64

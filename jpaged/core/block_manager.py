@@ -9,10 +9,20 @@ shared block is copied before a sharer writes into it.
 Growth is on demand: a sequence gets a new block only when its last one is full. Admission
 (allocate) covers every token the sequence has, so a prompt prefilled in chunks needs no more
 blocks until it decodes; append_slots covers the token sampled in the last step.
+
+Automatic prefix caching (enable_caching, vLLM v1's design): a full, computed block is found by
+a hash chained over the previous block's hash and its own token ids, so equal hashes mean equal
+prefixes. Admission maps a sequence's leading full blocks onto cached ones, and only the rest is
+computed. A block whose last holder lets go keeps its hash and sits in the free queue; it is
+evicted (its hash forgotten) only when the pool hands it out again, least recently freed first.
+A sequence frees its blocks tail first, so of blocks freed together the longest prefix goes first.
+Full blocks are never written again, which is what makes them safe to share this way.
 """
 
+import array
 import collections
 import enum
+import hashlib
 import math
 
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -28,12 +38,21 @@ class AllocStatus(enum.Enum):
     NEVER = enum.auto()  # larger than the pool (less its watermark): can never fit
 
 
+def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
+    """A full block's prefix-cache key: sha256 over the previous block's hash and this block's
+    tokens (a digest this wide never collides in practice, so a hit is never a wrong prefix)."""
+    digest = hashlib.sha256(parent_hash or b"")
+    digest.update(array.array("q", token_ids).tobytes())
+    return digest.digest()
+
+
 class Block:
-    __slots__ = ("block_id", "ref_cnt")
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
+        self.block_hash: bytes | None = None  # set while the block is in the prefix cache
 
 
 class BlockPool:
@@ -48,6 +67,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: collections.OrderedDict[int, Block] = collections.OrderedDict(
             (block.block_id, block) for block in self.blocks)
+        self.cached_blocks: dict[bytes, Block] = {}  # prefix hash -> the block holding it
 
     @property
     def num_blocks(self) -> int:
@@ -60,8 +80,37 @@ class BlockPool:
         if not self.free_queue:
             raise NoFreeBlocksError(f"all {self.num_blocks} blocks are in use")
         _, block = self.free_queue.popitem(last=False)
+        if block.block_hash is not None:  # evict the least recently used cached prefix
+            del self.cached_blocks[block.block_hash]
+            block.block_hash = None
         block.ref_cnt = 1
         return block.block_id
+
+    def get_cached_block(self, block_hash: bytes) -> int | None:
+        block = self.cached_blocks.get(block_hash)
+        return None if block is None else block.block_id
+
+    def touch(self, block_id: int):
+        """A prefix cache hit: one more reference, taking the block out of the free queue if nobody
+        held it."""
+        block = self._get(block_id)
+        if block.block_hash is None:
+            raise ValueError(f"block {block_id} is not cached")
+        if block.ref_cnt == 0:
+            del self.free_queue[block_id]
+        block.ref_cnt += 1
+
+    def cache(self, block_id: int, block_hash: bytes):
+        """Make a full, computed block findable by its prefix hash. The first block to hold a prefix
+        stays its only cached copy; a later duplicate is an ordinary block."""
+        block = self._get(block_id)
+        if block.block_hash is None and block_hash not in self.cached_blocks:
+            block.block_hash = block_hash
+            self.cached_blocks[block_hash] = block
+
+    def get_num_cached_blocks(self) -> int:
+        """Blocks nobody holds that keep a cached prefix (counted as free: evicted when needed)."""
+        return sum(1 for block in self.free_queue.values() if block.block_hash is not None)
 
     def share(self, block_id: int):
         block = self._get(block_id)
@@ -88,7 +137,8 @@ class BlockPool:
 
 
 class BlockManager:
-    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, watermark: float = 0.01):
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, watermark: float = 0.01,
+                 enable_caching: bool = False):
         if block_size < 1 or num_gpu_blocks < 1 or num_cpu_blocks < 0 or not 0 <= watermark < 1:
             raise ValueError(f"bad block manager sizes: block_size={block_size}, num_gpu_blocks={num_gpu_blocks}, "
                              f"num_cpu_blocks={num_cpu_blocks}, watermark={watermark}")
@@ -100,6 +150,12 @@ class BlockManager:
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.gpu_tables: dict[int, list[int]] = {}  # seq_id -> device block ids
         self.cpu_tables: dict[int, list[int]] = {}  # seq_id -> host block ids (swapped out)
+        self.enable_caching = enable_caching
+        self._num_hashed_blocks: dict[int, int] = {}  # seq_id -> leading device blocks already cached
+        # Prefix cache lookups in TOKENS, as vLLM v1 counts them: each admitted sequence queries
+        # all its tokens and hits the leading ones found in the cache.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -114,6 +170,16 @@ class BlockManager:
 
     def get_num_free_cpu_blocks(self) -> int:
         return self.cpu_pool.get_num_free_blocks()
+
+    def get_num_gpu_blocks_in_use(self) -> int:
+        return self.num_gpu_blocks - self.get_num_free_gpu_blocks()
+
+    def get_num_gpu_blocks_without_sharing(self) -> int:
+        """Device blocks in use if nothing were shared: one per block table entry."""
+        return sum(len(table) for table in self.gpu_tables.values())
+
+    def get_num_cached_gpu_blocks(self) -> int:
+        return self.gpu_pool.get_num_cached_blocks()
 
     def get_block_table(self, seq: Sequence) -> list[int]:
         """The sequence's device blocks (the manager's own list: read it, don't change it)."""
@@ -144,37 +210,103 @@ class BlockManager:
             common = next((i for i in range(common) if ids[i] != token_ids[0][i]), common)
         return seqs, common // self.block_size
 
-    def _num_required_blocks(self, seqs: list[Sequence], num_shared: int) -> int:
-        return num_shared + sum(self._num_blocks(seq.get_len()) - num_shared for seq in seqs)
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The prefix hashes of the sequence's first `num_blocks` (full) blocks; each is computed
+        once and kept on the sequence, whose tokens never change."""
+        hashes, size = seq.block_hashes, self.block_size
+        if len(hashes) < num_blocks:
+            token_ids = seq.get_token_ids()
+            for i in range(len(hashes), num_blocks):
+                hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * size:(i + 1) * size]))
+        return hashes[:num_blocks]
 
-    def _fit(self, num_required: int, num_free: int) -> AllocStatus:
-        if self.num_gpu_blocks - num_required < self.watermark_blocks:
+    def _cached_prefix(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Per sequence, the cached blocks holding its leading tokens; as many for each, since a
+        group computes in lockstep. The block of a sequence's last token is never taken from the
+        cache: that token must be computed for the logits of the next (vLLM v1 does the same), and
+        the block holding it is the one it will write into."""
+        if not self.enable_caching:
+            return [[] for _ in seqs]
+        hits = []
+        for seq in seqs:
+            blocks = []
+            for block_hash in self._block_hashes(seq, (seq.get_len() - 1) // self.block_size):
+                block_id = self.gpu_pool.get_cached_block(block_hash)
+                if block_id is None:
+                    break
+                blocks.append(block_id)
+            hits.append(blocks)
+        num_cached = min(len(blocks) for blocks in hits)
+        return [blocks[:num_cached] for blocks in hits]
+
+    def _admission(self, seq_group: SequenceGroup):
+        """What allocate would do: (sequences, leading blocks they share, cached blocks per
+        sequence, new blocks to take from the free queue, free blocks left for them once the hits
+        are taken out, all blocks the group will hold)."""
+        seqs, num_shared = self._allocation_plan(seq_group)
+        cached = self._cached_prefix(seqs)
+        num_cached = len(cached[0])
+        first_own = max(num_shared, num_cached)
+        num_new = first_own - num_cached + sum(self._num_blocks(seq.get_len()) - first_own for seq in seqs)
+        # Hits on blocks nobody holds take them out of the free queue.
+        hit_blocks = {block_id for blocks in cached for block_id in blocks}
+        num_free = self.get_num_free_gpu_blocks() - sum(1 for b in hit_blocks if self.gpu_pool.ref_cnt(b) == 0)
+        return seqs, num_shared, cached, num_new, num_free, num_new + len(hit_blocks)
+
+    def _fit(self, num_required: int, num_free: int, num_total: int | None = None) -> AllocStatus:
+        """`num_total`: every block the request holds, new or not (default: `num_required`)."""
+        if self.num_gpu_blocks - (num_required if num_total is None else num_total) < self.watermark_blocks:
             return AllocStatus.NEVER
         if num_free - num_required >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
     def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
-        seqs, num_shared = self._allocation_plan(seq_group)
-        return self._fit(self._num_required_blocks(seqs, num_shared), self.get_num_free_gpu_blocks())
+        _, _, _, num_new, num_free, num_total = self._admission(seq_group)
+        return self._fit(num_new, num_free, num_total)
 
-    def allocate(self, seq_group: SequenceGroup):
-        """Device blocks for every token of the group's waiting sequences."""
-        seqs, num_shared = self._allocation_plan(seq_group)
+    def allocate(self, seq_group: SequenceGroup) -> int:
+        """Device blocks for every token of the group's waiting sequences, cached ones for their
+        leading tokens when prefix caching finds them. Returns how many leading tokens of each
+        sequence are cached: their K/V need no computing."""
+        seqs, num_shared, cached, num_new, num_free, _ = self._admission(seq_group)
         for seq in seqs:
             if seq.seq_id in self.gpu_tables or seq.seq_id in self.cpu_tables:
                 raise ValueError(f"{seq} already has blocks")
-        num_required = self._num_required_blocks(seqs, num_shared)
-        if num_required > self.get_num_free_gpu_blocks():
-            raise NoFreeBlocksError(f"{seq_group} needs {num_required} blocks, "
-                                    f"{self.get_num_free_gpu_blocks()} are free")
-        shared = [self.gpu_pool.allocate() for _ in range(num_shared)]
-        for i, seq in enumerate(seqs):
+        if num_new > num_free:
+            raise NoFreeBlocksError(f"{seq_group} needs {num_new} blocks, {num_free} are free")
+        # Take the hits before allocating, which could evict them.
+        for blocks in cached:
+            for block_id in blocks:
+                self.gpu_pool.touch(block_id)
+        num_cached = len(cached[0])
+        first_own = max(num_shared, num_cached)
+        shared = [self.gpu_pool.allocate() for _ in range(first_own - num_cached)]
+        for i, (seq, hits) in enumerate(zip(seqs, cached)):
             if i > 0:
                 for block_id in shared:
                     self.gpu_pool.share(block_id)
-            own = [self.gpu_pool.allocate() for _ in range(self._num_blocks(seq.get_len()) - num_shared)]
-            self.gpu_tables[seq.seq_id] = shared + own
+            own = [self.gpu_pool.allocate() for _ in range(self._num_blocks(seq.get_len()) - first_own)]
+            self.gpu_tables[seq.seq_id] = hits + shared + own
+            self._num_hashed_blocks[seq.seq_id] = num_cached
+            if self.enable_caching:
+                self.prefix_cache_queries += seq.get_len()
+                self.prefix_cache_hits += num_cached * self.block_size
+        return num_cached * self.block_size
+
+    def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int):
+        """Prefix caching: the sequence's first `num_computed_tokens` tokens are computed (or will
+        be by the end of this step); make the full blocks among them findable by hash."""
+        if not self.enable_caching:
+            return
+        num_full = num_computed_tokens // self.block_size
+        start = self._num_hashed_blocks[seq.seq_id]
+        if num_full <= start:
+            return
+        table = self.gpu_tables[seq.seq_id]
+        for block_id, block_hash in zip(table[start:num_full], self._block_hashes(seq, num_full)[start:]):
+            self.gpu_pool.cache(block_id, block_hash)
+        self._num_hashed_blocks[seq.seq_id] = num_full
 
     # Decoding.
 
@@ -225,6 +357,7 @@ class BlockManager:
         for block_id in table:
             self.gpu_pool.share(block_id)
         self.gpu_tables[child.seq_id] = list(table)
+        self._num_hashed_blocks[child.seq_id] = self._num_hashed_blocks[parent.seq_id]
 
     def free(self, seq: Sequence):
         """Release the sequence's blocks, on the device or in host memory."""
@@ -234,8 +367,9 @@ class BlockManager:
             pool, table = self.cpu_pool, self.cpu_tables.pop(seq.seq_id)
         else:
             raise ValueError(f"{seq} has no blocks to free (freed twice?)")
-        for block_id in table:
+        for block_id in reversed(table):  # tail first: evicted before the prefix it extends
             pool.free(block_id)
+        self._num_hashed_blocks.pop(seq.seq_id, None)
 
     # Swapping. A block shared by several sequences of the group moves once and keeps its
     # reference count.
@@ -248,9 +382,12 @@ class BlockManager:
         return len(blocks) <= self.get_num_free_cpu_blocks()
 
     def swap_out(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
-        """Move the running sequences' blocks to host memory; returns the (gpu, cpu) copies."""
-        return self._move(seq_group.get_seqs(SequenceStatus.RUNNING), self.gpu_tables, self.gpu_pool,
-                          self.cpu_tables, self.cpu_pool)
+        """Move the running sequences' blocks to host memory; returns the (gpu, cpu) copies. The
+        device blocks left behind stay in the prefix cache until evicted."""
+        seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
+        for seq in seqs:
+            del self._num_hashed_blocks[seq.seq_id]
+        return self._move(seqs, self.gpu_tables, self.gpu_pool, self.cpu_tables, self.cpu_pool)
 
     def can_swap_in(self, seq_group: SequenceGroup) -> AllocStatus:
         seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
@@ -260,9 +397,13 @@ class BlockManager:
         return self._fit(num_required, self.get_num_free_gpu_blocks())
 
     def swap_in(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
-        """Move the swapped sequences' blocks back to the device; returns the (cpu, gpu) copies."""
-        return self._move(seq_group.get_seqs(SequenceStatus.SWAPPED), self.cpu_tables, self.cpu_pool,
-                          self.gpu_tables, self.gpu_pool)
+        """Move the swapped sequences' blocks back to the device; returns the (cpu, gpu) copies.
+        They are fresh blocks: cache_full_blocks hashes them again when the group is scheduled."""
+        seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
+        copies = self._move(seqs, self.cpu_tables, self.cpu_pool, self.gpu_tables, self.gpu_pool)
+        for seq in seqs:
+            self._num_hashed_blocks[seq.seq_id] = 0
+        return copies
 
     def _move(self, seqs, src_tables, src_pool, dst_tables, dst_pool) -> list[tuple[int, int]]:
         num_required = len(self._distinct_blocks(src_tables, seqs))
@@ -270,20 +411,24 @@ class BlockManager:
             raise NoFreeBlocksError(f"moving {num_required} blocks, {dst_pool.get_num_free_blocks()} are free")
         mapping: dict[int, int] = {}  # src block -> dst block
         for seq in seqs:
-            for block_id in src_tables[seq.seq_id]:
+            table = src_tables.pop(seq.seq_id)
+            for block_id in table:
                 if block_id in mapping:
                     dst_pool.share(mapping[block_id])
                 else:
                     mapping[block_id] = dst_pool.allocate()
+            for block_id in reversed(table):  # device blocks left behind stay cached, tail first
                 src_pool.free(block_id)
-            dst_tables[seq.seq_id] = [mapping[block_id] for block_id in src_tables.pop(seq.seq_id)]
+            dst_tables[seq.seq_id] = [mapping[block_id] for block_id in table]
         return list(mapping.items())
 
     def check_invariants(self):
         """Raise AssertionError unless every block's reference count equals the number of block
-        tables holding it, and exactly the blocks nobody holds are free."""
+        tables holding it, exactly the blocks nobody holds are in the free queue, the prefix cache
+        maps each hash to the one block carrying it, and free + cached + in use = total."""
         for pool, tables in ((self.gpu_pool, self.gpu_tables), (self.cpu_pool, self.cpu_tables)):
             holders = collections.Counter(block_id for table in tables.values() for block_id in table)
+            counts = collections.Counter()  # free / cached / in use
             for block in pool.blocks:
                 if block.ref_cnt != holders[block.block_id]:
                     raise AssertionError(f"block {block.block_id}: ref_cnt {block.ref_cnt}, "
@@ -291,3 +436,12 @@ class BlockManager:
                 if (block.ref_cnt == 0) != (block.block_id in pool.free_queue):
                     raise AssertionError(f"block {block.block_id}: ref_cnt {block.ref_cnt} but "
                                          f"{'' if block.block_id in pool.free_queue else 'not '}in the free queue")
+                if block.block_hash is not None and pool.cached_blocks.get(block.block_hash) is not block:
+                    raise AssertionError(f"block {block.block_id} has a hash the prefix cache does not map to it")
+                counts["in use" if block.ref_cnt else "cached" if block.block_hash is not None else "free"] += 1
+            if any(block.block_hash != block_hash for block_hash, block in pool.cached_blocks.items()):
+                raise AssertionError("the prefix cache maps a hash to a block that lost it")
+            # What stats report: free + cached (the free queue) + in use = total.
+            if len(pool.free_queue) != counts["free"] + counts["cached"] or \
+                    pool.num_blocks - len(pool.free_queue) != counts["in use"]:
+                raise AssertionError(f"free queue of {len(pool.free_queue)} blocks, but {dict(counts)}")

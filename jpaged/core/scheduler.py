@@ -9,7 +9,8 @@ Every step it decides which sequence groups compute which tokens:
   2. If nothing was preempted, swapped-out groups come back first (FCFS).
   3. If nothing was preempted and nothing is swapped out, waiting groups are admitted (FCFS)
      while blocks (leaving the watermark free), max_num_seqs and the token budget allow; a
-     prompt longer than the remaining budget is split into chunks over several steps.
+     prompt longer than the remaining budget is split into chunks over several steps. With
+     prefix caching, an admitted group starts computing at its first uncached token.
 
 Preemption by recompute frees a group's blocks and puts it back at the front of the waiting
 queue: its prompt and outputs so far are prefilled again. Preemption by swap moves its blocks
@@ -179,16 +180,16 @@ class Scheduler:
                 self._ignore(seq_group, out)
                 continue
             num_seqs = seq_group.get_max_num_running_seqs()
-            chunk = self._chunk_size(seq_group, budget)
-            if status is AllocStatus.LATER or num_seqs > budget.num_seqs or not chunk:
+            if status is AllocStatus.LATER or num_seqs > budget.num_seqs or not self._chunk_size(seq_group, budget):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq_group)
+            num_cached_tokens = self.block_manager.allocate(seq_group)
             for seq in seq_group.get_seqs(SequenceStatus.WAITING):
                 seq.status = SequenceStatus.RUNNING
+                seq.num_computed_tokens = num_cached_tokens
             self.running.append(seq_group)
             budget.num_seqs -= num_seqs
-            self._add(out, budget, seq_group, chunk)
+            self._add(out, budget, seq_group, self._chunk_size(seq_group, budget))
 
     def _chunk_size(self, seq_group: SequenceGroup, budget: _Budget) -> int:
         """Tokens per sequence the group can compute now: all it has left, up to its share of the
@@ -196,7 +197,12 @@ class Scheduler:
         return min(seq_group.get_num_uncomputed_tokens(), budget.num_tokens // seq_group.num_unfinished_seqs())
 
     def _add(self, out: SchedulerOutputs, budget: _Budget, seq_group: SequenceGroup, chunk: int):
-        num_tokens = chunk * seq_group.num_seqs(SequenceStatus.RUNNING)
+        running = seq_group.get_seqs(SequenceStatus.RUNNING)
+        for seq in running:
+            # The blocks this step fills are cached from now on. A group admitted later in this
+            # step may read them at once: every layer writes the step's new K/V before attending.
+            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + chunk)
+        num_tokens = chunk * len(running)
         out.scheduled_seq_groups.append(ScheduledSequenceGroup(seq_group, chunk))
         out.num_batched_tokens += num_tokens
         budget.num_tokens -= num_tokens

@@ -2,8 +2,9 @@
 
 A request is one SequenceGroup. It starts with one Sequence (the prompt); when the prompt has
 been computed the engine forks it into `best_of` sequences that share the prompt's KV blocks.
-The sequences of a group advance in lockstep: all unfinished ones have the same length and the
-same number of computed tokens.
+With beam search the group holds the live beams (at most `best_of`), forked and dropped every
+step, plus the best finished ones. The sequences of a group advance in lockstep: all unfinished
+ones have the same length and the same number of computed tokens.
 """
 
 import copy
@@ -52,6 +53,8 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.output_logprobs: list[dict[int, float]] = []  # per output token, when logprobs are asked for
         self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it
+        # Prefix caching: the chained hash of each full block of tokens, filled in by the block manager.
+        self.block_hashes: list[bytes] = []
         # Incremental detokenization state, owned by the engine.
         self.output_text = ""
         self.tokens: list[str] | None = None
@@ -89,6 +92,16 @@ class Sequence:
         if top_logprobs is not None:
             self.output_logprobs.append(top_logprobs)
 
+    def get_beam_search_score(self, length_penalty: float = 1.0, seq_len: int | None = None,
+                              eos_token_id: int | None = None) -> float:
+        """vLLM v0.4's (and HF's) length-penalized score: cumulative logprob / length ** penalty, where
+        the length counts the prompt but not a final EOS."""
+        if seq_len is None:
+            seq_len = self.get_len()
+            if eos_token_id is not None and self.get_last_token_id() == eos_token_id:
+                seq_len -= 1
+        return self.cumulative_logprob / (seq_len ** length_penalty)
+
     def fork(self, new_seq_id: int) -> "Sequence":
         child = copy.deepcopy(self)
         child.seq_id = new_seq_id
@@ -119,6 +132,9 @@ class SequenceGroup:
     def add(self, seq: Sequence):
         self.seqs.append(seq)
 
+    def remove(self, seq: Sequence):
+        self.seqs.remove(seq)
+
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:
             return list(self.seqs)
@@ -145,8 +161,9 @@ class SequenceGroup:
 
     def get_max_num_running_seqs(self) -> int:
         """Sequences this group will run at once: best_of from the start, since the engine forks
-        the single prompt sequence into best_of sequences as soon as the prompt is computed."""
-        if len(self.seqs) == 1 and not self.seqs[0].output_token_ids:
+        the single prompt sequence into best_of sequences as soon as the prompt is computed (and
+        beam search may keep up to best_of beams alive until it stops)."""
+        if self.sampling_params.use_beam_search or (len(self.seqs) == 1 and not self.seqs[0].output_token_ids):
             return self.sampling_params.best_of
         return self.num_unfinished_seqs()
 

@@ -21,8 +21,9 @@ from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from jpaged.models.loader import load_model
 from jpaged.outputs import CompletionOutput, RequestOutput
+from jpaged.parallel import distributed
 from jpaged.runner.model_runner import MAX_BANNED_TOKENS, MAX_LOGPROBS, ModelRunner, SeqInput, kv_cache_layout
-from jpaged.runner.sampler import SamplingRow
+from jpaged.runner.sampler import SamplingRow, beam_search_candidates
 from jpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -57,9 +58,10 @@ def enable_compilation_cache():
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
         enable_compilation_cache()
         loaded = load_model(config.model, dtype=config.dtype, attention_backend=config.attention_backend,
-                            revision=config.revision)
+                            revision=config.revision, tensor_parallel_size=config.tensor_parallel_size)
         self.tokenizer, self.hf_config = loaded.tokenizer, loaded.hf_config
         self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
@@ -69,13 +71,19 @@ class LLMEngine:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is smaller than "
                              f"max_num_seqs={config.max_num_seqs}")
         num_layers, num_kv_heads, head_dim = kv_cache_layout(loaded.model)
-        bytes_per_block = 2 * num_layers * num_kv_heads * config.block_size * head_dim * loaded.dtype.itemsize
-        num_gpu_blocks = self._num_gpu_blocks(bytes_per_block)
+        # Per device: each tensor-parallel shard holds its kv heads' part of every block.
+        bytes_per_block = (2 * num_layers * (num_kv_heads // config.tensor_parallel_size) * config.block_size
+                           * head_dim * loaded.dtype.itemsize)
+        # Every process must allocate the same pool: the smallest one that fits everywhere.
+        num_gpu_blocks = distributed.min_across_processes(self._num_gpu_blocks(bytes_per_block))
         num_cpu_blocks = int(config.swap_space * 2**30 // bytes_per_block)
         logger.info("jpaged: %s (%s) on %s; KV pool: %d device blocks, %d host blocks of %d tokens (%.1f KiB each)",
                     config.model, loaded.dtype.name, jax.default_backend(), num_gpu_blocks, num_cpu_blocks,
                     config.block_size, bytes_per_block / 1024)
-        self.block_manager = BlockManager(config.block_size, num_gpu_blocks, num_cpu_blocks)
+        self.block_manager = BlockManager(config.block_size, num_gpu_blocks, num_cpu_blocks,
+                                          enable_caching=config.enable_prefix_caching)
+        # Debug mode (the tests turn it on): check the block pool's invariants after every step.
+        self.check_invariants = os.environ.get("JPAGED_CHECK_INVARIANTS", "0") not in ("", "0")
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                    preemption_mode=config.preemption_mode)
@@ -124,6 +132,14 @@ class LLMEngine:
         if len(ids) + sampling_params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sampling_params.max_tokens}) = "
                              f"{len(ids) + sampling_params.max_tokens} exceeds max_model_len={self.max_model_len}")
+        if sampling_params.best_of > self.config.max_num_seqs:
+            # The group's sequences run together: more than max_num_seqs could never be scheduled.
+            raise ValueError(f"best_of={sampling_params.best_of} (n={sampling_params.n}) exceeds "
+                             f"max_num_seqs={self.config.max_num_seqs}")
+        if sampling_params.use_beam_search and 2 * sampling_params.best_of > MAX_LOGPROBS:
+            # Each beam's candidates are its 2 * best_of most likely tokens, from the step's top logprobs.
+            raise ValueError(f"best_of={sampling_params.best_of}; beam search supports at most "
+                             f"{MAX_LOGPROBS // 2} beams")
         if (sampling_params.logprobs or 0) > MAX_LOGPROBS:
             raise ValueError(f"logprobs={sampling_params.logprobs}; at most {MAX_LOGPROBS} are supported")
         if len(sampling_params.stop_token_ids) >= MAX_BANNED_TOKENS:
@@ -158,7 +174,10 @@ class LLMEngine:
                 samples = 0
                 if end == seq.get_len():  # this chunk reaches the end: sample what follows
                     # A fresh prompt samples best_of tokens at once: one per sequence it forks into.
-                    samples = group.sampling_params.best_of if not seq.output_token_ids and len(group.seqs) == 1 else 1
+                    # (Beam search takes every beam's candidates from its one row's top logprobs.)
+                    fresh = not seq.output_token_ids and len(group.seqs) == 1
+                    sp = group.sampling_params
+                    samples = sp.best_of if fresh and not sp.use_beam_search else 1
                     for i in range(samples):
                         index = i if samples > 1 else group.seqs.index(seq)
                         rows.append(self._sampling_row(group, seq, index))
@@ -174,11 +193,18 @@ class LLMEngine:
             scheduled.seq_group.update_num_computed_tokens(scheduled.token_chunk_size)
         row = 0
         touched = {id(s.seq_group): s.seq_group for s in plan.scheduled_seq_groups}
+        beams: dict[int, tuple[SequenceGroup, list[tuple[Sequence, int]]]] = {}  # group -> its beams' rows
         for group, seq, samples in sampled_seqs:
+            if group.sampling_params.use_beam_search:
+                beams.setdefault(id(group), (group, []))[1].append((seq, row))
+                row += 1
+                continue
             seqs = [seq] + [self._fork(group, seq) for _ in range(samples - 1)]
             for s in seqs:
                 self._append(group, s, out, row)
                 row += 1
+        for group, group_beams in beams.values():
+            self._process_beam_search(group, group_beams, out)
         for group in plan.ignored_seq_groups:
             touched[id(group)] = group
         outputs = [self._request_output(g) for g in touched.values()]
@@ -186,6 +212,8 @@ class LLMEngine:
         for o in outputs:
             if o.finished:
                 self._groups.pop(o.request_id, None)
+        if self.check_invariants:
+            self.block_manager.check_invariants()
         return outputs
 
     def _sampling_row(self, group: SequenceGroup, seq: Sequence, index: int) -> SamplingRow:
@@ -206,17 +234,103 @@ class LLMEngine:
 
     def _append(self, group: SequenceGroup, seq: Sequence, out, row: int):
         sp = group.sampling_params
-        token = int(out.token_ids[row])
-        top = None
-        if sp.logprobs is not None:
-            top = {int(t): float(lp) for t, lp in zip(out.top_ids[row, :sp.logprobs], out.top_logprobs[row, :sp.logprobs])}
-            top[token] = float(out.logprobs[row])
-        seq.append_token_id(token, float(out.logprobs[row]), top)
+        self._append_token(sp, seq, int(out.token_ids[row]), float(out.logprobs[row]), self._top_logprobs(sp, out, row))
+        if seq.is_finished():
+            self.scheduler.free_seq(seq)
+
+    @staticmethod
+    def _top_logprobs(sp: SamplingParams, out, row: int) -> dict[int, float] | None:
+        if sp.logprobs is None:
+            return None
+        return {int(t): float(lp) for t, lp in zip(out.top_ids[row, :sp.logprobs], out.top_logprobs[row, :sp.logprobs])}
+
+    def _append_token(self, sp: SamplingParams, seq: Sequence, token: int, logprob: float,
+                      top: dict[int, float] | None):
+        """Append a sampled token (with the top logprobs of its row, when asked for) and check
+        whether the sequence stops there. The caller frees a finished sequence's blocks."""
+        if top is not None:
+            top[token] = logprob
+        seq.append_token_id(token, logprob, top)
         if self.detokenizer is not None:
             self.detokenizer.decode_sequence_incrementally(seq)
         self._check_stop(sp, seq, token)
-        if seq.is_finished():
-            self.scheduler.free_seq(seq)
+
+    # ------------------------------------------------------------------ beam search
+    def _beam_score(self, sp: SamplingParams, seq: Sequence) -> float:
+        return seq.get_beam_search_score(sp.length_penalty, eos_token_id=self.eos_token_id)
+
+    def _process_beam_search(self, group: SequenceGroup, beams: list[tuple[Sequence, int]], out):
+        """One beam search step (vLLM v0.4's _process_sequence_group_outputs). The 2 * best_of
+        best (beam, token) candidates become children of their beams; the best best_of finished
+        ones are kept aside and the best best_of live ones continue. A parent continues as its own
+        last child; other children fork it (sharing its blocks) and dropped beams free theirs."""
+        sp, width = group.sampling_params, group.sampling_params.best_of
+        existing_finished = [seq for seq in group.seqs if seq.is_finished()]
+        rows = [row for _, row in beams]
+        candidates = beam_search_candidates([seq.cumulative_logprob for seq, _ in beams], out.top_ids[rows],
+                                            out.top_logprobs[rows], 2 * width)
+        children: list[tuple[Sequence, Sequence]] = []  # (child, parent)
+        for i, (parent, row) in enumerate(beams):
+            tokens = [(token, logprob) for beam, token, logprob in candidates if beam == i]
+            if not tokens:  # no candidate: the beam ends here
+                parent.status = SequenceStatus.FINISHED_ABORTED
+                group.remove(parent)
+                self.scheduler.free_seq(parent)
+                continue
+            for token, logprob in tokens[:-1]:
+                child = parent.fork(next(self._seq_ids))
+                self._append_token(sp, child, token, logprob, self._top_logprobs(sp, out, row))
+                children.append((child, parent))
+            self._append_token(sp, parent, *tokens[-1], self._top_logprobs(sp, out, row))
+            children.append((parent, parent))
+
+        def by_score(pairs):
+            return sorted(pairs, key=lambda pair: self._beam_score(sp, pair[0]), reverse=True)
+
+        # The best `width` finished beams so far stay (parent None: finished before this step).
+        finished = by_score([(seq, None) for seq in existing_finished]
+                            + [(seq, parent) for seq, parent in children if seq.is_finished()])
+        selected = [pair for pair in finished[:width] if pair[1] is not None]
+        dropped = [pair for pair in finished[width:] if pair[1] is not None]
+        for seq, parent in finished[width:]:
+            if parent is None:
+                group.remove(seq)
+        running = by_score([pair for pair in children if not pair[0].is_finished()])
+        if not running:
+            stop = True
+        elif len(finished) < width:
+            stop = False
+        else:
+            stop = self._beam_search_done(sp, running[0][0], finished[width - 1][0])
+        selected += [] if stop else running[:width]
+        dropped += running if stop else running[width:]
+
+        # Fork the new children before any parent lets go of the blocks they share.
+        for seq, parent in selected:
+            if seq is not parent:
+                group.add(seq)
+                if not seq.is_finished():
+                    self.scheduler.fork_seq(parent, seq)
+        for seq, parent in selected:
+            if seq is parent and seq.is_finished():
+                self.scheduler.free_seq(seq)
+        for seq, parent in dropped:
+            if seq is parent:
+                group.remove(seq)
+                self.scheduler.free_seq(seq)
+
+    def _beam_search_done(self, sp: SamplingParams, best_running: Sequence, worst_finished: Sequence) -> bool:
+        """With best_of beams finished: can no live beam beat the worst of them (vLLM v0.4's
+        _check_beam_search_early_stopping)?"""
+        if sp.early_stopping is True:
+            return True
+        best = self._beam_score(sp, best_running)
+        if sp.early_stopping == "never" and sp.length_penalty > 0:
+            # Longer is better: score the best live beam at the longest length it could reach
+            # (vLLM takes the larger of prompt + max_tokens and max_model_len).
+            longest = max(best_running.get_prompt_len() + sp.max_tokens, self.max_model_len)
+            best = best_running.get_beam_search_score(sp.length_penalty, longest, self.eos_token_id)
+        return self._beam_score(sp, worst_finished) >= best
 
     def _check_stop(self, sp: SamplingParams, seq: Sequence, token: int):
         if seq.get_output_len() >= sp.min_tokens:
@@ -237,7 +351,9 @@ class LLMEngine:
         sp = group.sampling_params
         seqs = group.get_seqs()
         finished = group.is_finished()
-        if finished and len(seqs) > sp.n:  # best_of: keep the n most likely
+        if sp.use_beam_search:  # the n best beams (all finished ones once the search is over)
+            seqs = sorted(seqs, key=lambda s: self._beam_score(sp, s), reverse=True)[:sp.n]
+        elif finished and len(seqs) > sp.n:  # best_of: keep the n most likely
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:sp.n]
         completions = [CompletionOutput(
             index=i, text=s.output_text, token_ids=list(s.output_token_ids), cumulative_logprob=s.cumulative_logprob,
@@ -253,6 +369,14 @@ class LLMEngine:
             "num_gpu_blocks": bm.num_gpu_blocks, "num_free_gpu_blocks": bm.get_num_free_gpu_blocks(),
             "num_cpu_blocks": bm.num_cpu_blocks, "num_free_cpu_blocks": bm.get_num_free_cpu_blocks(),
             "num_running": len(sched.running), "num_waiting": len(sched.waiting), "num_swapped": len(sched.swapped),
-            "num_preemptions": sched.num_preemptions, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+            "num_preemptions": sched.num_preemptions,
+            # Prefix caching, counted in TOKENS (as vLLM v1): tokens of admitted sequences looked
+            # up, and those found cached (not computed).
+            "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits,
+            # Sharing (forks, beams, cached prefixes): device blocks held now, and how many the same
+            # block tables would hold if no block were shared; cached = free blocks still holding a prefix.
+            "num_gpu_blocks_in_use": bm.get_num_gpu_blocks_in_use(),
+            "num_gpu_blocks_without_sharing": bm.get_num_gpu_blocks_without_sharing(),
+            "num_cached_gpu_blocks": bm.get_num_cached_gpu_blocks(),
             "num_compilations": self.runner.num_compilations,
         }

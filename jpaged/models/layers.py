@@ -17,8 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
 
 import pallas_kernels
+from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, kv_head_replicas, tp_size
 
 
 class WeightTarget(NamedTuple):
@@ -50,17 +52,24 @@ class Linear(nnx.Module):
         y = jax.lax.dot_general(x, self.kernel[...], (((tuple(range(x.ndim - n_in, x.ndim))), tuple(range(n_in))), ((), ())))
         return y if self.bias is None else y + self.bias[...]
 
-    def hf_weights(self, prefix: str, *, hf_layout: str = "out_in") -> HFWeights:
-        """torch.nn.Linear stores weight as [out, in] ("out_in"); GPT-2's Conv1D as [in, out] ("in_out")."""
-        n_in, n_out = math.prod(self.in_shape), math.prod(self.out_shape)
-        full = self.in_shape + self.out_shape
+    def hf_weights(self, prefix: str, *, hf_layout: str = "out_in", out_repeats: int = 1) -> HFWeights:
+        """torch.nn.Linear stores weight as [out, in] ("out_in"); GPT-2's Conv1D as [in, out] ("in_out").
+        `out_repeats` > 1: the checkpoint has out_shape[0] / out_repeats slices on the first output
+        axis and each is stored that many times (kv heads replicated for tensor parallelism)."""
+        hf_out = (self.out_shape[0] // out_repeats,) + self.out_shape[1:]
+        n_in, n_out = math.prod(self.in_shape), math.prod(hf_out)
+        full = self.in_shape + hf_out
+
+        def repeat(a, axis):
+            return np.repeat(a, out_repeats, axis=axis) if out_repeats > 1 else a
+
         if hf_layout == "out_in":
-            w = WeightTarget(self.kernel, (n_out, n_in), lambda a: a.T.reshape(full))
+            w = WeightTarget(self.kernel, (n_out, n_in), lambda a: repeat(a.T.reshape(full), len(self.in_shape)))
         else:
-            w = WeightTarget(self.kernel, (n_in, n_out), lambda a: a.reshape(full))
+            w = WeightTarget(self.kernel, (n_in, n_out), lambda a: repeat(a.reshape(full), len(self.in_shape)))
         specs = {f"{prefix}.weight": [w]}
         if self.bias is not None:
-            specs[f"{prefix}.bias"] = [WeightTarget(self.bias, (n_out,), lambda a: a.reshape(self.out_shape))]
+            specs[f"{prefix}.bias"] = [WeightTarget(self.bias, (n_out,), lambda a: repeat(a.reshape(hf_out), 0))]
         return specs
 
 
@@ -234,9 +243,14 @@ ATTENTION_BACKENDS = ("auto", "pallas", "xla")
 
 @dataclasses.dataclass(frozen=True)
 class AttentionOps:
-    """The swappable attention functions (hashable, so they live in the static graph)."""
+    """The swappable attention functions (hashable, so they live in the static graph).
+
+    With a `mesh` (tensor parallelism) the KV write and the kernels run per shard (shard_map),
+    each on its own heads and its own part of every page; the block tables are the same for all.
+    """
 
     backend: str = "auto"
+    mesh: Mesh | None = None
 
     def __post_init__(self):
         if self.backend not in ATTENTION_BACKENDS:
@@ -250,6 +264,15 @@ class AttentionOps:
         return None
 
     def __call__(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
+        attend = functools.partial(self._attend, scale=scale)
+        if self.mesh is None:
+            return attend(q, k, v, kv_cache, meta)
+        heads, pages = P(None, TP_AXIS, None), kv_cache_sharding(self.mesh).spec
+        # check_vma=False: the Pallas kernels do not declare how they vary across the mesh.
+        return jax.shard_map(attend, mesh=self.mesh, in_specs=(heads, heads, heads, (pages, pages), P()),
+                             out_specs=(heads, (pages, pages)), check_vma=False)(q, k, v, kv_cache, meta)
+
+    def _attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         k_pages, v_pages = pallas_kernels.write_kv(*kv_cache, k, v, meta.slot_mapping)
         args = (q, k_pages, v_pages, meta.block_tables, meta.context_lens)
         if self.backend == "xla":
@@ -267,14 +290,18 @@ class Attention(nnx.Module):
     """Multi-head attention with GQA/MQA over paged K/V, shared by every architecture.
 
     Projections keep heads as their own axis ([embed, q_heads, head_dim]) so tensor
-    parallelism splits them by rule. New K/V are scattered into the pages first, then the
-    queries attend through the block tables.
+    parallelism splits them by rule. When the tensor-parallel size exceeds the kv heads, each
+    kv head is stored tp / num_kv_heads times, so every shard owns whole kv heads (vLLM does
+    the same). New K/V are scattered into the pages first, then the queries attend through
+    the block tables.
     """
 
     def __init__(self, hidden, num_heads, num_kv_heads, head_dim, *, ops: AttentionOps, dtype,
                  qkv_bias=False, o_bias=False, rope: RopeConfig | None = None, scale=None):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+        self.kv_replicas = kv_head_replicas(num_heads, num_kv_heads, tp_size(ops.mesh))
+        num_kv_heads *= self.kv_replicas
         self.ops, self.rope = ops, rope
         self.scale = scale if scale is not None else head_dim ** -0.5
         self.q_proj = Linear((hidden,), (num_heads, head_dim), ("embed", "q_heads", "head_dim"), use_bias=qkv_bias, dtype=dtype)
@@ -292,5 +319,6 @@ class Attention(nnx.Module):
     def hf_weights(self, prefix: str, names=("q_proj", "k_proj", "v_proj", "o_proj")) -> HFWeights:
         specs = {}
         for ours, theirs in zip(("q_proj", "k_proj", "v_proj", "o_proj"), names):
-            specs.update(getattr(self, ours).hf_weights(f"{prefix}.{theirs}"))
+            repeats = self.kv_replicas if ours in ("k_proj", "v_proj") else 1
+            specs.update(getattr(self, ours).hf_weights(f"{prefix}.{theirs}", out_repeats=repeats))
         return specs

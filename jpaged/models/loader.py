@@ -3,8 +3,9 @@
 `model` is "tiny" (built in), a local Hugging Face directory (config.json, *.safetensors,
 optionally sharded with model.safetensors.index.json, tokenizer files) or a hub id fetched
 with huggingface_hub. The model is first built abstractly (shapes only); tensors are then
-streamed one at a time from the files, converted to our layout and placed on the device, so
-the host never holds two copies of the weights.
+streamed one at a time from the files, converted to our layout and placed on the devices of
+the tensor-parallel mesh, each device receiving only its own slice (sharding rules in
+jpaged/parallel), so the host never holds two copies of the weights.
 """
 
 import dataclasses
@@ -25,6 +26,7 @@ from jpaged.models.gpt2 import GPT2LMHeadModel
 from jpaged.models.layers import AttentionOps
 from jpaged.models.llama import LlamaForCausalLM
 from jpaged.models.opt import OPTForCausalLM
+from jpaged.parallel import sharding
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,7 @@ class LoadedModel:
     hf_config: PretrainedConfig
     tokenizer: object | None  # a transformers tokenizer, or None when the checkpoint has none
     dtype: jnp.dtype
+    mesh: jax.sharding.Mesh  # the tensor-parallel mesh the weights are placed on
 
 
 def get_model_class(hf_config: PretrainedConfig):
@@ -73,10 +76,13 @@ def resolve_dtype(dtype, hf_config: PretrainedConfig) -> jnp.dtype:
 
 
 def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.ndarray]], *, dtype: jnp.dtype,
-                attention_backend: str = "auto") -> nnx.Module:
-    """Build the model for `hf_config` abstractly and fill it from (name, tensor) pairs in HF naming."""
+                attention_backend: str = "auto", mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
+    """Build the model for `hf_config` abstractly and fill it from (name, tensor) pairs in HF naming,
+    each weight placed on `mesh` (default: the first device) by its logical axes."""
     model_cls = get_model_class(hf_config)
-    ops = AttentionOps(attention_backend)
+    mesh = mesh or sharding.make_mesh(1)
+    ops = AttentionOps(attention_backend, mesh)
+    # Abstract: a tensor-parallel size the heads do not allow fails here, before any allocation.
     model = nnx.eval_shape(lambda: model_cls(hf_config, dtype=dtype, ops=ops))
     specs = model.hf_weights()
     ignored = [re.compile(p) for p in model_cls.ignored_hf_weights]
@@ -91,7 +97,9 @@ def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.nda
             if tuple(tensor.shape) != target.hf_shape:
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint, "
                                  f"expected {target.hf_shape}")
-            target.param.set_value(jax.device_put(np.asarray(target.convert(tensor)).astype(dtype)))
+            value = np.asarray(target.convert(tensor)).astype(dtype)
+            target.param.set_value(sharding.put(value, sharding.logical_sharding(mesh, target.param.logical_axes,
+                                                                                  value.shape)))
         seen.add(name)
     missing = [f"{n} (shape {specs[n][0].hf_shape})" for n in specs if n not in seen]
     if missing:
@@ -129,7 +137,9 @@ def resolve_model_dir(model: str, revision: str | None = None) -> str:
         raise ValueError(f"model {model!r} is neither a local directory nor a reachable Hugging Face hub id: {e}") from e
 
 
-def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", revision: str | None = None) -> LoadedModel:
+def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", revision: str | None = None,
+               tensor_parallel_size: int = 1) -> LoadedModel:
+    mesh = sharding.make_mesh(tensor_parallel_size)  # fails on too few devices before reading anything
     if model == "tiny":
         from jpaged.models import tiny
         hf_config = tiny.tiny_config()
@@ -146,5 +156,5 @@ def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", rev
         except (OSError, ValueError, TypeError):
             logger.warning("no tokenizer found in %s: prompts must be token ids", model_dir)
             tokenizer = None
-    nn_model = build_model(hf_config, weights, dtype=jdtype, attention_backend=attention_backend)
-    return LoadedModel(nn_model, hf_config, tokenizer, jdtype)
+    nn_model = build_model(hf_config, weights, dtype=jdtype, attention_backend=attention_backend, mesh=mesh)
+    return LoadedModel(nn_model, hf_config, tokenizer, jdtype, mesh)

@@ -8,6 +8,12 @@ sampled ids and logprobs return to the host.
 
 Every step is padded to a bucket (tokens, sequences, block-table width) and every bucket is
 compiled ahead of time at warm-up, so serving never compiles; `num_compilations` counts them.
+
+Tensor parallelism: weights and KV pages live on the loader's mesh (jpaged/parallel); the runner
+only gives every jitted function its shardings. Step inputs are replicated, the KV pages split
+on kv heads, and each device keeps its own heads' part of swapped-out pages in host memory.
+Multi-host: the driver (process 0) sends every device operation's host inputs to the other
+processes before running it; they run the same operation in `follow` (see `lead`).
 """
 
 import concurrent.futures
@@ -27,6 +33,8 @@ from tqdm.auto import tqdm
 
 from jpaged.models.layers import Attention, AttentionMetadata
 from jpaged.models.loader import LoadedModel
+from jpaged.parallel import distributed
+from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, replicated, tp_size
 from jpaged.runner import sampler
 
 logger = logging.getLogger(__name__)
@@ -38,7 +46,8 @@ MAX_BANNED_TOKENS = 32
 
 
 def kv_cache_layout(model: nnx.Module) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim), read off the model's attention layers."""
+    """(num_layers, num_kv_heads, head_dim), read off the model's attention layers; num_kv_heads
+    counts the copies when tensor parallelism replicates kv heads (the page arrays' head axis)."""
     attns = [node for _, node in nnx.iter_graph(model) if isinstance(node, Attention)]
     num_kv_heads, head_dim = attns[0].k_proj.out_shape
     return len(attns), num_kv_heads, head_dim
@@ -113,20 +122,31 @@ class ModelRunner:
         self.block_size, self.num_gpu_blocks = block_size, num_gpu_blocks
         self.vocab_size = loaded.hf_config.vocab_size
         self.max_model_len = max_model_len
+        self.mesh = loaded.mesh
+        self.is_driver = distributed.is_driver()
+        self._multihost = jax.process_count() > 1
         self.graphdef, self.state = nnx.split(loaded.model)
         num_layers, num_kv_heads, head_dim = kv_cache_layout(loaded.model)
         shape = (num_kv_heads, num_gpu_blocks, block_size, head_dim)
-        self.kv_caches = [(jnp.zeros(shape, loaded.dtype), jnp.zeros(shape, loaded.dtype)) for _ in range(num_layers)]
-        # Host pool for swapped-out pages: [layer, k/v, kv_heads, cpu_blocks, block_size, head_dim].
-        self.host_kv = np.zeros((num_layers, 2, num_kv_heads, num_cpu_blocks, block_size, head_dim),
-                                jnp.dtype(loaded.dtype))
+        kv, rep = kv_cache_sharding(self.mesh), replicated(self.mesh)
+        self._replicated = rep
+        self.kv_caches = [(jnp.zeros(shape, loaded.dtype, device=kv), jnp.zeros(shape, loaded.dtype, device=kv))
+                          for _ in range(num_layers)]
+        # Host pool for swapped-out pages, one per local shard, keyed by the shard's first kv head:
+        # [layer, k/v, kv_heads / tp, cpu_blocks, block_size, head_dim].
+        local_shape = (num_layers, 2, num_kv_heads // tp_size(self.mesh), num_cpu_blocks, block_size, head_dim)
+        self.host_kv = {index[0].start or 0: np.zeros(local_shape, jnp.dtype(loaded.dtype))
+                        for index in kv.addressable_devices_indices_map(shape).values()}
+        # Swapped pages in flight: [layer, k/v, kv_heads, blocks, block_size, head_dim], split on kv heads.
+        self._pages_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, None, TP_AXIS))
         self.buckets = Buckets.create(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size))
-        self._step = jax.jit(functools.partial(_step, self.graphdef), donate_argnums=(1,))
+        self._step = jax.jit(functools.partial(_step, self.graphdef, rep), donate_argnums=(1,), out_shardings=(rep, kv))
         self._executables = {}
         self._warm = False
-        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
-        self._gather = jax.jit(_gather_blocks)
-        self._scatter = jax.jit(_scatter_blocks, donate_argnums=(0,))
+        self._copy = jax.jit(_copy_blocks, in_shardings=(kv, rep, rep), out_shardings=kv, donate_argnums=(0,))
+        self._gather = jax.jit(_gather_blocks, in_shardings=(kv, rep), out_shardings=self._pages_sharding)
+        self._scatter = jax.jit(_scatter_blocks, in_shardings=(kv, self._pages_sharding, rep), out_shardings=kv,
+                                donate_argnums=(0,))
 
     @property
     def num_compilations(self) -> int:
@@ -159,7 +179,9 @@ class ModelRunner:
         attn = AttentionMetadata(i32((num_tokens,)), i32((num_seqs, width)), i32((num_seqs,)), i32((num_seqs + 1,)),
                                  is_decode=is_decode)
         inputs = StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn, i32((num_seqs,)))
-        return inputs, self._sampling_metadata([], num_seqs, do_penalties)
+        # Step inputs are replicated on every device.
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated),
+                            (inputs, self._sampling_metadata([], num_seqs, do_penalties)))
 
     def _sampling_metadata(self, rows, num_seqs: int, do_penalties: bool | None) -> sampler.SamplingMetadata:
         """Fixed widths and logprob count, so the sampler adds only the penalties on/off variant."""
@@ -208,9 +230,48 @@ class ModelRunner:
         smeta = self._sampling_metadata(sampling_rows, num_seqs, None)
         key = (is_decode, num_tokens, num_seqs, width, smeta.do_penalties)
         attn = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, is_decode=is_decode)
-        out, self.kv_caches = self._executable(key)(self.state, self.kv_caches,
-                                                    StepInputs(input_ids, positions, attn, logits_indices), smeta)
-        return jax.tree.map(lambda x: np.asarray(x)[:num_rows], out)
+        out = self._dispatch("run_step", key, StepInputs(input_ids, positions, attn, logits_indices), smeta)
+        # Outputs are replicated: any local copy is the whole.
+        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[:num_rows], out)
+
+    def _run_step(self, key, inputs: StepInputs, smeta: sampler.SamplingMetadata):
+        out, self.kv_caches = self._executable(key)(self.state, self.kv_caches, inputs, smeta)
+        return out
+
+    # ------------------------------------------------------------------ multi-host
+    def _dispatch(self, op: str, *args):
+        """Run device operation `op` on host inputs `args`; in a multi-host job the driver first
+        sends it to the other processes, which run it in `follow`."""
+        if self._multihost:
+            distributed.broadcast_object((op, args))
+        return getattr(self, "_" + op)(*args)
+
+    def follow(self):
+        """On a process other than 0: run the driver's device operations until its `lead` ends,
+        then return the driver's result (or raise its error)."""
+        while True:
+            op, args = distributed.broadcast_object()
+            if op == "done":
+                result, error = args
+                if error is not None:
+                    raise error
+                return result
+            getattr(self, "_" + op)(*args)
+
+    def lead(self, drive):
+        """Run `drive()` (anything that steps the engine: a generate call, a server) on process 0
+        while the other processes follow; every process returns its result. One process: drive()."""
+        if not self._multihost:
+            return drive()
+        if not self.is_driver:
+            return self.follow()
+        try:
+            result = drive()
+        except BaseException as e:  # the followers stop too, also on Ctrl-C
+            distributed.broadcast_object(("done", (None, e)))
+            raise
+        distributed.broadcast_object(("done", (result, None)))
+        return result
 
     # ------------------------------------------------------------------ block copies
     def _pad_pairs(self, pairs):
@@ -222,28 +283,48 @@ class ModelRunner:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]):
         if pairs:
-            self.kv_caches = self._copy(self.kv_caches, *self._pad_pairs(pairs))
+            self._dispatch("copy_blocks", *self._pad_pairs(pairs))
+
+    def _copy_blocks(self, src, dst):
+        self.kv_caches = self._copy(self.kv_caches, src, dst)
 
     def swap_out(self, pairs: list[tuple[int, int]]):
         """Device pages -> host pool, for (gpu_block, cpu_block) pairs."""
         if pairs:
             gpu, cpu = self._pad_pairs(pairs)
-            pages = np.asarray(self._gather(self.kv_caches, gpu))
-            self.host_kv[:, :, :, cpu[:len(pairs)]] = pages[:, :, :, :len(pairs)]
+            self._dispatch("swap_out", gpu, cpu[:len(pairs)])
+
+    def _swap_out(self, gpu, cpu):
+        pages = self._gather(self.kv_caches, gpu)
+        for shard in pages.addressable_shards:  # each shard's heads go to its own host pool
+            self.host_kv[shard.index[2].start or 0][:, :, :, cpu] = np.asarray(shard.data)[:, :, :, :len(cpu)]
 
     def swap_in(self, pairs: list[tuple[int, int]]):
         """Host pool -> device pages, for (cpu_block, gpu_block) pairs."""
         if pairs:
             cpu, gpu = self._pad_pairs(pairs)
-            pages = np.zeros(self.host_kv.shape[:3] + (len(gpu),) + self.host_kv.shape[4:], self.host_kv.dtype)
-            pages[:, :, :, :len(pairs)] = self.host_kv[:, :, :, cpu[:len(pairs)]]
-            self.kv_caches = self._scatter(self.kv_caches, pages, gpu)
+            self._dispatch("swap_in", cpu[:len(pairs)], gpu)
+
+    def _swap_in(self, cpu, gpu):
+        pool = next(iter(self.host_kv.values()))
+        num_kv_heads = self.kv_caches[0][0].shape[0]
+        shape = pool.shape[:2] + (num_kv_heads, len(gpu)) + pool.shape[4:]
+
+        def local_pages(index):  # this shard's heads, padded to len(gpu) blocks
+            pages = np.zeros(pool.shape[:3] + (len(gpu),) + pool.shape[4:], pool.dtype)
+            pages[:, :, :, :len(cpu)] = self.host_kv[index[2].start or 0][:, :, :, cpu]
+            return pages
+
+        pages = jax.make_array_from_callback(shape, self._pages_sharding, local_pages)
+        self.kv_caches = self._scatter(self.kv_caches, pages, gpu)
 
 
-def _step(graphdef, state, kv_caches, inputs: StepInputs, smeta):
+def _step(graphdef, logits_sharding, state, kv_caches, inputs: StepInputs, smeta):
     model = nnx.merge(graphdef, state)
     hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn)
     logits = model.compute_logits(hidden[inputs.logits_indices])
+    # Vocabulary-parallel logits are gathered: every device samples the same full rows.
+    logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
     return sampler.sample(logits, smeta), kv_caches
 
 

@@ -314,3 +314,20 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
         top_logprobs = jnp.zeros((s, 0), jnp.float32)
         top_ids = jnp.zeros((s, 0), jnp.int32)
     return SamplerOutput(token_ids=token_ids, logprobs=token_logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def beam_search_candidates(cumulative_logprobs: Sequence[float], top_ids: np.ndarray, top_logprobs: np.ndarray,
+                           num_candidates: int) -> list[tuple[int, int, float]]:
+    """vLLM v0.4's beam search step, on the host: the `num_candidates` (2 * beam width) best
+    (beam, next token) pairs over all beams x the vocabulary by cumulative logprob, best first, as
+    (beam index, token id, token logprob). Each beam's own `num_candidates` most likely tokens
+    (from `sample`'s top logprobs, one row per beam) hold every pair that can make the cut. Ties
+    go to the earlier beam, then the more likely token; banned (-inf) tokens never count."""
+    ids, logprobs = top_ids[:, :num_candidates], top_logprobs[:, :num_candidates].astype(np.float64)
+    scores = (np.asarray(cumulative_logprobs, np.float64)[:, None] + logprobs).ravel()
+    best = [i for i in np.argsort(-scores, kind="stable")[:num_candidates] if np.isfinite(scores[i])]
+    width = ids.shape[1]
+    return [(int(i) // width, int(ids.flat[i]), float(logprobs.flat[i])) for i in best]

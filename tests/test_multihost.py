@@ -1,0 +1,101 @@
+"""Multi-host serving: two processes on this machine (jax.distributed on 127.0.0.1, two CPU devices
+each) run the tiny model with tensor_parallel_size=4 across both. Process 0 schedules, process 1
+follows its steps; both return what one process with TP=1 returns, also under swap preemption
+and copy-on-write, and a bad request raises on both.
+
+This file is also the worker: `python tests/test_multihost.py PROCESS_ID PORT OUT_JSON`.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIMITS = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, block_size=8, enforce_eager=True,
+              swap_space=0.002)
+# Tiny's logits reach ~30 in magnitude: 1e-5 of that (see test_tensor_parallel.py).
+LOGPROB_ATOL = 3e-4
+
+
+def workload():
+    import jpaged
+
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 256, size=rng.integers(5, 60)).tolist() for _ in range(6)]
+    greedy = jpaged.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    sampled = jpaged.SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True, logprobs=2)
+    return prompts, [greedy] * 5 + [sampled]
+
+
+def summarize(outs) -> list:
+    return [[(c.token_ids, [sorted(lp.items()) for lp in c.logprobs]) for c in o.outputs] for o in outs]
+
+
+def worker(process_id: int, port: int, out_path: str):
+    import jpaged
+
+    if process_id == 0:  # by arguments
+        distributed = dict(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=0)
+    else:  # by the environment
+        os.environ.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1")
+        distributed = {}
+    # 16 blocks of 8 tokens cannot hold 4 sequences of up to 72 tokens: swap preemption.
+    llm = jpaged.LLM("tiny", tensor_parallel_size=4, num_gpu_blocks_override=16, preemption_mode="swap",
+                     **LIMITS, **distributed)
+    prompts, params = workload()
+    result = {"outputs": summarize(llm.generate(prompts, params, use_tqdm=False)),
+              "num_preemptions": llm.stats()["num_preemptions"]}
+    try:
+        llm.generate([[1, 2], []], use_tqdm=False)
+    except ValueError as e:
+        result["error"] = str(e)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one(tmp_path):
+    import jax
+
+    import jpaged
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, __file__, str(i), str(port), str(tmp_path / f"{i}.json")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    leader, follower = (json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2))
+
+    assert leader["num_preemptions"] > 0  # only the driver schedules
+    assert leader["outputs"] == follower["outputs"]
+    assert leader["error"] == follower["error"] == "prompt is empty"
+
+    assert jax.process_count() == 1
+    prompts, params = workload()
+    reference = summarize(jpaged.LLM("tiny", **LIMITS).generate(prompts, params, use_tqdm=False))
+    for ref, out in zip(reference, leader["outputs"], strict=True):
+        for (ref_ids, ref_lps), (ids, lps) in zip(ref, out, strict=True):
+            assert ids == ref_ids
+            for ref_lp, lp in zip(ref_lps, lps, strict=True):
+                assert [t for t, _ in lp] == [t for t, _ in ref_lp]
+                assert np.allclose([v for _, v in lp], [v for _, v in ref_lp], rtol=0, atol=LOGPROB_ATOL)
+
+
+if __name__ == "__main__":
+    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
