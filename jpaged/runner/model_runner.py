@@ -3,11 +3,14 @@
 The NNX model is split once into a static graph definition and a state pytree; the step
 merges them inside jit, so no Python object traversal happens per step. The KV page arrays
 (one (k_pages, v_pages) pair per layer, each [num_kv_heads, num_pages, page_size, head_dim])
-are donated to the step and come back updated in place. Sampling runs inside the step: only
-sampled ids and logprobs return to the host.
+are donated to the step and come back updated in place. A step is two device calls: the model
+forward (its logits stay on the device) and the sampler; only sampled ids and logprobs return
+to the host.
 
-Every step is padded to a bucket (tokens, sequences, block-table width) and every bucket is
+Every step is padded to a bucket (tokens, sequences, block-table width) and every executable is
 compiled ahead of time at warm-up, so serving never compiles; `num_compilations` counts them.
+The forward and the sampler compile apart: the sampler's shapes depend only on the sequence
+bucket and the penalties switch, so the warm-up compiles forwards + samplers, not their product.
 
 Tensor parallelism: weights and KV pages live on the loader's mesh (jpaged/parallel); the runner
 only gives every jitted function its shardings. Step inputs are replicated, the KV pages split
@@ -87,12 +90,16 @@ class Buckets:
         return cls(_ladder(1, max_num_seqs), tokens, widths)
 
     def keys(self):
+        """Every executable: the model forward per (is_decode, tokens, seqs, width), the sampler
+        per (seqs, penalties on/off). Compiling them apart keeps the count additive, not a product."""
         for width in self.widths:
+            for seqs in self.seqs:
+                yield ("forward", True, seqs, seqs, width)
+            for tokens in self.tokens:
+                yield ("forward", False, tokens, self.seqs[-1], width)
+        for seqs in self.seqs:
             for do_penalties in (False, True):
-                for seqs in self.seqs:
-                    yield (True, seqs, seqs, width, do_penalties)
-                for tokens in self.tokens:
-                    yield (False, tokens, self.seqs[-1], width, do_penalties)
+                yield ("sample", seqs, do_penalties)
 
 
 @dataclasses.dataclass
@@ -140,7 +147,9 @@ class ModelRunner:
         # Swapped pages in flight: [layer, k/v, kv_heads, blocks, block_size, head_dim], split on kv heads.
         self._pages_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, None, TP_AXIS))
         self.buckets = Buckets.create(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size))
-        self._step = jax.jit(functools.partial(_step, self.graphdef, rep), donate_argnums=(1,), out_shardings=(rep, kv))
+        self._forward = jax.jit(functools.partial(_forward, self.graphdef, rep), donate_argnums=(1,),
+                                out_shardings=(rep, kv))
+        self._sample = jax.jit(sampler.sample, out_shardings=rep)
         self._executables = {}
         self._warm = False
         self._copy = jax.jit(_copy_blocks, in_shardings=(kv, rep, rep), out_shardings=kv, donate_argnums=(0,))
@@ -164,7 +173,11 @@ class ModelRunner:
         self._warm = True
 
     def _lower(self, key):
-        return self._step.lower(self.state, self.kv_caches, *self._abstract_inputs(key))
+        if key[0] == "forward":
+            return self._forward.lower(self.state, self.kv_caches, self._abstract_inputs(*key[1:]))
+        _, num_seqs, do_penalties = key
+        logits = jax.ShapeDtypeStruct((num_seqs, self.vocab_size), jnp.float32, sharding=self._replicated)
+        return self._sample.lower(logits, self._replicate(self._sampling_metadata([], num_seqs, do_penalties)))
 
     def _executable(self, key):
         if key not in self._executables:
@@ -173,15 +186,15 @@ class ModelRunner:
             self._executables[key] = self._lower(key).compile()
         return self._executables[key]
 
-    def _abstract_inputs(self, key):
-        is_decode, num_tokens, num_seqs, width, do_penalties = key
+    def _abstract_inputs(self, is_decode: bool, num_tokens: int, num_seqs: int, width: int) -> StepInputs:
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
         attn = AttentionMetadata(i32((num_tokens,)), i32((num_seqs, width)), i32((num_seqs,)), i32((num_seqs + 1,)),
                                  is_decode=is_decode)
-        inputs = StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn, i32((num_seqs,)))
-        # Step inputs are replicated on every device.
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated),
-                            (inputs, self._sampling_metadata([], num_seqs, do_penalties)))
+        return self._replicate(StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn, i32((num_seqs,))))
+
+    def _replicate(self, tree):
+        """Abstract step inputs, replicated on every device."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated), tree)
 
     def _sampling_metadata(self, rows, num_seqs: int, do_penalties: bool | None) -> sampler.SamplingMetadata:
         """Fixed widths and logprob count, so the sampler adds only the penalties on/off variant."""
@@ -235,8 +248,10 @@ class ModelRunner:
         return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[:num_rows], out)
 
     def _run_step(self, key, inputs: StepInputs, smeta: sampler.SamplingMetadata):
-        out, self.kv_caches = self._executable(key)(self.state, self.kv_caches, inputs, smeta)
-        return out
+        is_decode, num_tokens, num_seqs, width, do_penalties = key
+        logits, self.kv_caches = self._executable(("forward", is_decode, num_tokens, num_seqs, width))(
+            self.state, self.kv_caches, inputs)
+        return self._executable(("sample", num_seqs, do_penalties))(logits, smeta)
 
     # ------------------------------------------------------------------ multi-host
     def _dispatch(self, op: str, *args):
@@ -319,13 +334,14 @@ class ModelRunner:
         self.kv_caches = self._scatter(self.kv_caches, pages, gpu)
 
 
-def _step(graphdef, logits_sharding, state, kv_caches, inputs: StepInputs, smeta):
+def _forward(graphdef, logits_sharding, state, kv_caches, inputs: StepInputs):
+    """The model's part of a step: write the new K/V, attend, and the fp32 logits of the rows to
+    sample. They stay on the device for the sampler executable."""
     model = nnx.merge(graphdef, state)
     hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn)
     logits = model.compute_logits(hidden[inputs.logits_indices])
     # Vocabulary-parallel logits are gathered: every device samples the same full rows.
-    logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
-    return sampler.sample(logits, smeta), kv_caches
+    return jax.lax.with_sharding_constraint(logits, logits_sharding), kv_caches
 
 
 def _copy_blocks(kv_caches, src, dst):
