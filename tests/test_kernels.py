@@ -1,6 +1,7 @@
-"""pallas_kernels against a float64 numpy reference (CPU: XLA path and Pallas
-interpret mode). Data is fresh random each run; every case prints its
-parameters and sequence lengths so a failure can be replayed.
+"""pallas_kernels against a float64 numpy reference: the XLA twins and the Pallas
+kernels (interpret mode on CPU; compiled for real, via Triton, when the tests run on a
+GPU). Data is fresh random each run; every case prints its parameters and sequence
+lengths so a failure can be replayed.
 
 Unused table entries hold garbage (negative, out of range, huge), and every
 page slot that no sequence owns holds NaN: any read of a slot that should be
@@ -24,6 +25,7 @@ from pallas_kernels.prefill import ragged_paged_attention_pallas
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 TOL = {"f32": 1e-5, "bf16": 2e-2, "f16": 5e-3}
 rng = np.random.default_rng()
+INTERPRET = jax.default_backend() != "gpu"  # on a GPU the kernels compile for real
 
 
 # ---------------------------------------------------------------- fixtures --
@@ -107,7 +109,7 @@ def decode_lens(page):
     return [1, page - 1, page, page + 1, 0, 20 * page + 3]
 
 
-@pytest.mark.parametrize("impl", ["xla", "interpret"])
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("case", DECODE_CASES, ids=str)
 def test_paged_attention(impl, case):
     dtype_name, page, heads, kv_heads, head_dim, splits = case
@@ -120,7 +122,7 @@ def test_paged_attention(impl, case):
         out = pk.paged_attention_xla(q, k, v, tables, jnp.asarray(lens), scale=scale)
     else:
         out = pk.paged_attention(
-            q, k, v, tables, jnp.asarray(lens, jnp.int32), scale=scale, interpret=True, num_splits=splits
+            q, k, v, tables, jnp.asarray(lens, jnp.int32), scale=scale, interpret=INTERPRET, num_splits=splits
         )
     assert out.shape == q.shape and out.dtype == q.dtype
     tables_np = np.asarray(tables)
@@ -153,7 +155,7 @@ def test_paged_attention_auto_split_k():
     assert auto_num_splits(2, 300 // 8 + 2, 8) > 1
     k, v, tables, k64, v64 = make_cache(lens, 1, 8, 64, jnp.float32)
     q, q64 = random_q((2, 2, 64), jnp.float32)
-    out = pk.paged_attention(q, k, v, tables, jnp.asarray(lens, jnp.int32), interpret=True)
+    out = pk.paged_attention(q, k, v, tables, jnp.asarray(lens, jnp.int32), interpret=INTERPRET)
     ref = np.stack(
         [
             attend(q64[s], gather_seq(k64, np.asarray(tables)[s], n), gather_seq(v64, np.asarray(tables)[s], n), 1 / 8)
@@ -203,7 +205,7 @@ def run_prefill(impl, case, seqs):
     if impl == "xla":
         out = pk.ragged_paged_attention_xla(*args)
     else:
-        out = ragged_paged_attention_pallas(*args, interpret=True, q_tile=q_tile)
+        out = ragged_paged_attention_pallas(*args, interpret=INTERPRET, q_tile=q_tile)
     assert out.shape == q.shape and out.dtype == q.dtype
     ref = np.zeros_like(q64)
     tables_np = np.asarray(tables)
@@ -218,7 +220,7 @@ def run_prefill(impl, case, seqs):
     check_close(out, ref, dtype_name, f"{impl} {case} seqs={seqs}")
 
 
-@pytest.mark.parametrize("impl", ["xla", "interpret"])
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=str)
 def test_ragged_paged_attention(impl, case):
     seqs = prefill_seqs(case[1])

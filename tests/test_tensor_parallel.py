@@ -56,6 +56,8 @@ def engine(checkpoints):
     built = {}
 
     def get(model: str, tp: int, **kwargs) -> jpaged.LLM:
+        if tp > jax.device_count():  # e.g. the suite run on a one-GPU machine
+            pytest.skip(f"needs {tp} devices, {jax.device_count()} available")
         key = (model, tp, tuple(sorted(kwargs.items())))
         if key not in built:
             built[key] = jpaged.LLM(checkpoints[model], tensor_parallel_size=tp, **{**LIMITS, **kwargs})
@@ -179,6 +181,8 @@ def test_pallas_kernels_run_per_shard(engine):
 
 
 def test_bench_throughput_tensor_parallel():
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices")
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_throughput.py")
     spec = importlib.util.spec_from_file_location("bench_throughput", path)
     bench = importlib.util.module_from_spec(spec)
@@ -191,10 +195,12 @@ def test_bench_throughput_tensor_parallel():
 
 
 def test_bad_sizes_fail_before_allocating(tmp_path):
+    if jax.device_count() < 6:  # the head checks come after the device-count check
+        pytest.skip("needs 6 devices")
     live = len(jax.live_arrays())
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
         jpaged.LLM("tiny", tensor_parallel_size=3)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=16 exceeds the 8 available cpu device\(s\)"):
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size=16 exceeds the {jax.device_count()} available"):
         jpaged.LLM("tiny", tensor_parallel_size=16)
     with pytest.raises(ValueError, match="tensor_parallel_size=0"):
         jpaged.LLM("tiny", tensor_parallel_size=0)
