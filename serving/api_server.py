@@ -143,8 +143,7 @@ class OpenAIServer:
                                           best_of=field(body, "best_of", "integer"), stream=stream.stream)
         token_prompts = []
         for p in prompts:
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else p
-            self._check_token_ids(ids, "prompt")
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else p  # the engine checks the ids
             self._check_context(len(ids), params.max_tokens, "prompt")
             token_prompts.append(ids)
         echoes = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if echo else "" for p in prompts]
@@ -191,7 +190,6 @@ class OpenAIServer:
         self._check_model(body)
         stream = protocol.parse_stream(body)
         ids = self._encode_chat(body)
-        self._check_token_ids(ids, "messages")
         want_logprobs = field(body, "logprobs", "boolean", False)
         top_logprobs = field(body, "top_logprobs", "integer")
         if top_logprobs is not None and not want_logprobs:

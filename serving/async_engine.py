@@ -69,8 +69,11 @@ class AsyncLLMEngine:
         self._send(("add", request_id, prompt_token_ids, sampling_params, added))
         try:
             await asyncio.wrap_future(added)
-        except BaseException:  # bad input, or the client left while it was queued
+        except asyncio.CancelledError:  # the client left while it was queued: it may still be added
             stream.abort()
+            raise
+        except BaseException:  # rejected (bad input): nothing was added
+            self._streams.pop(request_id, None)
             raise
         return stream
 
@@ -96,9 +99,8 @@ class AsyncLLMEngine:
                     self.dead = e
                     self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine step failed: {e!r}"))
                     return
-                self.stats = self.engine.stats()
                 self._loop.call_soon_threadsafe(self._deliver, outputs)
-                self._run_commands()
+                self._run_commands()  # which also refreshes the stats
 
     def _run_commands(self):
         while True:

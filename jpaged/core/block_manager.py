@@ -68,6 +68,7 @@ class BlockPool:
         self.free_queue: collections.OrderedDict[int, Block] = collections.OrderedDict(
             (block.block_id, block) for block in self.blocks)
         self.cached_blocks: dict[bytes, Block] = {}  # prefix hash -> the block holding it
+        self.num_cached_free = 0  # free-queue blocks that keep a cached prefix (kept as it changes)
 
     @property
     def num_blocks(self) -> int:
@@ -83,6 +84,7 @@ class BlockPool:
         if block.block_hash is not None:  # evict the least recently used cached prefix
             del self.cached_blocks[block.block_hash]
             block.block_hash = None
+            self.num_cached_free -= 1
         block.ref_cnt = 1
         return block.block_id
 
@@ -98,6 +100,7 @@ class BlockPool:
             raise ValueError(f"block {block_id} is not cached")
         if block.ref_cnt == 0:
             del self.free_queue[block_id]
+            self.num_cached_free -= 1
         block.ref_cnt += 1
 
     def cache(self, block_id: int, block_hash: bytes):
@@ -110,7 +113,7 @@ class BlockPool:
 
     def get_num_cached_blocks(self) -> int:
         """Blocks nobody holds that keep a cached prefix (counted as free: evicted when needed)."""
-        return sum(1 for block in self.free_queue.values() if block.block_hash is not None)
+        return self.num_cached_free
 
     def share(self, block_id: int):
         block = self._get(block_id)
@@ -126,6 +129,7 @@ class BlockPool:
         block.ref_cnt -= 1
         if block.ref_cnt == 0:
             self.free_queue[block_id] = block
+            self.num_cached_free += block.block_hash is not None
 
     def ref_cnt(self, block_id: int) -> int:
         return self._get(block_id).ref_cnt
@@ -442,6 +446,8 @@ class BlockManager:
             if any(block.block_hash != block_hash for block_hash, block in pool.cached_blocks.items()):
                 raise AssertionError("the prefix cache maps a hash to a block that lost it")
             # What stats report: free + cached (the free queue) + in use = total.
+            if pool.num_cached_free != counts["cached"]:
+                raise AssertionError(f"{pool.num_cached_free} cached free blocks counted, {counts['cached']} found")
             if len(pool.free_queue) != counts["free"] + counts["cached"] or \
                     pool.num_blocks - len(pool.free_queue) != counts["in use"]:
                 raise AssertionError(f"free queue of {len(pool.free_queue)} blocks, but {dict(counts)}")

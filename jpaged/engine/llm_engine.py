@@ -12,7 +12,6 @@ import os
 import time
 
 import jax
-import numpy as np
 
 from jpaged.config import EngineConfig
 from jpaged.core.block_manager import BlockManager
@@ -277,11 +276,12 @@ class LLMEngine:
                 group.remove(parent)
                 self.scheduler.free_seq(parent)
                 continue
+            top = self._top_logprobs(sp, out, row)  # the row's; each child adds its own token to a copy
             for token, logprob in tokens[:-1]:
                 child = parent.fork(next(self._seq_ids))
-                self._append_token(sp, child, token, logprob, self._top_logprobs(sp, out, row))
+                self._append_token(sp, child, token, logprob, dict(top) if top is not None else None)
                 children.append((child, parent))
-            self._append_token(sp, parent, *tokens[-1], self._top_logprobs(sp, out, row))
+            self._append_token(sp, parent, *tokens[-1], top)
             children.append((parent, parent))
 
         def by_score(pairs):
