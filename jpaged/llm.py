@@ -51,11 +51,16 @@ class LLM:
             raise
         results: list[RequestOutput | None] = [None] * len(order)
         with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
-                        bar.update(1)
+            try:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished and out.request_id in order:
+                            results[order[out.request_id]] = out
+                            bar.update(1)
+            except BaseException:  # a failed step or Ctrl-C: this call leaves nothing queued
+                for request_id in order:
+                    engine.abort_request(request_id)
+                raise
         return results
 
     def stats(self) -> dict:

@@ -2,9 +2,19 @@
 
 import dataclasses
 import enum
+import math
 
 # Temperatures below this are treated as 0: dividing logits by them would overflow.
 _GREEDY_TEMPERATURE = 1e-5
+# What the device code can represent: token ids, top_k and counters travel as int32.
+INT32_MAX = 2**31 - 1
+# Stop strings are searched in every new piece of text (and held back while streaming): bound the work.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+# Beam scores divide by length ** length_penalty: beyond this float64 over- or underflows at long lengths.
+MAX_ABS_LENGTH_PENALTY = 10.0
+# Logits are divided (or multiplied) by it in fp32: outside this range they overflow to inf.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 class SamplingType(enum.Enum):
@@ -48,9 +58,12 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
         self._verify()
         if self.temperature < _GREEDY_TEMPERATURE:
             # Greedy ignores the truncation knobs; reset them so nobody applies them by mistake.
@@ -59,34 +72,39 @@ class SamplingParams:
     def _verify(self):
         def check(field, ok, expected):
             if not ok:
-                raise ValueError(f"{field}={getattr(self, field)!r}; expected {expected}")
+                raise ValueError(f"{field}={getattr(self, field)!r:.80}; expected {expected}")
 
-        def is_int(x):
-            return isinstance(x, int) and not isinstance(x, bool)
+        def is_int(x, low=-INT32_MAX - 1, high=INT32_MAX):
+            return isinstance(x, int) and not isinstance(x, bool) and low <= x <= high
 
-        def is_number(x):
-            return isinstance(x, (int, float)) and not isinstance(x, bool)
+        def is_number(x, low=-math.inf, high=math.inf):  # finite: NaN and infinities never pass
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and low <= x <= high
 
-        check("n", is_int(self.n) and self.n >= 1, "an int >= 1")
-        check("best_of", is_int(self.best_of) and self.best_of >= self.n, f"None or an int >= n ({self.n})")
-        check("temperature", is_number(self.temperature) and self.temperature >= 0, ">= 0")
-        check("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]")
-        check("top_k", is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "-1 or 0 (disabled), or >= 1")
-        check("min_p", is_number(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]")
-        check("seed", self.seed is None or is_int(self.seed), "None or an int")
-        check("max_tokens", is_int(self.max_tokens) and self.max_tokens >= 1, "an int >= 1")
-        check("min_tokens", is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-              f"an int in [0, max_tokens={self.max_tokens}]")
-        check("stop", all(isinstance(s, str) and s for s in self.stop), "None, a non-empty str or a list of them")
-        check("stop_token_ids", all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-              "None or a list of token ids (ints >= 0)")
-        check("logprobs", self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0), "None or >= 0")
-        check("presence_penalty", is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-              "in [-2, 2]")
-        check("frequency_penalty", is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-              "in [-2, 2]")
-        check("repetition_penalty", is_number(self.repetition_penalty) and self.repetition_penalty > 0, "> 0")
-        check("length_penalty", is_number(self.length_penalty), "a number")
+        check("n", is_int(self.n, 1), "an int >= 1")
+        check("best_of", is_int(self.best_of, self.n), f"None or an int >= n ({self.n})")
+        check("temperature", is_number(self.temperature, 0), "a finite number >= 0")
+        check("top_p", is_number(self.top_p, 0, 1) and self.top_p > 0, "in (0, 1]")
+        check("top_k", is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+              f"-1 or 0 (disabled), or an int in [1, {INT32_MAX}]")
+        check("min_p", is_number(self.min_p, 0, 1), "in [0, 1]")
+        check("seed", self.seed is None or isinstance(self.seed, int) and not isinstance(self.seed, bool),
+              "None or an int")
+        check("max_tokens", is_int(self.max_tokens, 1), f"an int in [1, {INT32_MAX}]")
+        check("min_tokens", is_int(self.min_tokens, 0, self.max_tokens), f"an int in [0, max_tokens={self.max_tokens}]")
+        check("stop", isinstance(self.stop, list) and len(self.stop) <= MAX_STOP_STRINGS and all(
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+              f"None, a non-empty str or a list of at most {MAX_STOP_STRINGS} of them, each at most "
+              f"{MAX_STOP_STRING_CHARS} characters")
+        check("stop_token_ids", isinstance(self.stop_token_ids, list) and all(
+            is_int(t, 0) for t in self.stop_token_ids), f"None or a list of token ids (ints in [0, {INT32_MAX}])")
+        check("ignore_eos", isinstance(self.ignore_eos, bool), "a bool")
+        check("logprobs", self.logprobs is None or is_int(self.logprobs, 0), "None or an int >= 0")
+        check("presence_penalty", is_number(self.presence_penalty, -2, 2), "in [-2, 2]")
+        check("frequency_penalty", is_number(self.frequency_penalty, -2, 2), "in [-2, 2]")
+        check("repetition_penalty", is_number(self.repetition_penalty, *REPETITION_PENALTY_RANGE),
+              "in [{:g}, {:g}]".format(*REPETITION_PENALTY_RANGE))
+        check("length_penalty", is_number(self.length_penalty, -MAX_ABS_LENGTH_PENALTY, MAX_ABS_LENGTH_PENALTY),
+              f"a number in [-{MAX_ABS_LENGTH_PENALTY:g}, {MAX_ABS_LENGTH_PENALTY:g}]")
         check("use_beam_search", isinstance(self.use_beam_search, bool), "a bool")
         if self.use_beam_search:
             check("temperature", self.temperature < _GREEDY_TEMPERATURE, "0 with use_beam_search")

@@ -8,9 +8,12 @@ blocks before the next engine step.
 """
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import json
 import logging
+import math
 import signal
 import time
 import uuid
@@ -19,7 +22,7 @@ from aiohttp import web
 
 from jpaged.config import EngineConfig
 from jpaged.core.detokenizer import held_back_chars
-from jpaged.engine.llm_engine import LLMEngine
+from jpaged.engine.llm_engine import LLMEngine, StepFailedError
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.sampling_params import SamplingParams
 from serving import protocol
@@ -30,6 +33,13 @@ from serving.protocol import APIError, field
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 2**20  # larger bodies get a 413
+BODY_TIMEOUT_S = 30  # a body not fully received by then gets a 408
+HEADERS_TIMEOUT_S = 30  # a connection that has not sent a whole request by then is closed
+MAX_PROMPTS = 1024  # prompts in one completions request
+RETRY_AFTER_S = 1  # what a 503 tells clients to wait
+# Logprobs of impossible tokens are -inf, which JSON cannot carry: report them as vLLM does.
+MIN_LOGPROB = -9999.0
+json_dumps = functools.partial(json.dumps, allow_nan=False)  # NaN / Infinity are not JSON
 
 
 @dataclasses.dataclass
@@ -64,6 +74,11 @@ class OpenAIServer:
         self.max_model_len = engine.engine.max_model_len
         self.model_name, self.api_key, self.max_queue = served_model_name, api_key, max_queue
         self.created = int(time.time())
+        # A text of C characters is at least C / (longest token's characters) tokens: prompts that
+        # are surely too long are refused without tokenizing them.
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
+        # Tokenizing and rendering chat templates is CPU work: one thread, off the event loop.
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jpaged-tokenize")
 
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_BODY_BYTES)
@@ -79,16 +94,22 @@ class OpenAIServer:
     # ------------------------------------------------------------------ middlewares
     @web.middleware
     async def _errors(self, request, handler):
+        """Every error leaves in OpenAI's shape, whatever raised it."""
         try:
             return await handler(request)
         except APIError as e:
-            return web.json_response(e.to_json(), status=e.status)
+            error = e
         except web.HTTPException as e:  # unknown route, wrong method, body too large
             if e.status < 400:
                 raise
-            return web.json_response(APIError(e.reason, status=e.status).to_json(), status=e.status)
-        except EngineDeadError as e:
-            return web.json_response(APIError(str(e), status=500).to_json(), status=500)
+            error = APIError(e.reason, status=e.status)
+        except (EngineDeadError, StepFailedError) as e:
+            error = APIError(str(e), status=500)
+        except Exception as e:  # a bug: say so in the same shape, keep serving
+            logger.exception("%s %s failed", request.method, request.path)
+            error = APIError(f"internal error: {e!r}", status=500)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
+        return web.json_response(error.to_json(), status=error.status, headers=headers, dumps=json_dumps)
 
     @web.middleware
     async def _auth(self, request, handler):
@@ -116,15 +137,20 @@ class OpenAIServer:
         body = await _json_body(request)
         self._check_model(body)
         if "messages" in body:
-            ids = self._encode_chat(body)
+            ids = await self._encode_chat(body)
         else:
             prompt = field(body, "prompt", "string", required=True)
-            ids = self.tokenizer.encode(prompt, add_special_tokens=field(body, "add_special_tokens", "boolean", True))
+            ids = await self._encode(prompt, "prompt", add_special_tokens=field(body, "add_special_tokens",
+                                                                                "boolean", True))
         return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids})
 
     async def detokenize(self, request):
         body = await _json_body(request)
         self._check_model(body)
+        tokens = body.get("tokens")
+        if isinstance(tokens, list) and len(tokens) > self.max_model_len:
+            raise APIError(f"'tokens' holds {len(tokens)} token ids; at most max_model_len={self.max_model_len}",
+                           param="tokens")
         ids = field(body, "tokens", "array of integers", required=True)
         self._check_token_ids(ids, "tokens")
         return web.json_response({"prompt": self.tokenizer.decode(ids)})
@@ -133,7 +159,7 @@ class OpenAIServer:
     async def completions(self, request):
         body = await _json_body(request)
         self._check_model(body)
-        prompts = protocol.parse_prompts(body)
+        prompts = protocol.parse_prompts(body, max_prompts=MAX_PROMPTS, max_tokens=self.max_model_len)
         stream = protocol.parse_stream(body)
         echo = field(body, "echo", "boolean", False)
         logprobs = field(body, "logprobs", "integer")
@@ -143,8 +169,13 @@ class OpenAIServer:
                                           best_of=field(body, "best_of", "integer"), stream=stream.stream)
         token_prompts = []
         for p in prompts:
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else p  # the engine checks the ids
+            if isinstance(p, str):
+                ids = await self._encode(p, "prompt", max_tokens=params.max_tokens)
+            else:
+                ids = p
+                self._check_token_ids(ids, "prompt")
             self._check_context(len(ids), params.max_tokens, "prompt")
+            self._check_request(ids, params)
             token_prompts.append(ids)
         echoes = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if echo else "" for p in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -163,7 +194,8 @@ class OpenAIServer:
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                    for i, out in enumerate(finals) for c in out.outputs]
         return web.json_response({"id": request_id, "object": "text_completion", "created": int(time.time()),
-                                  "model": self.model_name, "choices": choices, "usage": _usage(finals)})
+                                  "model": self.model_name, "choices": choices, "usage": _usage(finals)},
+                                 dumps=json_dumps)
 
     async def _stream_completions(self, request, request_id, streams, params, echoes, include_usage):
         states = [[ChoiceState() for _ in range(params.n)] for _ in streams]
@@ -189,17 +221,21 @@ class OpenAIServer:
         body = await _json_body(request)
         self._check_model(body)
         stream = protocol.parse_stream(body)
-        ids = self._encode_chat(body)
         want_logprobs = field(body, "logprobs", "boolean", False)
         top_logprobs = field(body, "top_logprobs", "integer")
         if top_logprobs is not None and not want_logprobs:
             raise APIError("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
-        max_tokens = field(body, "max_completion_tokens", "integer") or field(body, "max_tokens", "integer")
+        max_tokens = field(body, "max_completion_tokens", "integer")
+        if max_tokens is None:
+            max_tokens = field(body, "max_tokens", "integer")
+        # Every field is checked before the (costly) template is rendered.
+        params = protocol.sampling_params(body, max_tokens=1 if max_tokens is None else max_tokens, best_of=None,
+                                          stream=stream.stream, logprobs=(top_logprobs or 0) if want_logprobs else None)
+        ids = await self._encode_chat(body)
         if max_tokens is None:  # vLLM's default: whatever room the context leaves
-            max_tokens = max(1, self.max_model_len - len(ids))
-        params = protocol.sampling_params(body, max_tokens=max_tokens, best_of=None, stream=stream.stream,
-                                          logprobs=(top_logprobs or 0) if want_logprobs else None)
+            params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
         self._check_context(len(ids), params.max_tokens, "messages")
+        self._check_request(ids, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._add_requests(request_id, [ids], params)
         try:
@@ -222,18 +258,39 @@ class OpenAIServer:
                     if want_logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
         return web.json_response({"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                                  "model": self.model_name, "choices": choices, "usage": _usage([final])})
+                                  "model": self.model_name, "choices": choices, "usage": _usage([final])},
+                                 dumps=json_dumps)
 
-    def _encode_chat(self, body: dict) -> list[int]:
-        messages = protocol.parse_messages(body)
+    async def _encode_chat(self, body: dict) -> list[int]:
+        messages = protocol.parse_messages(body, max_messages=self.max_model_len)
         add_generation_prompt = field(body, "add_generation_prompt", "boolean", True)
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
-        except Exception as e:  # jinja errors, a missing template: the messages cannot be rendered
-            raise APIError(f"the chat template could not render the messages: {e}", param="messages") from None
+        self._check_text_length(sum(len(m["content"]) for m in messages), "messages")
+
+        def render() -> str:
+            try:
+                return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                          tokenize=False)
+            except Exception as e:  # jinja errors, a missing template: the messages cannot be rendered
+                raise APIError(f"the chat template could not render the messages: {e}", param="messages") from None
+
+        text = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, render)
         # The template writes its own special tokens (BOS); don't add them twice.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return await self._encode(text, "messages", add_special_tokens=False)
+
+    async def _encode(self, text: str, param: str, *, add_special_tokens: bool = True,
+                      max_tokens: int = 0) -> list[int]:
+        """Token ids of `text`, tokenized off the event loop; a text surely longer than the context
+        is refused first, without tokenizing it."""
+        self._check_text_length(len(text), param, max_tokens)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens))
+
+    def _check_text_length(self, num_chars: int, param: str, max_tokens: int = 0):
+        min_tokens = math.ceil(num_chars / self.max_token_chars)
+        if min_tokens > self.max_model_len:
+            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, the "
+                           f"{param} has {num_chars} characters: at least {min_tokens} tokens. Please reduce the "
+                           "length of the prompt.", param=param, code="context_length_exceeded")
 
     # ------------------------------------------------------------------ shared
     def _check_model(self, body: dict):
@@ -250,6 +307,14 @@ class OpenAIServer:
         if prompt_len + max_tokens > self.max_model_len:
             raise protocol.context_length_error(self.max_model_len, prompt_len, max_tokens, param)
 
+    def _check_request(self, ids: list[int], params: SamplingParams):
+        """The engine's own limits (n and best_of, the KV pool, the vocabulary), before anything
+        is built for the request."""
+        try:
+            self.engine.engine.check_request(ids, params)
+        except ValueError as e:
+            raise APIError(str(e), param=protocol.param_of(str(e))) from None
+
     async def _add_requests(self, request_id: str, prompts: list[list[int]],
                             params: SamplingParams) -> list[RequestStream]:
         """All of the request's prompts, or none (a rejected one aborts those already added)."""
@@ -257,7 +322,7 @@ class OpenAIServer:
             waiting = self.engine.stats["num_waiting"] + self.engine.num_pending_adds
             if waiting + len(prompts) > self.max_queue:
                 raise APIError(f"the server is busy: {waiting} requests are waiting (max_queue={self.max_queue}); "
-                               "retry later", status=503, code="queue_full")
+                               f"retry in {RETRY_AFTER_S} s", status=503, code="queue_full")
         streams = []
         try:
             for i, ids in enumerate(prompts):
@@ -281,7 +346,7 @@ class OpenAIServer:
                      "choices": choices, **extra}
             if include_usage and "usage" not in extra:
                 event["usage"] = None
-            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+            await response.write(f"data: {json_dumps(event)}\n\n".encode())
 
         if first_delta is not None:
             await send([{"index": i, "delta": first_delta, "logprobs": None, "finish_reason": None}
@@ -296,8 +361,10 @@ class OpenAIServer:
                         await send([chunk(i, c, *new)])
             if include_usage:
                 await send([], usage=_usage(finals))
-        except EngineDeadError as e:
-            await response.write(f"data: {json.dumps(APIError(str(e), status=500).to_json())}\n\n".encode())
+        except Exception as e:  # the engine failed this request (or died): the stream says so and ends
+            if not isinstance(e, (EngineDeadError, StepFailedError)):
+                logger.exception("stream %s failed", request_id)
+            await response.write(f"data: {json_dumps(APIError(str(e), status=500).to_json())}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -311,14 +378,15 @@ class OpenAIServer:
         for text in texts:
             offsets.append(offset)
             offset += len(text)
-        return {"tokens": texts, "token_logprobs": [c.logprobs[t][c.token_ids[t]] for t in tokens],
-                "top_logprobs": [{self._token_text(k): v for k, v in c.logprobs[t].items()} for t in tokens],
+        return {"tokens": texts, "token_logprobs": [_json_logprob(c.logprobs[t][c.token_ids[t]]) for t in tokens],
+                "top_logprobs": [{self._token_text(k): _json_logprob(v) for k, v in c.logprobs[t].items()}
+                                 for t in tokens],
                 "text_offset": offsets}
 
     def _chat_logprobs(self, c: CompletionOutput, tokens: range, top: int) -> dict:
         def entry(token_id, logprob):
             text = self._token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"token": text, "logprob": _json_logprob(logprob), "bytes": list(text.encode())}
 
         content = []
         for t in tokens:
@@ -328,14 +396,67 @@ class OpenAIServer:
         return {"content": content}
 
 
+def _json_logprob(logprob: float) -> float:
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB  # NaN fails the test too
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
 async def _json_body(request) -> dict:
+    """The body as a JSON object; anything else (a slow, undecodable, malformed or hostile body) is
+    a 4xx in OpenAI's shape."""
     try:
-        body = json.loads(await request.text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            raw = await request.read()
+    except TimeoutError:
+        raise APIError(f"the request body was not received within {BODY_TIMEOUT_S} s", status=408,
+                       code="request_timeout") from None
+    except web.HTTPException:  # 413: too large
+        raise
+    except Exception as e:  # a corrupt compressed body, a broken transfer encoding
+        raise APIError(f"the request body could not be read: {e}", code="invalid_body") from None
+    try:
+        text = raw.decode(request.charset or "utf-8")
+    except (LookupError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body could not be decoded: {e}", code="invalid_body") from None
+    # Parsing up to MAX_BODY_BYTES takes a while: in a thread, so the event loop keeps answering.
+    body = await asyncio.to_thread(_parse_json, text)
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object", code="invalid_json")
     return body
+
+
+def _parse_json(text: str):
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise APIError("the request body nests arrays or objects too deeply", code="invalid_json") from None
+    except ValueError as e:  # malformed JSON, NaN / Infinity, an integer of more than 4300 digits
+        raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    _check_strings(body)
+    return body
+
+
+def _check_strings(value):
+    """A 400 for strings that are not Unicode text: a lone surrogate ("\\ud800") survives JSON but
+    not UTF-8, which every tokenizer needs."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise APIError(f"the request contains a string that is not valid Unicode ({e.reason} at "
+                               f"character {e.start}): {item[max(0, e.start - 20):e.start + 20]!r}",
+                               code="invalid_string") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 async def _last(stream: RequestStream) -> RequestOutput:
@@ -380,33 +501,43 @@ def _usage(finals: list[RequestOutput]) -> dict:
 
 # ---------------------------------------------------------------------- running it
 async def serve(engine: LLMEngine, *, host: str, port: int, served_model_name: str, api_key: str | None,
-                max_queue: int | None):
-    """Serve until SIGTERM or SIGINT; then stop accepting, abort in-flight requests and return."""
+                max_queue: int | None) -> int:
+    """Serve until SIGTERM or SIGINT (then stop accepting, abort in-flight requests and return 0)
+    or until the engine dies (then return 1, so that a supervisor restarts the server)."""
     async_engine = AsyncLLMEngine(engine, Metrics(served_model_name))
+    stop = asyncio.Event()
+    async_engine.on_dead = stop.set
     async_engine.start()
     app = OpenAIServer(async_engine, served_model_name=served_model_name, api_key=api_key,
                        max_queue=max_queue).build_app()
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # keepalive_timeout also closes connections that never finish sending their headers (slowloris).
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=HEADERS_TIMEOUT_S)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     bound_host, bound_port = runner.addresses[0][:2]
     print(f"jpaged: serving {served_model_name!r} at http://{bound_host}:{bound_port}/v1 "
           "(OpenAI API; also /health, /metrics, /tokenize, /detokenize)", flush=True)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    print("jpaged: shutting down", flush=True)
+    if async_engine.dead is not None:
+        print(f"jpaged: the engine failed ({async_engine.dead!r}); exiting", flush=True)
+    else:
+        print("jpaged: shutting down", flush=True)
     await site.stop()  # no new connections
     await async_engine.shutdown()  # in-flight requests end with finish_reason "abort"
     await runner.cleanup()
+    return 0 if async_engine.dead is None else 1
 
 
 def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
-               served_model_name: str | None = None, api_key: str | None = None, max_queue: int | None = None):
+               served_model_name: str | None = None, api_key: str | None = None,
+               max_queue: int | None = None) -> int:
+    """Serve; returns the process exit status (0 after SIGTERM / SIGINT, 1 if the engine died)."""
     engine = LLMEngine(config)  # loads the weights and compiles every step shape before we listen
     # Multi-host: process 0 serves HTTP; the other processes run its device steps until it stops.
-    engine.runner.lead(lambda: asyncio.run(serve(engine, host=host, port=port, api_key=api_key, max_queue=max_queue,
-                                                 served_model_name=served_model_name or config.model)))
+    return engine.runner.lead(lambda: asyncio.run(serve(
+        engine, host=host, port=port, api_key=api_key, max_queue=max_queue,
+        served_model_name=served_model_name or config.model)))

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 
-from jpaged.engine.llm_engine import LLMEngine
+from jpaged.engine.llm_engine import LLMEngine, StepFailedError
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.sampling_params import SamplingParams
 from serving.metrics import Metrics
@@ -36,6 +36,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead: BaseException | None = None
+        self.on_dead = lambda: None  # called on the event loop once the engine thread has died
         # Refreshed by the engine thread after every step; read by /metrics and the queue limit.
         self.stats = engine.stats()
         self.num_pending_adds = 0  # submitted, not yet taken by the engine thread
@@ -59,9 +60,11 @@ class AsyncLLMEngine:
     async def add_request(self, request_id: str, prompt_token_ids: list[int],
                           sampling_params: SamplingParams) -> "RequestStream":
         """Queue the request with the engine; its ValueError for bad input is raised here, before
-        any output. Iterate the returned stream for the outputs; abort it when giving up early."""
+        anything is built for it. Iterate the returned stream for the outputs; abort it when
+        giving up early."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self.dead!r}")
+        self.engine.check_request(prompt_token_ids, sampling_params)  # fixed limits only: safe from here
         stream = RequestStream(self, request_id, prompt_token_ids, sampling_params)
         self._streams[request_id] = stream
         added: concurrent.futures.Future = concurrent.futures.Future()
@@ -87,20 +90,26 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self):
-        while not self._stopping:
-            self._wakeup.wait()
-            self._wakeup.clear()
-            self._run_commands()
-            while self.engine.has_unfinished_requests() and not self._stopping:
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:  # a bug, not bad input: fail every request, refuse new ones
-                    logger.exception("engine step failed")
-                    self.dead = e
-                    self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine step failed: {e!r}"))
-                    return
-                self._loop.call_soon_threadsafe(self._deliver, outputs)
-                self._run_commands()  # which also refreshes the stats
+        """Everything the thread does runs under this one guard: a request that makes a step fail
+        is failed alone (StepFailedError); anything else means the engine cannot go on, so every
+        request gets the error, /health turns 503 and the server exits non-zero."""
+        try:
+            while not self._stopping:
+                self._wakeup.wait()
+                self._wakeup.clear()
+                self._run_commands()
+                while self.engine.has_unfinished_requests() and not self._stopping:
+                    try:
+                        outputs = self.engine.step()
+                    except StepFailedError as e:  # those requests were aborted; the others go on
+                        self._loop.call_soon_threadsafe(self._fail, e.request_ids, e)
+                        outputs = e.outputs
+                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+                    self._run_commands()  # which also refreshes the stats
+        except BaseException as e:
+            logger.exception("the engine thread failed")
+            self.dead = e
+            self._loop.call_soon_threadsafe(self._die, EngineDeadError(f"the engine failed: {e!r}"))
 
     def _run_commands(self):
         while True:
@@ -110,14 +119,17 @@ class AsyncLLMEngine:
                 break
             if command[0] == "add":
                 _, request_id, prompt, params, added = command
+                self._loop.call_soon_threadsafe(self._taken)
+                # Running from now on: the handler can no longer cancel it. If it already did (the
+                # client left while the request was queued), there is nothing to add.
+                if not added.set_running_or_notify_cancel():
+                    continue
                 try:
                     self.engine.add_request(request_id, prompt, params)
                 except Exception as e:  # ValueError for bad input; anything else still answers
                     added.set_exception(e)
                 else:
                     added.set_result(None)
-                finally:
-                    self._loop.call_soon_threadsafe(self._taken)
             else:
                 self.engine.abort_request(command[1])
         self.stats = self.engine.stats()
@@ -134,10 +146,24 @@ class AsyncLLMEngine:
                 if out.finished:
                     del self._streams[out.request_id]
 
-    def _fail_all(self, error: BaseException):
-        for stream in self._streams.values():
-            stream.put(error)
-        self._streams.clear()
+    def _fail(self, request_ids: list[str], error: BaseException):
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(error)
+
+    def _die(self, error: BaseException):
+        """On the loop, after the engine thread ended: nothing waits forever on it. Adds still
+        queued get the error (an add_request after this point sees `dead` and raises at once)."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add" and command[-1].set_running_or_notify_cancel():
+                command[-1].set_exception(error)
+        self._fail(list(self._streams), error)
+        self.on_dead()
 
 
 class RequestStream:

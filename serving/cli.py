@@ -42,9 +42,8 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     from serving.api_server import run_server
 
-    run_server(EngineConfig(**engine_kwargs(args)), host=args.host, port=args.port,
-               served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue)
-    return 0
+    return run_server(EngineConfig(**engine_kwargs(args)), host=args.host, port=args.port,
+                      served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue)
 
 
 def main(argv=None) -> int:

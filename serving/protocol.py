@@ -66,11 +66,20 @@ def field(body: dict, name: str, kind: str, default=None, required: bool = False
     return value
 
 
-def parse_prompts(body: dict) -> list[str | list[int]]:
-    """`prompt` as a string, a list of strings, token ids, or a list of token-id lists."""
+def parse_prompts(body: dict, *, max_prompts: int, max_tokens: int) -> list[str | list[int]]:
+    """`prompt` as a string, a list of strings, token ids, or a list of token-id lists; at most
+    `max_prompts` prompts, token-id prompts at most `max_tokens` long (checked first: cheap)."""
     prompt = body.get("prompt")
     if prompt is None:
         raise APIError("'prompt' is a required property", param="prompt", code="missing_required_parameter")
+    if isinstance(prompt, list) and prompt:
+        token_lists = [prompt] if _is_int(prompt[0]) else [p for p in prompt if isinstance(p, list)]
+        if not _is_int(prompt[0]) and len(prompt) > max_prompts:
+            raise APIError(f"'prompt' holds {len(prompt)} prompts; at most {max_prompts} are allowed in one request",
+                           param="prompt")
+        longest = max(map(len, token_lists), default=0)
+        if longest > max_tokens:
+            raise context_length_error(max_tokens, longest, 0, "prompt")
     if isinstance(prompt, str):
         prompts = [prompt]
     elif _is_int_list(prompt) and prompt:
@@ -88,13 +97,16 @@ def parse_prompts(body: dict) -> list[str | list[int]]:
     return prompts
 
 
-def parse_messages(body: dict) -> list[dict]:
+def parse_messages(body: dict, *, max_messages: int) -> list[dict]:
     messages = body.get("messages")
     if messages is None:
         raise APIError("'messages' is a required property", param="messages", code="missing_required_parameter")
     if not isinstance(messages, list) or not messages:
         raise APIError("'messages' must be a non-empty array of message objects", param="messages",
                        code="invalid_type")
+    if len(messages) > max_messages:  # each renders to at least one token
+        raise APIError(f"'messages' holds {len(messages)} messages; at most {max_messages} fit the context",
+                       param="messages")
     parsed = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):

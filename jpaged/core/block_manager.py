@@ -185,6 +185,17 @@ class BlockManager:
     def get_num_cached_gpu_blocks(self) -> int:
         return self.gpu_pool.get_num_cached_blocks()
 
+    @property
+    def max_blocks_per_group(self) -> int:
+        """The most blocks one sequence group can ever hold: admission leaves the watermark free."""
+        return self.num_gpu_blocks - self.watermark_blocks
+
+    def max_blocks_needed(self, prompt_len: int, max_len: int, num_seqs: int) -> int:
+        """Blocks a group of `num_seqs` sequences needs at worst once each is `max_len` tokens long:
+        they share only their prompt's full blocks (what they share again after a recompute)."""
+        shared = prompt_len // self.block_size if num_seqs > 1 else 0
+        return shared + num_seqs * (self._num_blocks(max_len) - shared)
+
     def get_block_table(self, seq: Sequence) -> list[int]:
         """The sequence's device blocks (the manager's own list: read it, don't change it)."""
         if seq.seq_id not in self.gpu_tables:

@@ -244,11 +244,15 @@ def held_back_chars(text: str, stop: Iterable[str] | None) -> int:
     """The exact hold-back: the length of the longest suffix of `text` that is a proper prefix of
     some stop string (at most max_stop_string_holdback(stop))."""
     held = 0
+    if not text:
+        return 0
+    last = text[-1]
     for s in stop or ():
-        for k in range(min(len(s) - 1, len(text)), held, -1):
-            if text.endswith(s[:k]):
-                held = k
-                break
+        # Only prefixes ending in text's last character can match: find them with rfind (in C).
+        k = s.rfind(last, 0, min(len(s) - 1, len(text)))
+        while k >= held and not text.endswith(s[:k + 1]):
+            k = s.rfind(last, 0, k)
+        held = max(held, k + 1)
     return held
 
 

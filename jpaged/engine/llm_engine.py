@@ -5,6 +5,7 @@ and swaps) -> runner (padded host arrays, precompiled jitted step: write KV, att
 -> sampled ids -> sequences updated, detokenized, stop checks -> RequestOutputs.
 """
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -52,6 +53,26 @@ def enable_compilation_cache():
         path = os.environ.get("JPAGED_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "xla"))
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+class StepFailedError(RuntimeError):
+    """Processing some requests raised: they were aborted (`request_ids`); `outputs` are the other
+    requests' outputs of the step, and the engine goes on serving them."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException, outputs: list[RequestOutput]):
+        super().__init__(f"processing requests {request_ids} failed: {cause!r}")
+        self.request_ids, self.outputs = request_ids, outputs
+
+
+@dataclasses.dataclass
+class _GroupStep:
+    """One sequence group's part of a step."""
+
+    group: SequenceGroup
+    chunk: int  # tokens each running sequence computes
+    seq_inputs: list[SeqInput] = dataclasses.field(default_factory=list)
+    rows: list[SamplingRow] = dataclasses.field(default_factory=list)  # sampling rows, in order
+    sampled: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)  # (sequence, rows it samples)
 
 
 class LLMEngine:
@@ -116,38 +137,64 @@ class LLMEngine:
                     arrival_time: float | None = None):
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as token ids")
             text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            text, ids = None, list(prompt)
         else:
-            text, ids = None, [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.hf_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(ids) + sampling_params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sampling_params.max_tokens}) = "
-                             f"{len(ids) + sampling_params.max_tokens} exceeds max_model_len={self.max_model_len}")
-        if sampling_params.best_of > self.config.max_num_seqs:
-            # The group's sequences run together: more than max_num_seqs could never be scheduled.
-            raise ValueError(f"best_of={sampling_params.best_of} (n={sampling_params.n}) exceeds "
-                             f"max_num_seqs={self.config.max_num_seqs}")
-        if sampling_params.use_beam_search and 2 * sampling_params.best_of > MAX_LOGPROBS:
-            # Each beam's candidates are its 2 * best_of most likely tokens, from the step's top logprobs.
-            raise ValueError(f"best_of={sampling_params.best_of}; beam search supports at most "
-                             f"{MAX_LOGPROBS // 2} beams")
-        if (sampling_params.logprobs or 0) > MAX_LOGPROBS:
-            raise ValueError(f"logprobs={sampling_params.logprobs}; at most {MAX_LOGPROBS} are supported")
-        if len(sampling_params.stop_token_ids) >= MAX_BANNED_TOKENS:
-            raise ValueError(f"stop_token_ids has {len(sampling_params.stop_token_ids)} entries; "
-                             f"at most {MAX_BANNED_TOKENS - 1} are supported")
+            raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        self.check_request(ids, sampling_params)
         group = SequenceGroup(request_id, [Sequence(next(self._seq_ids), ids)], sampling_params,
                               arrival_time if arrival_time is not None else time.monotonic(), prompt=text)
         self._groups[request_id] = group
         self.scheduler.add_seq_group(group)
+
+    def check_request(self, prompt_token_ids: list[int], sp: SamplingParams):
+        """ValueError (naming the field and the limit) unless the request can run to completion
+        here: ids in the vocabulary, within max_model_len, and all its sequences at full length
+        fitting in the KV pool, so it is never cut short. Cheap, reads only fixed limits: the
+        server calls it before it builds anything for the request."""
+        vocab = self.hf_config.vocab_size
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in sp.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids={sp.stop_token_ids!r:.80}; token id {bad} is outside the vocabulary "
+                             f"[0, {vocab})")
+        if sp.top_k > vocab:
+            raise ValueError(f"top_k={sp.top_k}; expected -1 (disabled) or at most the vocabulary size {vocab}")
+        if sp.best_of > self.config.max_num_seqs:
+            # The group's sequences run together: more than max_num_seqs could never be scheduled.
+            field = "n" if sp.best_of == sp.n else "best_of"
+            raise ValueError(f"{field}={getattr(sp, field)}; a request's sequences run together, so best_of "
+                             f"({sp.best_of}) must not exceed max_num_seqs={self.config.max_num_seqs}")
+        if sp.use_beam_search and 2 * sp.best_of > MAX_LOGPROBS:
+            # Each beam's candidates are its 2 * best_of most likely tokens, from the step's top logprobs.
+            raise ValueError(f"best_of={sp.best_of}; beam search supports at most {MAX_LOGPROBS // 2} beams")
+        if (sp.logprobs or 0) > MAX_LOGPROBS:
+            raise ValueError(f"logprobs={sp.logprobs}; at most {MAX_LOGPROBS} are supported")
+        if len(sp.stop_token_ids) >= MAX_BANNED_TOKENS:
+            raise ValueError(f"stop_token_ids has {len(sp.stop_token_ids)} entries; "
+                             f"at most {MAX_BANNED_TOKENS - 1} are supported")
+        prompt_len = len(prompt_token_ids)
+        if prompt_len + sp.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) = "
+                             f"{prompt_len + sp.max_tokens} exceeds max_model_len={self.max_model_len}")
+        bm = self.block_manager
+        needed = bm.max_blocks_needed(prompt_len, prompt_len + sp.max_tokens, sp.best_of)
+        if needed > bm.max_blocks_per_group:
+            raise ValueError(f"max_tokens={sp.max_tokens}; the request's {sp.best_of} sequence(s) of up to "
+                             f"{prompt_len} + {sp.max_tokens} tokens need up to {needed} KV blocks, but the pool "
+                             f"holds {bm.max_blocks_per_group}: lower max_tokens, n or best_of")
 
     def abort_request(self, request_id: str):
         if request_id in self._groups:
@@ -159,61 +206,131 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        """One scheduler iteration. A request whose processing raises is aborted (its blocks freed)
+        and the step raises StepFailedError naming it, with the other requests' outputs; the engine
+        goes on with the next step. If the device state was lost, the error itself is raised: the
+        engine cannot continue."""
         plan = self.scheduler.schedule()
+        try:
+            return self._run(plan)
+        except StepFailedError:
+            raise
+        except Exception as e:  # the block copies, or a lone request's device step: fail the step's requests
+            failed = [s.seq_group for s in plan.scheduled_seq_groups]
+            self._fail(failed, e)
+            if not self.runner.is_alive():
+                raise
+            raise StepFailedError([g.request_id for g in failed], e, []) from e
+
+    def _run(self, plan) -> list[RequestOutput]:
         self.runner.swap_out(plan.blocks_to_swap_out)
         self.runner.swap_in(plan.blocks_to_swap_in)
         self.runner.copy_blocks(plan.blocks_to_copy)
-
-        seq_inputs, rows, sampled_seqs = [], [], []
+        failed: dict[int, tuple[SequenceGroup, Exception]] = {}
+        steps = []
         for scheduled in plan.scheduled_seq_groups:
-            group, chunk = scheduled.seq_group, scheduled.token_chunk_size
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                start = seq.num_computed_tokens
-                end = start + chunk
-                samples = 0
-                if end == seq.get_len():  # this chunk reaches the end: sample what follows
-                    # A fresh prompt samples best_of tokens at once: one per sequence it forks into.
-                    # (Beam search takes every beam's candidates from its one row's top logprobs.)
-                    fresh = not seq.output_token_ids and len(group.seqs) == 1
-                    sp = group.sampling_params
-                    samples = sp.best_of if fresh and not sp.use_beam_search else 1
-                    for i in range(samples):
-                        index = i if samples > 1 else group.seqs.index(seq)
-                        rows.append(self._sampling_row(group, seq, index))
-                    sampled_seqs.append((group, seq, samples))
-                # A decode computes just the last token: skip rebuilding the whole token list.
-                token_ids = [seq.get_last_token_id()] if chunk == 1 and end == seq.get_len() \
-                    else seq.get_token_ids()[start:end]
-                seq_inputs.append(SeqInput(token_ids, start,
-                                           self.block_manager.get_block_table(seq), samples))
-        out = self.runner.execute(seq_inputs, rows) if seq_inputs else None
-
-        for scheduled in plan.scheduled_seq_groups:
-            scheduled.seq_group.update_num_computed_tokens(scheduled.token_chunk_size)
-        row = 0
-        touched = {id(s.seq_group): s.seq_group for s in plan.scheduled_seq_groups}
-        beams: dict[int, tuple[SequenceGroup, list[tuple[Sequence, int]]]] = {}  # group -> its beams' rows
-        for group, seq, samples in sampled_seqs:
-            if group.sampling_params.use_beam_search:
-                beams.setdefault(id(group), (group, []))[1].append((seq, row))
-                row += 1
+            try:
+                steps.append(self._group_inputs(scheduled.seq_group, scheduled.token_chunk_size))
+            except Exception as e:
+                failed[id(scheduled.seq_group)] = (scheduled.seq_group, e)
+        results = self._execute(steps, failed)
+        outputs = []
+        for step in steps:
+            group = step.group
+            if id(group) in failed:
                 continue
-            seqs = [seq] + [self._fork(group, seq) for _ in range(samples - 1)]
-            for s in seqs:
-                self._append(group, s, out, row)
-                row += 1
-        for group, group_beams in beams.values():
-            self._process_beam_search(group, group_beams, out)
-        for group in plan.ignored_seq_groups:
-            touched[id(group)] = group
-        outputs = [self._request_output(g) for g in touched.values()]
+            try:
+                group.update_num_computed_tokens(step.chunk)
+                self._process(step, *results[id(group)])
+            except Exception as e:
+                failed[id(group)] = (group, e)
+                continue
+            outputs.append(self._request_output(group))
+        for group in plan.ignored_seq_groups:  # check_request keeps these out; a warning if one slips by
+            logger.warning("request %s can never be scheduled: it ends with what it has", group.request_id)
+            outputs.append(self._request_output(group))
+        if failed:
+            self._fail([group for group, _ in failed.values()], next(iter(failed.values()))[1])
         self.scheduler.free_finished_seq_groups()
         for o in outputs:
             if o.finished:
                 self._groups.pop(o.request_id, None)
         if self.check_invariants:
             self.block_manager.check_invariants()
+        if failed:
+            cause = next(iter(failed.values()))[1]
+            raise StepFailedError([group.request_id for group, _ in failed.values()], cause, outputs) from cause
         return outputs
+
+    def _fail(self, groups: list[SequenceGroup], cause: Exception):
+        logger.error("processing requests %s failed: %r; they are aborted", [g.request_id for g in groups], cause,
+                     exc_info=cause)
+        for group in groups:
+            self.abort_request(group.request_id)
+
+    def _group_inputs(self, group: SequenceGroup, chunk: int) -> "_GroupStep":
+        """The group's sequences' share of the step: tokens to compute and rows to sample."""
+        step = _GroupStep(group, chunk)
+        sp = group.sampling_params
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            start = seq.num_computed_tokens
+            end = start + chunk
+            samples = 0
+            if end == seq.get_len():  # this chunk reaches the end: sample what follows
+                # A fresh prompt samples best_of tokens at once: one per sequence it forks into.
+                # (Beam search takes every beam's candidates from its one row's top logprobs.)
+                fresh = not seq.output_token_ids and len(group.seqs) == 1
+                samples = sp.best_of if fresh and not sp.use_beam_search else 1
+                for i in range(samples):
+                    index = i if samples > 1 else group.seqs.index(seq)
+                    step.rows.append(self._sampling_row(group, seq, index))
+                step.sampled.append((seq, samples))
+            # A decode computes just the last token: skip rebuilding the whole token list.
+            token_ids = [seq.get_last_token_id()] if chunk == 1 and end == seq.get_len() \
+                else seq.get_token_ids()[start:end]
+            step.seq_inputs.append(SeqInput(token_ids, start, self.block_manager.get_block_table(seq), samples))
+        return step
+
+    def _execute(self, steps: list["_GroupStep"], failed: dict) -> dict:
+        """Run the step for every group not failed yet: {id(group): (sampler output, its first row)}.
+        If the batch fails, each group runs alone to find the one(s) at fault, which go to `failed`
+        (computing a group's tokens twice rewrites the same K/V into the same slots)."""
+        steps = [s for s in steps if id(s.group) not in failed]
+        seq_inputs = [x for s in steps for x in s.seq_inputs]
+        if not seq_inputs:
+            return {}
+        try:
+            out = self.runner.execute(seq_inputs, [r for s in steps for r in s.rows])
+        except Exception:
+            if len(steps) == 1 or not self.runner.is_alive():
+                raise
+            results = {}
+            for s in steps:
+                try:
+                    results[id(s.group)] = (self.runner.execute(s.seq_inputs, s.rows), 0)
+                except Exception as e:
+                    if not self.runner.is_alive():
+                        raise
+                    failed[id(s.group)] = (s.group, e)
+            return results
+        results, row = {}, 0
+        for s in steps:
+            results[id(s.group)] = (out, row)
+            row += len(s.rows)
+        return results
+
+    def _process(self, step: "_GroupStep", out, row: int):
+        """Append each sampled sequence's new token (forking a fresh prompt into its best_of
+        sequences), or advance the group's beam search."""
+        group = step.group
+        if group.sampling_params.use_beam_search:
+            if step.sampled:
+                self._process_beam_search(group, [(seq, row + i) for i, (seq, _) in enumerate(step.sampled)], out)
+            return
+        for seq, samples in step.sampled:
+            for s in [seq] + [self._fork(group, seq) for _ in range(samples - 1)]:
+                self._append(group, s, out, row)
+                row += 1
 
     def _sampling_row(self, group: SequenceGroup, seq: Sequence, index: int) -> SamplingRow:
         sp = group.sampling_params

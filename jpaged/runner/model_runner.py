@@ -159,6 +159,10 @@ class ModelRunner:
     def num_compilations(self) -> int:
         return len(self._executables)
 
+    def is_alive(self) -> bool:
+        """False once the KV pages are gone: a step that failed after donating them."""
+        return not any(pages.is_deleted() for pages in jax.tree.leaves(self.kv_caches))
+
     def warm_up(self):
         """Compile every bucket now, so serving never compiles. One at a time: compiling in a
         thread pool was no faster on 2 cores (19.1 vs 20.2 s for tiny's 42) and hung once in CI."""
