@@ -17,6 +17,7 @@ import math
 import signal
 import time
 import uuid
+import zlib
 
 from aiohttp import web
 
@@ -33,8 +34,9 @@ from serving.protocol import APIError, field
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 2**20  # larger bodies get a 413
-BODY_TIMEOUT_S = 30  # a body not fully received by then gets a 408
-HEADERS_TIMEOUT_S = 30  # a connection that has not sent a whole request by then is closed
+# Seconds a connection may sit idle or take to send a whole request (vLLM's --timeout-keep-alive):
+# then a half-sent head closes the connection and a half-sent body gets a 408.
+DEFAULT_TIMEOUT_KEEP_ALIVE_S = 30
 MAX_PROMPTS = 1024  # prompts in one completions request
 RETRY_AFTER_S = 1  # what a 503 tells clients to wait
 # Logprobs of impossible tokens are -inf, which JSON cannot carry: report them as vLLM does.
@@ -67,12 +69,13 @@ class ChoiceState:
 
 class OpenAIServer:
     def __init__(self, engine: AsyncLLMEngine, *, served_model_name: str, api_key: str | None = None,
-                 max_queue: int | None = None):
+                 max_queue: int | None = None, body_timeout: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S):
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
         self.vocab_size = engine.engine.hf_config.vocab_size
         self.max_model_len = engine.engine.max_model_len
         self.model_name, self.api_key, self.max_queue = served_model_name, api_key, max_queue
+        self.body_timeout = body_timeout
         self.created = int(time.time())
         # A text of C characters is at least C / (longest token's characters) tokens: prompts that
         # are surely too long are refused without tokenizing them.
@@ -134,7 +137,7 @@ class OpenAIServer:
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def tokenize(self, request):
-        body = await _json_body(request)
+        body = await _json_body(request, self.body_timeout)
         self._check_model(body)
         if "messages" in body:
             ids = await self._encode_chat(body)
@@ -145,7 +148,7 @@ class OpenAIServer:
         return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids})
 
     async def detokenize(self, request):
-        body = await _json_body(request)
+        body = await _json_body(request, self.body_timeout)
         self._check_model(body)
         tokens = body.get("tokens")
         if isinstance(tokens, list) and len(tokens) > self.max_model_len:
@@ -157,7 +160,7 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ completions
     async def completions(self, request):
-        body = await _json_body(request)
+        body = await _json_body(request, self.body_timeout)
         self._check_model(body)
         prompts = protocol.parse_prompts(body, max_prompts=MAX_PROMPTS, max_tokens=self.max_model_len)
         stream = protocol.parse_stream(body)
@@ -218,7 +221,7 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ chat
     async def chat_completions(self, request):
-        body = await _json_body(request)
+        body = await _json_body(request, self.body_timeout)
         self._check_model(body)
         stream = protocol.parse_stream(body)
         want_logprobs = field(body, "logprobs", "boolean", False)
@@ -404,19 +407,20 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def _json_body(request) -> dict:
+async def _json_body(request, timeout: float) -> dict:
     """The body as a JSON object; anything else (a slow, undecodable, malformed or hostile body) is
     a 4xx in OpenAI's shape."""
     try:
-        async with asyncio.timeout(BODY_TIMEOUT_S):
+        async with asyncio.timeout(timeout):
             raw = await request.read()
     except TimeoutError:
-        raise APIError(f"the request body was not received within {BODY_TIMEOUT_S} s", status=408,
+        raise APIError(f"the request body was not received within {timeout:g} s", status=408,
                        code="request_timeout") from None
     except web.HTTPException:  # 413: too large
         raise
     except Exception as e:  # a corrupt compressed body, a broken transfer encoding
         raise APIError(f"the request body could not be read: {e}", code="invalid_body") from None
+    raw = _decompress(raw, request.headers.get("Content-Encoding"))
     try:
         text = raw.decode(request.charset or "utf-8")
     except (LookupError, UnicodeDecodeError) as e:
@@ -426,6 +430,29 @@ async def _json_body(request) -> dict:
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object", code="invalid_json")
     return body
+
+
+def _decompress(raw: bytes, encoding: str | None) -> bytes:
+    """The body without its Content-Encoding. Decoded here, not by aiohttp, so that a corrupt
+    body is a 400 in OpenAI's shape and a decompression bomb stops at MAX_BODY_BYTES."""
+    encoding = (encoding or "identity").strip().lower()
+    if encoding == "identity":
+        return raw
+    wbits = {"gzip": 31, "x-gzip": 31, "deflate": 15}.get(encoding)
+    if wbits is None:
+        raise APIError(f"Content-Encoding {encoding!r} is not supported (gzip, deflate)", status=415,
+                       code="unsupported_encoding")
+    for bits in (wbits, -15) if encoding == "deflate" else (wbits,):  # "deflate": zlib-wrapped, or raw
+        decoder = zlib.decompressobj(bits)
+        try:
+            body = decoder.decompress(raw, MAX_BODY_BYTES + 1)
+        except zlib.error:
+            continue
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(f"the decompressed body exceeds {MAX_BODY_BYTES} bytes", status=413)
+        if decoder.eof:
+            return body
+    raise APIError(f"the request body is not valid {encoding} data", code="invalid_body")
 
 
 def _parse_json(text: str):
@@ -501,17 +528,18 @@ def _usage(finals: list[RequestOutput]) -> dict:
 
 # ---------------------------------------------------------------------- running it
 async def serve(engine: LLMEngine, *, host: str, port: int, served_model_name: str, api_key: str | None,
-                max_queue: int | None) -> int:
+                max_queue: int | None, timeout_keep_alive: float) -> int:
     """Serve until SIGTERM or SIGINT (then stop accepting, abort in-flight requests and return 0)
     or until the engine dies (then return 1, so that a supervisor restarts the server)."""
     async_engine = AsyncLLMEngine(engine, Metrics(served_model_name))
     stop = asyncio.Event()
     async_engine.on_dead = stop.set
     async_engine.start()
-    app = OpenAIServer(async_engine, served_model_name=served_model_name, api_key=api_key,
-                       max_queue=max_queue).build_app()
+    app = OpenAIServer(async_engine, served_model_name=served_model_name, api_key=api_key, max_queue=max_queue,
+                       body_timeout=timeout_keep_alive).build_app()
     # keepalive_timeout also closes connections that never finish sending their headers (slowloris).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=HEADERS_TIMEOUT_S)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=timeout_keep_alive,
+                           auto_decompress=False)  # _json_body decompresses, with limits and JSON errors
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -534,10 +562,10 @@ async def serve(engine: LLMEngine, *, host: str, port: int, served_model_name: s
 
 def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | None = None, api_key: str | None = None,
-               max_queue: int | None = None) -> int:
+               max_queue: int | None = None, timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S) -> int:
     """Serve; returns the process exit status (0 after SIGTERM / SIGINT, 1 if the engine died)."""
     engine = LLMEngine(config)  # loads the weights and compiles every step shape before we listen
     # Multi-host: process 0 serves HTTP; the other processes run its device steps until it stops.
     return engine.runner.lead(lambda: asyncio.run(serve(
-        engine, host=host, port=port, api_key=api_key, max_queue=max_queue,
+        engine, host=host, port=port, api_key=api_key, max_queue=max_queue, timeout_keep_alive=timeout_keep_alive,
         served_model_name=served_model_name or config.model)))

@@ -104,8 +104,9 @@ class AsyncLLMEngine:
                     except StepFailedError as e:  # those requests were aborted; the others go on
                         self._loop.call_soon_threadsafe(self._fail, e.request_ids, e)
                         outputs = e.outputs
-                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+                    # Stats first: a client that saw its request finish then finds it gone from them.
                     self._run_commands()  # which also refreshes the stats
+                    self._loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as e:
             logger.exception("the engine thread failed")
             self.dead = e

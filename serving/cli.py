@@ -43,7 +43,8 @@ def cmd_serve(args) -> int:
     from serving.api_server import run_server
 
     return run_server(EngineConfig(**engine_kwargs(args)), host=args.host, port=args.port,
-                      served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue)
+                      served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
+                      timeout_keep_alive=args.timeout_keep_alive)
 
 
 def main(argv=None) -> int:
@@ -58,6 +59,8 @@ def main(argv=None) -> int:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--max-queue", type=int, default=None,
                        help="answer 503 while more than this many requests are waiting")
+    serve.add_argument("--timeout-keep-alive", type=float, default=30,
+                       help="seconds a connection may idle or take to send a whole request (default: 30)")
     serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="generate text for prompts and print it")
     add_engine_args(gen)

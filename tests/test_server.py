@@ -281,7 +281,7 @@ BAD_REQUESTS = [
      400,
      "early_stopping"),
     ("/v1/completions", {"prompt": "hi", "length_penalty": 2}, 400, "length_penalty"),
-    ("/v1/completions", {"prompt": "hi", "n": 100, "temperature": 1}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "n": 100, "temperature": 1}, 400, "n"),
     ("/v1/completions", {"prompt": [5, 999999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": [[5, 6], [-1]]}, 400, "prompt"),
     ("/v1/completions", {"prompt": LONG}, 400, "prompt"),

@@ -1,0 +1,341 @@
+"""Hostile clients against `jpaged serve` over real HTTP: values that used to kill the engine, bodies
+that used to give aiohttp's plain-text 500s, requests that used to freeze the event loop,
+half-sent requests, and a property-based fuzz over the request schema. Whatever comes in, the
+answer is a 4xx in OpenAI's shape or a correct 200, never a 5xx; the engine stays alive and no
+KV block stays held."""
+
+import asyncio
+import json
+import math
+import socket
+import time
+import zlib
+
+import aiohttp
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from test_server import Server, get, metrics, post, run
+
+MAX_MODEL_LEN = 128
+TIMEOUT = 3  # --timeout-keep-alive
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--max-num-seqs", "8", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "128",
+               "--num-gpu-blocks-override", "40", "--enforce-eager", "--timeout-keep-alive", str(TIMEOUT))
+    yield s
+    assert s.stop() == 0, "".join(s.log[-30:])
+
+
+def strict_json(text: str):
+    """json.loads that refuses NaN and Infinity, as every JSON parser but Python's does."""
+    def refuse(name):
+        raise ValueError(f"{name} in the response")
+    return json.loads(text, parse_constant=refuse)
+
+
+async def raw_post(url, path, data: bytes, headers: dict):
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        async with session.post(url + path, data=data, headers=headers) as r:
+            return r.status, strict_json(await r.text())
+
+
+def assert_openai_error(status, body, expected_status, param="*"):
+    assert status == expected_status, (status, body)
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], body
+    if param != "*":
+        assert error["param"] == param, body
+
+
+def assert_healthy_and_idle(url, timeout=60):
+    assert run(get(url, "/health"))[0] == 200
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        if m["jpaged:num_requests_running"] == m["jpaged:num_requests_waiting"] == 0 \
+                and m["jpaged:gpu_cache_usage_perc"] == 0:
+            return
+        assert time.monotonic() < deadline, m
+        time.sleep(0.2)
+
+
+JSON = {"Content-Type": "application/json"}
+KILLER_VALUES = [  # (path, body, param): each once killed the engine (or slipped through with a 200)
+    ("/v1/completions", {"prompt": "hi", "top_k": 2**31, "temperature": 1}, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 100000, "temperature": 1}, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**31], "min_tokens": 1}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [300]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "temperature": 0,
+                         "length_penalty": 1000}, "length_penalty"),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "temperature": 0,
+                         "length_penalty": -1000}, "length_penalty"),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "temperature": 0,
+                         "length_penalty": 400, "early_stopping": "never"}, "length_penalty"),
+    ("/v1/completions", {"prompt": "hi", "n": 3000000, "temperature": 1}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 8, "max_tokens": 100, "temperature": 1}, "max_tokens"),  # > pool
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1e-300, "logprobs": 2}, "repetition_penalty"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": 1e999}', "temperature"),  # parses as inf
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 100000, "stream": True}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "max_tokens": 2**31}, "max_tokens"),
+    ("/v1/completions", {"prompt": [-1, 5], "echo": True}, "prompt"),
+    ("/v1/completions", {"prompt": [2**64], "echo": True}, "prompt"),
+    ("/v1/completions", {"prompt": [[1]] * 5000}, "prompt"),
+    ("/v1/completions", {"prompt": [1] * 100000}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+     "max_tokens"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": -1e999}',
+     "temperature"),
+    ("/detokenize", {"tokens": [1] * 100000}, "tokens"),
+]
+
+
+def test_killer_values_get_400s_and_the_engine_lives(server):
+    async def send_all():
+        return [await (raw_post(server.url, path, body, JSON) if isinstance(body, bytes) else
+                       post(server.url, path, body, headers={})) for path, body, _ in KILLER_VALUES]
+
+    for (path, body, param), (status, got) in zip(KILLER_VALUES, run(send_all())):
+        assert_openai_error(status, got, 400, param)
+    status, got = run(post(server.url, "/v1/completions", {"prompt": "still alive", "max_tokens": 5,
+                                                           "ignore_eos": True}, headers={}))
+    assert status == 200 and got["usage"]["completion_tokens"] == 5
+    assert_healthy_and_idle(server.url)
+
+
+MALFORMED = [  # (path, raw body, headers): each used to be a 500 in aiohttp's plain-text shape
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', JSON),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', JSON),
+    ("/tokenize", b'{"prompt": "\\ud800"}', JSON),
+    ("/v1/completions", b"[" * 100000 + b"]" * 100000, JSON),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", JSON),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', JSON),
+    ("/v1/completions", b'{"prompt": "hi"}', {"Content-Type": "application/json; charset=bogus"}),
+    ("/v1/completions", b"\xff\xfe{", JSON),
+    ("/v1/completions", b"this is not deflate", {**JSON, "Content-Encoding": "deflate"}),
+    ("/v1/completions", zlib.compress(b'{"prompt": "hi"')[:-3], {**JSON, "Content-Encoding": "deflate"}),
+]
+
+
+def test_malformed_bodies_get_openai_errors(server):
+    async def send_all():
+        return [await raw_post(server.url, path, data, headers) for path, data, headers in MALFORMED]
+
+    for (path, data, _), (status, got) in zip(MALFORMED, run(send_all())):
+        assert 400 <= status < 500, (data[:60], status, got)
+        assert_openai_error(status, got, status)
+    # A well-formed compressed body is fine.
+    status, got = run(raw_post(server.url, "/v1/completions", zlib.compress(b'{"prompt": "hi", "max_tokens": 2}'),
+                               {**JSON, "Content-Encoding": "deflate"}))
+    assert status == 200 and got["usage"]["completion_tokens"] >= 1
+    assert_healthy_and_idle(server.url)
+
+
+def test_huge_requests_do_not_stall_the_event_loop(server):
+    """While requests that used to freeze the server for seconds are refused, /health keeps
+    answering: every answer within 1 s."""
+    huge = [
+        ("/v1/completions", {"prompt": "hi", "n": 3000000, "temperature": 1}),
+        ("/v1/completions", {"prompt": "x" * (15 * 2**20)}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * (15 * 2**20)}]}),
+        ("/tokenize", {"prompt": "z" * (4 * 2**20)}),
+        ("/v1/completions", {"prompt": "hi", "stop": ["s" * 20] * 100000, "stream": True}),
+        ("/v1/completions", {"prompt": [[1, 2]] * 2000000}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 200000}),
+    ]
+
+    async def scenario():
+        latencies, done = [], asyncio.Event()
+
+        async def poll():
+            async with aiohttp.ClientSession() as session:
+                while not done.is_set():
+                    start = time.monotonic()
+                    async with session.get(server.url + "/health") as r:
+                        assert r.status == 200
+                    latencies.append(time.monotonic() - start)
+                    await asyncio.sleep(0.02)
+
+        poller = asyncio.create_task(poll())
+        await asyncio.sleep(0.2)
+        statuses = []
+        for path, body in huge:
+            statuses.append(await post(server.url, path, body, headers={}))
+        done.set()
+        await poller
+        return statuses, latencies
+
+    statuses, latencies = run(scenario())
+    for (path, body), (status, got) in zip(huge, statuses):
+        assert_openai_error(status, got, 400)
+    assert len(latencies) > 10 and max(latencies) < 1.0, (max(latencies), len(latencies))
+    print(f"/health during huge requests: {len(latencies)} answers, max {max(latencies) * 1e3:.0f} ms")
+    assert_healthy_and_idle(server.url)
+
+
+def test_half_sent_requests_time_out(server):
+    host, port = server.url.removeprefix("http://").split(":")
+
+    def exchange(data: bytes) -> bytes:
+        with socket.create_connection((host, int(port)), timeout=TIMEOUT * 5) as sock:
+            sock.sendall(data)
+            start, answered = time.monotonic(), None
+            received = b""
+            while chunk := sock.recv(65536):
+                received += chunk
+                answered = answered or time.monotonic()
+            return received, (answered or time.monotonic()) - start  # seconds to the answer (or the close)
+
+    # Headers never finished: the connection is closed without an answer.
+    received, waited = exchange(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: applica")
+    assert received == b"" and TIMEOUT * 0.5 <= waited < TIMEOUT * 4
+    # Body half-sent: 408 with an OpenAI error object.
+    received, waited = exchange(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                b"Content-Length: 100\r\nConnection: close\r\n\r\n{\"prompt\":")
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), received
+    assert_openai_error(408, strict_json(body.decode()), 408)
+    assert waited < TIMEOUT * 4
+
+
+# ---------------------------------------------------------------------- property-based fuzz
+def _values(valid):
+    hostile = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
+                        st.text(max_size=8), st.lists(st.integers(-5, 300), max_size=4),
+                        st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
+    return st.one_of(valid, valid, valid, hostile)  # mostly plausible values, some hostile
+
+
+FIELDS = {
+    "max_tokens": st.integers(0, 24), "n": st.integers(1, 3), "best_of": st.integers(1, 4),
+    "temperature": st.sampled_from([0, 0.0, 0.7, 1.0, 2.0, 1e-6]), "top_p": st.floats(0, 1), "top_k": st.integers(-2, 300),
+    "min_p": st.floats(0, 1), "seed": st.integers(-2**63, 2**64), "ignore_eos": st.booleans(),
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3)),
+    "stop_token_ids": st.lists(st.integers(0, 300), max_size=3), "min_tokens": st.integers(0, 8),
+    "logprobs": st.integers(0, 25), "echo": st.booleans(), "presence_penalty": st.floats(-3, 3),
+    "frequency_penalty": st.floats(-3, 3), "repetition_penalty": st.floats(0, 3),
+    "use_beam_search": st.booleans(), "length_penalty": st.floats(-20, 20),
+    "early_stopping": st.sampled_from([True, False, "never"]), "stream": st.booleans(),
+    "model": st.sampled_from(["tiny", "tiny", "other"]),
+}
+PROMPTS = st.one_of(st.text(max_size=30), st.lists(st.integers(-2, 300), max_size=12),
+                    st.lists(st.text(max_size=12), max_size=3), st.integers())
+MESSAGES = st.one_of(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
+                                                     "content": st.text(max_size=20)}), min_size=1, max_size=3),
+                     st.text(max_size=5))
+HOSTILE = st.one_of(
+    st.tuples(st.just("/v1/completions"),
+              st.fixed_dictionaries({"prompt": PROMPTS}, optional={k: _values(v) for k, v in FIELDS.items()})),
+    st.tuples(st.just("/v1/chat/completions"),
+              st.fixed_dictionaries({"messages": MESSAGES}, optional={
+                  **{k: _values(v) for k, v in FIELDS.items() if k not in ("echo", "logprobs", "best_of")},
+                  "logprobs": _values(st.booleans()), "top_logprobs": _values(st.integers(0, 22))})),
+)
+ASCII = st.text(st.characters(min_codepoint=32, max_codepoint=126), min_size=1, max_size=20)
+
+
+@st.composite
+def plausible(draw):
+    """Valid requests of every kind the engine runs (they must all succeed): beam search, parallel
+    sampling, best_of, penalties, stops, logprobs, token-id and batched prompts, streams."""
+    path = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+    n = draw(st.integers(1, 3))
+    body = {"n": n, "max_tokens": draw(st.integers(1, 24)), "ignore_eos": draw(st.booleans())}
+    if draw(st.integers(0, 3)) == 0:
+        body.update(use_beam_search=True, temperature=0, length_penalty=draw(st.floats(-10, 10)),
+                    early_stopping=draw(st.sampled_from([True, False, "never"])))
+    else:
+        body.update(temperature=draw(st.sampled_from([0.7, 1.0, 2.0] if n > 1 else [0, 0.7, 1.0])),
+                    top_p=draw(st.floats(0.05, 1)), top_k=draw(st.integers(-1, 259)), min_p=draw(st.floats(0, 1)),
+                    seed=draw(st.one_of(st.none(), st.integers(0, 2**64))),
+                    presence_penalty=draw(st.floats(-2, 2)), frequency_penalty=draw(st.floats(-2, 2)),
+                    repetition_penalty=draw(st.floats(0.5, 2)), min_tokens=draw(st.integers(0, body["max_tokens"])),
+                    stop=draw(st.lists(ASCII, max_size=2)), stop_token_ids=draw(st.lists(st.integers(0, 258), max_size=2)))
+        if path == "/v1/completions" and body["temperature"] > 0 and draw(st.booleans()):
+            body["best_of"] = n + 1
+    stream_ok = not body.get("use_beam_search") and body.get("best_of", n) == n
+    body["stream"] = stream_ok and draw(st.booleans())
+    if path == "/v1/completions":
+        body["prompt"] = draw(st.one_of(ASCII, st.lists(st.integers(0, 258), min_size=1, max_size=30),
+                                        st.lists(ASCII, min_size=1, max_size=2)))
+        body["logprobs"] = draw(st.one_of(st.none(), st.integers(0, 5)))
+    else:
+        body["messages"] = [{"role": "user", "content": draw(ASCII)}]
+        if draw(st.booleans()):
+            body.update(logprobs=True, top_logprobs=draw(st.integers(0, 5)))
+    return path, body
+
+
+async def _fuzz_one(url, path, body):
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + path, json=body) as r:
+            status, text = r.status, await r.text()
+    if body.get("stream") is True and status == 200:
+        events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", text[-300:]
+        chunks = [strict_json(e) for e in events[:-1]]
+        assert all("error" not in c for c in chunks), chunks
+        return status, chunks
+    return status, strict_json(text)
+
+
+def _check_completion(path, body, got):
+    """A 200 must be what was asked for: one choice per prompt and sample, finished, with
+    max_tokens tokens exactly when it says "length"."""
+    n = body.get("n") or 1
+    max_tokens = body.get("max_tokens") or (16 if path == "/v1/completions" else None)
+    prompt = body.get("prompt")
+    num_prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    assert len(got["choices"]) == n * num_prompts
+    for choice in got["choices"]:
+        assert choice["finish_reason"] in ("stop", "length"), choice
+        logprobs = choice["logprobs"]
+        if logprobs is not None and max_tokens is not None:
+            num_tokens = len(logprobs["tokens"] if path == "/v1/completions" else logprobs["content"])
+            if body.get("echo") is True:
+                continue  # echo with logprobs is refused; echo alone has no logprobs
+            assert num_tokens <= max_tokens
+            if choice["finish_reason"] == "length":
+                assert num_tokens == max_tokens, (choice, body)
+            for lp in logprobs.get("token_logprobs") or []:
+                assert lp <= 0 and math.isfinite(lp)
+    assert got["usage"]["completion_tokens"] <= n * num_prompts * (max_tokens or MAX_MODEL_LEN)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(request=st.one_of(plausible(), HOSTILE))
+def test_fuzz_request_schema(server, request):
+    """4xx in OpenAI's shape or a correct 200, never a 5xx; valid requests always succeed."""
+    path, body = request
+    status, got = run(_fuzz_one(server.url, path, body))
+    event(f"{path} {status}")
+    assert status < 500, (status, got, body)
+    if status != 200:
+        assert_openai_error(status, got, status)
+        return
+    if body.get("stream") is True:
+        finished = [c for chunk in got for c in chunk["choices"] if c.get("finish_reason")]
+        assert sorted(c["index"] for c in finished) == list(range(len(finished)))
+        assert all(c["finish_reason"] in ("stop", "length") for c in finished)
+    else:
+        _check_completion(path, body, got)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(request=plausible())
+def test_fuzz_valid_requests_succeed(server, request):
+    path, body = request
+    status, got = run(_fuzz_one(server.url, path, body))
+    assert status == 200, (got, body)
+    if body["stream"] is not True:
+        _check_completion(path, body, got)
+
+
+def test_after_the_fuzz_the_engine_is_alive_and_holds_no_block(server):
+    assert_healthy_and_idle(server.url)
+    status, got = run(post(server.url, "/v1/completions", {"prompt": "after", "max_tokens": 4, "ignore_eos": True},
+                           headers={}))
+    assert status == 200 and got["usage"]["completion_tokens"] == 4
