@@ -239,3 +239,38 @@ def test_engine_thread_fails_the_bad_request_alone_then_dies_cleanly_when_it_mus
             await async_engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_server_exits_nonzero_when_the_engine_dies(llm, monkeypatch, capsys):
+    """A device failure the engine cannot recover from: the request gets a 500 in OpenAI's shape,
+    /health a 503, and serve() returns 1 (the process exits non-zero for a supervisor to restart)."""
+    import aiohttp
+
+    from serving.api_server import serve
+
+    def lost(*args):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(llm.llm_engine.runner, "execute", lost)
+    monkeypatch.setattr(llm.llm_engine.runner, "is_alive", lambda: False)
+
+    async def scenario():
+        server = asyncio.create_task(serve(llm.llm_engine, host="127.0.0.1", port=0, served_model_name="tiny",
+                                           api_key=None, max_queue=None, timeout_keep_alive=5))
+        printed = ""
+        while " at http" not in printed:
+            await asyncio.sleep(0.05)
+            printed += capsys.readouterr().out
+        url = printed.split(" at ")[1].split("/v1")[0]
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}) as r:
+                status, body = r.status, await r.json()
+            assert status == 500 and "device lost" in body["error"]["message"], body
+            try:
+                async with session.get(url + "/health") as r:
+                    assert r.status == 503
+            except aiohttp.ClientConnectionError:
+                pass  # already closed: also not healthy
+        return await asyncio.wait_for(server, 30)
+
+    assert asyncio.run(scenario()) == 1

@@ -406,12 +406,20 @@ def test_max_queue_and_sigterm():
         compiled = metrics(s.url)["jpaged:num_compilations"]
         body = {"prompt": "queue", "max_tokens": 40, "ignore_eos": True}
 
-        async def burst():
-            return await asyncio.gather(*(post(s.url, "/v1/completions", body, headers={}) for _ in range(8)))
+        async def one(session):
+            async with session.post(s.url + "/v1/completions", json=body) as r:
+                return r.status, r.headers.get("Retry-After"), await r.json()
 
-        statuses = [status for status, _ in run(burst())]
+        async def burst():
+            async with aiohttp.ClientSession() as session:
+                return await asyncio.gather(*(one(session) for _ in range(8)))
+
+        answers = run(burst())
+        statuses = [status for status, _, _ in answers]
         assert statuses.count(200) >= 1 and statuses.count(503) >= 1, statuses
         assert set(statuses) <= {200, 503}
+        for status, retry_after, got in answers:  # a 503 says when to come back, in OpenAI's shape
+            assert status == 200 or (int(retry_after) >= 1 and got["error"]["code"] == "queue_full")
         assert metrics(s.url)["jpaged:num_compilations"] == compiled  # warmed up: serving compiled nothing
 
         async def stream_then_sigterm():
