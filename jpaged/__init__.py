@@ -1,8 +1,17 @@
 """jpaged: PagedAttention LLM serving in JAX/Pallas, with vLLM's API."""
 
-from jpaged.llm import LLM, generate
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.sampling_params import SamplingParams
 
 __all__ = ["LLM", "generate", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM and generate pull in jax and transformers: imported on first use, so that `jpaged --help`
+    # and code that only needs SamplingParams or EngineConfig start at once.
+    if name in ("LLM", "generate"):
+        from jpaged import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'jpaged' has no attribute {name!r}")

@@ -2,34 +2,43 @@
 
 import dataclasses
 
-from jpaged.models.layers import ATTENTION_BACKENDS
+
+ATTENTION_BACKENDS = ("auto", "pallas", "xla")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _option(default, help: str, **metadata):
+    """A field with its --help text (and argparse extras such as choices) for the command line."""
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 
 @dataclasses.dataclass
 class EngineConfig:
-    model: str = "tiny"
-    dtype: str = "auto"
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    swap_space: float = 4  # GiB of host memory for swapped-out pages
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = False
-    preemption_mode: str | None = None  # "swap" | "recompute" | None (vLLM's default choice)
-    tensor_parallel_size: int = 1
-    attention_backend: str = "auto"
-    seed: int = 0
-    # Skip the start-up compilation of every step shape; compile each on first use instead
-    # (quick experiments and tests; serving should leave it off).
-    enforce_eager: bool = False
-    revision: str | None = None
+    model: str = _option("tiny", "the built-in 'tiny' model, a local Hugging Face directory or a hub id")
+    dtype: str = _option("auto", "weights and KV dtype ('auto': the checkpoint's)", choices=DTYPES)
+    block_size: int = _option(16, "tokens per KV block (page)", choices=(8, 16, 32, 64, 128))
+    gpu_memory_utilization: float = _option(0.9, "fraction of GPU memory the engine may use (weights + KV pool)")
+    num_gpu_blocks_override: int | None = _option(None, "KV pool size in blocks, instead of sizing it from memory")
+    swap_space: float = _option(4, "GiB of host memory per device for swapped-out KV blocks")
+    max_num_seqs: int = _option(256, "most sequences in one step")
+    max_num_batched_tokens: int | None = _option(None, "token budget of one step (default: max(2048, max_num_seqs))")
+    max_model_len: int | None = _option(None, "context length, prompt + output (default: the model's)")
+    enable_prefix_caching: bool = _option(False, "keep full KV blocks for reuse by later prompts with the same prefix")
+    preemption_mode: str | None = _option(None, "how to preempt when KV blocks run out (default: recompute a "
+                                          "single sequence, swap a group)", choices=("swap", "recompute"))
+    tensor_parallel_size: int = _option(1, "devices to split the model over (Megatron-style)")
+    attention_backend: str = _option("auto", "attention kernels ('auto': Pallas on GPU, XLA elsewhere)",
+                                     choices=ATTENTION_BACKENDS)
+    seed: int = _option(0, "seed of unseeded sampling")
+    enforce_eager: bool = _option(False, "compile each step shape on first use instead of all at start-up "
+                                  "(quick experiments; serving should leave it off)")
+    revision: str | None = _option(None, "hub revision (branch, tag or commit) of the model")
+    tokenizer: str | None = _option(None, "tokenizer directory or hub id, when not the model's")
     # Multi-host (jax.distributed): the same command on every host; unset -> JAX_COORDINATOR_ADDRESS,
     # JAX_NUM_PROCESSES, JAX_PROCESS_ID or cluster auto-detection; none of them -> one process.
-    coordinator_address: str | None = None  # "host:port" of process 0
-    num_processes: int | None = None
-    process_id: int | None = None
+    coordinator_address: str | None = _option(None, "multi-host: host:port of process 0")
+    num_processes: int | None = _option(None, "multi-host: number of processes")
+    process_id: int | None = _option(None, "multi-host: this process's index")
 
     def __post_init__(self):
         def check(field, ok, expected):

@@ -14,7 +14,9 @@ import functools
 import json
 import logging
 import math
+import os
 import signal
+import ssl
 import time
 import uuid
 import zlib
@@ -22,7 +24,7 @@ import zlib
 from aiohttp import web
 
 from jpaged.config import EngineConfig
-from jpaged.core.detokenizer import held_back_chars
+from jpaged.core.detokenizer import held_back_chars, token_bytes_fn
 from jpaged.engine.llm_engine import LLMEngine, StepFailedError
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.sampling_params import SamplingParams
@@ -68,18 +70,22 @@ class ChoiceState:
 
 
 class OpenAIServer:
-    def __init__(self, engine: AsyncLLMEngine, *, served_model_name: str, api_key: str | None = None,
-                 max_queue: int | None = None, body_timeout: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S):
+    def __init__(self, engine: AsyncLLMEngine, options: "ServerOptions"):
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
         self.vocab_size = engine.engine.hf_config.vocab_size
         self.max_model_len = engine.engine.max_model_len
-        self.model_name, self.api_key, self.max_queue = served_model_name, api_key, max_queue
-        self.body_timeout = body_timeout
+        self.model_name, self.api_key, self.max_queue = options.served_model_name, options.api_key, options.max_queue
+        self.body_timeout, self.max_logprobs = options.timeout_keep_alive, options.max_logprobs
+        self.chat_template = options.chat_template
+        if self.chat_template is not None and os.path.isfile(self.chat_template):
+            with open(self.chat_template) as f:
+                self.chat_template = f.read()
         self.created = int(time.time())
         # A text of C characters is at least C / (longest token's characters) tokens: prompts that
         # are surely too long are refused without tokenizing them.
         self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
+        self.token_bytes = token_bytes_fn(self.tokenizer)  # logprobs' `bytes`: a token's own, even half a character
         # Tokenizing and rendering chat templates is CPU work: one thread, off the event loop.
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jpaged-tokenize")
 
@@ -87,6 +93,7 @@ class OpenAIServer:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/tokenize", self.tokenize)
@@ -128,9 +135,15 @@ class OpenAIServer:
         return web.Response(status=200)
 
     async def models(self, request):
-        return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "jpaged",
-            "root": self.engine.engine.config.model, "max_model_len": self.max_model_len}]})
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request):
+        self._check_model({"model": request.match_info["model"]})
+        return web.json_response(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "jpaged",
+                "root": self.engine.engine.config.model, "max_model_len": self.max_model_len}
 
     async def metrics(self, request):
         return web.Response(body=self.engine.metrics.render(self.engine.stats).encode(),
@@ -165,7 +178,7 @@ class OpenAIServer:
         prompts = protocol.parse_prompts(body, max_prompts=MAX_PROMPTS, max_tokens=self.max_model_len)
         stream = protocol.parse_stream(body)
         echo = field(body, "echo", "boolean", False)
-        logprobs = field(body, "logprobs", "integer")
+        logprobs = self._check_logprobs(field(body, "logprobs", "integer"), "logprobs")
         if echo and logprobs is not None:
             raise APIError("echo with logprobs needs prompt logprobs, which jpaged does not compute", param="echo")
         params = protocol.sampling_params(body, max_tokens=field(body, "max_tokens", "integer", 16), logprobs=logprobs,
@@ -225,7 +238,7 @@ class OpenAIServer:
         self._check_model(body)
         stream = protocol.parse_stream(body)
         want_logprobs = field(body, "logprobs", "boolean", False)
-        top_logprobs = field(body, "top_logprobs", "integer")
+        top_logprobs = self._check_logprobs(field(body, "top_logprobs", "integer"), "top_logprobs")
         if top_logprobs is not None and not want_logprobs:
             raise APIError("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
         max_tokens = field(body, "max_completion_tokens", "integer")
@@ -272,7 +285,7 @@ class OpenAIServer:
         def render() -> str:
             try:
                 return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                          tokenize=False)
+                                                          tokenize=False, chat_template=self.chat_template)
             except Exception as e:  # jinja errors, a missing template: the messages cannot be rendered
                 raise APIError(f"the chat template could not render the messages: {e}", param="messages") from None
 
@@ -300,6 +313,11 @@ class OpenAIServer:
         model = field(body, "model", "string")
         if model is not None and model != self.model_name:
             raise APIError(f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found")
+
+    def _check_logprobs(self, value: int | None, param: str) -> int | None:
+        if value is not None and not 0 <= value <= self.max_logprobs:
+            raise APIError(f"{param}={value}; expected an int in [0, max_logprobs={self.max_logprobs}]", param=param)
+        return value
 
     def _check_token_ids(self, ids: list[int], param: str):
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -389,7 +407,7 @@ class OpenAIServer:
     def _chat_logprobs(self, c: CompletionOutput, tokens: range, top: int) -> dict:
         def entry(token_id, logprob):
             text = self._token_text(token_id)
-            return {"token": text, "logprob": _json_logprob(logprob), "bytes": list(text.encode())}
+            return {"token": text, "logprob": _json_logprob(logprob), "bytes": list(self.token_bytes(token_id))}
 
         content = []
         for t in tokens:
@@ -527,25 +545,97 @@ def _usage(finals: list[RequestOutput]) -> dict:
 
 
 # ---------------------------------------------------------------------- running it
-async def serve(engine: LLMEngine, *, host: str, port: int, served_model_name: str, api_key: str | None,
-                max_queue: int | None, timeout_keep_alive: float) -> int:
+@dataclasses.dataclass
+class ServerOptions:
+    """What `jpaged serve` takes besides the engine's options (vLLM's flag names)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = "tiny"
+    api_key: str | None = None
+    max_queue: int | None = None
+    timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S
+    chat_template: str | None = None  # a template, or a file holding one
+    max_logprobs: int = 20
+    log_requests: bool = True
+    log_stats: bool = True
+    allowed_origins: str | None = None  # comma-separated, or "*"
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+
+
+STATS_INTERVAL_S = 10
+
+
+async def _log_stats(async_engine: AsyncLLMEngine):
+    """vLLM's periodic line: throughput since the last line, queues and KV cache usage."""
+    metrics = async_engine.metrics
+    last = (time.monotonic(), metrics.prompt_tokens, metrics.generation_tokens)
+    while True:
+        await asyncio.sleep(STATS_INTERVAL_S)
+        now, prompt, generation = time.monotonic(), metrics.prompt_tokens, metrics.generation_tokens
+        stats = async_engine.stats
+        busy = stats["num_running"] or stats["num_waiting"] or stats["num_swapped"]
+        if busy or (prompt, generation) != last[1:]:
+            elapsed = now - last[0]
+            logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                        "Running: %d reqs, Swapped: %d reqs, Pending: %d reqs, GPU KV cache usage: %.1f%%, "
+                        "CPU KV cache usage: %.1f%%", (prompt - last[1]) / elapsed, (generation - last[2]) / elapsed,
+                        stats["num_running"], stats["num_swapped"], stats["num_waiting"],
+                        100 * (1 - stats["num_free_gpu_blocks"] / stats["num_gpu_blocks"]),
+                        100 * (1 - stats["num_free_cpu_blocks"] / max(stats["num_cpu_blocks"], 1)))
+        last = (now, prompt, generation)
+
+
+def _cors(allowed_origins: str):
+    origins = {o.strip() for o in allowed_origins.split(",") if o.strip()}
+
+    @web.middleware
+    async def cors(request, handler):
+        origin = request.headers.get("Origin")
+        allowed = origin is not None and ("*" in origins or origin in origins)
+        if request.method == "OPTIONS" and allowed:  # preflight
+            response = web.Response(status=204, headers={
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", "*"),
+                "Access-Control-Max-Age": "600"})
+        else:
+            response = await handler(request)
+        if allowed:
+            response.headers["Access-Control-Allow-Origin"] = "*" if "*" in origins else origin
+            response.headers["Vary"] = "Origin"
+        return response
+
+    return cors
+
+
+async def serve(engine: LLMEngine, options: ServerOptions) -> int:
     """Serve until SIGTERM or SIGINT (then stop accepting, abort in-flight requests and return 0)
     or until the engine dies (then return 1, so that a supervisor restarts the server)."""
-    async_engine = AsyncLLMEngine(engine, Metrics(served_model_name))
+    async_engine = AsyncLLMEngine(engine, Metrics(options.served_model_name))
     stop = asyncio.Event()
     async_engine.on_dead = stop.set
     async_engine.start()
-    app = OpenAIServer(async_engine, served_model_name=served_model_name, api_key=api_key, max_queue=max_queue,
-                       body_timeout=timeout_keep_alive).build_app()
+    app = OpenAIServer(async_engine, options).build_app()
+    if options.allowed_origins:
+        app.middlewares.insert(0, _cors(options.allowed_origins))
     # keepalive_timeout also closes connections that never finish sending their headers (slowloris).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=timeout_keep_alive,
-                           auto_decompress=False)  # _json_body decompresses, with limits and JSON errors
+    runner = web.AppRunner(app, handler_cancellation=True, keepalive_timeout=options.timeout_keep_alive,
+                           auto_decompress=False,  # _json_body decompresses, with limits and JSON errors
+                           access_log=logging.getLogger("jpaged.access") if options.log_requests else None,
+                           access_log_format='%a "%r" %s %b %Tfs')
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    ssl_context = None
+    if options.ssl_certfile:
+        ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ssl_context.load_cert_chain(options.ssl_certfile, options.ssl_keyfile)
+    site = web.TCPSite(runner, options.host, options.port, ssl_context=ssl_context)
     await site.start()
     bound_host, bound_port = runner.addresses[0][:2]
-    print(f"jpaged: serving {served_model_name!r} at http://{bound_host}:{bound_port}/v1 "
+    scheme = "https" if ssl_context else "http"
+    print(f"jpaged: serving {options.served_model_name!r} at {scheme}://{bound_host}:{bound_port}/v1 "
           "(OpenAI API; also /health, /metrics, /tokenize, /detokenize)", flush=True)
+    stats_task = asyncio.create_task(_log_stats(async_engine)) if options.log_stats else None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -554,18 +644,16 @@ async def serve(engine: LLMEngine, *, host: str, port: int, served_model_name: s
         print(f"jpaged: the engine failed ({async_engine.dead!r}); exiting", flush=True)
     else:
         print("jpaged: shutting down", flush=True)
+    if stats_task is not None:
+        stats_task.cancel()
     await site.stop()  # no new connections
     await async_engine.shutdown()  # in-flight requests end with finish_reason "abort"
     await runner.cleanup()
     return 0 if async_engine.dead is None else 1
 
 
-def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
-               served_model_name: str | None = None, api_key: str | None = None,
-               max_queue: int | None = None, timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S) -> int:
+def run_server(config: EngineConfig, options: ServerOptions) -> int:
     """Serve; returns the process exit status (0 after SIGTERM / SIGINT, 1 if the engine died)."""
     engine = LLMEngine(config)  # loads the weights and compiles every step shape before we listen
     # Multi-host: process 0 serves HTTP; the other processes run its device steps until it stops.
-    return engine.runner.lead(lambda: asyncio.run(serve(
-        engine, host=host, port=port, api_key=api_key, max_queue=max_queue, timeout_keep_alive=timeout_keep_alive,
-        served_model_name=served_model_name or config.model)))
+    return engine.runner.lead(lambda: asyncio.run(serve(engine, options)))

@@ -1,25 +1,36 @@
-"""The `jpaged` command: `jpaged serve` (the OpenAI-compatible server) and `jpaged generate`.
+"""The `jpaged` command: `jpaged serve [MODEL]` (the OpenAI-compatible server) and `jpaged generate`.
 
-It lives in serving/ because it starts the server: serving imports jpaged, never the reverse."""
+It lives in serving/ because it starts the server: serving imports jpaged, never the reverse.
+Only the standard library and EngineConfig are imported up front, so `--help` and `--version`
+answer at once; jax and transformers load when a command runs.
+"""
 
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import typing
 
+from jpaged import __version__
 from jpaged.config import EngineConfig
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, spelled as vLLM spells them (--max-model-len ...)."""
+    """One flag per EngineConfig field, spelled as vLLM spells them (--max-model-len ...), with the
+    field's help text, default and choices."""
+    group = parser.add_argument_group("engine")
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
         kind = next(t for t in (typing.get_args(field.type) or (field.type,)) if t is not type(None))
+        extra = {"choices": field.metadata["choices"]} if "choices" in field.metadata else {}
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
+                               help=field.metadata.get("help"))
         else:
-            parser.add_argument(flag, type=kind, default=field.default)
+            group.add_argument(flag, type=kind, default=field.default, help=field.metadata.get("help"), **extra)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -40,29 +51,55 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from serving.api_server import run_server
+    from serving.api_server import ServerOptions, run_server
 
-    return run_server(EngineConfig(**engine_kwargs(args)), host=args.host, port=args.port,
-                      served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
-                      timeout_keep_alive=args.timeout_keep_alive)
+    if args.model_tag is not None:  # `jpaged serve MODEL`, as vLLM
+        args.model = args.model_tag
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    options = ServerOptions(
+        host=args.host, port=args.port, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
+        max_queue=args.max_queue, timeout_keep_alive=args.timeout_keep_alive, chat_template=args.chat_template,
+        max_logprobs=args.max_logprobs, log_requests=not args.disable_log_requests,
+        log_stats=not args.disable_log_stats, allowed_origins=args.allowed_origins, ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile)
+    return run_server(EngineConfig(**engine_kwargs(args)), options)
 
 
-def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="jpaged", description="PagedAttention LLM serving in JAX/Pallas")
+def build_parser() -> argparse.ArgumentParser:
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="jpaged", description="PagedAttention LLM serving in JAX/Pallas, "
+                                     "with vLLM's API", formatter_class=formatter)
+    parser.add_argument("--version", action="version", version=f"jpaged {__version__}")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging level")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server", formatter_class=formatter)
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
-    serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    serve.add_argument("--max-queue", type=int, default=None,
-                       help="answer 503 while more than this many requests are waiting")
-    serve.add_argument("--timeout-keep-alive", type=float, default=30,
-                       help="seconds a connection may idle or take to send a whole request (default: 30)")
+    server = serve.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    server.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
+    server.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    server.add_argument("--max-queue", type=int, default=None,
+                        help="answer 503 (with Retry-After) while more than this many requests are waiting")
+    server.add_argument("--timeout-keep-alive", type=float, default=30,
+                        help="seconds a connection may idle or take to send a whole request")
+    server.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
+    server.add_argument("--max-logprobs", type=int, default=20, choices=range(0, 21), metavar="{0..20}",
+                        help="most logprobs / top_logprobs a request may ask for")
+    server.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+    server.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic stats line (throughput, running / waiting, KV cache usage)")
+    server.add_argument("--allowed-origins", default=None,
+                        help="CORS: comma-separated origins allowed to call the API from a browser ('*': any)")
+    server.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key ...")
+    server.add_argument("--ssl-certfile", default=None, help="... and this certificate")
     serve.set_defaults(func=cmd_serve)
-    gen = sub.add_parser("generate", help="generate text for prompts and print it")
+
+    gen = sub.add_parser("generate", help="generate text for prompts and print it", formatter_class=formatter)
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     gen.add_argument("--max-tokens", type=int, default=32)
@@ -73,7 +110,15 @@ def main(argv=None) -> int:
     gen.add_argument("--ignore-eos", action="store_true")
     # A one-shot run compiles only the step shapes it uses; `serve` warms up every bucket.
     gen.set_defaults(func=cmd_generate, enforce_eager=True)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    # transformers advises installing PyTorch when it is absent; jpaged needs only its tokenizers.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     try:
         return args.func(args)
     except ValueError as e:

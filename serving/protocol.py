@@ -1,15 +1,19 @@
 """The OpenAI protocol: request bodies checked field by field, errors in OpenAI's shape.
 
 Every check raises APIError, which the server answers with its status and
-{"error": {"message", "type", "param", "code"}}. Unknown fields are ignored, as OpenAI's
-clients send extras freely; known fields of the wrong type or out of range are a 400 naming them.
+{"error": {"message", "type", "param", "code"}}. Unknown fields are ignored (with a debug line), as
+clients send extras freely; known fields of the wrong type or out of range, and OpenAI fields that
+jpaged does not implement (suffix, logit_bias, response_format, tools, ...), are a 400 naming them.
 """
 
 import dataclasses
+import logging
 import re
 from typing import Any
 
 from jpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -150,10 +154,36 @@ _SAMPLING_FIELDS = [  # (name, kind) shared by completions and chat, passed to S
 ]
 
 
+# OpenAI fields jpaged does not implement, with the value that asks for nothing (or None: any
+# non-null value). Asking for them is a 400 naming the field: never silently ignored.
+_UNSUPPORTED = {
+    "suffix": None, "logit_bias": {}, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+    "functions": [], "function_call": "none", "prediction": None, "audio": None, "modalities": ["text"],
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+}
+# Fields OpenAI or vLLM clients send that change nothing here (metadata, storage, routing hints).
+_KNOWN_NO_OP = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options",
+                "prompt", "messages", "model", "max_tokens", "max_completion_tokens", "echo", "logprobs",
+                "top_logprobs", "best_of", "stream", "add_generation_prompt", "stop", "add_special_tokens"}
+
+
+def check_fields(body: dict):
+    """A 400 for OpenAI fields jpaged does not implement; a debug line for fields it does not know."""
+    for name, harmless in _UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and value != harmless:
+            raise APIError(f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+    known = _KNOWN_NO_OP | {name for name, _ in _SAMPLING_FIELDS} | set(_UNSUPPORTED)
+    unknown = sorted(set(body) - known)
+    if unknown:
+        logger.debug("ignoring unknown request fields %s", unknown)
+
+
 def sampling_params(body: dict, *, max_tokens: int, logprobs: int | None, best_of: int | None,
                     stream: bool) -> SamplingParams:
     """SamplingParams from the body's sampling fields; SamplingParams' own range checks become
     400s naming the field."""
+    check_fields(body)
     kwargs = {name: body[name] for name, kind in _SAMPLING_FIELDS if field(body, name, kind) is not None}
     kwargs["stop"] = field(body, "stop", "string or array of strings")
     field(body, "user", "string")  # accepted and unused, as in vLLM

@@ -470,3 +470,33 @@ def test_remove_last_delta_for_stop_tokens(byte_bpe):
     assert delta == "</s>"
     remove_last_delta(seq, len(delta))
     assert seq.output_text == tok.decode(ids[:-1])
+
+
+def test_token_bytes_are_the_tokens_own_bytes():
+    """Logprob `bytes` of a token that is part of a character are its own bytes, not U+FFFD's:
+    over any text, the tokens' bytes concatenate to the text's UTF-8 (tiny's byte vocabulary and a
+    GPT-2-style byte-level BPE with multi-byte merges)."""
+    import random
+
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from jpaged.core.detokenizer import token_bytes_fn
+    from jpaged.models.tiny import tiny_tokenizer
+
+    rng = random.Random()
+    alphabet = "abc héllo wörld €uro 日本語 🙂 ñ"
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(50)]
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts * 20, vocab_size=400, min_frequency=2, show_progress=False)
+    gpt2_like = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
+    # tiny: every byte its own token (partial characters); the BPE: merged multi-byte tokens.
+    for tokenizer, case in ((tiny_tokenizer(), "partial"), (gpt2_like, "multi_byte")):
+        token_bytes = token_bytes_fn(tokenizer)
+        partial = multi_byte = 0
+        for text in texts:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            assert b"".join(token_bytes(i) for i in ids) == text.encode()
+            partial += sum("\ufffd" in tokenizer.decode([i]) for i in ids)
+            multi_byte += sum(len(token_bytes(i)) > 1 and max(token_bytes(i)) > 127 for i in ids)
+        assert {"partial": partial, "multi_byte": multi_byte}[case] > 0  # the case that matters was seen

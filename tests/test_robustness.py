@@ -246,7 +246,7 @@ def test_server_exits_nonzero_when_the_engine_dies(llm, monkeypatch, capsys):
     /health a 503, and serve() returns 1 (the process exits non-zero for a supervisor to restart)."""
     import aiohttp
 
-    from serving.api_server import serve
+    from serving.api_server import ServerOptions, serve
 
     def lost(*args):
         raise RuntimeError("device lost")
@@ -255,8 +255,7 @@ def test_server_exits_nonzero_when_the_engine_dies(llm, monkeypatch, capsys):
     monkeypatch.setattr(llm.llm_engine.runner, "is_alive", lambda: False)
 
     async def scenario():
-        server = asyncio.create_task(serve(llm.llm_engine, host="127.0.0.1", port=0, served_model_name="tiny",
-                                           api_key=None, max_queue=None, timeout_keep_alive=5))
+        server = asyncio.create_task(serve(llm.llm_engine, ServerOptions(port=0, log_stats=False)))
         printed = ""
         while " at http" not in printed:
             await asyncio.sleep(0.05)

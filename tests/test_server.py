@@ -15,6 +15,7 @@ import aiohttp
 import openai
 import pytest
 
+from jpaged.models import tiny
 from jpaged.models.tiny import tiny_tokenizer
 
 API_KEY = "test-key"
@@ -51,10 +52,18 @@ class Server:
         return self.proc.wait(60)
 
 
+# --chat-template replaces the tokenizer's: a file holding tiny's own with a system line before it.
+CHAT_TEMPLATE = "[custom template]\n" + tiny.CHAT_TEMPLATE
+ORIGIN = "http://app.example"
+
+
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
     s = Server("--api-key", API_KEY, "--max-num-seqs", "64", "--max-model-len", str(MAX_MODEL_LEN),
-               "--max-num-batched-tokens", "512", "--enforce-eager")
+               "--max-num-batched-tokens", "512", "--enforce-eager", "--chat-template", str(template),
+               "--max-logprobs", "5", "--allowed-origins", ORIGIN)
     yield s
     assert s.stop() == 0, "".join(s.log[-30:])
 
@@ -161,6 +170,17 @@ def test_openai_client_completions_and_chat(client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
     assert chunks[-2].choices[0].finish_reason == chat.choices[0].finish_reason
+    model = client.models.retrieve("tiny")  # GET /v1/models/{id}
+    assert model.id == "tiny" and model.owned_by == "jpaged"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("org/other-model")
+    # Chat logprob `bytes` are each token's own bytes: tiny's byte tokens join into the text's UTF-8.
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0,
+                                          logprobs=True, extra_body={"ignore_eos": True})
+    specials = set(tiny_tokenizer().all_special_tokens)  # their text is not in the output
+    joined = b"".join(bytes(e.bytes) for e in chat.choices[0].logprobs.content if e.token not in specials)
+    expected = joined.decode("utf-8", errors="replace")  # invalid byte runs read U+FFFD, as in the text
+    assert chat.choices[0].message.content in (expected, expected.rstrip("\ufffd"))  # a cut last character
 
 
 def test_chat_template_and_tokenize(server, client):
@@ -168,7 +188,9 @@ def test_chat_template_and_tokenize(server, client):
     messages = [{"role": "user", "content": "héllo"}, {"role": "assistant", "content": "hi"},
                 {"role": "user", "content": [{"type": "text", "text": "again"}]}]
     rendered = tokenizer.apply_chat_template([{**m, "content": m["content"] if isinstance(m["content"], str) else
-                                               "again"} for m in messages], add_generation_prompt=True, tokenize=False)
+                                               "again"} for m in messages], add_generation_prompt=True, tokenize=False,
+                                               chat_template=CHAT_TEMPLATE)
+    assert rendered.startswith("[custom template]")
     expected = tokenizer.encode(rendered, add_special_tokens=False)
     status, tok = run(post(server.url, "/tokenize", {"messages": messages}))
     assert status == 200 and tok["tokens"] == expected and tok["count"] == len(expected)
@@ -203,7 +225,9 @@ def test_token_id_prompts_and_batches(server, client):
 
 def test_n_samples_seed_logprobs_echo(client):
     prompt = random_prompt(random.Random())
-    kwargs = dict(model="tiny", prompt=prompt, max_tokens=10, temperature=1.0, n=3, seed=1234, logprobs=3)
+    # ignore_eos: an early EOS would make a choice shorter than 10 tokens (about 1 run in 100).
+    kwargs = dict(model="tiny", prompt=prompt, max_tokens=10, temperature=1.0, n=3, seed=1234, logprobs=3,
+                  extra_body={"ignore_eos": True})
     a = client.completions.create(**kwargs)
     b = client.completions.create(**kwargs)
     assert [c.index for c in a.choices] == [0, 1, 2]
@@ -297,6 +321,12 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, 400,
      "max_tokens"),
     ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+    ("/v1/completions", {"prompt": "hi", "suffix": " the end"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
     ("/tokenize", {}, 400, "prompt"),
 ]
 
@@ -326,6 +356,11 @@ def test_bad_requests_get_openai_errors(server, client):
         client.completions.create(model="tiny", prompt="hi", temperature=-1)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="hi")
+    # Asking for nothing of an unsupported feature is fine, and unknown non-OpenAI fields are ignored.
+    status, got = run(post(server.url, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": {"type": "text"},
+        "tools": [], "tool_choice": "none", "logit_bias": {}, "suffix": None, "x_custom_field": 1}))
+    assert status == 200, got
     # None of that harmed the server: a good request still works and nothing is left running.
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=3).usage.completion_tokens >= 1
     m = metrics(server.url)
@@ -463,3 +498,34 @@ def test_bench_serving_against_the_server(server, tmp_path):
     assert result["total_output_tokens"] == sum(r.output_len for r in expected)  # ignore_eos: exact lengths
     assert result["total_input_tokens"] == sum(len(r.prompt_token_ids) for r in expected)
     assert 0 < result["median_ttft_ms"] <= result["median_e2el_ms"] and result["output_throughput"] > 0
+
+
+# ---------------------------------------------------------------------- operator features
+def test_cors_logprob_limit_and_log_lines(server):
+    async def preflight_and_post():
+        async with aiohttp.ClientSession() as session:
+            async with session.options(server.url + "/v1/completions", headers={
+                    "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": "authorization, content-type"}) as r:
+                preflight = r.status, dict(r.headers)
+            async with session.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                    headers={**AUTH, "Origin": ORIGIN}) as r:
+                allowed = r.headers.get("Access-Control-Allow-Origin")
+            async with session.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                    headers={**AUTH, "Origin": "http://evil.example"}) as r:
+                other = r.headers.get("Access-Control-Allow-Origin")
+        return preflight, allowed, other
+
+    (status, headers), allowed, other = run(preflight_and_post())
+    assert status == 204 and headers["Access-Control-Allow-Origin"] == ORIGIN
+    assert "POST" in headers["Access-Control-Allow-Methods"]
+    assert allowed == ORIGIN and other is None
+    status, got = run(post(server.url, "/v1/completions", {"prompt": "hi", "logprobs": 6}))
+    assert status == 400 and got["error"]["param"] == "logprobs" and "max_logprobs=5" in got["error"]["message"]
+    # One access line per request; the periodic stats line (every 10 s) once something ran.
+    deadline = time.monotonic() + 15
+    while not any("Avg generation throughput" in line for line in server.log):
+        assert time.monotonic() < deadline, "".join(server.log[-20:])
+        run(post(server.url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}))
+        time.sleep(1)
+    assert any('"POST /v1/completions HTTP/1.1" 200' in line for line in server.log)

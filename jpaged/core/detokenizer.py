@@ -265,3 +265,36 @@ def streamable_text(seq: Any, stop: Iterable[str] | None) -> str:
     if finished or not stop:
         return text
     return text[:len(text) - held_back_chars(text, stop)]
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE writes each byte as one printable character: printable Latin-1 bytes
+    as themselves, the others as chr(256 + k) in byte order. The inverse map, character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + k): b for k, b in enumerate(shifted)}}
+
+
+def token_bytes_fn(tokenizer: Any):
+    """A function token id -> the token's own bytes (a piece of UTF-8 that may not be a whole
+    character: logprob `bytes` must show it, not U+FFFD's bytes). Byte-level BPE vocabularies map
+    characters back to bytes, SentencePiece's byte fallback reads <0xHH>; other tokens are their text."""
+    import json
+
+    decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+    kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+    alphabet = _byte_level_alphabet() if "ByteLevel" in kinds else None
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+
+    def token_bytes(token_id: int) -> bytes:
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        if token is None or token_id in special:
+            return tokenizer.decode([token_id]).encode()
+        if alphabet is not None and all(ch in alphabet for ch in token):
+            return bytes(alphabet[ch] for ch in token)
+        if "ByteFallback" in kinds and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            return bytes([int(token[3:5], 16)])
+        return token.replace("\u2581", " ").encode() if "Metaspace" in kinds or "Replace" in kinds \
+            else tokenizer.decode([token_id]).encode()
+
+    return token_bytes

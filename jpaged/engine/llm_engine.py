@@ -83,6 +83,10 @@ class LLMEngine:
         loaded = load_model(config.model, dtype=config.dtype, attention_backend=config.attention_backend,
                             revision=config.revision, tensor_parallel_size=config.tensor_parallel_size)
         self.tokenizer, self.hf_config = loaded.tokenizer, loaded.hf_config
+        if config.tokenizer is not None:  # vLLM's --tokenizer: another directory or hub id
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.max_model_len = derive_max_model_len(loaded.hf_config, config.max_model_len)

@@ -238,7 +238,7 @@ class AttentionMetadata:
     is_decode: bool = False
 
 
-ATTENTION_BACKENDS = ("auto", "pallas", "xla")
+from jpaged.config import ATTENTION_BACKENDS  # noqa: E402  (the options' one source)
 
 
 @dataclasses.dataclass(frozen=True)
