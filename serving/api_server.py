@@ -20,8 +20,9 @@ import ssl
 import time
 import uuid
 import zlib
+from http import HTTPStatus
 
-from aiohttp import web
+from aiohttp import web, web_protocol
 
 from jpaged.config import EngineConfig
 from jpaged.core.detokenizer import held_back_chars, token_bytes_fn
@@ -567,6 +568,31 @@ class ServerOptions:
 STATS_INTERVAL_S = 10
 
 
+class _RequestHandler(web_protocol.RequestHandler):
+    """aiohttp answers requests it cannot parse (a bad request line, oversized headers, a broken
+    chunked body) before any middleware runs, in plain text: answer in OpenAI's shape instead."""
+
+    def handle_error(self, request, status=500, exc=None, message=None):
+        super().handle_error(request, status, exc, message)  # logs, and refuses if a response began
+        reason = HTTPStatus(status).phrase
+        response = web.json_response(APIError(f"{reason}: {exc or message or reason}", status=status).to_json(),
+                                     status=status)
+        response.force_close()
+        return response
+
+
+class _Server(web.Server):
+    def __call__(self) -> web_protocol.RequestHandler:
+        return _RequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class _AppRunner(web.AppRunner):
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _Server  # the same server, making our request handlers
+        return server
+
+
 async def _log_stats(async_engine: AsyncLLMEngine):
     """vLLM's periodic line: throughput since the last line, queues and KV cache usage."""
     metrics = async_engine.metrics
@@ -620,7 +646,7 @@ async def serve(engine: LLMEngine, options: ServerOptions) -> int:
     if options.allowed_origins:
         app.middlewares.insert(0, _cors(options.allowed_origins))
     # keepalive_timeout also closes connections that never finish sending their headers (slowloris).
-    runner = web.AppRunner(app, handler_cancellation=True, keepalive_timeout=options.timeout_keep_alive,
+    runner = _AppRunner(app, handler_cancellation=True, keepalive_timeout=options.timeout_keep_alive,
                            auto_decompress=False,  # _json_body decompresses, with limits and JSON errors
                            access_log=logging.getLogger("jpaged.access") if options.log_requests else None,
                            access_log_format='%a "%r" %s %b %Tfs')

@@ -189,6 +189,13 @@ def test_half_sent_requests_time_out(server):
                 answered = answered or time.monotonic()
             return received, (answered or time.monotonic()) - start  # seconds to the answer (or the close)
 
+    # Requests aiohttp cannot even parse are answered in OpenAI's shape too.
+    for garbage in (b"NOT A REQUEST\r\n\r\n", b"GET / HTTP/1.1\r\nX-Long: " + b"x" * 20000 + b"\r\n\r\n",
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"):
+        received, _ = exchange(garbage)
+        head, _, body = received.partition(b"\r\n\r\n")
+        assert head[:9] in (b"HTTP/1.0 ", b"HTTP/1.1 ") and head[9:10] == b"4", received
+        assert_openai_error(int(head[9:12]), strict_json(body.decode()), int(head[9:12]))
     # Headers never finished: the connection is closed without an answer.
     received, waited = exchange(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: applica")
     assert received == b"" and TIMEOUT * 0.5 <= waited < TIMEOUT * 4
