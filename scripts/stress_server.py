@@ -1,0 +1,126 @@
+"""Hostile load against a running `jpaged serve`: disconnect storms, random and hostile request
+bodies, huge requests, all at once, while /health is polled. Prints what a supervisor would want
+to know: status counts (any 5xx is a bug), the slowest /health answer (event-loop stalls), and
+whether the engine ended alive and idle (no request running or waiting, no KV block held).
+
+    python scripts/stress_server.py --url http://127.0.0.1:8000 --requests 2000 --disconnects 400
+"""
+
+import argparse
+import asyncio
+import collections
+import json
+import random
+import time
+
+import aiohttp
+
+HOSTILE_VALUES = [None, True, False, -1, 0, 1, 2**31, -2**63, 2**70, 1e308, -1e308, 0.5, "", "x", "\ud800", [],
+                  [1, -1], [2**64], {}, {"a": 1}, "never"]
+FIELDS = {  # field: plausible values
+    "max_tokens": [1, 4, 16, 64], "n": [1, 2, 4], "best_of": [1, 2, 5], "temperature": [0, 0.7, 1.0],
+    "top_p": [0.1, 0.9, 1.0], "top_k": [-1, 1, 40, 10**6], "min_p": [0, 0.1], "seed": [0, 7, 2**64],
+    "stop": ["\n", ["a", "b"], ["s" * 2000], ["x"] * 100], "stop_token_ids": [[1], [2**31]], "ignore_eos": [True],
+    "min_tokens": [0, 2, 100], "logprobs": [0, 5, 21], "echo": [True, False], "presence_penalty": [-2, 0.5, 3],
+    "frequency_penalty": [0.5], "repetition_penalty": [1e-300, 0.5, 1.2], "use_beam_search": [True],
+    "length_penalty": [-1000, 0.5, 1000], "early_stopping": [True, "never"], "stream": [True, False],
+}
+
+
+def random_body(rng: random.Random) -> tuple[str, dict]:
+    chat = rng.random() < 0.4
+    body = {"messages": [{"role": "user", "content": rng.choice(["hi", "héllo 🙂", "\ud800", "x" * 5000])}]} \
+        if chat else {"prompt": rng.choice(["hi", "Once upon a time", [1, 2, 3], [[1, 2], [3]], "", [-1], "y" * 9000])}
+    for name in rng.sample(sorted(FIELDS), rng.randint(0, 6)):
+        body[name] = rng.choice(HOSTILE_VALUES) if rng.random() < 0.2 else rng.choice(FIELDS[name])
+    return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+
+async def main(args):
+    rng = random.Random(args.seed)
+    statuses: collections.Counter = collections.Counter()
+    failures: list = []
+    latencies: list[float] = []
+    done = asyncio.Event()
+    timeout = aiohttp.ClientTimeout(total=600)
+
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def poll_health():
+            while not done.is_set():
+                start = time.monotonic()
+                async with session.get(args.url + "/health") as r:
+                    statuses[f"/health {r.status}"] += 1
+                latencies.append(time.monotonic() - start)
+                await asyncio.sleep(0.05)
+
+        async def one(path, body):
+            data = json.dumps(body, ensure_ascii=True).encode()  # lone surrogates travel as \\ud800 escapes
+            try:
+                async with session.post(args.url + path, data=data, headers={"Content-Type": "application/json"}) as r:
+                    text = await r.text()
+                    statuses[r.status] += 1
+                    if r.status >= 500 or (r.status == 200 and "data: {\"error\"" in text):
+                        failures.append((r.status, body, text[:300]))
+            except aiohttp.ClientError as e:
+                statuses[type(e).__name__] += 1
+
+        async def leave_early(i):
+            body = {"prompt": f"storm {i}", "max_tokens": 64, "ignore_eos": True, "stream": i % 2 == 0}
+            try:
+                await asyncio.wait_for(one("/v1/completions", body), rng.uniform(0, 0.1))
+            except asyncio.TimeoutError:
+                statuses["disconnected"] += 1
+
+        poller = asyncio.create_task(poll_health())
+        start = time.monotonic()
+        long_request = asyncio.create_task(one("/v1/completions", {"prompt": "long", "max_tokens": args.long_tokens,
+                                                                   "ignore_eos": True}))
+        semaphore = asyncio.Semaphore(args.concurrency)
+
+        async def limited(coro):
+            async with semaphore:
+                await coro
+
+        jobs = [limited(leave_early(i)) for i in range(args.disconnects)]
+        jobs += [limited(one(*random_body(rng))) for _ in range(args.requests)]
+        rng.shuffle(jobs)
+        await asyncio.gather(*jobs)
+        await long_request
+        elapsed = time.monotonic() - start
+        # Idle again: nothing running or waiting, no KV block held.
+        deadline = time.monotonic() + 60
+        while True:
+            async with session.get(args.url + "/metrics") as r:
+                values = {line.rsplit(" ", 1)[0].split("{")[0]: line.rsplit(" ", 1)[1]
+                          for line in (await r.text()).splitlines() if line and not line.startswith("#")}
+            idle = all(float(values[f"jpaged:{k}"]) == 0 for k in ("num_requests_running", "num_requests_waiting",
+                                                                   "gpu_cache_usage_perc"))
+            if idle or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        done.set()
+        await poller
+        async with session.get(args.url + "/health") as r:
+            healthy = r.status == 200
+
+    five_xx = sum(v for k, v in statuses.items() if isinstance(k, int) and k >= 500)
+    print(f"{args.requests} random bodies + {args.disconnects} disconnecting clients + 1 long request "
+          f"in {elapsed:.1f} s")
+    print("statuses:", dict(sorted(statuses.items(), key=str)))
+    print(f"5xx or error events: {five_xx + len(failures)}; /health answers: {len(latencies)}, "
+          f"slowest {max(latencies) * 1e3:.0f} ms, p99 {sorted(latencies)[int(0.99 * (len(latencies) - 1))] * 1e3:.0f} ms")
+    print(f"engine alive: {healthy}; idle with no KV block held: {idle}")
+    for failure in failures[:5]:
+        print("FAILURE:", failure)
+    return 0 if healthy and idle and not failures and not five_xx else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--requests", type=int, default=2000, help="random (often hostile) request bodies")
+    parser.add_argument("--disconnects", type=int, default=400, help="clients that leave within 100 ms")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--long-tokens", type=int, default=200, help="tokens of the one long request")
+    parser.add_argument("--seed", type=int, default=None)
+    raise SystemExit(asyncio.run(main(parser.parse_args())))
