@@ -15,6 +15,9 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_ABS_LENGTH_PENALTY = 10.0
 # Logits are divided (or multiplied) by it in fp32: outside this range they overflow to inf.
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+# logit_bias: OpenAI's range of a bias, and the entries one request may bias (a fixed device width).
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_LOGIT_BIAS = 64
 
 
 class SamplingType(enum.Enum):
@@ -48,6 +51,12 @@ class SamplingParams:
     # When beam search stops once best_of beams have finished: True at once; False when the best
     # live beam scores no better at its current length (HF's heuristic); "never" at any length.
     early_stopping: bool | str = False
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias added to its logit
+    # Structured output (vLLM's names), at most one: the completion follows a JSON schema (a dict
+    # or its JSON text), matches a regular expression, or is one of the given strings.
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     def __post_init__(self):
         if self.best_of is None:
@@ -105,6 +114,19 @@ class SamplingParams:
               "in [{:g}, {:g}]".format(*REPETITION_PENALTY_RANGE))
         check("length_penalty", is_number(self.length_penalty, -MAX_ABS_LENGTH_PENALTY, MAX_ABS_LENGTH_PENALTY),
               f"a number in [-{MAX_ABS_LENGTH_PENALTY:g}, {MAX_ABS_LENGTH_PENALTY:g}]")
+        check("logit_bias", self.logit_bias is None or isinstance(self.logit_bias, dict) and len(
+            self.logit_bias) <= MAX_LOGIT_BIAS and all(is_int(t, 0) and is_number(b, *LOGIT_BIAS_RANGE)
+                                                       for t, b in self.logit_bias.items()),
+              f"None or a dict of at most {MAX_LOGIT_BIAS} token ids (ints >= 0) to biases in "
+              "[{:g}, {:g}]".format(*LOGIT_BIAS_RANGE))
+        check("guided_json", self.guided_json is None or isinstance(self.guided_json, (dict, str)),
+              "None, a JSON schema (dict) or its JSON text")
+        check("guided_regex", self.guided_regex is None or isinstance(self.guided_regex, str), "None or a str")
+        check("guided_choice", self.guided_choice is None or isinstance(self.guided_choice, list) and self.guided_choice
+              and all(isinstance(c, str) and c for c in self.guided_choice), "None or a list of non-empty strs")
+        guides = [name for name in ("guided_json", "guided_regex", "guided_choice") if getattr(self, name) is not None]
+        if len(guides) > 1:
+            raise ValueError(f"{guides[1]}={getattr(self, guides[1])!r:.80}; expected at most one of {guides}")
         check("use_beam_search", isinstance(self.use_beam_search, bool), "a bool")
         if self.use_beam_search:
             check("temperature", self.temperature < _GREEDY_TEMPERATURE, "0 with use_beam_search")
@@ -113,12 +135,18 @@ class SamplingParams:
             check("min_p", self.min_p == 0, "0 with use_beam_search")
             check("early_stopping", self.early_stopping is True or self.early_stopping is False
                   or self.early_stopping == "never", "True, False or 'never'")
+            for name in guides:
+                check(name, False, "None with use_beam_search (structured output does not run with beams)")
             return
         check("early_stopping", self.early_stopping is False, "False without use_beam_search")
         check("length_penalty", self.length_penalty == 1, "1.0 without use_beam_search")
         if self.temperature < _GREEDY_TEMPERATURE:
             # vLLM's rule: greedy completions are all the same, so asking for several is a mistake.
             check("best_of", self.best_of == 1, f"1 with greedy sampling (temperature={self.temperature})")
+
+    @property
+    def guided(self) -> bool:
+        return self.guided_json is not None or self.guided_regex is not None or self.guided_choice is not None
 
     @property
     def sampling_type(self) -> SamplingType:

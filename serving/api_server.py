@@ -245,9 +245,13 @@ class OpenAIServer:
         max_tokens = field(body, "max_completion_tokens", "integer")
         if max_tokens is None:
             max_tokens = field(body, "max_tokens", "integer")
+        tools = protocol.parse_tools(body)
+        if tools is not None and stream.stream:
+            raise APIError("tool calls cannot stream yet", param="stream")
         # Every field is checked before the (costly) template is rendered.
         params = protocol.sampling_params(body, max_tokens=1 if max_tokens is None else max_tokens, best_of=None,
-                                          stream=stream.stream, logprobs=(top_logprobs or 0) if want_logprobs else None)
+                                          stream=stream.stream, logprobs=(top_logprobs or 0) if want_logprobs else None,
+                                          guided_json=tools.schema if tools else None)
         ids = await self._encode_chat(body)
         if max_tokens is None:  # vLLM's default: whatever room the context leaves
             params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
@@ -270,10 +274,15 @@ class OpenAIServer:
             final = await _last(streams[0])
         finally:
             streams[0].abort()
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(c, range(len(c.token_ids)), params.logprobs)
-                    if want_logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            calls = protocol.tool_calls(c.text, tools) if tools is not None and c.finish_reason == "stop" else None
+            message = {"role": "assistant", "content": c.text} if calls is None else \
+                {"role": "assistant", "content": None, "tool_calls": calls}
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._chat_logprobs(c, range(len(c.token_ids)), params.logprobs)
+                            if want_logprobs else None,
+                            "finish_reason": "tool_calls" if calls else c.finish_reason, "stop_reason": c.stop_reason})
         return web.json_response({"id": request_id, "object": "chat.completion", "created": int(time.time()),
                                   "model": self.model_name, "choices": choices, "usage": _usage([final])},
                                  dumps=json_dumps)
@@ -281,11 +290,12 @@ class OpenAIServer:
     async def _encode_chat(self, body: dict) -> list[int]:
         messages = protocol.parse_messages(body, max_messages=self.max_model_len)
         add_generation_prompt = field(body, "add_generation_prompt", "boolean", True)
+        tools = body.get("tools") or None  # the template tells the model about them (parse_tools checked them)
         self._check_text_length(sum(len(m["content"]) for m in messages), "messages")
 
         def render() -> str:
             try:
-                return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                                           tokenize=False, chat_template=self.chat_template)
             except Exception as e:  # jinja errors, a missing template: the messages cannot be rendered
                 raise APIError(f"the chat template could not render the messages: {e}", param="messages") from None

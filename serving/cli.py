@@ -71,10 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jpaged", description="PagedAttention LLM serving in JAX/Pallas, "
                                      "with vLLM's API", formatter_class=formatter)
     parser.add_argument("--version", action="version", version=f"jpaged {__version__}")
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging level")
+    common = argparse.ArgumentParser(add_help=False)  # options every command takes
+    common.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server", formatter_class=formatter)
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server", formatter_class=formatter,
+                           parents=[common])
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
     add_engine_args(serve)
     server = serve.add_argument_group("server")
@@ -99,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--ssl-certfile", default=None, help="... and this certificate")
     serve.set_defaults(func=cmd_serve)
 
-    gen = sub.add_parser("generate", help="generate text for prompts and print it", formatter_class=formatter)
+    gen = sub.add_parser("generate", help="generate text for prompts and print it", formatter_class=formatter,
+                         parents=[common])
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     gen.add_argument("--max-tokens", type=int, default=32)

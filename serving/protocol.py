@@ -7,8 +7,10 @@ jpaged does not implement (suffix, logit_bias, response_format, tools, ...), are
 """
 
 import dataclasses
+import json
 import logging
 import re
+import uuid
 from typing import Any
 
 from jpaged.sampling_params import SamplingParams
@@ -53,6 +55,8 @@ _KINDS = {
         isinstance(s, str) for s in x)), "a string or an array of strings"),
     "array of integers": (_is_int_list, "an array of integers"),
     "boolean or 'never'": (lambda x: isinstance(x, bool) or x == "never", "a boolean or 'never'"),
+    "array of strings": (lambda x: isinstance(x, list) and all(isinstance(s, str) for s in x), "an array of strings"),
+    "object or string": (lambda x: isinstance(x, (dict, str)), "an object or a string"),
 }
 
 
@@ -150,21 +154,21 @@ _SAMPLING_FIELDS = [  # (name, kind) shared by completions and chat, passed to S
     ("seed", "integer"), ("min_tokens", "integer"), ("stop_token_ids", "array of integers"),
     ("ignore_eos", "boolean"), ("presence_penalty", "number"), ("frequency_penalty", "number"),
     ("repetition_penalty", "number"), ("length_penalty", "number"), ("use_beam_search", "boolean"),
-    ("early_stopping", "boolean or 'never'"),
+    ("early_stopping", "boolean or 'never'"), ("guided_regex", "string"), ("guided_choice", "array of strings"),
 ]
 
 
 # OpenAI fields jpaged does not implement, with the value that asks for nothing (or None: any
 # non-null value). Asking for them is a 400 naming the field: never silently ignored.
 _UNSUPPORTED = {
-    "suffix": None, "logit_bias": {}, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
-    "functions": [], "function_call": "none", "prediction": None, "audio": None, "modalities": ["text"],
-    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "suffix": None, "functions": [], "function_call": "none", "prediction": None, "audio": None,
+    "modalities": ["text"], "guided_grammar": None,
 }
-# Fields OpenAI or vLLM clients send that change nothing here (metadata, storage, routing hints).
-_KNOWN_NO_OP = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options",
-                "prompt", "messages", "model", "max_tokens", "max_completion_tokens", "echo", "logprobs",
-                "top_logprobs", "best_of", "stream", "add_generation_prompt", "stop", "add_special_tokens"}
+# Fields read elsewhere, or that change nothing here (metadata, storage, routing hints).
+_KNOWN = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options",
+          "prompt", "messages", "model", "max_tokens", "max_completion_tokens", "echo", "logprobs",
+          "top_logprobs", "best_of", "stream", "add_generation_prompt", "stop", "add_special_tokens",
+          "logit_bias", "response_format", "guided_json", "tools", "tool_choice"}
 
 
 def check_fields(body: dict):
@@ -173,20 +177,110 @@ def check_fields(body: dict):
         value = body.get(name)
         if value is not None and value != harmless:
             raise APIError(f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
-    known = _KNOWN_NO_OP | {name for name, _ in _SAMPLING_FIELDS} | set(_UNSUPPORTED)
+    known = _KNOWN | {name for name, _ in _SAMPLING_FIELDS} | set(_UNSUPPORTED)
     unknown = sorted(set(body) - known)
     if unknown:
         logger.debug("ignoring unknown request fields %s", unknown)
 
 
+def parse_logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's logit_bias: JSON object keys are strings of token ids."""
+    bias = field(body, "logit_bias", "object")
+    if not bias:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise APIError("'logit_bias' keys must be token ids", param="logit_bias") from None
+
+
+def parse_response_format(body: dict) -> dict | str | None:
+    """The JSON schema `response_format` asks the completion to follow (None: plain text)."""
+    response_format = field(body, "response_format", "object")
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        schema = field(response_format.get("json_schema") or {}, "schema", "object")
+        if schema is None:
+            raise APIError("response_format json_schema needs 'json_schema': {'schema': {...}}",
+                           param="response_format")
+        return schema
+    raise APIError(f"response_format type {kind!r}; expected 'text', 'json_object' or 'json_schema'",
+                   param="response_format")
+
+
+@dataclasses.dataclass
+class ToolCalling:
+    """What the completion must be when tools are called: `schema` constrains it; the text is
+    then parsed into tool calls (one to `function`, or a list of {name, parameters} if None)."""
+
+    schema: dict
+    function: str | None
+
+
+def parse_tools(body: dict) -> ToolCalling | None:
+    """`tools` + `tool_choice`. A named function or "required" constrains the output to the call(s)'
+    JSON; "auto" would need a tool-call parser for the model's own format, which jpaged lacks: a
+    400 says so rather than ignoring the tools."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise APIError("'tool_choice' needs 'tools'", param="tool_choice")
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools):
+        raise APIError("'tools' must be an array of {'type': 'function', 'function': {'name', 'parameters'}}",
+                       param="tools", code="invalid_type")
+    functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "properties": {}}
+                 for t in tools}
+    if choice == "none":
+        return None
+    if choice is None or choice == "auto":
+        raise APIError("tool_choice 'auto' (the default with tools) is not supported: jpaged has no parser for "
+                       "models' own tool-call formats yet; use tool_choice 'required' or name a function",
+                       param="tool_choice", code="unsupported_parameter")
+    if choice == "required":
+        return ToolCalling({"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
+             "required": ["name", "parameters"], "additionalProperties": False}
+            for name, parameters in functions.items()]}}, None)
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if name not in functions:
+        raise APIError(f"tool_choice {choice!r:.80}; expected 'none', 'required' or "
+                       "{'type': 'function', 'function': {'name': <one of the tools>}}", param="tool_choice")
+    return ToolCalling(functions[name], name)
+
+
+def tool_calls(text: str, tools: ToolCalling) -> list[dict] | None:
+    """OpenAI's tool_calls from a completion that followed `tools.schema` (None if it did not finish)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    calls = [(tools.function, value)] if tools.function else [(c["name"], c["parameters"]) for c in value]
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": name, "arguments": json.dumps(arguments)}} for name, arguments in calls]
+
+
 def sampling_params(body: dict, *, max_tokens: int, logprobs: int | None, best_of: int | None,
-                    stream: bool) -> SamplingParams:
+                    stream: bool, guided_json: dict | str | None = None) -> SamplingParams:
     """SamplingParams from the body's sampling fields; SamplingParams' own range checks become
-    400s naming the field."""
+    400s naming the field. `guided_json`: a schema the caller derived (tools)."""
     check_fields(body)
     kwargs = {name: body[name] for name, kind in _SAMPLING_FIELDS if field(body, name, kind) is not None}
     kwargs["stop"] = field(body, "stop", "string or array of strings")
+    kwargs["logit_bias"] = parse_logit_bias(body)
     field(body, "user", "string")  # accepted and unused, as in vLLM
+    schemas = [s for s in (field(body, "guided_json", "object or string"), parse_response_format(body), guided_json)
+               if s is not None]
+    if len(schemas) > 1:
+        raise APIError("ask for one structured output at a time (guided_json, response_format or tools)",
+                       param="response_format")
+    kwargs["guided_json"] = schemas[0] if schemas else None
     try:
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, best_of=best_of, **kwargs)
     except ValueError as e:

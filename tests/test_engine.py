@@ -147,9 +147,12 @@ def test_no_compilation_after_warm_up(roomy):
     compiled = roomy.stats()["num_compilations"]
     assert compiled > 0
     prompts, params = workload(rng, 100)
-    for i in range(0, 100, 7):  # mix in sampling, penalties and logprobs
+    for i in range(0, 100, 7):  # mix in sampling, penalties, logprobs, logit_bias and structured output
         params[i] = jpaged.SamplingParams(temperature=0.8, top_k=20, repetition_penalty=1.2, presence_penalty=0.5,
-                                          logprobs=2, max_tokens=params[i].max_tokens, n=1 + i % 3)
+                                          logprobs=2, max_tokens=params[i].max_tokens, n=1 + i % 3,
+                                          logit_bias={65: 5.0})
+    for i in range(3, 100, 7):
+        params[i] = jpaged.SamplingParams(temperature=0.5, max_tokens=params[i].max_tokens, guided_regex="[a-z]{1,40}")
     outs = roomy.generate(prompts, params, use_tqdm=False)
     assert all(o.finished for o in outs)
     assert roomy.stats()["num_compilations"] == compiled

@@ -21,7 +21,8 @@ def rng():
     return np.random.default_rng(seed)
 
 
-def make_meta(s, *, prompt=None, output=None, banned=None, num_logprobs=0, do_penalties=None, **arrays):
+def make_meta(s, *, prompt=None, output=None, banned=None, num_logprobs=0, do_penalties=None, bias=None,
+              bitmask=None, **arrays):
     """SamplingMetadata built directly from arrays (defaults: greedy, every knob off)."""
     defaults = dict(temperature=(np.float32, 0.0), top_k=(np.int32, -1), top_p=(np.float32, 1.0),
                     min_p=(np.float32, 0.0), presence_penalty=(np.float32, 0.0),
@@ -34,8 +35,12 @@ def make_meta(s, *, prompt=None, output=None, banned=None, num_logprobs=0, do_pe
     tokens = lambda x: np.full((s, 0), -1, np.int32) if x is None else np.asarray(x, np.int32)
     if do_penalties is None:
         do_penalties = prompt is not None or output is not None
+    bias_ids, bias_values = bias if bias is not None else (np.full((s, 4), -1, np.int32), np.zeros((s, 4), np.float32))
     return SamplingMetadata(**fields, prompt_token_ids=tokens(prompt), output_token_ids=tokens(output),
-                            banned_token_ids=tokens(banned), do_penalties=do_penalties, num_logprobs=num_logprobs)
+                            banned_token_ids=tokens(banned), logit_bias_ids=np.asarray(bias_ids, np.int32),
+                            logit_bias_values=np.asarray(bias_values, np.float32),
+                            allowed_bitmask=tokens(bitmask), do_penalties=do_penalties, num_logprobs=num_logprobs,
+                            do_guided=bitmask is not None)
 
 
 # ----------------------------------------------------------------------------- float64 reference
@@ -381,3 +386,35 @@ def test_builder_from_rows():
     out = _sample(jnp.zeros((4, 100)), meta)
     assert out.top_ids.shape == (4, 3)
     assert int(out.token_ids[1]) == 0  # greedy over equal logits: first index
+
+
+def test_logit_bias_and_grammar_mask_match_reference(rng):
+    """logit_bias is added after the bans, then the grammar's bitmask keeps only allowed tokens;
+    greedy picks and logprobs follow the biased, masked logits (float64 reference)."""
+    s, v = 6, 77
+    logits = rng.normal(size=(s, v)).astype(np.float32) * 3
+    bias_ids = np.full((s, 5), -1, np.int32)
+    bias_values = np.zeros((s, 5), np.float32)
+    allowed = rng.random((s, v)) < 0.3
+    allowed[:, rng.integers(0, v)] = True  # at least one allowed token per row
+    allowed[-1] = True  # a row without a grammar
+    bitmask = np.zeros((s, -(-v // 32)), np.uint32)
+    for i in range(s):
+        for t in np.flatnonzero(allowed[i]):
+            bitmask[i, t // 32] |= np.uint32(1 << (t % 32))
+    ref = np.array(logits, np.float64)
+    for i in range(s):
+        ids = rng.choice(v, size=rng.integers(0, 6), replace=False)
+        bias_ids[i, :len(ids)] = ids
+        bias_values[i, :len(ids)] = rng.uniform(-100, 100, size=len(ids))
+        ref[i, ids] += bias_values[i, :len(ids)]
+    ref = np.where(allowed, ref, -np.inf)
+    meta = make_meta(s, bias=(bias_ids, bias_values), bitmask=bitmask.view(np.int32), num_logprobs=3)
+    out = _sample(jnp.asarray(logits), meta)
+    np.testing.assert_array_equal(np.asarray(out.token_ids), np.argmax(ref, axis=-1))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.max(ref_log_softmax(ref), axis=-1), atol=1e-4)
+    assert np.all(allowed[np.arange(s)[:, None], np.asarray(out.top_ids)] | ~np.isfinite(np.asarray(out.top_logprobs)))
+    # Sampled rows never leave the grammar either.
+    hot = make_meta(s, bias=(bias_ids, bias_values), bitmask=bitmask.view(np.int32), temperature=1.5,
+                    seeds=rng.integers(0, 2**32, size=s))
+    assert np.all(allowed[np.arange(s), np.asarray(_sample(jnp.asarray(logits), hot).token_ids)])

@@ -5,11 +5,13 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import typing
 
 import aiohttp
 import openai
@@ -322,11 +324,22 @@ BAD_REQUESTS = [
      "max_tokens"),
     ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
     ("/v1/completions", {"prompt": "hi", "suffix": " the end"}, 400, "suffix"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 10}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1000}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "(unclosed"}, 400, "guided_regex"),
+    ("/v1/completions", {"prompt": "hi", "guided_choice": ["a"], "guided_regex": "b"}, 400, "guided_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+                              "response_format": {"type": "yaml"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+     400, "guided_json"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+                                                                        "function": {"name": "g"}}}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": "f"}, 400, "tools"),
     ("/tokenize", {}, 400, "prompt"),
 ]
 
@@ -529,3 +542,84 @@ def test_cors_logprob_limit_and_log_lines(server):
         run(post(server.url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}))
         time.sleep(1)
     assert any('"POST /v1/completions HTTP/1.1" 200' in line for line in server.log)
+
+
+# ---------------------------------------------------------------------- structured output and tools
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]}, "sure": {"type": "boolean"}},
+                 "required": ["answer", "sure"], "additionalProperties": False}
+
+
+def test_structured_output_and_logit_bias(client):
+    """response_format, vLLM's guided_* fields and logit_bias through the openai SDK: the output
+    follows the grammar (tiny's random weights alone would never write JSON)."""
+    messages = [{"role": "user", "content": random_prompt(random.Random())}]
+    for response_format in ({"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}},
+                            {"type": "json_object"}):
+        chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=60, temperature=1.0,
+                                              seed=random.randrange(2**31), response_format=response_format)
+        choice = chat.choices[0]
+        if response_format["type"] == "json_schema":
+            assert choice.finish_reason == "stop", choice
+            value = json.loads(choice.message.content)
+            assert value["answer"] in ("yes", "no", "maybe") and isinstance(value["sure"], bool) and len(value) == 2
+        else:  # any object; it may run out of tokens, but what is there is the start of one
+            assert choice.message.content.startswith("{")
+            if choice.finish_reason == "stop":
+                assert isinstance(json.loads(choice.message.content), dict)
+    choices = ["red", "green", "light blue"]
+    out = client.completions.create(model="tiny", prompt="Colour:", max_tokens=10, temperature=1.0, n=3,
+                                    extra_body={"guided_choice": choices})
+    assert all(c.text in choices and c.finish_reason == "stop" for c in out.choices)
+    out = client.completions.create(model="tiny", prompt="Code:", max_tokens=20, temperature=1.0,
+                                    extra_body={"guided_regex": r"[A-Z]{2}-[0-9]{3}"})
+    assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", out.choices[0].text), out.choices[0].text
+    z = tiny_tokenizer().convert_tokens_to_ids("Z")
+    out = client.completions.create(model="tiny", prompt="hi", max_tokens=6, temperature=0, logit_bias={str(z): 100},
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == "Z" * 6
+
+
+def test_tool_calls(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+        "additionalProperties": False}}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {
+                 "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"],
+                 "additionalProperties": False}}}]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=40,
+                                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call, = chat.choices[0].message.tool_calls
+    assert chat.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    chat = client.chat.completions.create(model="tiny", messages=messages, tools=tools, tool_choice="required",
+                                          max_tokens=80, temperature=0)
+    calls = chat.choices[0].message.tool_calls
+    assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
+    for c in calls:
+        json.loads(c.function.arguments)
+
+
+def test_langchain_structured_output_and_tools(server):
+    """LangChain's ChatOpenAI against the server: with_structured_output (JSON schema and function
+    calling) returns a filled model, bind_tools with a required tool returns tool calls."""
+    import pydantic
+    from langchain_openai import ChatOpenAI
+
+    class Answer(pydantic.BaseModel):
+        answer: typing.Literal["yes", "no"]
+        sure: bool
+
+    chat = ChatOpenAI(base_url=server.url + "/v1", api_key=API_KEY, model="tiny", max_tokens=120, temperature=0,
+                      max_retries=0)
+    for method in ("json_schema", "function_calling"):
+        result = chat.with_structured_output(Answer, method=method).invoke("Is the sky blue?")
+        assert isinstance(result, Answer), (method, result)
+
+    def get_weather(city: typing.Literal["Paris", "Oslo"]) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    message = chat.bind_tools([get_weather], tool_choice="required").invoke("Weather in Oslo?")
+    assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
+    assert message.tool_calls[0]["args"]["city"] in ("Paris", "Oslo")

@@ -19,6 +19,7 @@ from jpaged.core.block_manager import BlockManager
 from jpaged.core.detokenizer import Detokenizer
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from jpaged.core.structured_output import StructuredOutputManager
 from jpaged.models.loader import load_model
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.parallel import distributed
@@ -89,6 +90,7 @@ class LLMEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size)
         self.max_model_len = derive_max_model_len(loaded.hf_config, config.max_model_len)
         max_num_batched_tokens = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
         if max_num_batched_tokens < config.max_num_seqs:
@@ -174,6 +176,11 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"stop_token_ids={sp.stop_token_ids!r:.80}; token id {bad} is outside the vocabulary "
                              f"[0, {vocab})")
+        bad = next((t for t in sp.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias={sp.logit_bias!r:.80}; token id {bad} is outside the vocabulary [0, {vocab})")
+        if sp.guided:
+            self.structured_output.validate(sp)
         if sp.top_k > vocab:
             raise ValueError(f"top_k={sp.top_k}; expected -1 (disabled) or at most the vocabulary size {vocab}")
         if sp.best_of > self.config.max_num_seqs:
@@ -203,7 +210,13 @@ class LLMEngine:
     def abort_request(self, request_id: str):
         if request_id in self._groups:
             self.scheduler.abort_seq_group(request_id)
-            del self._groups[request_id]
+            self._forget(self._groups.pop(request_id))
+
+    def _forget(self, group: SequenceGroup):
+        """The group left the engine (finished or aborted): drop what it kept outside the scheduler."""
+        if group.sampling_params.guided:
+            for seq in group.seqs:
+                self.structured_output.free(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs()
@@ -257,8 +270,8 @@ class LLMEngine:
             self._fail([group for group, _ in failed.values()], next(iter(failed.values()))[1])
         self.scheduler.free_finished_seq_groups()
         for o in outputs:
-            if o.finished:
-                self._groups.pop(o.request_id, None)
+            if o.finished and o.request_id in self._groups:
+                self._forget(self._groups.pop(o.request_id))
         if self.check_invariants:
             self.block_manager.check_invariants()
         if failed:
@@ -341,15 +354,20 @@ class LLMEngine:
         # Unseeded requests draw from the engine seed and the sequence id; seeded ones only from
         # their own seed, so the same seed gives the same output whatever else runs.
         seed = sp.seed if sp.seed is not None else hash((self.config.seed, seq.seq_id)) & 0x7FFFFFFF
-        banned = []
-        if seq.get_output_len() < sp.min_tokens:
+        banned, allowed = [], None
+        if sp.guided:  # the grammar decides when the completion may end (min_tokens gives way)
+            allowed = self.structured_output.bitmask(seq.seq_id, sp)
+        elif seq.get_output_len() < sp.min_tokens:
             banned = list(sp.stop_token_ids) + ([self.eos_token_id] if self.eos_token_id is not None else [])
-        return SamplingRow(sp, seed, index, seq.get_output_len(), seq.prompt_token_ids, seq.output_token_ids, banned)
+        return SamplingRow(sp, seed, index, seq.get_output_len(), seq.prompt_token_ids, seq.output_token_ids, banned,
+                           sp.logit_bias, allowed)
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         child = parent.fork(next(self._seq_ids))
         group.add(child)
         self.scheduler.fork_seq(parent, child)
+        if group.sampling_params.guided:  # before the parent takes its own token
+            self.structured_output.fork(parent.seq_id, child.seq_id)
         return child
 
     def _append(self, group: SequenceGroup, seq: Sequence, out, row: int):
@@ -373,7 +391,8 @@ class LLMEngine:
         seq.append_token_id(token, logprob, top)
         if self.detokenizer is not None:
             self.detokenizer.decode_sequence_incrementally(seq)
-        self._check_stop(sp, seq, token)
+        grammar_done = sp.guided and self.structured_output.accept(seq.seq_id, token)
+        self._check_stop(sp, seq, token, grammar_done)
 
     # ------------------------------------------------------------------ beam search
     def _beam_score(self, sp: SamplingParams, seq: Sequence) -> float:
@@ -453,7 +472,12 @@ class LLMEngine:
             best = best_running.get_beam_search_score(sp.length_penalty, longest, self.eos_token_id)
         return self._beam_score(sp, worst_finished) >= best
 
-    def _check_stop(self, sp: SamplingParams, seq: Sequence, token: int):
+    def _check_stop(self, sp: SamplingParams, seq: Sequence, token: int, grammar_done: bool = False):
+        if grammar_done:  # structured output complete: the grammar allows nothing more
+            if token == self.eos_token_id and self.detokenizer is not None:
+                self.detokenizer.remove_last_delta(seq)
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            return
         if seq.get_output_len() >= sp.min_tokens:
             if (not sp.ignore_eos and token == self.eos_token_id) or token in sp.stop_token_ids:
                 if self.detokenizer is not None:  # the stop token's own text is not output

@@ -196,14 +196,15 @@ class ModelRunner:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated), tree)
 
     def _sampling_metadata(self, rows, num_seqs: int, do_penalties: bool | None) -> sampler.SamplingMetadata:
-        """Fixed widths and logprob count, so the sampler adds only the penalties on/off variant."""
+        """Fixed widths and logprob count, so the sampler adds only one variant: `do_penalties`, the
+        full sampler (penalties and structured-output masks), taken when any row needs either."""
         if do_penalties is None:
             do_penalties = any(r.params.presence_penalty or r.params.frequency_penalty
-                               or r.params.repetition_penalty != 1.0 for r in rows)
+                               or r.params.repetition_penalty != 1.0 or r.allowed_bitmask is not None for r in rows)
         width = self.max_model_len if do_penalties else 0
         return sampler.SamplingMetadata.from_rows(rows, num_seqs, vocab_size=self.vocab_size, num_logprobs=MAX_LOGPROBS,
                                                   do_penalties=do_penalties, prompt_width=width, output_width=width,
-                                                  banned_width=MAX_BANNED_TOKENS)
+                                                  banned_width=MAX_BANNED_TOKENS, do_guided=do_penalties)
 
     def execute(self, seqs: list[SeqInput], sampling_rows: list) -> sampler.SamplerOutput:
         """Run one step. `sampling_rows` are the per-sample rows for the sampler, in the order of

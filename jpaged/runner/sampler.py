@@ -12,7 +12,9 @@ Pipeline of `sample(logits, meta)` for each row (vLLM v0.6 / v1 semantics unless
      `l = l / r if l > 0 else l * r`;
    - frequency: `l -= frequency_penalty * count_in_output(token)`;
    - presence:  `l -= presence_penalty * (count_in_output(token) > 0)`.
-2. Banned tokens (`banned_token_ids`, e.g. EOS / stop ids while min_tokens is not reached) -> -inf.
+2. Banned tokens (`banned_token_ids`, e.g. EOS / stop ids while min_tokens is not reached) -> -inf;
+   then OpenAI's `logit_bias` (added); then the structured-output grammar's mask (only when
+   `meta.do_guided`: tokens whose bit is clear in the row's `allowed_bitmask` -> -inf).
 3. Logprobs are taken here: `log_softmax` of these penalized, ban-masked logits, i.e. BEFORE
    temperature and top-k / top-p / min-p. (vLLM v0 reports logprobs after temperature and
    truncation, v1 by default reports raw ones before penalties; we report the distribution of the
@@ -46,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.sampling_params import _GREEDY_TEMPERATURE, SamplingParams
+from jpaged.sampling_params import _GREEDY_TEMPERATURE, MAX_LOGIT_BIAS, SamplingParams
 
 GREEDY_TEMPERATURE = _GREEDY_TEMPERATURE  # temperature below this: greedy (argmax)
 
@@ -55,8 +57,11 @@ _DATA_FIELDS = [
     "presence_penalty", "frequency_penalty", "repetition_penalty",
     "seeds", "seq_index", "sample_index",
     "prompt_token_ids", "output_token_ids", "banned_token_ids",
+    "logit_bias_ids", "logit_bias_values", "allowed_bitmask",
 ]
-_META_FIELDS = ["do_penalties", "num_logprobs"]
+_META_FIELDS = ["do_penalties", "num_logprobs", "do_guided"]
+# Entries of a row's logit_bias (a fixed width: one compiled shape whatever the requests ask).
+
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=_DATA_FIELDS, meta_fields=_META_FIELDS)
@@ -84,9 +89,14 @@ class SamplingMetadata:
       prompt_token_ids   i32[S, Lp]  prompt tokens, -1 padded (repetition penalty only)
       output_token_ids   i32[S, Lo]  generated tokens so far, -1 padded (all three penalties)
       banned_token_ids   i32[S, B]   tokens forbidden this step, -1 padded
+      logit_bias_ids     i32[S, MAX_LOGIT_BIAS]  tokens whose logit gets a bias, -1 padded ...
+      logit_bias_values  f32[S, MAX_LOGIT_BIAS]  ... and the bias added
+      allowed_bitmask    i32[S, ceil(V / 32)]    structured output: bit v % 32 of word v // 32 set
+                                 = token v allowed (rows without a grammar: all set); [S, 0] unless do_guided
     Static fields:
       do_penalties  bool  False: penalties are skipped (the two token arrays may be [S, 0])
       num_logprobs  int   K >= 0: how many top logprobs `sample` returns per row (top_ids [S, K])
+      do_guided     bool  False: no grammar masks (allowed_bitmask is [S, 0])
     """
 
     temperature: jax.Array
@@ -102,8 +112,12 @@ class SamplingMetadata:
     prompt_token_ids: jax.Array
     output_token_ids: jax.Array
     banned_token_ids: jax.Array
+    logit_bias_ids: jax.Array
+    logit_bias_values: jax.Array
+    allowed_bitmask: jax.Array
     do_penalties: bool = False
     num_logprobs: int = 0
+    do_guided: bool = False
 
     @classmethod
     def from_rows(cls, rows: Sequence[SamplingRow | tuple], num_rows_padded: int, *,
@@ -112,7 +126,8 @@ class SamplingMetadata:
                   do_penalties: bool | None = None,
                   prompt_width: int | None = None,
                   output_width: int | None = None,
-                  banned_width: int | None = None) -> SamplingMetadata:
+                  banned_width: int | None = None,
+                  do_guided: bool | None = None) -> SamplingMetadata:
         """Builds the host (numpy) metadata of one step; O(rows) Python plus vectorised fills.
 
         rows: one `SamplingRow` (or a plain tuple in its field order) per real sequence, in the
@@ -126,6 +141,7 @@ class SamplingMetadata:
         prompt_width / output_width / banned_width: the token arrays' widths; None -> the longest
           row rounded up to a power of two (at least 16 for prompt/output, 4 for banned; 0 for
           prompt/output when penalties are off). A width smaller than a row raises ValueError.
+        do_guided: None -> True iff some row has an allowed_bitmask (a grammar); needs vocab_size.
         Empty `rows` with explicit widths gives warm-up metadata for compiling a bucket.
         """
         n = len(rows)
@@ -167,6 +183,18 @@ class SamplingMetadata:
             prompt_ids = np.full((s, prompt_width or 0), -1, np.int32)
             output_ids = np.full((s, output_width or 0), -1, np.int32)
         banned = _fill_tokens([r.banned_token_ids for r in rows], range(n), s, banned_width, 4, "banned_width")
+        bias_ids = np.full((s, MAX_LOGIT_BIAS), -1, np.int32)
+        bias_values = np.zeros((s, MAX_LOGIT_BIAS), np.float32)
+        for i, r in enumerate(rows):
+            if r.logit_bias:  # SamplingParams keeps it within MAX_LOGIT_BIAS entries
+                bias_ids[i, :len(r.logit_bias)] = list(r.logit_bias)
+                bias_values[i, :len(r.logit_bias)] = list(r.logit_bias.values())
+        if do_guided is None:
+            do_guided = any(r.allowed_bitmask is not None for r in rows)
+        allowed = np.full((s, -(-vocab_size // 32) if do_guided else 0), -1, np.int32)
+        for i, r in enumerate(rows):
+            if do_guided and r.allowed_bitmask is not None:
+                allowed[i] = r.allowed_bitmask
 
         if num_logprobs is None:
             num_logprobs = max([p.logprobs or 0 for p in params], default=0)
@@ -176,6 +204,8 @@ class SamplingMetadata:
                    presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
                    seeds=seeds, seq_index=seq_index, sample_index=sample_index,
                    prompt_token_ids=prompt_ids, output_token_ids=output_ids, banned_token_ids=banned,
+                   logit_bias_ids=bias_ids, logit_bias_values=bias_values, allowed_bitmask=allowed,
+                   do_guided=bool(do_guided),
                    do_penalties=bool(do_penalties), num_logprobs=int(num_logprobs))
 
     from_params = from_rows  # the name used in the design brief
@@ -191,6 +221,8 @@ class SamplingRow(NamedTuple):
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     banned_token_ids: Sequence[int] = ()  # e.g. EOS + stop_token_ids while min_tokens is not reached
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias added to its logit
+    allowed_bitmask: np.ndarray | None = None  # i32[ceil(V / 32)]: the grammar's allowed tokens, if any
 
 
 class SamplerOutput(NamedTuple):
@@ -250,6 +282,21 @@ def apply_banned(logits: jax.Array, banned_token_ids: jax.Array) -> jax.Array:
     return logits.at[jnp.arange(s)[:, None], ids].set(-jnp.inf, mode="drop")
 
 
+def apply_logit_bias(logits: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
+    s, v = logits.shape
+    ids = jnp.where(ids < 0, v, ids.astype(jnp.int32))
+    return logits.at[jnp.arange(s)[:, None], ids].add(values.astype(jnp.float32), mode="drop")
+
+
+def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Tokens whose bit is clear -> -inf (bit v % 32 of word v // 32 stands for token v)."""
+    _, v = logits.shape
+    words = jax.lax.bitcast_convert_type(bitmask, jnp.uint32)
+    token = jnp.arange(v)
+    bits = jax.lax.shift_right_logical(words[:, token // 32], (token % 32).astype(jnp.uint32)[None, :]) & 1
+    return jnp.where(bits == 1, logits, -jnp.inf)
+
+
 def _truncate(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
     """Top-k, then top-p (on the top-k distribution), then min-p; dropped logits become -inf."""
     _, v = scaled.shape
@@ -283,6 +330,9 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     if meta.do_penalties:
         logits = apply_penalties(logits, meta)
     logits = apply_banned(logits, meta.banned_token_ids)
+    logits = apply_logit_bias(logits, meta.logit_bias_ids, meta.logit_bias_values)
+    if meta.do_guided:
+        logits = apply_bitmask(logits, meta.allowed_bitmask)
 
     temperature = meta.temperature.astype(jnp.float32)
     greedy = temperature < GREEDY_TEMPERATURE
