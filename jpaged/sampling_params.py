@@ -57,6 +57,7 @@ class SamplingParams:
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    prompt_logprobs: int | None = None  # top logprobs of every prompt token after the first (its own is added)
 
     def __post_init__(self):
         if self.best_of is None:
@@ -108,6 +109,7 @@ class SamplingParams:
             is_int(t, 0) for t in self.stop_token_ids), f"None or a list of token ids (ints in [0, {INT32_MAX}])")
         check("ignore_eos", isinstance(self.ignore_eos, bool), "a bool")
         check("logprobs", self.logprobs is None or is_int(self.logprobs, 0), "None or an int >= 0")
+        check("prompt_logprobs", self.prompt_logprobs is None or is_int(self.prompt_logprobs, 0), "None or an int >= 0")
         check("presence_penalty", is_number(self.presence_penalty, -2, 2), "in [-2, 2]")
         check("frequency_penalty", is_number(self.frequency_penalty, -2, 2), "in [-2, 2]")
         check("repetition_penalty", is_number(self.repetition_penalty, *REPETITION_PENALTY_RANGE),

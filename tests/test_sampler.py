@@ -22,7 +22,7 @@ def rng():
 
 
 def make_meta(s, *, prompt=None, output=None, banned=None, num_logprobs=0, do_penalties=None, bias=None,
-              bitmask=None, **arrays):
+              bitmask=None, targets=None, **arrays):
     """SamplingMetadata built directly from arrays (defaults: greedy, every knob off)."""
     defaults = dict(temperature=(np.float32, 0.0), top_k=(np.int32, -1), top_p=(np.float32, 1.0),
                     min_p=(np.float32, 0.0), presence_penalty=(np.float32, 0.0),
@@ -33,13 +33,15 @@ def make_meta(s, *, prompt=None, output=None, banned=None, num_logprobs=0, do_pe
         fields[name] = np.broadcast_to(np.asarray(arrays.pop(name, value), dtype), (s,)).copy()
     assert not arrays, arrays
     tokens = lambda x: np.full((s, 0), -1, np.int32) if x is None else np.asarray(x, np.int32)
+    targets = np.full(s, -1) if targets is None else targets
     if do_penalties is None:
         do_penalties = prompt is not None or output is not None
     bias_ids, bias_values = bias if bias is not None else (np.full((s, 4), -1, np.int32), np.zeros((s, 4), np.float32))
     return SamplingMetadata(**fields, prompt_token_ids=tokens(prompt), output_token_ids=tokens(output),
                             banned_token_ids=tokens(banned), logit_bias_ids=np.asarray(bias_ids, np.int32),
                             logit_bias_values=np.asarray(bias_values, np.float32),
-                            allowed_bitmask=tokens(bitmask), do_penalties=do_penalties, num_logprobs=num_logprobs,
+                            allowed_bitmask=tokens(bitmask), target_token_ids=np.asarray(targets, np.int32),
+                            do_penalties=do_penalties, num_logprobs=num_logprobs,
                             do_guided=bitmask is not None)
 
 
@@ -418,3 +420,16 @@ def test_logit_bias_and_grammar_mask_match_reference(rng):
     hot = make_meta(s, bias=(bias_ids, bias_values), bitmask=bitmask.view(np.int32), temperature=1.5,
                     seeds=rng.integers(0, 2**32, size=s))
     assert np.all(allowed[np.arange(s), np.asarray(_sample(jnp.asarray(logits), hot).token_ids)])
+
+
+def test_target_logprobs_match_reference(rng):
+    """A row's target token (prompt logprobs: the prompt's next token) gets its logprob under the
+    row's processed distribution, wherever it ranks; rows without one report 0."""
+    s, v = 5, 300
+    logits = rng.normal(size=(s, v)).astype(np.float32) * 4
+    targets = rng.integers(0, v, size=s)
+    targets[2] = -1
+    out = _sample(jnp.asarray(logits), make_meta(s, targets=targets))
+    expected = np.take_along_axis(ref_log_softmax(logits), np.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+    expected[2] = 0.0
+    np.testing.assert_allclose(np.asarray(out.target_logprobs), expected, atol=1e-4)

@@ -235,12 +235,13 @@ class BlockManager:
                 hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * size:(i + 1) * size]))
         return hashes[:num_blocks]
 
-    def _cached_prefix(self, seqs: list[Sequence]) -> list[list[int]]:
+    def _cached_prefix(self, seq_group: SequenceGroup, seqs: list[Sequence]) -> list[list[int]]:
         """Per sequence, the cached blocks holding its leading tokens; as many for each, since a
         group computes in lockstep. The block of a sequence's last token is never taken from the
         cache: that token must be computed for the logits of the next (vLLM v1 does the same), and
         the block holding it is the one it will write into."""
-        if not self.enable_caching:
+        # Prompt logprobs come from computing the prompt: a request that asks for them takes no hits.
+        if not self.enable_caching or seq_group.sampling_params.prompt_logprobs is not None:
             return [[] for _ in seqs]
         hits = []
         for seq in seqs:
@@ -259,7 +260,7 @@ class BlockManager:
         sequence, new blocks to take from the free queue, free blocks left for them once the hits
         are taken out, all blocks the group will hold)."""
         seqs, num_shared = self._allocation_plan(seq_group)
-        cached = self._cached_prefix(seqs)
+        cached = self._cached_prefix(seq_group, seqs)
         num_cached = len(cached[0])
         first_own = max(num_shared, num_cached)
         num_new = first_own - num_cached + sum(self._num_blocks(seq.get_len()) - first_own for seq in seqs)

@@ -180,7 +180,8 @@ class Scheduler:
                 self._ignore(seq_group, out)
                 continue
             num_seqs = seq_group.get_max_num_running_seqs()
-            if status is AllocStatus.LATER or num_seqs > budget.num_seqs or not self._chunk_size(seq_group, budget):
+            if (status is AllocStatus.LATER or num_seqs > budget.num_seqs
+                    or not self._chunk_size(seq_group, budget, seats_to_take=num_seqs)):
                 break
             self.waiting.popleft()
             num_cached_tokens = self.block_manager.allocate(seq_group)
@@ -191,10 +192,24 @@ class Scheduler:
             budget.num_seqs -= num_seqs
             self._add(out, budget, seq_group, self._chunk_size(seq_group, budget))
 
-    def _chunk_size(self, seq_group: SequenceGroup, budget: _Budget) -> int:
+    def _chunk_size(self, seq_group: SequenceGroup, budget: _Budget, seats_to_take: int = 0) -> int:
         """Tokens per sequence the group can compute now: all it has left, up to its share of the
-        token budget."""
-        return min(seq_group.get_num_uncomputed_tokens(), budget.num_tokens // seq_group.num_unfinished_seqs())
+        token budget. With prompt logprobs, every prompt token computed (but the last) needs a
+        logits row of its own, taken from the step's free sequence seats (after `seats_to_take`)."""
+        chunk = min(seq_group.get_num_uncomputed_tokens(), budget.num_tokens // seq_group.num_unfinished_seqs())
+        if seq_group.sampling_params.prompt_logprobs is not None:
+            free = budget.num_seqs - seats_to_take
+            if self._prompt_rows(seq_group, chunk) > free:
+                chunk = max(free, 0)
+        return chunk
+
+    @staticmethod
+    def _prompt_rows(seq_group: SequenceGroup, chunk: int) -> int:
+        """Logits rows the chunk needs for prompt logprobs: one per prompt position before the last."""
+        if seq_group.sampling_params.prompt_logprobs is None:
+            return 0
+        start = seq_group.get_unfinished_seqs()[0].num_computed_tokens
+        return max(0, min(start + chunk, seq_group.get_unfinished_seqs()[0].get_prompt_len() - 1) - start)
 
     def _add(self, out: SchedulerOutputs, budget: _Budget, seq_group: SequenceGroup, chunk: int):
         running = seq_group.get_seqs(SequenceStatus.RUNNING)
@@ -206,6 +221,7 @@ class Scheduler:
         out.scheduled_seq_groups.append(ScheduledSequenceGroup(seq_group, chunk))
         out.num_batched_tokens += num_tokens
         budget.num_tokens -= num_tokens
+        budget.num_seqs -= self._prompt_rows(seq_group, chunk)
 
     def _append_slots(self, seq_group: SequenceGroup, out: SchedulerOutputs):
         for seq in seq_group.get_seqs(SequenceStatus.RUNNING):

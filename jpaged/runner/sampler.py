@@ -57,7 +57,7 @@ _DATA_FIELDS = [
     "presence_penalty", "frequency_penalty", "repetition_penalty",
     "seeds", "seq_index", "sample_index",
     "prompt_token_ids", "output_token_ids", "banned_token_ids",
-    "logit_bias_ids", "logit_bias_values", "allowed_bitmask",
+    "logit_bias_ids", "logit_bias_values", "allowed_bitmask", "target_token_ids",
 ]
 _META_FIELDS = ["do_penalties", "num_logprobs", "do_guided"]
 # Entries of a row's logit_bias (a fixed width: one compiled shape whatever the requests ask).
@@ -93,6 +93,8 @@ class SamplingMetadata:
       logit_bias_values  f32[S, MAX_LOGIT_BIAS]  ... and the bias added
       allowed_bitmask    i32[S, ceil(V / 32)]    structured output: bit v % 32 of word v // 32 set
                                  = token v allowed (rows without a grammar: all set); [S, 0] unless do_guided
+      target_token_ids   i32[S]  a token whose logprob the row reports as target_logprobs (-1: none);
+                                 prompt logprobs: the prompt's next token
     Static fields:
       do_penalties  bool  False: penalties are skipped (the two token arrays may be [S, 0])
       num_logprobs  int   K >= 0: how many top logprobs `sample` returns per row (top_ids [S, K])
@@ -115,6 +117,7 @@ class SamplingMetadata:
     logit_bias_ids: jax.Array
     logit_bias_values: jax.Array
     allowed_bitmask: jax.Array
+    target_token_ids: jax.Array
     do_penalties: bool = False
     num_logprobs: int = 0
     do_guided: bool = False
@@ -189,6 +192,7 @@ class SamplingMetadata:
             if r.logit_bias:  # SamplingParams keeps it within MAX_LOGIT_BIAS entries
                 bias_ids[i, :len(r.logit_bias)] = list(r.logit_bias)
                 bias_values[i, :len(r.logit_bias)] = list(r.logit_bias.values())
+        target_token_ids = fill([r.target_token_id for r in rows], np.int32, -1)
         if do_guided is None:
             do_guided = any(r.allowed_bitmask is not None for r in rows)
         allowed = np.full((s, -(-vocab_size // 32) if do_guided else 0), -1, np.int32)
@@ -205,6 +209,7 @@ class SamplingMetadata:
                    seeds=seeds, seq_index=seq_index, sample_index=sample_index,
                    prompt_token_ids=prompt_ids, output_token_ids=output_ids, banned_token_ids=banned,
                    logit_bias_ids=bias_ids, logit_bias_values=bias_values, allowed_bitmask=allowed,
+                   target_token_ids=target_token_ids,
                    do_guided=bool(do_guided),
                    do_penalties=bool(do_penalties), num_logprobs=int(num_logprobs))
 
@@ -223,6 +228,7 @@ class SamplingRow(NamedTuple):
     banned_token_ids: Sequence[int] = ()  # e.g. EOS + stop_token_ids while min_tokens is not reached
     logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias added to its logit
     allowed_bitmask: np.ndarray | None = None  # i32[ceil(V / 32)]: the grammar's allowed tokens, if any
+    target_token_id: int = -1  # report this token's logprob too (prompt logprobs: the next prompt token)
 
 
 class SamplerOutput(NamedTuple):
@@ -230,6 +236,7 @@ class SamplerOutput(NamedTuple):
     logprobs: jax.Array  # f32[S]    its logprob (log_softmax of the penalized logits)
     top_ids: jax.Array  # i32[S, K]  the K most likely tokens, most likely first
     top_logprobs: jax.Array  # f32[S, K]
+    target_logprobs: jax.Array  # f32[S]  logprob of each row's target token (0 where it has none)
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -363,7 +370,11 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     else:
         top_logprobs = jnp.zeros((s, 0), jnp.float32)
         top_ids = jnp.zeros((s, 0), jnp.int32)
-    return SamplerOutput(token_ids=token_ids, logprobs=token_logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
+    targets = meta.target_token_ids.astype(jnp.int32)
+    target_logprobs = jnp.where(targets >= 0, jnp.take_along_axis(logits, jnp.maximum(targets, 0)[:, None],
+                                                                  axis=-1)[:, 0] - lse, 0.0)
+    return SamplerOutput(token_ids=token_ids, logprobs=token_logprobs, top_ids=top_ids, top_logprobs=top_logprobs,
+                         target_logprobs=target_logprobs)
 
 
 # ----------------------------------------------------------------------------- host side
