@@ -1,9 +1,10 @@
 """ModelRunner: owns the weights and the KV pages and runs one padded, precompiled step.
 
 The NNX model is split once into a static graph definition and a state pytree; the step
-merges them inside jit, so no Python object traversal happens per step. The KV page arrays
-(one (k_pages, v_pages) pair per layer, each [num_kv_heads, num_pages, page_size, head_dim])
-are donated to the step and come back updated in place. A step is two device calls: the model
+merges them inside jit, so no Python object traversal happens per step. The KV pool is one
+(k_pages, v_pages) pair for every layer, each [num_kv_heads, num_layers * num_pages, page_size,
+head_dim] (layer l's page p at l * num_pages + p; see LayerStack); it is donated to the step and
+comes back updated in place. Block copies and swaps move every layer's part of a page. A step is two device calls: the model
 forward (its logits stay on the device) and the sampler; only sampled ids and logprobs return
 to the host.
 
@@ -32,7 +33,7 @@ from flax import nnx
 import pallas_kernels
 from tqdm.auto import tqdm
 
-from jpaged.models.layers import Attention, AttentionMetadata
+from jpaged.models.layers import Attention, AttentionMetadata, LayerStack
 from jpaged.models.loader import LoadedModel
 from jpaged.parallel import distributed
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, replicated, tp_size
@@ -49,9 +50,10 @@ MAX_BANNED_TOKENS = 32
 def kv_cache_layout(model: nnx.Module) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim), read off the model's attention layers; num_kv_heads
     counts the copies when tensor parallelism replicates kv heads (the page arrays' head axis)."""
-    attns = [node for _, node in nnx.iter_graph(model) if isinstance(node, Attention)]
-    num_kv_heads, head_dim = attns[0].k_proj.out_shape
-    return len(attns), num_kv_heads, head_dim
+    nodes = [node for _, node in nnx.iter_graph(model)]
+    stack = next(node for node in nodes if isinstance(node, LayerStack))
+    num_kv_heads, head_dim = next(node for node in nodes if isinstance(node, Attention)).k_proj.out_shape
+    return stack.num_layers, num_kv_heads, head_dim
 
 
 def _ladder(smallest: int, largest: int, factor: int = 2) -> list[int]:
@@ -132,11 +134,11 @@ class ModelRunner:
         self._multihost = jax.process_count() > 1
         self.graphdef, self.state = nnx.split(loaded.model)
         num_layers, num_kv_heads, head_dim = kv_cache_layout(loaded.model)
-        shape = (num_kv_heads, num_gpu_blocks, block_size, head_dim)
+        self.num_layers = num_layers
+        shape = (num_kv_heads, num_layers * num_gpu_blocks, block_size, head_dim)
         kv, rep = kv_cache_sharding(self.mesh), replicated(self.mesh)
         self._replicated = rep
-        self.kv_caches = [(jnp.zeros(shape, loaded.dtype, device=kv), jnp.zeros(shape, loaded.dtype, device=kv))
-                          for _ in range(num_layers)]
+        self.kv_cache = (jnp.zeros(shape, loaded.dtype, device=kv), jnp.zeros(shape, loaded.dtype, device=kv))
         # Host pool for swapped-out pages, one per local shard, keyed by the shard's first kv head:
         # [layer, k/v, kv_heads / tp, cpu_blocks, block_size, head_dim].
         local_shape = (num_layers, 2, num_kv_heads // tp_size(self.mesh), num_cpu_blocks, block_size, head_dim)
@@ -150,10 +152,12 @@ class ModelRunner:
         self._sample = jax.jit(sampler.sample, out_shardings=rep)
         self._executables = {}
         self._warm = False
-        self._copy = jax.jit(_copy_blocks, in_shardings=(kv, rep, rep), out_shardings=kv, donate_argnums=(0,))
-        self._gather = jax.jit(_gather_blocks, in_shardings=(kv, rep), out_shardings=self._pages_sharding)
-        self._scatter = jax.jit(_scatter_blocks, in_shardings=(kv, self._pages_sharding, rep), out_shardings=kv,
-                                donate_argnums=(0,))
+        self._copy = jax.jit(functools.partial(_copy_blocks, num_layers), in_shardings=(kv, rep, rep),
+                             out_shardings=kv, donate_argnums=(0,))
+        self._gather = jax.jit(functools.partial(_gather_blocks, num_layers), in_shardings=(kv, rep),
+                               out_shardings=self._pages_sharding)
+        self._scatter = jax.jit(functools.partial(_scatter_blocks, num_layers),
+                                in_shardings=(kv, self._pages_sharding, rep), out_shardings=kv, donate_argnums=(0,))
 
     @property
     def num_compilations(self) -> int:
@@ -169,7 +173,7 @@ class ModelRunner:
 
     def _lower(self, key):
         if key[0] == "forward":
-            return self._forward.lower(self.state, self.kv_caches, self._abstract_inputs(*key[1:]))
+            return self._forward.lower(self.state, self.kv_cache, self._abstract_inputs(*key[1:]))
         _, num_seqs, do_penalties = key
         logits = jax.ShapeDtypeStruct((num_seqs, self.vocab_size), jnp.float32, sharding=self._replicated)
         return self._sample.lower(logits, self._replicate(self._sampling_metadata([], num_seqs, do_penalties)))
@@ -244,8 +248,8 @@ class ModelRunner:
 
     def _run_step(self, key, inputs: StepInputs, smeta: sampler.SamplingMetadata):
         is_decode, num_tokens, num_seqs, width, do_penalties = key
-        logits, self.kv_caches = self._executable(("forward", is_decode, num_tokens, num_seqs, width))(
-            self.state, self.kv_caches, inputs)
+        logits, self.kv_cache = self._executable(("forward", is_decode, num_tokens, num_seqs, width))(
+            self.state, self.kv_cache, inputs)
         return self._executable(("sample", num_seqs, do_penalties))(logits, smeta)
 
     # ------------------------------------------------------------------ multi-host
@@ -296,7 +300,7 @@ class ModelRunner:
             self._dispatch("copy_blocks", *self._pad_pairs(pairs))
 
     def _copy_blocks(self, src, dst):
-        self.kv_caches = self._copy(self.kv_caches, src, dst)
+        self.kv_cache = self._copy(self.kv_cache, src, dst)
 
     def swap_out(self, pairs: list[tuple[int, int]]):
         """Device pages -> host pool, for (gpu_block, cpu_block) pairs."""
@@ -305,7 +309,7 @@ class ModelRunner:
             self._dispatch("swap_out", gpu, cpu[:len(pairs)])
 
     def _swap_out(self, gpu, cpu):
-        pages = self._gather(self.kv_caches, gpu)
+        pages = self._gather(self.kv_cache, gpu)
         for shard in pages.addressable_shards:  # each shard's heads go to its own host pool
             self.host_kv[shard.index[2].start or 0][:, :, :, cpu] = np.asarray(shard.data)[:, :, :, :len(cpu)]
 
@@ -317,7 +321,7 @@ class ModelRunner:
 
     def _swap_in(self, cpu, gpu):
         pool = next(iter(self.host_kv.values()))
-        num_kv_heads = self.kv_caches[0][0].shape[0]
+        num_kv_heads = self.kv_cache[0].shape[0]
         shape = pool.shape[:2] + (num_kv_heads, len(gpu)) + pool.shape[4:]
 
         def local_pages(index):  # this shard's heads, padded to len(gpu) blocks
@@ -326,28 +330,49 @@ class ModelRunner:
             return pages
 
         pages = jax.make_array_from_callback(shape, self._pages_sharding, local_pages)
-        self.kv_caches = self._scatter(self.kv_caches, pages, gpu)
+        self.kv_cache = self._scatter(self.kv_cache, pages, gpu)
 
 
-def _forward(graphdef, logits_sharding, state, kv_caches, inputs: StepInputs):
+def _forward(graphdef, logits_sharding, state, kv_cache, inputs: StepInputs):
     """The model's part of a step: write the new K/V, attend, and the fp32 logits of the rows to
     sample. They stay on the device for the sampler executable."""
     model = nnx.merge(graphdef, state)
-    hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn)
+    hidden, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache, inputs.attn)
     logits = model.compute_logits(hidden[inputs.logits_indices])
     # Vocabulary-parallel logits are gathered: every device samples the same full rows.
-    return jax.lax.with_sharding_constraint(logits, logits_sharding), kv_caches
+    return jax.lax.with_sharding_constraint(logits, logits_sharding), kv_cache
 
 
-def _copy_blocks(kv_caches, src, dst):
-    return [pallas_kernels.copy_blocks(k, v, src, dst) for k, v in kv_caches]
+def every_layer(blocks, num_layers: int, pages_per_layer: int):
+    """Blocks int32[n] -> the pool pages holding them in every layer, int32[num_layers * n] (layer
+    major); padding (-1) stays -1."""
+    pages = blocks[None, :] + pages_per_layer * jnp.arange(num_layers, dtype=blocks.dtype)[:, None]
+    return jnp.where(blocks[None, :] < 0, -1, pages).reshape(-1)
 
 
-def _gather_blocks(kv_caches, blocks):
-    return jnp.stack([jnp.stack([k[:, blocks], v[:, blocks]]) for k, v in kv_caches])
+def _copy_blocks(num_layers, kv_cache, src, dst):
+    pages_per_layer = kv_cache[0].shape[1] // num_layers
+    return pallas_kernels.copy_blocks(*kv_cache, every_layer(src, num_layers, pages_per_layer),
+                                      every_layer(dst, num_layers, pages_per_layer))
 
 
-def _scatter_blocks(kv_caches, pages, blocks):
-    blocks = jnp.where(blocks < 0, kv_caches[0][0].shape[1], blocks)  # padding -> dropped
-    return [(k.at[:, blocks].set(pages[i, 0], mode="drop"), v.at[:, blocks].set(pages[i, 1], mode="drop"))
-            for i, (k, v) in enumerate(kv_caches)]
+def _gather_blocks(num_layers, kv_cache, blocks):
+    """Blocks' pages of every layer: [num_layers, k/v, num_kv_heads, blocks, page_size, head_dim]."""
+    k, v = kv_cache
+    pages = every_layer(blocks, num_layers, k.shape[1] // num_layers)
+    both = jnp.stack([k[:, pages], v[:, pages]])  # [2, kv_heads, layers * blocks, ...]
+    both = both.reshape(both.shape[:2] + (num_layers, len(blocks)) + both.shape[3:])
+    return both.transpose(2, 0, 1, 3, 4, 5)
+
+
+def _scatter_blocks(num_layers, kv_cache, pages, blocks):
+    k, v = kv_cache
+    dst = every_layer(blocks, num_layers, k.shape[1] // num_layers)
+    dst = jnp.where(dst < 0, k.shape[1], dst)  # padding -> dropped
+
+    def layer_major(part):  # [layers, kv_heads, blocks, ...] -> [kv_heads, layers * blocks, ...]
+        part = part.transpose(1, 0, 2, 3, 4)
+        return part.reshape((part.shape[0], -1) + part.shape[3:])
+
+    return (k.at[:, dst].set(layer_major(pages[:, 0]), mode="drop"),
+            v.at[:, dst].set(layer_major(pages[:, 1]), mode="drop"))
