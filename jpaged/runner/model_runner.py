@@ -8,8 +8,9 @@ comes back updated in place. Block copies and swaps move every layer's part of a
 forward (its logits stay on the device) and the sampler; only sampled ids and logprobs return
 to the host.
 
-Every step is padded to a bucket (tokens, sequences, block-table width) and every executable is
-compiled ahead of time at warm-up, so serving never compiles; `num_compilations` counts them.
+Every step is padded to a bucket (tokens, sequences, block-table width), block copies and swaps
+to a few sizes, and every executable is compiled ahead of time at warm-up, so serving never
+compiles; `num_compilations` counts them all.
 The forward and the sampler compile apart: the sampler's shapes depend only on the sequence
 bucket and the penalties switch, so the warm-up compiles forwards + samplers, not their product.
 
@@ -45,6 +46,10 @@ logger = logging.getLogger(__name__)
 MAX_LOGPROBS = 20
 # Tokens a row can forbid in one step (EOS and stop_token_ids while min_tokens is not reached).
 MAX_BANNED_TOKENS = 32
+# Block copies and swaps are padded to one of these sizes (-1: skip), longer lists split into
+# chunks of the largest, so each operation has a few executables compiled at warm-up.
+BLOCK_OP_SIZES = (8, 64)
+BLOCK_OPS = ("copy_blocks", "swap_out", "swap_in")
 
 
 def kv_cache_layout(model: nnx.Module) -> tuple[int, int, int]:
@@ -91,7 +96,8 @@ class Buckets:
 
     def keys(self):
         """Every executable: the model forward per (is_decode, tokens, seqs, width), the sampler
-        per (seqs, penalties on/off). Compiling them apart keeps the count additive, not a product."""
+        per (seqs, penalties on/off), each block operation per padded size. Compiling the forward
+        and the sampler apart keeps the count additive, not a product."""
         for width in self.widths:
             for seqs in self.seqs:
                 yield ("forward", True, seqs, seqs, width)
@@ -100,6 +106,9 @@ class Buckets:
         for seqs in self.seqs:
             for do_penalties in (False, True):
                 yield ("sample", seqs, do_penalties)
+        for op in BLOCK_OPS:
+            for num_blocks in BLOCK_OP_SIZES:
+                yield (op, num_blocks)
 
 
 @dataclasses.dataclass
@@ -174,9 +183,23 @@ class ModelRunner:
     def _lower(self, key):
         if key[0] == "forward":
             return self._forward.lower(self.state, self.kv_cache, self._abstract_inputs(*key[1:]))
-        _, num_seqs, do_penalties = key
-        logits = jax.ShapeDtypeStruct((num_seqs, self.vocab_size), jnp.float32, sharding=self._replicated)
-        return self._sample.lower(logits, self._replicate(self._sampling_metadata([], num_seqs, do_penalties)))
+        if key[0] == "sample":
+            _, num_seqs, do_penalties = key
+            logits = jax.ShapeDtypeStruct((num_seqs, self.vocab_size), jnp.float32, sharding=self._replicated)
+            return self._sample.lower(logits, self._replicate(self._sampling_metadata([], num_seqs, do_penalties)))
+        op, num_blocks = key
+        blocks = jax.ShapeDtypeStruct((num_blocks,), jnp.int32, sharding=self._replicated)
+        if op == "copy_blocks":
+            return self._copy.lower(self.kv_cache, blocks, blocks)
+        if op == "swap_out":
+            return self._gather.lower(self.kv_cache, blocks)
+        return self._scatter.lower(self.kv_cache, self._swapped_pages_shape(num_blocks), blocks)
+
+    def _swapped_pages_shape(self, num_blocks: int) -> jax.ShapeDtypeStruct:
+        """Pages in flight between the pool and the host: [layers, k/v, kv_heads, blocks, page_size, head_dim]."""
+        num_kv_heads, _, page_size, head_dim = self.kv_cache[0].shape
+        return jax.ShapeDtypeStruct((self.num_layers, 2, num_kv_heads, num_blocks, page_size, head_dim),
+                                    self.kv_cache[0].dtype, sharding=self._pages_sharding)
 
     def _executable(self, key):
         if key not in self._executables:
@@ -288,49 +311,51 @@ class ModelRunner:
         return result
 
     # ------------------------------------------------------------------ block copies
-    def _pad_pairs(self, pairs):
-        """Pad index pairs to a power of two (-1: skip) so a few shapes cover every plan."""
-        n = 1 << max(0, len(pairs) - 1).bit_length()
-        arr = np.full((n, 2), -1, np.int32)
-        arr[:len(pairs)] = pairs
-        return arr[:, 0], arr[:, 1]
+    @staticmethod
+    def _padded_chunks(pairs):
+        """Index pairs as chunks of at most BLOCK_OP_SIZES[-1], each padded to a size of
+        BLOCK_OP_SIZES (-1: skip): (first indices, second indices, real length) per chunk."""
+        largest = BLOCK_OP_SIZES[-1]
+        for start in range(0, len(pairs), largest):
+            chunk = pairs[start:start + largest]
+            arr = np.full((_fit(BLOCK_OP_SIZES, len(chunk)), 2), -1, np.int32)
+            arr[:len(chunk)] = chunk
+            yield arr[:, 0], arr[:, 1], len(chunk)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]):
-        if pairs:
-            self._dispatch("copy_blocks", *self._pad_pairs(pairs))
+        # Chunks may run one after another: copy-on-write never chains copies within a step.
+        for src, dst, _ in self._padded_chunks(pairs):
+            self._dispatch("copy_blocks", src, dst)
 
     def _copy_blocks(self, src, dst):
-        self.kv_cache = self._copy(self.kv_cache, src, dst)
+        self.kv_cache = self._executable(("copy_blocks", len(src)))(self.kv_cache, src, dst)
 
     def swap_out(self, pairs: list[tuple[int, int]]):
         """Device pages -> host pool, for (gpu_block, cpu_block) pairs."""
-        if pairs:
-            gpu, cpu = self._pad_pairs(pairs)
-            self._dispatch("swap_out", gpu, cpu[:len(pairs)])
+        for gpu, cpu, n in self._padded_chunks(pairs):
+            self._dispatch("swap_out", gpu, cpu[:n])
 
     def _swap_out(self, gpu, cpu):
-        pages = self._gather(self.kv_cache, gpu)
+        pages = self._executable(("swap_out", len(gpu)))(self.kv_cache, gpu)
         for shard in pages.addressable_shards:  # each shard's heads go to its own host pool
             self.host_kv[shard.index[2].start or 0][:, :, :, cpu] = np.asarray(shard.data)[:, :, :, :len(cpu)]
 
     def swap_in(self, pairs: list[tuple[int, int]]):
         """Host pool -> device pages, for (cpu_block, gpu_block) pairs."""
-        if pairs:
-            cpu, gpu = self._pad_pairs(pairs)
-            self._dispatch("swap_in", cpu[:len(pairs)], gpu)
+        for cpu, gpu, n in self._padded_chunks(pairs):
+            self._dispatch("swap_in", cpu[:n], gpu)
 
     def _swap_in(self, cpu, gpu):
         pool = next(iter(self.host_kv.values()))
-        num_kv_heads = self.kv_cache[0].shape[0]
-        shape = pool.shape[:2] + (num_kv_heads, len(gpu)) + pool.shape[4:]
 
         def local_pages(index):  # this shard's heads, padded to len(gpu) blocks
             pages = np.zeros(pool.shape[:3] + (len(gpu),) + pool.shape[4:], pool.dtype)
             pages[:, :, :, :len(cpu)] = self.host_kv[index[2].start or 0][:, :, :, cpu]
             return pages
 
-        pages = jax.make_array_from_callback(shape, self._pages_sharding, local_pages)
-        self.kv_cache = self._scatter(self.kv_cache, pages, gpu)
+        pages = jax.make_array_from_callback(self._swapped_pages_shape(len(gpu)).shape, self._pages_sharding,
+                                             local_pages)
+        self.kv_cache = self._executable(("swap_in", len(gpu)))(self.kv_cache, pages, gpu)
 
 
 def _forward(graphdef, logits_sharding, state, kv_cache, inputs: StepInputs):
