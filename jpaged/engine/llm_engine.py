@@ -51,7 +51,8 @@ def enable_compilation_cache():
     if jax.config.jax_compilation_cache_dir is None:
         path = os.environ.get("JPAGED_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "xla"))
         jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        # Every executable: with layers scanned, many compile in under a second and would miss.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 class LLMEngine:

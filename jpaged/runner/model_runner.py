@@ -8,8 +8,8 @@ comes back updated in place. Block copies and swaps move every layer's part of a
 forward (its logits stay on the device) and the sampler; only sampled ids and logprobs return
 to the host.
 
-Every step is padded to a bucket (tokens, sequences, block-table width), block copies and swaps
-to a few sizes, and every executable is compiled ahead of time at warm-up, so serving never
+Every step is padded to a bucket (tokens or sequences; block tables at full width), block copies
+and swaps to a few sizes, and every executable is compiled ahead of time at warm-up, so serving never
 compiles; `num_compilations` counts them all.
 The forward and the sampler compile apart: the sampler's shapes depend only on the sequence
 bucket and the penalties switch, so the warm-up compiles forwards + samplers, not their product.
@@ -79,30 +79,35 @@ def _fit(buckets: list[int], n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    """The fixed set of step shapes. Decode steps: (seqs, width); mixed steps: (tokens, width) with
-    the sequence axis at its maximum, which keeps the number of compiled shapes small."""
+    """The fixed set of step shapes. Block tables always have the full `width`: the attention's cost
+    follows the real contexts (pallas_kernels/xla.py, and the Pallas kernels loop to each context's
+    end), so a step's shape is only its token and sequence counts. Decode steps (one token per
+    sequence) take `seqs` rows; mixed steps take `tokens` with min(tokens, max_num_seqs) sequence
+    rows, so a lone prompt does not pay for max_num_seqs rows in the LM head and the sampler."""
 
     seqs: list[int]
     tokens: list[int]
-    widths: list[int]
+    width: int
 
     @classmethod
     def create(cls, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int) -> "Buckets":
-        # Decode cost follows the batch closely (doubling ladder); prefill tokens and table
-        # widths take coarser steps to keep warm-up short.
-        tokens = _ladder(min(32, max_num_batched_tokens), max_num_batched_tokens, factor=4)
-        widths = _ladder(min(4, max_blocks_per_seq), max_blocks_per_seq, factor=4)
-        return cls(_ladder(1, max_num_seqs), tokens, widths)
+        # Doubling ladders: at most 2x padding; a mixed step has at least 16 token rows (decode
+        # batches below that are decode steps).
+        tokens = _ladder(min(16, max_num_batched_tokens), max_num_batched_tokens)
+        return cls(_ladder(1, max_num_seqs), tokens, max_blocks_per_seq)
+
+    def mixed_seqs(self, num_tokens: int) -> int:
+        """Sequence rows of a mixed step of `num_tokens` (a bucket): each sequence has a token."""
+        return _fit(self.seqs, min(num_tokens, self.seqs[-1]))
 
     def keys(self):
-        """Every executable: the model forward per (is_decode, tokens, seqs, width), the sampler
-        per (seqs, penalties on/off), each block operation per padded size. Compiling the forward
-        and the sampler apart keeps the count additive, not a product."""
-        for width in self.widths:
-            for seqs in self.seqs:
-                yield ("forward", True, seqs, seqs, width)
-            for tokens in self.tokens:
-                yield ("forward", False, tokens, self.seqs[-1], width)
+        """Every executable: the model forward per (is_decode, tokens, seqs), the sampler per
+        (seqs, penalties on/off), each block operation per padded size. Compiling the forward and
+        the sampler apart keeps the count additive, not a product."""
+        for seqs in self.seqs:
+            yield ("forward", True, seqs, seqs)
+        for tokens in self.tokens:
+            yield ("forward", False, tokens, self.mixed_seqs(tokens))
         for seqs in self.seqs:
             for do_penalties in (False, True):
                 yield ("sample", seqs, do_penalties)
@@ -208,10 +213,10 @@ class ModelRunner:
             self._executables[key] = self._lower(key).compile()
         return self._executables[key]
 
-    def _abstract_inputs(self, is_decode: bool, num_tokens: int, num_seqs: int, width: int) -> StepInputs:
+    def _abstract_inputs(self, is_decode: bool, num_tokens: int, num_seqs: int) -> StepInputs:
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-        attn = AttentionMetadata(i32((num_tokens,)), i32((num_seqs, width)), i32((num_seqs,)), i32((num_seqs + 1,)),
-                                 is_decode=is_decode)
+        attn = AttentionMetadata(i32((num_tokens,)), i32((num_seqs, self.buckets.width)), i32((num_seqs,)),
+                                 i32((num_seqs + 1,)), is_decode=is_decode)
         return self._replicate(StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn, i32((num_seqs,))))
 
     def _replicate(self, tree):
@@ -233,13 +238,13 @@ class ModelRunner:
         the sequences' samples. Returns the sampler's output as numpy arrays."""
         is_decode = all(len(s.token_ids) == 1 for s in seqs)
         num_rows = sum(s.num_samples for s in seqs)
-        num_seqs = _fit(self.buckets.seqs, max(len(seqs), num_rows))
         num_tokens_real = sum(len(s.token_ids) for s in seqs)
         if is_decode:
-            num_tokens = num_seqs
-        else:
-            num_tokens, num_seqs = _fit(self.buckets.tokens, num_tokens_real), self.buckets.seqs[-1]
-        width = _fit(self.buckets.widths, max(len(s.block_table) for s in seqs))
+            num_seqs = num_tokens = _fit(self.buckets.seqs, max(len(seqs), num_rows))
+        else:  # enough token rows for the sequence rows every sample needs
+            num_tokens = _fit(self.buckets.tokens, max(num_tokens_real, num_rows))
+            num_seqs = self.buckets.mixed_seqs(num_tokens)
+        width = self.buckets.width
 
         input_ids = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
@@ -263,15 +268,15 @@ class ModelRunner:
             start, row = start + n, row + s.num_samples
 
         smeta = self._sampling_metadata(sampling_rows, num_seqs, None)
-        key = (is_decode, num_tokens, num_seqs, width, smeta.do_penalties)
+        key = (is_decode, num_tokens, num_seqs, smeta.do_penalties)
         attn = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, is_decode=is_decode)
         out = self._dispatch("run_step", key, StepInputs(input_ids, positions, attn, logits_indices), smeta)
         # Outputs are replicated: any local copy is the whole.
         return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[:num_rows], out)
 
     def _run_step(self, key, inputs: StepInputs, smeta: sampler.SamplingMetadata):
-        is_decode, num_tokens, num_seqs, width, do_penalties = key
-        logits, self.kv_cache = self._executable(("forward", is_decode, num_tokens, num_seqs, width))(
+        is_decode, num_tokens, num_seqs, do_penalties = key
+        logits, self.kv_cache = self._executable(("forward", is_decode, num_tokens, num_seqs))(
             self.state, self.kv_cache, inputs)
         return self._executable(("sample", num_seqs, do_penalties))(logits, smeta)
 
