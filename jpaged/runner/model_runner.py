@@ -47,8 +47,8 @@ MAX_LOGPROBS = 20
 # Tokens a row can forbid in one step (EOS and stop_token_ids while min_tokens is not reached).
 MAX_BANNED_TOKENS = 32
 # Block copies and swaps are padded to one of these sizes (-1: skip), longer lists split into
-# chunks of the largest, so each operation has a few executables compiled at warm-up.
-BLOCK_OP_SIZES = (8, 64)
+# chunks of the largest, so each operation has one executable per size, compiled at warm-up.
+BLOCK_OP_SIZES = (32,)
 BLOCK_OPS = ("copy_blocks", "swap_out", "swap_in")
 
 
@@ -83,10 +83,13 @@ class Buckets:
     follows the real contexts (pallas_kernels/xla.py, and the Pallas kernels loop to each context's
     end), so a step's shape is only its token and sequence counts. Decode steps (one token per
     sequence) take `seqs` rows; mixed steps take `tokens` with min(tokens, max_num_seqs) sequence
-    rows, so a lone prompt does not pay for max_num_seqs rows in the LM head and the sampler."""
+    rows, so a lone prompt does not pay for max_num_seqs rows in the LM head and the sampler. The
+    LM head and the sampler take `sample_rows(seqs)` rows: a coarser ladder, because the sampler
+    compiles slowly (its sorts over the vocabulary) and costs little per row."""
 
     seqs: list[int]
     tokens: list[int]
+    rows: list[int]
     width: int
 
     @classmethod
@@ -94,23 +97,26 @@ class Buckets:
         # Doubling ladders: at most 2x padding; a mixed step has at least 16 token rows (decode
         # batches below that are decode steps).
         tokens = _ladder(min(16, max_num_batched_tokens), max_num_batched_tokens)
-        return cls(_ladder(1, max_num_seqs), tokens, max_blocks_per_seq)
+        return cls(_ladder(1, max_num_seqs), tokens, _ladder(1, max_num_seqs, factor=4), max_blocks_per_seq)
 
     def mixed_seqs(self, num_tokens: int) -> int:
         """Sequence rows of a mixed step of `num_tokens` (a bucket): each sequence has a token."""
         return _fit(self.seqs, min(num_tokens, self.seqs[-1]))
 
+    def sample_rows(self, num_seqs: int) -> int:
+        return _fit(self.rows, num_seqs)
+
     def keys(self):
         """Every executable: the model forward per (is_decode, tokens, seqs), the sampler per
-        (seqs, penalties on/off), each block operation per padded size. Compiling the forward and
+        (rows, penalties on/off), each block operation per padded size. Compiling the forward and
         the sampler apart keeps the count additive, not a product."""
         for seqs in self.seqs:
             yield ("forward", True, seqs, seqs)
         for tokens in self.tokens:
             yield ("forward", False, tokens, self.mixed_seqs(tokens))
-        for seqs in self.seqs:
+        for rows in self.rows:
             for do_penalties in (False, True):
-                yield ("sample", seqs, do_penalties)
+                yield ("sample", rows, do_penalties)
         for op in BLOCK_OPS:
             for num_blocks in BLOCK_OP_SIZES:
                 yield (op, num_blocks)
@@ -134,7 +140,7 @@ class StepInputs:
     input_ids: jax.Array  # int32[tokens]
     positions: jax.Array  # int32[tokens]
     attn: AttentionMetadata
-    logits_indices: jax.Array  # int32[seqs]: token row whose logits each sampling row uses
+    logits_indices: jax.Array  # int32[rows]: token row whose logits each sampling row uses
 
 
 class ModelRunner:
@@ -189,9 +195,9 @@ class ModelRunner:
         if key[0] == "forward":
             return self._forward.lower(self.state, self.kv_cache, self._abstract_inputs(*key[1:]))
         if key[0] == "sample":
-            _, num_seqs, do_penalties = key
-            logits = jax.ShapeDtypeStruct((num_seqs, self.vocab_size), jnp.float32, sharding=self._replicated)
-            return self._sample.lower(logits, self._replicate(self._sampling_metadata([], num_seqs, do_penalties)))
+            _, num_rows, do_penalties = key
+            logits = jax.ShapeDtypeStruct((num_rows, self.vocab_size), jnp.float32, sharding=self._replicated)
+            return self._sample.lower(logits, self._replicate(self._sampling_metadata([], num_rows, do_penalties)))
         op, num_blocks = key
         blocks = jax.ShapeDtypeStruct((num_blocks,), jnp.int32, sharding=self._replicated)
         if op == "copy_blocks":
@@ -217,7 +223,8 @@ class ModelRunner:
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
         attn = AttentionMetadata(i32((num_tokens,)), i32((num_seqs, self.buckets.width)), i32((num_seqs,)),
                                  i32((num_seqs + 1,)), is_decode=is_decode)
-        return self._replicate(StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn, i32((num_seqs,))))
+        return self._replicate(StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn,
+                                          i32((self.buckets.sample_rows(num_seqs),))))
 
     def _replicate(self, tree):
         """Abstract step inputs, replicated on every device."""
@@ -252,7 +259,7 @@ class ModelRunner:
         block_tables = np.zeros((num_seqs, width), np.int32)
         context_lens = np.zeros(num_seqs, np.int32)
         query_start_loc = np.full(num_seqs + 1, num_tokens_real, np.int32)
-        logits_indices = np.zeros(num_seqs, np.int32)
+        logits_indices = np.zeros(self.buckets.sample_rows(num_seqs), np.int32)
         start, row = 0, 0
         for i, s in enumerate(seqs):
             n = len(s.token_ids)
@@ -267,7 +274,7 @@ class ModelRunner:
             logits_indices[row:row + s.num_samples] = start + n - 1
             start, row = start + n, row + s.num_samples
 
-        smeta = self._sampling_metadata(sampling_rows, num_seqs, None)
+        smeta = self._sampling_metadata(sampling_rows, len(logits_indices), None)
         key = (is_decode, num_tokens, num_seqs, smeta.do_penalties)
         attn = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, is_decode=is_decode)
         out = self._dispatch("run_step", key, StepInputs(input_ids, positions, attn, logits_indices), smeta)
@@ -278,7 +285,7 @@ class ModelRunner:
         is_decode, num_tokens, num_seqs, do_penalties = key
         logits, self.kv_cache = self._executable(("forward", is_decode, num_tokens, num_seqs))(
             self.state, self.kv_cache, inputs)
-        return self._executable(("sample", num_seqs, do_penalties))(logits, smeta)
+        return self._executable(("sample", self.buckets.sample_rows(num_seqs), do_penalties))(logits, smeta)
 
     # ------------------------------------------------------------------ multi-host
     def _dispatch(self, op: str, *args):
