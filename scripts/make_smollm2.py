@@ -13,6 +13,7 @@ other checkpoint.
 import argparse
 import glob
 import os
+import tempfile
 
 
 def gguf_path() -> str:
@@ -27,8 +28,9 @@ def gguf_path() -> str:
 
 
 def make_smollm2(out_dir: str) -> str:
-    """Dequantize the GGUF into `out_dir` (skipped when it already holds the checkpoint)."""
-    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
+    """Dequantize the GGUF into `out_dir` (skipped when it already holds the checkpoint). Written to
+    a sibling directory first and renamed, so an interrupted run leaves no half checkpoint."""
+    if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -41,8 +43,13 @@ def make_smollm2(out_dir: str) -> str:
     config.quantization_config = None
     model = AutoModelForCausalLM.from_config(config, dtype="float32")
     model.load_state_dict(dequantized.state_dict())
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
+    partial = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(out_dir)), prefix=".smollm2-")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    if os.path.isdir(out_dir):  # an empty directory given by the caller
+        os.rmdir(out_dir)
+    os.rename(partial, out_dir)
     return out_dir
 
 
