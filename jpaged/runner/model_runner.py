@@ -4,15 +4,15 @@ The NNX model is split once into a static graph definition and a state pytree; t
 merges them inside jit, so no Python object traversal happens per step. The KV pool is one
 (k_pages, v_pages) pair for every layer, each [num_kv_heads, num_layers * num_pages, page_size,
 head_dim] (layer l's page p at l * num_pages + p; see LayerStack); it is donated to the step and
-comes back updated in place. Block copies and swaps move every layer's part of a page. A step is two device calls: the model
-forward (its logits stay on the device) and the sampler; only sampled ids and logprobs return
-to the host.
+comes back updated in place. Block copies and swaps move every layer's part of a page. A step is
+two device calls: the model forward (its logits stay on the device) and the sampler; only sampled
+ids and logprobs return to the host.
 
-Every step is padded to a bucket (tokens or sequences; block tables at full width), block copies
-and swaps to a few sizes, and every executable is compiled ahead of time at warm-up, so serving never
-compiles; `num_compilations` counts them all.
-The forward and the sampler compile apart: the sampler's shapes depend only on the sequence
-bucket and the penalties switch, so the warm-up compiles forwards + samplers, not their product.
+Every step is padded to a bucket (see Buckets), block copies and swaps to a fixed size, and every
+executable is compiled ahead of time at warm-up, so serving never compiles; `num_compilations`
+counts them all. The forward and the sampler compile apart: the sampler's shapes depend only on
+its row bucket and the penalties switch, so the warm-up compiles forwards + samplers, not their
+product.
 
 Tensor parallelism: weights and KV pages live on the loader's mesh (jpaged/parallel); the runner
 only gives every jitted function its shardings. Step inputs are replicated, the KV pages split
