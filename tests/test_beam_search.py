@@ -34,11 +34,12 @@ def reference_logprobs(llm):
     @jax.jit
     def forward(state, ids, n):
         model = nnx.merge(runner.graphdef, state)
-        kv_caches = [(jnp.zeros((k.shape[0], PAD // bs) + k.shape[2:], k.dtype),) * 2 for k, _ in runner.kv_caches]
+        k = runner.kv_cache[0]  # a fresh pool of PAD // bs pages per layer
+        kv_cache = (jnp.zeros((k.shape[0], runner.num_layers * PAD // bs) + k.shape[2:], k.dtype),) * 2
         meta = AttentionMetadata(slot_mapping=jnp.where(pos < n, pos, -1),
                                  block_tables=jnp.arange(PAD // bs, dtype=jnp.int32)[None], context_lens=n[None],
                                  query_start_loc=jnp.stack([jnp.int32(0), n]))
-        hidden, _ = model(ids, pos, kv_caches, meta)
+        hidden, _ = model(ids, pos, kv_cache, meta)
         return jax.nn.log_softmax(model.compute_logits(hidden[n - 1][None])[0].astype(jnp.float32))
 
     def logprobs(token_ids):

@@ -55,11 +55,11 @@ def prompt_logits(llm: jpaged.LLM, ids: list[int]) -> np.ndarray:
     runner = llm.llm_engine.runner
     model = nnx.merge(runner.graphdef, runner.state)
     n, bs = len(ids), runner.block_size
-    kv_caches = [(jnp.zeros_like(k), jnp.zeros_like(v)) for k, v in runner.kv_caches]
+    kv_cache = tuple(jnp.zeros_like(pages) for pages in runner.kv_cache)
     meta = AttentionMetadata(slot_mapping=jnp.arange(n, dtype=jnp.int32),
                              block_tables=jnp.arange(-(-n // bs), dtype=jnp.int32)[None],
                              context_lens=jnp.array([n], jnp.int32), query_start_loc=jnp.array([0, n], jnp.int32))
-    hidden, _ = model(jnp.array(ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), kv_caches, meta)
+    hidden, _ = model(jnp.array(ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), kv_cache, meta)
     return np.asarray(model.compute_logits(hidden))
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jpaged
+from jpaged.runner.model_runner import every_layer
 
 BS = 16
 LIMITS = dict(block_size=BS, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128, enforce_eager=True)
@@ -76,9 +77,9 @@ class Poisoner:
 
     def poison(self, block_ids):
         if block_ids:
-            runner, ids = self.engine.runner, jnp.asarray(sorted(block_ids))
-            runner.kv_caches = [tuple(jax.device_put(x.at[:, ids].set(jnp.nan), x.sharding) for x in kv)
-                                for kv in runner.kv_caches]
+            runner = self.engine.runner
+            pages = every_layer(jnp.asarray(sorted(block_ids)), runner.num_layers, runner.num_gpu_blocks)
+            runner.kv_cache = tuple(jax.device_put(x.at[:, pages].set(jnp.nan), x.sharding) for x in runner.kv_cache)
 
     def generate(self, prompts, params):
         engine = self.engine

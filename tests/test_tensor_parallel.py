@@ -78,8 +78,7 @@ def prompt_logits(llm: jpaged.LLM, ids: list[int], num_tokens: int = 64) -> np.n
     padded to `num_tokens` so that every prompt reuses one compiled forward."""
     runner = llm.llm_engine.runner
     n = len(ids)
-    kv_caches = [(jnp.zeros(k.shape, k.dtype, device=k.sharding), jnp.zeros(v.shape, v.dtype, device=v.sharding))
-                 for k, v in runner.kv_caches]
+    kv_cache = tuple(jnp.zeros(pages.shape, pages.dtype, device=pages.sharding) for pages in runner.kv_cache)
     slots = np.full(num_tokens, -1, np.int32)
     slots[:n] = np.arange(n)
     meta = AttentionMetadata(slot_mapping=slots,
@@ -87,14 +86,14 @@ def prompt_logits(llm: jpaged.LLM, ids: list[int], num_tokens: int = 64) -> np.n
                              context_lens=np.array([n], np.int32), query_start_loc=np.array([0, n], np.int32))
 
     @jax.jit
-    def forward(state, kv_caches, ids, positions, meta):
+    def forward(state, kv_cache, ids, positions, meta):
         model = nnx.merge(runner.graphdef, state)
-        hidden, _ = model(ids, positions, kv_caches, meta)
+        hidden, _ = model(ids, positions, kv_cache, meta)
         return model.compute_logits(hidden)
 
     padded = np.zeros(num_tokens, np.int32)
     padded[:n] = ids
-    return np.asarray(forward(runner.state, kv_caches, padded, np.arange(num_tokens, dtype=np.int32), meta))[:n]
+    return np.asarray(forward(runner.state, kv_cache, padded, np.arange(num_tokens, dtype=np.int32), meta))[:n]
 
 
 def logits_tolerance(reference_logits: np.ndarray) -> float:
@@ -127,7 +126,7 @@ def assert_sharded(llm: jpaged.LLM, tp: int):
         assert all(shard.data.shape == expected for shard in value.addressable_shards), (param.logical_axes, expected)
         num_split += any(split)
     assert num_split > 0
-    for pages in jax.tree.leaves(runner.kv_caches):
+    for pages in runner.kv_cache:
         shards = pages.addressable_shards
         assert {s.device for s in shards} == devices
         assert all(s.data.shape == (pages.shape[0] // tp,) + pages.shape[1:] for s in shards)

@@ -53,7 +53,8 @@ def enable_compilation_cache():
     if jax.config.jax_compilation_cache_dir is None:
         path = os.environ.get("JPAGED_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "xla"))
         jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        # Every executable: with layers scanned, many compile in under a second and would miss.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 class StepFailedError(RuntimeError):
@@ -130,9 +131,11 @@ class LLMEngine:
             # Weights are already resident; leave (1 - utilization) of the device for activations.
             budget = stats["bytes_limit"] * self.config.gpu_memory_utilization - stats["bytes_in_use"]
         else:
-            # CPU: enough for every sequence at full length, but at most 5% of the available RAM.
+            # CPU: enough for every sequence at full length, but at most 5% of the RAM. Of the total,
+            # not the free RAM: the same pool size (step shapes) every start, so compiled steps are
+            # found in the on-disk cache.
             needed = self.config.max_num_seqs * math.ceil(self.max_model_len / self.config.block_size) * bytes_per_block
-            budget = min(needed, 0.05 * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+            budget = min(needed, 0.05 * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         num_blocks = int(budget // bytes_per_block)
         if num_blocks < math.ceil(self.max_model_len / self.config.block_size):
             logger.warning("only %d KV blocks fit: fewer than one max_model_len sequence needs", num_blocks)

@@ -4,7 +4,8 @@
 import jax.numpy as jnp
 from flax import nnx
 
-from jpaged.models.layers import Attention, AttentionOps, Embedding, HFWeights, LayerNorm, MLP, WeightTarget
+from jpaged.models.layers import (Attention, AttentionOps, Embedding, HFWeights, LayerNorm, LayerStack, MLP,
+                                  WeightTarget)
 
 
 class GPT2Block(nnx.Module):
@@ -31,7 +32,7 @@ class GPT2Block(nnx.Module):
             cols = slice(i * embed, (i + 1) * embed)
             if is_bias:
                 return WeightTarget(proj.bias, (3 * embed,), lambda a: a[cols].reshape(proj.out_shape))
-            return WeightTarget(proj.kernel, (embed, 3 * embed), lambda a: a[:, cols].reshape(proj.kernel.shape))
+            return WeightTarget(proj.kernel, (embed, 3 * embed), lambda a: a[:, cols].reshape(proj.in_shape + proj.out_shape))
 
         return {f"{prefix}.attn.c_attn.weight": [part(i, p, False) for i, p in enumerate(projections)],
                 f"{prefix}.attn.c_attn.bias": [part(i, p, True) for i, p in enumerate(projections)],
@@ -47,25 +48,19 @@ class GPT2LMHeadModel(nnx.Module):
             raise ValueError("GPT-2 with scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn is not supported")
         self.wte = Embedding(cfg.vocab_size, cfg.n_embd, dtype=dtype)
         self.wpe = Embedding(cfg.n_positions, cfg.n_embd, ("positions", "embed"), dtype=dtype)
-        self.h = nnx.List([GPT2Block(cfg, ops=ops, dtype=dtype) for _ in range(cfg.n_layer)])
+        self.h = LayerStack(lambda: GPT2Block(cfg, ops=ops, dtype=dtype), cfg.n_layer)
         self.ln_f = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=dtype)
 
-    def __call__(self, input_ids, positions, kv_caches, meta):
-        x = self.wte(input_ids) + self.wpe(positions)
-        new_caches = []
-        for block, kv_cache in zip(self.h, kv_caches):
-            x, kv_cache = block(x, positions, kv_cache, meta)
-            new_caches.append(kv_cache)
-        return self.ln_f(x), new_caches
+    def __call__(self, input_ids, positions, kv_cache, meta):
+        x, kv_cache = self.h(self.wte(input_ids) + self.wpe(positions), positions, kv_cache, meta)
+        return self.ln_f(x), kv_cache
 
     def compute_logits(self, hidden):
         return self.wte.attend(hidden).astype(jnp.float32)
 
     def hf_weights(self) -> HFWeights:
         specs = {**self.wte.hf_weights("transformer.wte.weight"), **self.wpe.hf_weights("transformer.wpe.weight"),
-                 **self.ln_f.hf_weights("transformer.ln_f")}
-        for i, block in enumerate(self.h):
-            specs.update(block.hf_weights(f"transformer.h.{i}"))
+                 **self.ln_f.hf_weights("transformer.ln_f"), **self.h.hf_weights(lambda i: f"transformer.h.{i}")}
         return specs
 
     # Causal-mask buffers saved by older transformers versions, and the tied head.

@@ -1,5 +1,5 @@
 """Building blocks shared by every model: linear layers with logical axis names, norms,
-rotary embeddings, MLPs and the one paged attention layer.
+rotary embeddings, MLPs, the one paged attention layer and the scanned stack of decoder layers.
 
 Every weight is an `nnx.Param` carrying `logical_axes` (names such as "embed", "q_heads",
 "kv_heads", "mlp", "vocab"); tensor parallelism maps those names to mesh axes by rule.
@@ -24,11 +24,13 @@ from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, kv_head_replica
 
 
 class WeightTarget(NamedTuple):
-    """Where one Hugging Face tensor (of `hf_shape`) goes: `convert` maps it to `param`'s layout."""
+    """Where one Hugging Face tensor (of `hf_shape`) goes: `convert` maps it to `param`'s layout
+    (to one slice `layer` of it when the param is stacked over layers)."""
 
     param: nnx.Param
     hf_shape: tuple[int, ...]
     convert: Callable[[np.ndarray], np.ndarray]
+    layer: int | None = None
 
 
 HFWeights = dict[str, list[WeightTarget]]
@@ -99,7 +101,7 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * x32.astype(x.dtype)
 
     def hf_weights(self, prefix: str) -> HFWeights:
-        return {f"{prefix}.weight": [WeightTarget(self.weight, self.weight.shape, lambda a: a)]}
+        return {f"{prefix}.weight": [WeightTarget(self.weight, self.weight.shape[-1:], lambda a: a)]}
 
 
 class LayerNorm(nnx.Module):
@@ -116,7 +118,7 @@ class LayerNorm(nnx.Module):
         return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
     def hf_weights(self, prefix: str) -> HFWeights:
-        return {f"{prefix}.{n}": [WeightTarget(p, p.shape, lambda a: a)] for n, p in (("weight", self.weight), ("bias", self.bias))}
+        return {f"{prefix}.{n}": [WeightTarget(p, p.shape[-1:], lambda a: a)] for n, p in (("weight", self.weight), ("bias", self.bias))}
 
 
 ACTIVATIONS = {
@@ -237,6 +239,13 @@ class AttentionMetadata:
     query_start_loc: jax.Array
     is_decode: bool = False
 
+    def for_layer(self, layer, pages_per_layer: int, page_size: int) -> "AttentionMetadata":
+        """The same step in layer `layer`'s part of the stacked pool, whose page axis holds every
+        layer's pages one layer after another (page p of layer l is page l * pages_per_layer + p)."""
+        first_page = layer * pages_per_layer
+        slots = jnp.where(self.slot_mapping < 0, -1, self.slot_mapping + first_page * page_size)
+        return dataclasses.replace(self, slot_mapping=slots, block_tables=self.block_tables + first_page)
+
 
 from jpaged.config import ATTENTION_BACKENDS  # noqa: E402  (the options' one source)
 
@@ -321,4 +330,48 @@ class Attention(nnx.Module):
         for ours, theirs in zip(("q_proj", "k_proj", "v_proj", "o_proj"), names):
             repeats = self.kv_replicas if ours in ("k_proj", "v_proj") else 1
             specs.update(getattr(self, ours).hf_weights(f"{prefix}.{theirs}", out_repeats=repeats))
+        return specs
+
+
+# ----------------------------------------------------------------------------- stacked layers
+
+class LayerStack(nnx.Module):
+    """`num_layers` decoder layers as one layer whose weights carry a leading "layers" axis, run
+    under `jax.lax.scan`: a step compiles one layer whatever the depth (MaxText's scan-layers).
+
+    The KV pool is one (k_pages, v_pages) pair for all layers, [num_kv_heads, num_layers *
+    pages_per_layer, page_size, head_dim]: each layer's pages follow the previous layer's, so the
+    kernels keep their per-layer signature (the layer only offsets the block tables and slots)
+    and the scan writes into the donated pool in place, with no per-layer slice copied out.
+    """
+
+    def __init__(self, make_layer: Callable[[], nnx.Module], num_layers: int):
+        self.num_layers = num_layers
+        self.layer = make_layer()
+        for _, node in nnx.iter_graph(self.layer):
+            if isinstance(node, nnx.Param):
+                node.set_value(jnp.zeros((num_layers,) + node.shape, node.dtype))
+                node.set_metadata(logical_axes=("layers",) + node.logical_axes)
+
+    def __call__(self, x, positions, kv_cache, meta: AttentionMetadata):
+        graphdef, weights = nnx.split(self.layer)
+        num_pages, page_size = kv_cache[0].shape[1:3]
+        pages_per_layer = num_pages // self.num_layers
+
+        def one_layer(carry, layer_weights_and_index):
+            x, kv_cache = carry
+            layer_weights, index = layer_weights_and_index
+            layer = nnx.merge(graphdef, layer_weights)
+            x, kv_cache = layer(x, positions, kv_cache, meta.for_layer(index, pages_per_layer, page_size))
+            return (x, kv_cache), None
+
+        (x, kv_cache), _ = jax.lax.scan(one_layer, (x, kv_cache), (weights, jnp.arange(self.num_layers)))
+        return x, kv_cache
+
+    def hf_weights(self, prefix: Callable[[int], str]) -> HFWeights:
+        """Layer i's tensors (named with `prefix(i)`) fill slice i of the stacked weights."""
+        specs = {}
+        for i in range(self.num_layers):
+            for name, targets in self.layer.hf_weights(prefix(i)).items():
+                specs[name] = [target._replace(layer=i) for target in targets]
         return specs

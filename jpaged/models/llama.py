@@ -7,8 +7,8 @@ implemented, so the engine caps max_model_len at it.
 
 from flax import nnx
 
-from jpaged.models.layers import (Attention, AttentionOps, Embedding, GatedMLP, HFWeights, Linear, RMSNorm,
-                                  RopeConfig)
+from jpaged.models.layers import (Attention, AttentionOps, Embedding, GatedMLP, HFWeights, LayerStack, Linear,
+                                  RMSNorm, RopeConfig)
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -39,29 +39,24 @@ class LlamaForCausalLM(nnx.Module):
         qkv_bias = qwen2 or getattr(cfg, "attention_bias", False)
         o_bias = not qwen2 and getattr(cfg, "attention_bias", False)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nnx.List([LlamaDecoderLayer(cfg, head_dim, ops=ops, dtype=dtype, qkv_bias=qkv_bias, o_bias=o_bias)
-                                for _ in range(cfg.num_hidden_layers)])
+        self.layers = LayerStack(lambda: LlamaDecoderLayer(cfg, head_dim, ops=ops, dtype=dtype, qkv_bias=qkv_bias,
+                                                           o_bias=o_bias), cfg.num_hidden_layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(
             (cfg.hidden_size,), (cfg.vocab_size,), ("embed", "vocab"), dtype=dtype)
 
-    def __call__(self, input_ids, positions, kv_caches, meta):
-        x = self.embed_tokens(input_ids)
-        new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, kv_cache = layer(x, positions, kv_cache, meta)
-            new_caches.append(kv_cache)
-        return self.norm(x), new_caches
+    def __call__(self, input_ids, positions, kv_cache, meta):
+        x, kv_cache = self.layers(self.embed_tokens(input_ids), positions, kv_cache, meta)
+        return self.norm(x), kv_cache
 
     def compute_logits(self, hidden):
         logits = self.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
         return logits.astype("float32")
 
     def hf_weights(self) -> HFWeights:
-        specs = {**self.embed_tokens.hf_weights("model.embed_tokens.weight"), **self.norm.hf_weights("model.norm")}
-        for i, layer in enumerate(self.layers):
-            specs.update(layer.hf_weights(f"model.layers.{i}"))
+        specs = {**self.embed_tokens.hf_weights("model.embed_tokens.weight"), **self.norm.hf_weights("model.norm"),
+                 **self.layers.hf_weights(lambda i: f"model.layers.{i}")}
         if self.lm_head is not None:
             specs.update(self.lm_head.hf_weights("lm_head"))
         return specs

@@ -5,7 +5,8 @@ optionally sharded with model.safetensors.index.json, tokenizer files) or a hub 
 with huggingface_hub. The model is first built abstractly (shapes only); tensors are then
 streamed one at a time from the files, converted to our layout and placed on the devices of
 the tensor-parallel mesh, each device receiving only its own slice (sharding rules in
-jpaged/parallel), so the host never holds two copies of the weights.
+jpaged/parallel), so the host never holds two copies of the weights. A decoder layer's tensor
+is written in place into its slice of the layer-stacked weight.
 """
 
 import dataclasses
@@ -98,14 +99,31 @@ def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.nda
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint, "
                                  f"expected {target.hf_shape}")
             value = np.asarray(target.convert(tensor)).astype(dtype)
-            target.param.set_value(sharding.put(value, sharding.logical_sharding(mesh, target.param.logical_axes,
-                                                                                  value.shape)))
+            if target.layer is None:
+                target.param.set_value(sharding.put(value, sharding.logical_sharding(
+                    mesh, target.param.logical_axes, value.shape)))
+            else:
+                _set_layer(target.param, target.layer, value, mesh)
         seen.add(name)
     missing = [f"{n} (shape {specs[n][0].hf_shape})" for n in specs if n not in seen]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) for {model_cls.__name__}: "
                          + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
     return model
+
+
+# Writes one layer's slice into a stacked weight in place (the stack is donated).
+_update_layer = jax.jit(lambda stacked, layer, value: stacked.at[layer].set(value), donate_argnums=0)
+
+
+def _set_layer(param: nnx.Param, layer: int, value: np.ndarray, mesh: jax.sharding.Mesh):
+    """Fill slice `layer` of a stacked (scanned) weight; the stack is allocated on its first slice."""
+    stacked = param.get_value()
+    if not isinstance(stacked, jax.Array):  # still abstract
+        stacked = jnp.zeros(stacked.shape, stacked.dtype,
+                            device=sharding.logical_sharding(mesh, param.logical_axes, stacked.shape))
+    layer_sharding = sharding.logical_sharding(mesh, param.logical_axes[1:], value.shape)
+    param.set_value(_update_layer(stacked, layer, sharding.put(value, layer_sharding)))
 
 
 def iter_safetensors(model_dir: str) -> Iterator[tuple[str, np.ndarray]]:

@@ -4,7 +4,7 @@ output projection tied to the token embedding."""
 import jax.numpy as jnp
 from flax import nnx
 
-from jpaged.models.layers import Attention, AttentionOps, Embedding, HFWeights, LayerNorm, MLP
+from jpaged.models.layers import Attention, AttentionOps, Embedding, HFWeights, LayerNorm, LayerStack, MLP
 
 # OPT's learned position table has two extra leading rows (a fairseq legacy).
 POSITION_OFFSET = 2
@@ -43,16 +43,13 @@ class OPTForCausalLM(nnx.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_positions = Embedding(cfg.max_position_embeddings + POSITION_OFFSET, cfg.hidden_size,
                                          ("positions", "embed"), dtype=dtype)
-        self.layers = nnx.List([OPTDecoderLayer(cfg, ops=ops, dtype=dtype) for _ in range(cfg.num_hidden_layers)])
+        self.layers = LayerStack(lambda: OPTDecoderLayer(cfg, ops=ops, dtype=dtype), cfg.num_hidden_layers)
         self.final_layer_norm = LayerNorm(cfg.hidden_size, 1e-5, dtype=dtype)
 
-    def __call__(self, input_ids, positions, kv_caches, meta):
+    def __call__(self, input_ids, positions, kv_cache, meta):
         x = self.embed_tokens(input_ids) + self.embed_positions(positions + POSITION_OFFSET)
-        new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, kv_cache = layer(x, positions, kv_cache, meta)
-            new_caches.append(kv_cache)
-        return self.final_layer_norm(x), new_caches
+        x, kv_cache = self.layers(x, positions, kv_cache, meta)
+        return self.final_layer_norm(x), kv_cache
 
     def compute_logits(self, hidden):
         return self.embed_tokens.attend(hidden).astype(jnp.float32)
@@ -61,9 +58,8 @@ class OPTForCausalLM(nnx.Module):
         p = "model.decoder"
         specs = {**self.embed_tokens.hf_weights(f"{p}.embed_tokens.weight"),
                  **self.embed_positions.hf_weights(f"{p}.embed_positions.weight"),
-                 **self.final_layer_norm.hf_weights(f"{p}.final_layer_norm")}
-        for i, layer in enumerate(self.layers):
-            specs.update(layer.hf_weights(f"{p}.layers.{i}"))
+                 **self.final_layer_norm.hf_weights(f"{p}.final_layer_norm"),
+                 **self.layers.hf_weights(lambda i: f"{p}.layers.{i}")}
         return specs
 
     ignored_hf_weights = (r"lm_head\.weight",)

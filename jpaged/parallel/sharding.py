@@ -24,6 +24,7 @@ LOGICAL_AXIS_RULES = {
     "head_dim": None,
     "norm": None,
     "positions": None,
+    "layers": None,       # the stacked decoder layers' leading axis (scanned, never split)
 }
 
 

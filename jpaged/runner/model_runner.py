@@ -1,16 +1,18 @@
 """ModelRunner: owns the weights and the KV pages and runs one padded, precompiled step.
 
 The NNX model is split once into a static graph definition and a state pytree; the step
-merges them inside jit, so no Python object traversal happens per step. The KV page arrays
-(one (k_pages, v_pages) pair per layer, each [num_kv_heads, num_pages, page_size, head_dim])
-are donated to the step and come back updated in place. A step is two device calls: the model
-forward (its logits stay on the device) and the sampler; only sampled ids and logprobs return
-to the host.
+merges them inside jit, so no Python object traversal happens per step. The KV pool is one
+(k_pages, v_pages) pair for every layer, each [num_kv_heads, num_layers * num_pages, page_size,
+head_dim] (layer l's page p at l * num_pages + p; see LayerStack); it is donated to the step and
+comes back updated in place. Block copies and swaps move every layer's part of a page. A step is
+two device calls: the model forward (its logits stay on the device) and the sampler; only sampled
+ids and logprobs return to the host.
 
-Every step is padded to a bucket (tokens, sequences, block-table width) and every executable is
-compiled ahead of time at warm-up, so serving never compiles; `num_compilations` counts them.
-The forward and the sampler compile apart: the sampler's shapes depend only on the sequence
-bucket and the penalties switch, so the warm-up compiles forwards + samplers, not their product.
+Every step is padded to a bucket (see Buckets), block copies and swaps to a fixed size, and every
+executable is compiled ahead of time at warm-up, so serving never compiles; `num_compilations`
+counts them all. The forward and the sampler compile apart: the sampler's shapes depend only on
+its row bucket and the penalties switch, so the warm-up compiles forwards + samplers, not their
+product.
 
 Tensor parallelism: weights and KV pages live on the loader's mesh (jpaged/parallel); the runner
 only gives every jitted function its shardings. Step inputs are replicated, the KV pages split
@@ -32,7 +34,7 @@ from flax import nnx
 import pallas_kernels
 from tqdm.auto import tqdm
 
-from jpaged.models.layers import Attention, AttentionMetadata
+from jpaged.models.layers import Attention, AttentionMetadata, LayerStack
 from jpaged.models.loader import LoadedModel
 from jpaged.parallel import distributed
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, replicated, tp_size
@@ -44,14 +46,19 @@ logger = logging.getLogger(__name__)
 MAX_LOGPROBS = 20
 # Tokens a row can forbid in one step (EOS and stop_token_ids while min_tokens is not reached).
 MAX_BANNED_TOKENS = 32
+# Block copies and swaps are padded to one of these sizes (-1: skip), longer lists split into
+# chunks of the largest, so each operation has one executable per size, compiled at warm-up.
+BLOCK_OP_SIZES = (32,)
+BLOCK_OPS = ("copy_blocks", "swap_out", "swap_in")
 
 
 def kv_cache_layout(model: nnx.Module) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim), read off the model's attention layers; num_kv_heads
     counts the copies when tensor parallelism replicates kv heads (the page arrays' head axis)."""
-    attns = [node for _, node in nnx.iter_graph(model) if isinstance(node, Attention)]
-    num_kv_heads, head_dim = attns[0].k_proj.out_shape
-    return len(attns), num_kv_heads, head_dim
+    nodes = [node for _, node in nnx.iter_graph(model)]
+    stack = next(node for node in nodes if isinstance(node, LayerStack))
+    num_kv_heads, head_dim = next(node for node in nodes if isinstance(node, Attention)).k_proj.out_shape
+    return stack.num_layers, num_kv_heads, head_dim
 
 
 def _ladder(smallest: int, largest: int, factor: int = 2) -> list[int]:
@@ -72,32 +79,47 @@ def _fit(buckets: list[int], n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    """The fixed set of step shapes. Decode steps: (seqs, width); mixed steps: (tokens, width) with
-    the sequence axis at its maximum, which keeps the number of compiled shapes small."""
+    """The fixed set of step shapes. Block tables always have the full `width`: the attention's cost
+    follows the real contexts (pallas_kernels/xla.py, and the Pallas kernels loop to each context's
+    end), so a step's shape is only its token and sequence counts. Decode steps (one token per
+    sequence) take `seqs` rows; mixed steps take `tokens` with min(tokens, max_num_seqs) sequence
+    rows, so a lone prompt does not pay for max_num_seqs rows in the LM head and the sampler. The
+    LM head and the sampler take `sample_rows(seqs)` rows: a coarser ladder, because the sampler
+    compiles slowly (its sorts over the vocabulary) and costs little per row."""
 
     seqs: list[int]
     tokens: list[int]
-    widths: list[int]
+    rows: list[int]
+    width: int
 
     @classmethod
     def create(cls, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int) -> "Buckets":
-        # Decode cost follows the batch closely (doubling ladder); prefill tokens and table
-        # widths take coarser steps to keep warm-up short.
-        tokens = _ladder(min(32, max_num_batched_tokens), max_num_batched_tokens, factor=4)
-        widths = _ladder(min(4, max_blocks_per_seq), max_blocks_per_seq, factor=4)
-        return cls(_ladder(1, max_num_seqs), tokens, widths)
+        # Doubling ladders: at most 2x padding; a mixed step has at least 16 token rows (decode
+        # batches below that are decode steps).
+        tokens = _ladder(min(16, max_num_batched_tokens), max_num_batched_tokens)
+        return cls(_ladder(1, max_num_seqs), tokens, _ladder(1, max_num_seqs, factor=4), max_blocks_per_seq)
+
+    def mixed_seqs(self, num_tokens: int) -> int:
+        """Sequence rows of a mixed step of `num_tokens` (a bucket): each sequence has a token."""
+        return _fit(self.seqs, min(num_tokens, self.seqs[-1]))
+
+    def sample_rows(self, num_seqs: int) -> int:
+        return _fit(self.rows, num_seqs)
 
     def keys(self):
-        """Every executable: the model forward per (is_decode, tokens, seqs, width), the sampler
-        per (seqs, penalties on/off). Compiling them apart keeps the count additive, not a product."""
-        for width in self.widths:
-            for seqs in self.seqs:
-                yield ("forward", True, seqs, seqs, width)
-            for tokens in self.tokens:
-                yield ("forward", False, tokens, self.seqs[-1], width)
+        """Every executable: the model forward per (is_decode, tokens, seqs), the sampler per
+        (rows, penalties on/off), each block operation per padded size. Compiling the forward and
+        the sampler apart keeps the count additive, not a product."""
         for seqs in self.seqs:
+            yield ("forward", True, seqs, seqs)
+        for tokens in self.tokens:
+            yield ("forward", False, tokens, self.mixed_seqs(tokens))
+        for rows in self.rows:
             for do_penalties in (False, True):
-                yield ("sample", seqs, do_penalties)
+                yield ("sample", rows, do_penalties)
+        for op in BLOCK_OPS:
+            for num_blocks in BLOCK_OP_SIZES:
+                yield (op, num_blocks)
 
 
 @dataclasses.dataclass
@@ -118,7 +140,7 @@ class StepInputs:
     input_ids: jax.Array  # int32[tokens]
     positions: jax.Array  # int32[tokens]
     attn: AttentionMetadata
-    logits_indices: jax.Array  # int32[seqs]: token row whose logits each sampling row uses
+    logits_indices: jax.Array  # int32[rows]: token row whose logits each sampling row uses
 
 
 class ModelRunner:
@@ -132,11 +154,11 @@ class ModelRunner:
         self._multihost = jax.process_count() > 1
         self.graphdef, self.state = nnx.split(loaded.model)
         num_layers, num_kv_heads, head_dim = kv_cache_layout(loaded.model)
-        shape = (num_kv_heads, num_gpu_blocks, block_size, head_dim)
+        self.num_layers = num_layers
+        shape = (num_kv_heads, num_layers * num_gpu_blocks, block_size, head_dim)
         kv, rep = kv_cache_sharding(self.mesh), replicated(self.mesh)
         self._replicated = rep
-        self.kv_caches = [(jnp.zeros(shape, loaded.dtype, device=kv), jnp.zeros(shape, loaded.dtype, device=kv))
-                          for _ in range(num_layers)]
+        self.kv_cache = (jnp.zeros(shape, loaded.dtype, device=kv), jnp.zeros(shape, loaded.dtype, device=kv))
         # Host pool for swapped-out pages, one per local shard, keyed by the shard's first kv head:
         # [layer, k/v, kv_heads / tp, cpu_blocks, block_size, head_dim].
         local_shape = (num_layers, 2, num_kv_heads // tp_size(self.mesh), num_cpu_blocks, block_size, head_dim)
@@ -150,10 +172,12 @@ class ModelRunner:
         self._sample = jax.jit(sampler.sample, out_shardings=rep)
         self._executables = {}
         self._warm = False
-        self._copy = jax.jit(_copy_blocks, in_shardings=(kv, rep, rep), out_shardings=kv, donate_argnums=(0,))
-        self._gather = jax.jit(_gather_blocks, in_shardings=(kv, rep), out_shardings=self._pages_sharding)
-        self._scatter = jax.jit(_scatter_blocks, in_shardings=(kv, self._pages_sharding, rep), out_shardings=kv,
-                                donate_argnums=(0,))
+        self._copy = jax.jit(functools.partial(_copy_blocks, num_layers), in_shardings=(kv, rep, rep),
+                             out_shardings=kv, donate_argnums=(0,))
+        self._gather = jax.jit(functools.partial(_gather_blocks, num_layers), in_shardings=(kv, rep),
+                               out_shardings=self._pages_sharding)
+        self._scatter = jax.jit(functools.partial(_scatter_blocks, num_layers),
+                                in_shardings=(kv, self._pages_sharding, rep), out_shardings=kv, donate_argnums=(0,))
 
     @property
     def num_compilations(self) -> int:
@@ -173,10 +197,24 @@ class ModelRunner:
 
     def _lower(self, key):
         if key[0] == "forward":
-            return self._forward.lower(self.state, self.kv_caches, self._abstract_inputs(*key[1:]))
-        _, num_seqs, do_penalties = key
-        logits = jax.ShapeDtypeStruct((num_seqs, self.vocab_size), jnp.float32, sharding=self._replicated)
-        return self._sample.lower(logits, self._replicate(self._sampling_metadata([], num_seqs, do_penalties)))
+            return self._forward.lower(self.state, self.kv_cache, self._abstract_inputs(*key[1:]))
+        if key[0] == "sample":
+            _, num_rows, do_penalties = key
+            logits = jax.ShapeDtypeStruct((num_rows, self.vocab_size), jnp.float32, sharding=self._replicated)
+            return self._sample.lower(logits, self._replicate(self._sampling_metadata([], num_rows, do_penalties)))
+        op, num_blocks = key
+        blocks = jax.ShapeDtypeStruct((num_blocks,), jnp.int32, sharding=self._replicated)
+        if op == "copy_blocks":
+            return self._copy.lower(self.kv_cache, blocks, blocks)
+        if op == "swap_out":
+            return self._gather.lower(self.kv_cache, blocks)
+        return self._scatter.lower(self.kv_cache, self._swapped_pages_shape(num_blocks), blocks)
+
+    def _swapped_pages_shape(self, num_blocks: int) -> jax.ShapeDtypeStruct:
+        """Pages in flight between the pool and the host: [layers, k/v, kv_heads, blocks, page_size, head_dim]."""
+        num_kv_heads, _, page_size, head_dim = self.kv_cache[0].shape
+        return jax.ShapeDtypeStruct((self.num_layers, 2, num_kv_heads, num_blocks, page_size, head_dim),
+                                    self.kv_cache[0].dtype, sharding=self._pages_sharding)
 
     def _executable(self, key):
         if key not in self._executables:
@@ -185,11 +223,12 @@ class ModelRunner:
             self._executables[key] = self._lower(key).compile()
         return self._executables[key]
 
-    def _abstract_inputs(self, is_decode: bool, num_tokens: int, num_seqs: int, width: int) -> StepInputs:
+    def _abstract_inputs(self, is_decode: bool, num_tokens: int, num_seqs: int) -> StepInputs:
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-        attn = AttentionMetadata(i32((num_tokens,)), i32((num_seqs, width)), i32((num_seqs,)), i32((num_seqs + 1,)),
-                                 is_decode=is_decode)
-        return self._replicate(StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn, i32((num_seqs,))))
+        attn = AttentionMetadata(i32((num_tokens,)), i32((num_seqs, self.buckets.width)), i32((num_seqs,)),
+                                 i32((num_seqs + 1,)), is_decode=is_decode)
+        return self._replicate(StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn,
+                                          i32((self.buckets.sample_rows(num_seqs),))))
 
     def _replicate(self, tree):
         """Abstract step inputs, replicated on every device."""
@@ -211,13 +250,13 @@ class ModelRunner:
         the sequences' samples. Returns the sampler's output as numpy arrays."""
         is_decode = all(len(s.token_ids) == 1 for s in seqs)
         num_rows = sum(s.num_samples for s in seqs)
-        num_seqs = _fit(self.buckets.seqs, max(len(seqs), num_rows))
         num_tokens_real = sum(len(s.token_ids) for s in seqs)
         if is_decode:
-            num_tokens = num_seqs
-        else:
-            num_tokens, num_seqs = _fit(self.buckets.tokens, num_tokens_real), self.buckets.seqs[-1]
-        width = _fit(self.buckets.widths, max(len(s.block_table) for s in seqs))
+            num_seqs = num_tokens = _fit(self.buckets.seqs, max(len(seqs), num_rows))
+        else:  # enough token rows for the sequence rows every sample needs
+            num_tokens = _fit(self.buckets.tokens, max(num_tokens_real, num_rows))
+            num_seqs = self.buckets.mixed_seqs(num_tokens)
+        width = self.buckets.width
 
         input_ids = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
@@ -225,7 +264,7 @@ class ModelRunner:
         block_tables = np.zeros((num_seqs, width), np.int32)
         context_lens = np.zeros(num_seqs, np.int32)
         query_start_loc = np.full(num_seqs + 1, num_tokens_real, np.int32)
-        logits_indices = np.zeros(num_seqs, np.int32)
+        logits_indices = np.zeros(self.buckets.sample_rows(num_seqs), np.int32)
         start, row = 0, 0
         for i, s in enumerate(seqs):
             n = len(s.token_ids)
@@ -240,18 +279,18 @@ class ModelRunner:
             logits_indices[row:row + s.num_samples] = start + n - 1
             start, row = start + n, row + s.num_samples
 
-        smeta = self._sampling_metadata(sampling_rows, num_seqs, None)
-        key = (is_decode, num_tokens, num_seqs, width, smeta.do_penalties)
+        smeta = self._sampling_metadata(sampling_rows, len(logits_indices), None)
+        key = (is_decode, num_tokens, num_seqs, smeta.do_penalties)
         attn = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, is_decode=is_decode)
         out = self._dispatch("run_step", key, StepInputs(input_ids, positions, attn, logits_indices), smeta)
         # Outputs are replicated: any local copy is the whole.
         return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[:num_rows], out)
 
     def _run_step(self, key, inputs: StepInputs, smeta: sampler.SamplingMetadata):
-        is_decode, num_tokens, num_seqs, width, do_penalties = key
-        logits, self.kv_caches = self._executable(("forward", is_decode, num_tokens, num_seqs, width))(
-            self.state, self.kv_caches, inputs)
-        return self._executable(("sample", num_seqs, do_penalties))(logits, smeta)
+        is_decode, num_tokens, num_seqs, do_penalties = key
+        logits, self.kv_cache = self._executable(("forward", is_decode, num_tokens, num_seqs))(
+            self.state, self.kv_cache, inputs)
+        return self._executable(("sample", self.buckets.sample_rows(num_seqs), do_penalties))(logits, smeta)
 
     # ------------------------------------------------------------------ multi-host
     def _dispatch(self, op: str, *args):
@@ -289,70 +328,93 @@ class ModelRunner:
         return result
 
     # ------------------------------------------------------------------ block copies
-    def _pad_pairs(self, pairs):
-        """Pad index pairs to a power of two (-1: skip) so a few shapes cover every plan."""
-        n = 1 << max(0, len(pairs) - 1).bit_length()
-        arr = np.full((n, 2), -1, np.int32)
-        arr[:len(pairs)] = pairs
-        return arr[:, 0], arr[:, 1]
+    @staticmethod
+    def _padded_chunks(pairs):
+        """Index pairs as chunks of at most BLOCK_OP_SIZES[-1], each padded to a size of
+        BLOCK_OP_SIZES (-1: skip): (first indices, second indices, real length) per chunk."""
+        largest = BLOCK_OP_SIZES[-1]
+        for start in range(0, len(pairs), largest):
+            chunk = pairs[start:start + largest]
+            arr = np.full((_fit(BLOCK_OP_SIZES, len(chunk)), 2), -1, np.int32)
+            arr[:len(chunk)] = chunk
+            yield arr[:, 0], arr[:, 1], len(chunk)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]):
-        if pairs:
-            self._dispatch("copy_blocks", *self._pad_pairs(pairs))
+        # Chunks may run one after another: copy-on-write never chains copies within a step.
+        for src, dst, _ in self._padded_chunks(pairs):
+            self._dispatch("copy_blocks", src, dst)
 
     def _copy_blocks(self, src, dst):
-        self.kv_caches = self._copy(self.kv_caches, src, dst)
+        self.kv_cache = self._executable(("copy_blocks", len(src)))(self.kv_cache, src, dst)
 
     def swap_out(self, pairs: list[tuple[int, int]]):
         """Device pages -> host pool, for (gpu_block, cpu_block) pairs."""
-        if pairs:
-            gpu, cpu = self._pad_pairs(pairs)
-            self._dispatch("swap_out", gpu, cpu[:len(pairs)])
+        for gpu, cpu, n in self._padded_chunks(pairs):
+            self._dispatch("swap_out", gpu, cpu[:n])
 
     def _swap_out(self, gpu, cpu):
-        pages = self._gather(self.kv_caches, gpu)
+        pages = self._executable(("swap_out", len(gpu)))(self.kv_cache, gpu)
         for shard in pages.addressable_shards:  # each shard's heads go to its own host pool
             self.host_kv[shard.index[2].start or 0][:, :, :, cpu] = np.asarray(shard.data)[:, :, :, :len(cpu)]
 
     def swap_in(self, pairs: list[tuple[int, int]]):
         """Host pool -> device pages, for (cpu_block, gpu_block) pairs."""
-        if pairs:
-            cpu, gpu = self._pad_pairs(pairs)
-            self._dispatch("swap_in", cpu[:len(pairs)], gpu)
+        for cpu, gpu, n in self._padded_chunks(pairs):
+            self._dispatch("swap_in", cpu[:n], gpu)
 
     def _swap_in(self, cpu, gpu):
         pool = next(iter(self.host_kv.values()))
-        num_kv_heads = self.kv_caches[0][0].shape[0]
-        shape = pool.shape[:2] + (num_kv_heads, len(gpu)) + pool.shape[4:]
 
         def local_pages(index):  # this shard's heads, padded to len(gpu) blocks
             pages = np.zeros(pool.shape[:3] + (len(gpu),) + pool.shape[4:], pool.dtype)
             pages[:, :, :, :len(cpu)] = self.host_kv[index[2].start or 0][:, :, :, cpu]
             return pages
 
-        pages = jax.make_array_from_callback(shape, self._pages_sharding, local_pages)
-        self.kv_caches = self._scatter(self.kv_caches, pages, gpu)
+        pages = jax.make_array_from_callback(self._swapped_pages_shape(len(gpu)).shape, self._pages_sharding,
+                                             local_pages)
+        self.kv_cache = self._executable(("swap_in", len(gpu)))(self.kv_cache, pages, gpu)
 
 
-def _forward(graphdef, logits_sharding, state, kv_caches, inputs: StepInputs):
+def _forward(graphdef, logits_sharding, state, kv_cache, inputs: StepInputs):
     """The model's part of a step: write the new K/V, attend, and the fp32 logits of the rows to
     sample. They stay on the device for the sampler executable."""
     model = nnx.merge(graphdef, state)
-    hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn)
+    hidden, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache, inputs.attn)
     logits = model.compute_logits(hidden[inputs.logits_indices])
     # Vocabulary-parallel logits are gathered: every device samples the same full rows.
-    return jax.lax.with_sharding_constraint(logits, logits_sharding), kv_caches
+    return jax.lax.with_sharding_constraint(logits, logits_sharding), kv_cache
 
 
-def _copy_blocks(kv_caches, src, dst):
-    return [pallas_kernels.copy_blocks(k, v, src, dst) for k, v in kv_caches]
+def every_layer(blocks, num_layers: int, pages_per_layer: int):
+    """Blocks int32[n] -> the pool pages holding them in every layer, int32[num_layers * n] (layer
+    major); padding (-1) stays -1."""
+    pages = blocks[None, :] + pages_per_layer * jnp.arange(num_layers, dtype=blocks.dtype)[:, None]
+    return jnp.where(blocks[None, :] < 0, -1, pages).reshape(-1)
 
 
-def _gather_blocks(kv_caches, blocks):
-    return jnp.stack([jnp.stack([k[:, blocks], v[:, blocks]]) for k, v in kv_caches])
+def _copy_blocks(num_layers, kv_cache, src, dst):
+    pages_per_layer = kv_cache[0].shape[1] // num_layers
+    return pallas_kernels.copy_blocks(*kv_cache, every_layer(src, num_layers, pages_per_layer),
+                                      every_layer(dst, num_layers, pages_per_layer))
 
 
-def _scatter_blocks(kv_caches, pages, blocks):
-    blocks = jnp.where(blocks < 0, kv_caches[0][0].shape[1], blocks)  # padding -> dropped
-    return [(k.at[:, blocks].set(pages[i, 0], mode="drop"), v.at[:, blocks].set(pages[i, 1], mode="drop"))
-            for i, (k, v) in enumerate(kv_caches)]
+def _gather_blocks(num_layers, kv_cache, blocks):
+    """Blocks' pages of every layer: [num_layers, k/v, num_kv_heads, blocks, page_size, head_dim]."""
+    k, v = kv_cache
+    pages = every_layer(blocks, num_layers, k.shape[1] // num_layers)
+    both = jnp.stack([k[:, pages], v[:, pages]])  # [2, kv_heads, layers * blocks, ...]
+    both = both.reshape(both.shape[:2] + (num_layers, len(blocks)) + both.shape[3:])
+    return both.transpose(2, 0, 1, 3, 4, 5)
+
+
+def _scatter_blocks(num_layers, kv_cache, pages, blocks):
+    k, v = kv_cache
+    dst = every_layer(blocks, num_layers, k.shape[1] // num_layers)
+    dst = jnp.where(dst < 0, k.shape[1], dst)  # padding -> dropped
+
+    def layer_major(part):  # [layers, kv_heads, blocks, ...] -> [kv_heads, layers * blocks, ...]
+        part = part.transpose(1, 0, 2, 3, 4)
+        return part.reshape((part.shape[0], -1) + part.shape[3:])
+
+    return (k.at[:, dst].set(layer_major(pages[:, 0]), mode="drop"),
+            v.at[:, dst].set(layer_major(pages[:, 1]), mode="drop"))

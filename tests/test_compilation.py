@@ -1,0 +1,94 @@
+"""Compilation: after warm-up nothing compiles, whatever the workload (checked with jax's own
+instrumentation, not the engine's counter); the scanned step updates the KV pool in place."""
+
+import jax
+import numpy as np
+import pytest
+
+import jpaged
+from jpaged.runner.model_runner import BLOCK_OP_SIZES
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # A small pool (8 sequences of 128 tokens would need 64 blocks) so that the workload preempts.
+    return jpaged.LLM(model="tiny", max_num_seqs=8, max_model_len=128, max_num_batched_tokens=128,
+                      num_gpu_blocks_override=24, swap_space=0.01, enable_prefix_caching=True)
+
+
+class CompileRecorder:
+    """Every executable jax obtains (compiled or loaded from the persistent cache) while active."""
+
+    def __init__(self):
+        self.events = []
+
+    def __call__(self, event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.events.append(kwargs.get("fun_name", "?"))
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self)
+
+
+def test_recorder_sees_compilations():
+    with CompileRecorder() as recorder:
+        jax.jit(lambda x: x * 3 + 1)(np.arange(7.0))
+    assert len(recorder.events) == 1
+
+
+def test_nothing_compiles_after_warm_up(llm):
+    rng = np.random.default_rng(0)
+    shared = rng.integers(0, 256, size=3 * BS).tolist()
+    prompts = [shared + rng.integers(0, 256, size=rng.integers(1, 40)).tolist() for _ in range(6)]
+    prompts += [rng.integers(0, 256, size=rng.integers(1, 90)).tolist() for _ in range(6)]
+    greedy = jpaged.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    workload = [
+        jpaged.SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=40, ignore_eos=True),  # copy-on-write
+        jpaged.SamplingParams(use_beam_search=True, n=3, temperature=0, max_tokens=12, ignore_eos=True),
+        jpaged.SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_tokens=30, ignore_eos=True, logprobs=5,
+                              presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, min_tokens=4),
+        greedy,
+    ]
+    params = [workload[i % len(workload)] for i in range(len(prompts))]
+    compiled = llm.stats()["num_compilations"]
+    with CompileRecorder() as recorder:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.stats()
+    assert all(o.finished for o in outs)
+    # The workload did exercise every path: both kinds of preemption, swaps, copies and prefix hits.
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert recorder.events == [], f"compiled after warm-up: {recorder.events}"
+    assert stats["num_compilations"] == compiled
+
+
+def test_every_block_operation_is_warm(llm):
+    runner = llm.llm_engine.runner
+    for op in ("copy_blocks", "swap_out", "swap_in"):
+        for size in BLOCK_OP_SIZES:
+            assert (op, size) in runner._executables
+    assert runner.num_compilations == len(list(runner.buckets.keys()))
+
+
+def test_step_updates_the_pool_in_place():
+    """The scanned forward (and each block operation) aliases the donated KV pool to its output,
+    needs scratch memory far below the pool's size and copies no pool-sized array."""
+    llm = jpaged.LLM(model="tiny", max_num_seqs=8, max_model_len=128, max_num_batched_tokens=128,
+                     num_gpu_blocks_override=512, enforce_eager=True)
+    runner = llm.llm_engine.runner
+    k_pages = runner.kv_cache[0]
+    pool_bytes = k_pages.nbytes
+    pool_type = f"{k_pages.dtype.name.replace('float', 'f')}[{','.join(map(str, k_pages.shape))}]"
+    for key in (("forward", True, 8, 8), ("forward", False, 128, 8), ("copy_blocks", BLOCK_OP_SIZES[-1]),
+                ("swap_in", BLOCK_OP_SIZES[-1])):
+        compiled = runner._lower(key).compile()
+        memory = compiled.memory_analysis()
+        assert memory.alias_size_in_bytes >= 2 * pool_bytes, key  # k and v pages donated and reused
+        assert memory.temp_size_in_bytes < pool_bytes / 2, (key, memory.temp_size_in_bytes, pool_bytes)
+        copies = [line for line in compiled.as_text().splitlines() if pool_type in line and " copy(" in line]
+        assert copies == [], (key, copies[:3])
