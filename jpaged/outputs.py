@@ -24,3 +24,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # Per prompt token: None for the first, then {token id: logprob} (its own and the top ones),
+    # when SamplingParams.prompt_logprobs asked for them (vLLM's field); else None.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

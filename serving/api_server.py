@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import math
@@ -180,10 +181,14 @@ class OpenAIServer:
         stream = protocol.parse_stream(body)
         echo = field(body, "echo", "boolean", False)
         logprobs = self._check_logprobs(field(body, "logprobs", "integer"), "logprobs")
-        if echo and logprobs is not None:
-            raise APIError("echo with logprobs needs prompt logprobs, which jpaged does not compute", param="echo")
-        params = protocol.sampling_params(body, max_tokens=field(body, "max_tokens", "integer", 16), logprobs=logprobs,
-                                          best_of=field(body, "best_of", "integer"), stream=stream.stream)
+        if echo and logprobs is not None and stream.stream:
+            raise APIError("echo with logprobs cannot stream yet", param="stream")
+        max_tokens = field(body, "max_tokens", "integer", 16)
+        # echo with max_tokens 0 (lm-eval's loglikelihood): the prompt alone; one token is computed, not sent.
+        prompt_only = echo and max_tokens == 0
+        params = protocol.sampling_params(body, max_tokens=1 if prompt_only else max_tokens, logprobs=logprobs,
+                                          best_of=field(body, "best_of", "integer"), stream=stream.stream,
+                                          prompt_logprobs=logprobs if echo else None)
         token_prompts = []
         for p in prompts:
             if isinstance(p, str):
@@ -205,11 +210,22 @@ class OpenAIServer:
         finally:
             for s in streams:
                 s.abort()
-        choices = [{"index": i * params.n + c.index, "text": echoes[i] + c.text,
-                    "logprobs": self._completion_logprobs(c, range(len(c.token_ids)), len(echoes[i]))
-                    if logprobs is not None else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                   for i, out in enumerate(finals) for c in out.outputs]
+        if prompt_only:
+            finals = [dataclasses.replace(out, outputs=[dataclasses.replace(c, text="", token_ids=[], logprobs=[])
+                                                        for c in out.outputs]) for out in finals]
+        choices = []
+        for i, out in enumerate(finals):
+            for c in out.outputs:
+                choice_logprobs = None
+                if logprobs is not None and echo:  # the prompt's tokens first, then the completion's
+                    prompt = self._prompt_logprobs(out, logprobs)
+                    completion = self._completion_logprobs(c, range(len(c.token_ids)), sum(map(len, prompt["tokens"])))
+                    choice_logprobs = {k: prompt[k] + completion[k] for k in prompt}
+                elif logprobs is not None:
+                    choice_logprobs = self._completion_logprobs(c, range(len(c.token_ids)), len(echoes[i]))
+                choices.append({"index": i * params.n + c.index, "text": echoes[i] + c.text,
+                                "logprobs": choice_logprobs, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
         return web.json_response({"id": request_id, "object": "text_completion", "created": int(time.time()),
                                   "model": self.model_name, "choices": choices, "usage": _usage(finals)},
                                  dumps=json_dumps)
@@ -413,6 +429,18 @@ class OpenAIServer:
         return {"tokens": texts, "token_logprobs": [_json_logprob(c.logprobs[t][c.token_ids[t]]) for t in tokens],
                 "top_logprobs": [{self._token_text(k): _json_logprob(v) for k, v in c.logprobs[t].items()}
                                  for t in tokens],
+                "text_offset": offsets}
+
+    def _prompt_logprobs(self, out: RequestOutput, top: int) -> dict:
+        """OpenAI's completion logprobs of the prompt's tokens (echo): the first has none."""
+        texts = [self._token_text(t) for t in out.prompt_token_ids]
+        offsets = [0, *itertools.accumulate(map(len, texts[:-1]))]
+        entries = out.prompt_logprobs or [None] * len(texts)
+        return {"tokens": texts,
+                "token_logprobs": [None if e is None else _json_logprob(e[t]) for e, t in zip(entries, out.prompt_token_ids)],
+                "top_logprobs": [None if e is None else {self._token_text(k): _json_logprob(v) for k, v in sorted(
+                    e.items(), key=lambda kv: -kv[1])[:max(top, 1)]} | {texts[i]: _json_logprob(e[t])}
+                    for i, (e, t) in enumerate(zip(entries, out.prompt_token_ids))],
                 "text_offset": offsets}
 
     def _chat_logprobs(self, c: CompletionOutput, tokens: range, top: int) -> dict:

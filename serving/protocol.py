@@ -267,7 +267,8 @@ def tool_calls(text: str, tools: ToolCalling) -> list[dict] | None:
 
 
 def sampling_params(body: dict, *, max_tokens: int, logprobs: int | None, best_of: int | None,
-                    stream: bool, guided_json: dict | str | None = None) -> SamplingParams:
+                    stream: bool, guided_json: dict | str | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from the body's sampling fields; SamplingParams' own range checks become
     400s naming the field. `guided_json`: a schema the caller derived (tools)."""
     check_fields(body)
@@ -282,7 +283,8 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int | None, best_o
                        param="response_format")
     kwargs["guided_json"] = schemas[0] if schemas else None
     try:
-        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, best_of=best_of, **kwargs)
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, best_of=best_of,
+                                prompt_logprobs=prompt_logprobs, **kwargs)
     except ValueError as e:
         raise APIError(str(e), param=param_of(str(e))) from None
     if stream and params.best_of != params.n:

@@ -14,6 +14,7 @@ import time
 import typing
 
 import aiohttp
+import numpy as np
 import openai
 import pytest
 
@@ -299,7 +300,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "stop": [1]}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "seed": 1.5}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 1, "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 1, "echo": True, "stream": True}, 400, "stream"),
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "temperature": 0, "stream": True}, 400,
      "stream"),
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "temperature": 1}, 400, "temperature"),
@@ -623,3 +624,38 @@ def test_langchain_structured_output_and_tools(server):
     message = chat.bind_tools([get_weather], tool_choice="required").invoke("Weather in Oslo?")
     assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
     assert message.tool_calls[0]["args"]["city"] in ("Paris", "Oslo")
+
+
+def test_lm_eval_loglikelihood_requests(server):
+    """lm-evaluation-harness's loglikelihood request (token ids, echo, logprobs 1, max_tokens 1 or
+    0; it sums token_logprobs[ctxlen:-1]) answered with the model's own numbers: HF transformers
+    running tiny's weights in float64."""
+    import torch
+    import transformers as tf
+
+    config = tiny.tiny_config()
+    hf = tf.LlamaForCausalLM(config)
+    hf.load_state_dict({name: torch.from_numpy(np.asarray(w)) for name, w in tiny.tiny_weights(config)}, strict=False)
+    hf = hf.double().eval()
+    rng = random.Random()
+    tokenizer = tiny_tokenizer()
+    context = tokenizer.encode(random_prompt(rng, 6))
+    continuation = tokenizer.encode(" " + random_prompt(rng, 2), add_special_tokens=False)
+    ids = context + continuation
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor([ids])).logits[0], -1).numpy()
+    expected = sum(logprobs[i - 1, ids[i]] for i in range(len(context), len(ids)))
+    for max_tokens in (1, 0):
+        status, got = run(post(server.url, "/v1/completions", {"model": "tiny", "prompt": ids, "echo": True,
+                                                               "logprobs": 1, "max_tokens": max_tokens,
+                                                               "temperature": 0}))
+        assert status == 200, got
+        lp = got["choices"][0]["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) + max_tokens and lp["token_logprobs"][0] is None
+        ctx = len(context)
+        total = sum(lp["token_logprobs"][ctx:len(ids)])
+        assert abs(total - expected) < 1e-3 * max(1, abs(expected)), (total, expected)
+        for token_lp, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+            assert max(top.values()) >= token_lp - 1e-6  # is_greedy reads max(top) against the token's
+        assert got["usage"]["completion_tokens"] == max_tokens
+        assert got["choices"][0]["text"].startswith(tokenizer.decode(ids))

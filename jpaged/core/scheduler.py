@@ -197,19 +197,15 @@ class Scheduler:
         token budget. With prompt logprobs, every prompt token computed (but the last) needs a
         logits row of its own, taken from the step's free sequence seats (after `seats_to_take`)."""
         chunk = min(seq_group.get_num_uncomputed_tokens(), budget.num_tokens // seq_group.num_unfinished_seqs())
-        if seq_group.sampling_params.prompt_logprobs is not None:
-            free = budget.num_seqs - seats_to_take
-            if self._prompt_rows(seq_group, chunk) > free:
-                chunk = max(free, 0)
+        free = budget.num_seqs - seats_to_take
+        if self._prompt_rows(seq_group, chunk) > free:
+            chunk = max(free, 0)
         return chunk
 
     @staticmethod
     def _prompt_rows(seq_group: SequenceGroup, chunk: int) -> int:
-        """Logits rows the chunk needs for prompt logprobs: one per prompt position before the last."""
-        if seq_group.sampling_params.prompt_logprobs is None:
-            return 0
         start = seq_group.get_unfinished_seqs()[0].num_computed_tokens
-        return max(0, min(start + chunk, seq_group.get_unfinished_seqs()[0].get_prompt_len() - 1) - start)
+        return seq_group.prompt_logprob_rows(start, start + chunk)
 
     def _add(self, out: SchedulerOutputs, budget: _Budget, seq_group: SequenceGroup, chunk: int):
         running = seq_group.get_seqs(SequenceStatus.RUNNING)
@@ -240,6 +236,7 @@ class Scheduler:
                 self.block_manager.free(seq)
                 seq.status = SequenceStatus.WAITING
                 seq.reset_for_recompute()
+            seq_group.reset_prompt_logprobs_if_partial()
             # Victims come latest first, so the earliest ends up at the very front.
             self.waiting.appendleft(seq_group)
         out.preempted += 1

@@ -124,10 +124,27 @@ class SequenceGroup:
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
         self.prompt = prompt
+        # Prompt logprobs, when asked for: None for the first token, then one dict per prompt token,
+        # filled as the prompt is computed (a recompute after that does not collect them again).
+        self.prompt_logprobs: list[dict[int, float] | None] | None = \
+            [None] if sampling_params.prompt_logprobs is not None else None
 
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.seqs[0].prompt_token_ids
+
+    def reset_prompt_logprobs_if_partial(self):
+        """Preempted by recompute in the middle of its prompt: the prompt is computed again from its
+        start, and its logprobs collected again with it."""
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids):
+            self.prompt_logprobs = [None]
+
+    def prompt_logprob_rows(self, start: int, end: int) -> int:
+        """Logits rows that computing positions [start, end) adds for prompt logprobs: one per
+        position before the prompt's last whose next token's logprob is not collected yet."""
+        if self.prompt_logprobs is None or len(self.prompt_logprobs) - 1 != start:
+            return 0
+        return max(0, min(end, len(self.prompt_token_ids) - 1) - start)
 
     def add(self, seq: Sequence):
         self.seqs.append(seq)

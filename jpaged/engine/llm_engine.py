@@ -75,6 +75,11 @@ class _GroupStep:
     seq_inputs: list[SeqInput] = dataclasses.field(default_factory=list)
     rows: list[SamplingRow] = dataclasses.field(default_factory=list)  # sampling rows, in order
     sampled: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)  # (sequence, rows it samples)
+    prompt_rows: int = 0  # prompt-logprob rows, before the sampling rows (a fresh group's one sequence)
+
+
+# Prompt-logprob rows report the model's own distribution: no penalty, bias or grammar.
+_PROMPT_ROW_PARAMS = SamplingParams(temperature=0)
 
 
 class LLMEngine:
@@ -194,8 +199,9 @@ class LLMEngine:
         if sp.use_beam_search and 2 * sp.best_of > MAX_LOGPROBS:
             # Each beam's candidates are its 2 * best_of most likely tokens, from the step's top logprobs.
             raise ValueError(f"best_of={sp.best_of}; beam search supports at most {MAX_LOGPROBS // 2} beams")
-        if (sp.logprobs or 0) > MAX_LOGPROBS:
-            raise ValueError(f"logprobs={sp.logprobs}; at most {MAX_LOGPROBS} are supported")
+        for field in ("logprobs", "prompt_logprobs"):
+            if (getattr(sp, field) or 0) > MAX_LOGPROBS:
+                raise ValueError(f"{field}={getattr(sp, field)}; at most {MAX_LOGPROBS} are supported")
         if len(sp.stop_token_ids) >= MAX_BANNED_TOKENS:
             raise ValueError(f"stop_token_ids has {len(sp.stop_token_ids)} entries; "
                              f"at most {MAX_BANNED_TOKENS - 1} are supported")
@@ -295,6 +301,10 @@ class LLMEngine:
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             start = seq.num_computed_tokens
             end = start + chunk
+            # Prompt logprobs: a row per prompt position, reporting the next prompt token's logprob.
+            step.prompt_rows = group.prompt_logprob_rows(start, end)
+            step.rows.extend(SamplingRow(_PROMPT_ROW_PARAMS, 0, target_token_id=seq.prompt_token_ids[p + 1])
+                             for p in range(start, start + step.prompt_rows))
             samples = 0
             if end == seq.get_len():  # this chunk reaches the end: sample what follows
                 # A fresh prompt samples best_of tokens at once: one per sequence it forks into.
@@ -308,7 +318,8 @@ class LLMEngine:
             # A decode computes just the last token: skip rebuilding the whole token list.
             token_ids = [seq.get_last_token_id()] if chunk == 1 and end == seq.get_len() \
                 else seq.get_token_ids()[start:end]
-            step.seq_inputs.append(SeqInput(token_ids, start, self.block_manager.get_block_table(seq), samples))
+            step.seq_inputs.append(SeqInput(token_ids, start, self.block_manager.get_block_table(seq), samples,
+                                            step.prompt_rows))
         return step
 
     def _execute(self, steps: list["_GroupStep"], failed: dict) -> dict:
@@ -342,7 +353,13 @@ class LLMEngine:
     def _process(self, step: "_GroupStep", out, row: int):
         """Append each sampled sequence's new token (forking a fresh prompt into its best_of
         sequences), or advance the group's beam search."""
-        group = step.group
+        group, sp = step.group, step.group.sampling_params
+        for r in range(row, row + step.prompt_rows):  # rows of a prompt chunk come first
+            target = group.prompt_token_ids[len(group.prompt_logprobs)]
+            top = {int(t): float(lp) for t, lp in zip(out.top_ids[r, :sp.prompt_logprobs],
+                                                      out.top_logprobs[r, :sp.prompt_logprobs])}
+            group.prompt_logprobs.append({**top, target: float(out.target_logprobs[r])})
+        row += step.prompt_rows
         if group.sampling_params.use_beam_search:
             if step.sampled:
                 self._process_beam_search(group, [(seq, row + i) for i, (seq, _) in enumerate(step.sampled)], out)
@@ -508,7 +525,9 @@ class LLMEngine:
             logprobs=list(s.output_logprobs) if sp.logprobs is not None else None,
             finish_reason=s.status.finish_reason, stop_reason=s.stop_reason)
             for i, s in enumerate(seqs)]
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished)
+        prompt_logprobs = list(group.prompt_logprobs) if group.prompt_logprobs is not None else None
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished,
+                             prompt_logprobs)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 import pallas_kernels
+from jpaged.config import ATTENTION_BACKENDS
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, kv_head_replicas, tp_size
 
 
@@ -247,7 +248,6 @@ class AttentionMetadata:
         return dataclasses.replace(self, slot_mapping=slots, block_tables=self.block_tables + first_page)
 
 
-from jpaged.config import ATTENTION_BACKENDS  # noqa: E402  (the options' one source)
 
 
 @dataclasses.dataclass(frozen=True)

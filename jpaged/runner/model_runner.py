@@ -125,12 +125,14 @@ class Buckets:
 @dataclasses.dataclass
 class SeqInput:
     """One sequence's share of a step: compute `token_ids` at positions start_pos.. through
-    `block_table`, and sample `num_samples` tokens after the last one (0: a prefill chunk)."""
+    `block_table`, and sample `num_samples` tokens after the last one (0: a prefill chunk). Prompt
+    logprobs: the first `num_prompt_rows` tokens also get a logits row each (before the samples')."""
 
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
     num_samples: int
+    num_prompt_rows: int = 0
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["input_ids", "positions", "attn", "logits_indices"],
@@ -185,7 +187,7 @@ class ModelRunner:
 
     def is_alive(self) -> bool:
         """False once the KV pages are gone: a step that failed after donating them."""
-        return not any(pages.is_deleted() for pages in jax.tree.leaves(self.kv_caches))
+        return not any(pages.is_deleted() for pages in jax.tree.leaves(self.kv_cache))
 
     def warm_up(self):
         """Compile every bucket now, so serving never compiles. One at a time: compiling in a
@@ -249,7 +251,7 @@ class ModelRunner:
         """Run one step. `sampling_rows` are the per-sample rows for the sampler, in the order of
         the sequences' samples. Returns the sampler's output as numpy arrays."""
         is_decode = all(len(s.token_ids) == 1 for s in seqs)
-        num_rows = sum(s.num_samples for s in seqs)
+        num_rows = sum(s.num_prompt_rows + s.num_samples for s in seqs)
         num_tokens_real = sum(len(s.token_ids) for s in seqs)
         if is_decode:
             num_seqs = num_tokens = _fit(self.buckets.seqs, max(len(seqs), num_rows))
@@ -276,6 +278,8 @@ class ModelRunner:
             block_tables[i, :len(table)] = table
             context_lens[i] = s.start_pos + n
             query_start_loc[i] = start
+            logits_indices[row:row + s.num_prompt_rows] = start + np.arange(s.num_prompt_rows)
+            row += s.num_prompt_rows
             logits_indices[row:row + s.num_samples] = start + n - 1
             start, row = start + n, row + s.num_samples
 
