@@ -54,6 +54,8 @@ def test_nothing_compiles_after_warm_up(llm):
         jpaged.SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_tokens=30, ignore_eos=True, logprobs=5,
                               presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, min_tokens=4),
         greedy,
+        jpaged.SamplingParams(temperature=0.8, max_tokens=30, guided_regex="[a-z ]{5,60}", logit_bias={66: 3.0}),
+        jpaged.SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2, logprobs=1),
     ]
     params = [workload[i % len(workload)] for i in range(len(prompts))]
     compiled = llm.stats()["num_compilations"]
