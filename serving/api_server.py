@@ -194,8 +194,7 @@ class OpenAIServer:
             if isinstance(p, str):
                 ids = await self._encode(p, "prompt", max_tokens=params.max_tokens)
             else:
-                ids = p
-                self._check_token_ids(ids, "prompt")
+                ids = p  # _check_request checks them against the vocabulary
             self._check_context(len(ids), params.max_tokens, "prompt")
             self._check_request(ids, params)
             token_prompts.append(ids)

@@ -60,11 +60,10 @@ class AsyncLLMEngine:
     async def add_request(self, request_id: str, prompt_token_ids: list[int],
                           sampling_params: SamplingParams) -> "RequestStream":
         """Queue the request with the engine; its ValueError for bad input is raised here, before
-        anything is built for it. Iterate the returned stream for the outputs; abort it when
-        giving up early."""
+        any output (callers check LLMEngine.check_request first, before building anything for a
+        request). Iterate the returned stream for the outputs; abort it when giving up early."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self.dead!r}")
-        self.engine.check_request(prompt_token_ids, sampling_params)  # fixed limits only: safe from here
         stream = RequestStream(self, request_id, prompt_token_ids, sampling_params)
         self._streams[request_id] = stream
         added: concurrent.futures.Future = concurrent.futures.Future()
