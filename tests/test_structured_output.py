@@ -24,10 +24,10 @@ def check_schema(value):
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_guided_completions_follow_their_grammar(preemption_mode):
-    # 14 blocks for 8 sequences of up to ~100 tokens: requests are preempted while guided.
+    # 14 blocks for 11 sequences of up to ~140 tokens: requests are preempted while guided.
     llm = jpaged.LLM("tiny", num_gpu_blocks_override=14, preemption_mode=preemption_mode, swap_space=0.05, **LIMITS)
     rng = np.random.default_rng()
-    prompts = [rng.integers(0, 256, size=int(rng.integers(5, 40))).tolist() for _ in range(6)]
+    prompts = [rng.integers(0, 256, size=int(rng.integers(5, 40))).tolist() for _ in range(8)]
     params = [jpaged.SamplingParams(temperature=1.0, n=2, seed=int(rng.integers(2**31)), max_tokens=80,
                                     guided_json=SCHEMA),
               jpaged.SamplingParams(temperature=0, max_tokens=80, guided_json=json.dumps(SCHEMA)),
@@ -35,6 +35,8 @@ def test_guided_completions_follow_their_grammar(preemption_mode):
               jpaged.SamplingParams(temperature=1.0, max_tokens=30, guided_regex=r"\d{3}-[a-z]{2,4}", min_tokens=5),
               jpaged.SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True),  # unguided company
               jpaged.SamplingParams(temperature=0, max_tokens=80, guided_json={"type": "object"})]
+    # Two long unguided requests: together they need at least 16 of the 14 blocks, so preemption happens.
+    params += [jpaged.SamplingParams(temperature=1.0, max_tokens=120, ignore_eos=True) for _ in range(2)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.stats()["num_preemptions"] > 0
     for c in outs[0].outputs + outs[1].outputs:
