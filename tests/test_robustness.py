@@ -13,17 +13,10 @@ import jpaged
 from jpaged.engine.llm_engine import StepFailedError
 from serving.async_engine import AsyncLLMEngine, EngineDeadError
 from serving.metrics import Metrics
+from test_engine import assert_all_blocks_free as assert_idle
 
 LIMITS = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, block_size=16, enforce_eager=True)
 VOCAB = 259  # tiny's
-
-
-def assert_idle(llm):
-    stats = llm.stats()
-    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
-    assert stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"]
-    assert stats["num_running"] == stats["num_waiting"] == stats["num_swapped"] == 0
-    llm.llm_engine.block_manager.check_invariants()
 
 
 @pytest.fixture(scope="module")
