@@ -275,8 +275,9 @@ class LLMEngine:
         for group in plan.ignored_seq_groups:  # check_request keeps these out; a warning if one slips by
             logger.warning("request %s can never be scheduled: it ends with what it has", group.request_id)
             outputs.append(self._request_output(group))
+        cause = next(iter(failed.values()))[1] if failed else None
         if failed:
-            self._fail([group for group, _ in failed.values()], next(iter(failed.values()))[1])
+            self._fail([group for group, _ in failed.values()], cause)
         self.scheduler.free_finished_seq_groups()
         for o in outputs:
             if o.finished and o.request_id in self._groups:
@@ -284,7 +285,6 @@ class LLMEngine:
         if self.check_invariants:
             self.block_manager.check_invariants()
         if failed:
-            cause = next(iter(failed.values()))[1]
             raise StepFailedError([group.request_id for group, _ in failed.values()], cause, outputs) from cause
         return outputs
 

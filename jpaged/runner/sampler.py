@@ -186,17 +186,16 @@ class SamplingMetadata:
             prompt_ids = np.full((s, prompt_width or 0), -1, np.int32)
             output_ids = np.full((s, output_width or 0), -1, np.int32)
         banned = _fill_tokens([r.banned_token_ids for r in rows], range(n), s, banned_width, 4, "banned_width")
-        bias_ids = np.full((s, MAX_LOGIT_BIAS), -1, np.int32)
-        bias_values = np.zeros((s, MAX_LOGIT_BIAS), np.float32)
-        for i, r in enumerate(rows):
-            if r.logit_bias:  # SamplingParams keeps it within MAX_LOGIT_BIAS entries
-                bias_ids[i, :len(r.logit_bias)] = list(r.logit_bias)
-                bias_values[i, :len(r.logit_bias)] = list(r.logit_bias.values())
         target_token_ids = fill([r.target_token_id for r in rows], np.int32, -1)
         if do_guided is None:
             do_guided = any(r.allowed_bitmask is not None for r in rows)
+        bias_ids = np.full((s, MAX_LOGIT_BIAS), -1, np.int32)
+        bias_values = np.zeros((s, MAX_LOGIT_BIAS), np.float32)
         allowed = np.full((s, -(-vocab_size // 32) if do_guided else 0), -1, np.int32)
-        for i, r in enumerate(rows):
+        for i, r in enumerate(rows):  # one pass; most rows have neither
+            if r.logit_bias:  # SamplingParams keeps it within MAX_LOGIT_BIAS entries
+                bias_ids[i, :len(r.logit_bias)] = list(r.logit_bias)
+                bias_values[i, :len(r.logit_bias)] = list(r.logit_bias.values())
             if do_guided and r.allowed_bitmask is not None:
                 allowed[i] = r.allowed_bitmask
 
