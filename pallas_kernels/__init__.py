@@ -25,6 +25,10 @@ Ops:
                             Rows past query_start_loc[-1] are padding (zeros).
   write_kv, copy_blocks     cache updates (XLA scatter on all backends).
 
+Both attention ops take sliding_window (None, an int or a traced int32
+scalar: a query at position p sees keys in (p - w, p]) and logits_soft_cap
+(None or a float c: scores -> c * tanh(score / c), Gemma 2).
+
 Backend dispatch (`interpret` kwarg): None -> compiled Pallas (Triton) on GPU,
 XLA twin elsewhere; True -> Pallas in interpret mode; False -> compiled Pallas.
 The XLA twins are exported as paged_attention_xla / ragged_paged_attention_xla.
@@ -53,8 +57,9 @@ def _xla_fallback(interpret) -> bool:
     return interpret is None and jax.default_backend() != "gpu"
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits"))
-def paged_attention(q, k_pages, v_pages, block_tables, context_lens, *, scale=None, interpret=None, num_splits=None):
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "logits_soft_cap"))
+def paged_attention(q, k_pages, v_pages, block_tables, context_lens, *, scale=None, interpret=None, num_splits=None,
+                    sliding_window=None, logits_soft_cap=None):
     """Decode attention over paged K/V.
 
     q [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim]
@@ -62,24 +67,30 @@ def paged_attention(q, k_pages, v_pages, block_tables, context_lens, *, scale=No
     pages. scale defaults to 1/sqrt(head_dim). num_splits (Pallas only) forces
     the number of split-K partitions; None picks it from the shapes.
     """
+    masking = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if _xla_fallback(interpret):
-        return paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, scale=scale)
+        return paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, scale=scale, **masking)
     return paged_attention_pallas(
-        q, k_pages, v_pages, block_tables, context_lens, scale=scale, num_splits=num_splits, interpret=bool(interpret)
+        q, k_pages, v_pages, block_tables, context_lens, scale=scale, num_splits=num_splits, interpret=bool(interpret),
+        **masking
     )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "logits_soft_cap"))
 def ragged_paged_attention(
-    q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None, interpret=None
+    q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None, interpret=None,
+    sliding_window=None, logits_soft_cap=None
 ):
     """Causal attention of packed new tokens over paged K/V.
 
     q [num_tokens, num_heads, head_dim] -> same shape (q's dtype);
     query_start_loc int32[num_seqs + 1], nondecreasing. See module docstring.
     """
+    masking = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if _xla_fallback(interpret):
-        return ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, scale=scale)
+        return ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, scale=scale,
+                                          **masking)
     return ragged_paged_attention_pallas(
-        q, k_pages, v_pages, block_tables, context_lens, query_start_loc, scale=scale, interpret=bool(interpret)
+        q, k_pages, v_pages, block_tables, context_lens, query_start_loc, scale=scale, interpret=bool(interpret),
+        **masking
     )

@@ -12,6 +12,7 @@ from jax.experimental.pallas import triton as plgpu
 
 MASK_VALUE = -1e30  # finite: a fully masked block never computes inf - inf
 KEYS_PER_ITER = 64
+NO_WINDOW = 1 << 30  # the window of full attention: longer than any context, far from int32 overflow
 
 
 def init_carry(rows, dp):
@@ -27,14 +28,17 @@ def normalize(out, l):
     return out / jnp.where(l > 0, l, 1.0)[:, None]
 
 
-def attend_block(carry, q, k, v, key_live, scale, row_ok=None):
+def attend_block(carry, q, k, v, key_live, scale, row_ok=None, soft_cap=None):
     """One online-softmax step. q [R, dp], k/v [B, dp]; key_live bool [B]
-    marks real keys, row_ok bool [R, B] (optional) a per-row (causal) mask."""
+    marks real keys, row_ok bool [R, B] (optional) a per-row (causal) mask;
+    soft_cap c (optional) maps scores to c * tanh(score / c)."""
     out, m, l = carry
     prec = lax.Precision.HIGHEST  # IEEE fp32 instead of TF32; no-op for bf16
-    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=prec)
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=prec) * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
     ok = key_live[None, :] if row_ok is None else key_live[None, :] & row_ok
-    s = jnp.where(ok, s * scale, MASK_VALUE)
+    s = jnp.where(ok, s, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[:, None])

@@ -17,6 +17,10 @@ block padded to the next power of two and masked loads, so the page arrays
 are never copied; q is padded in the wrapper (it is small). Compiled, the
 page size must be a power of two (Triton tensor shapes); interpret mode and
 the XLA twin take any page size.
+
+With a sliding window w the query (at position context_len - 1) sees keys
+from context_len - w on; each split starts its loop at the first block
+holding one.
 """
 
 import functools
@@ -41,24 +45,27 @@ def auto_num_splits(num_programs: int, table_width: int, pages_per_iter: int) ->
     return max(1, min(want, most, MAX_SPLITS))
 
 
-def _decode_kernel(ctx_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *stat_refs, scale, head_dim, pages_per_iter):
+def _decode_kernel(ctx_ref, window_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *stat_refs, scale, head_dim,
+                   pages_per_iter, soft_cap):
     seq, split = pl.program_id(0), pl.program_id(2)
     page_size = k_ref.shape[1]
     rows, dp = q_ref.shape
     span = table_ref.shape[0] * page_size  # keys covered by this split
     first = split * span
     block = pages_per_iter * page_size
-    num_keys = jnp.clip(ctx_ref[seq] - first, 0, span)
+    context = ctx_ref[seq]
+    num_keys = jnp.clip(context - first, 0, span)
+    start = jnp.clip(context - window_ref[0] - first, 0, num_keys)  # first key in the window, this split
     q = q_ref[...]
 
     def body(i, carry):
         ids = table_ref[pl.ds(i * pages_per_iter, pages_per_iter)]
         k = blocks.load_pages(k_ref, ids, head_dim)
         v = blocks.load_pages(v_ref, ids, head_dim)
-        key_live = i * block + jnp.arange(block) < num_keys
-        return blocks.attend_block(carry, q, k, v, key_live, scale)
+        key = i * block + jnp.arange(block)
+        return blocks.attend_block(carry, q, k, v, (key >= start) & (key < num_keys), scale, soft_cap=soft_cap)
 
-    out, m, l = lax.fori_loop(0, tiling.cdiv(num_keys, block), body, blocks.init_carry(rows, dp))
+    out, m, l = lax.fori_loop(start // block, tiling.cdiv(num_keys, block), body, blocks.init_carry(rows, dp))
     if stat_refs:  # split-K partial: combined outside
         m_ref, l_ref = stat_refs
         o_ref[...] = out
@@ -77,9 +84,10 @@ def _combine(out, m, l):
     return num / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret", "logits_soft_cap"))
 def paged_attention_pallas(
-    q, k_pages, v_pages, block_tables, context_lens, *, scale=None, num_splits=None, interpret=False
+    q, k_pages, v_pages, block_tables, context_lens, *, scale=None, num_splits=None, interpret=False,
+    sliding_window=None, logits_soft_cap=None
 ):
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -106,13 +114,16 @@ def paged_attention_pallas(
         out_specs += [stat_spec, stat_spec]
     page_spec = pl.BlockSpec((None, num_pages, page_size, dp), lambda s, h, k: (h, 0, 0, 0))
     kernel = functools.partial(
-        _decode_kernel, scale=default_scale(scale, head_dim), head_dim=head_dim, pages_per_iter=pages_per_iter
+        _decode_kernel, scale=default_scale(scale, head_dim), head_dim=head_dim, pages_per_iter=pages_per_iter,
+        soft_cap=logits_soft_cap,
     )
+    window = jnp.full((1,), blocks.NO_WINDOW if sliding_window is None else sliding_window, jnp.int32)
     res = pl.pallas_call(
         kernel,
         grid=(num_seqs, num_kv_heads, splits),
         in_specs=[
             pl.BlockSpec((num_seqs,), lambda s, h, k: (0,)),
+            pl.BlockSpec((1,), lambda s, h, k: (0,)),
             pl.BlockSpec((None, per_split), lambda s, h, k: (s, k)),
             pl.BlockSpec((None, None, rows, dp), lambda s, h, k: (s, h, 0, 0)),
             page_spec,
@@ -123,7 +134,7 @@ def paged_attention_pallas(
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="jpaged_decode",
-    )(context_lens.astype(jnp.int32), tables, qp, k_pages, v_pages)
+    )(context_lens.astype(jnp.int32), window, tables, qp, k_pages, v_pages)
     out = _combine(*res) if part else res[0][0]
     out = out[:, :, :group, :head_dim].reshape(q.shape)
     return out.astype(q.dtype)

@@ -19,7 +19,9 @@ A program holds the tile's queries for every head of one kv head as a
 over the sequence's pages up to the last key its last token can see, and
 applies the causal mask per row. Queries are gathered into tiles and outputs
 scattered back to tokens with XLA gathers around the kernel (cheap next to
-the attention itself).
+the attention itself). With a sliding window w, row r sees keys in
+(pos_r - w, pos_r] and the loop starts at the first block the tile's first
+token sees.
 """
 
 import functools
@@ -45,7 +47,8 @@ def query_tile(num_tokens: int, num_seqs: int, group_pow2: int) -> int:
 
 
 def _prefill_kernel(
-    seq_ref, pos0_ref, keys_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, scale, head_dim, tile, pages_per_iter
+    seq_ref, pos0_ref, keys_ref, window_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, scale, head_dim, tile,
+    pages_per_iter, soft_cap
 ):
     j = pl.program_id(0)
     seq, pos0, num_keys = seq_ref[j], pos0_ref[j], keys_ref[j]
@@ -54,22 +57,26 @@ def _prefill_kernel(
     block = pages_per_iter * page_size
     q = q_ref[...]
     q_pos = pos0 + jnp.arange(rows) % tile
+    window = window_ref[0]
+    start = jnp.clip(pos0 - window + 1, 0, num_keys)  # the first key the tile's first token sees
 
     def body(i, carry):
         ids = table_ref[seq, pl.ds(i * pages_per_iter, pages_per_iter)]
         k = blocks.load_pages(k_ref, ids, head_dim)
         v = blocks.load_pages(v_ref, ids, head_dim)
         k_pos = i * block + jnp.arange(block)
-        causal = k_pos[None, :] <= q_pos[:, None]
-        return blocks.attend_block(carry, q, k, v, k_pos < num_keys, scale, causal)
+        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+        key_live = (k_pos >= start) & (k_pos < num_keys)
+        return blocks.attend_block(carry, q, k, v, key_live, scale, visible, soft_cap)
 
-    out, _, l = lax.fori_loop(0, tiling.cdiv(num_keys, block), body, blocks.init_carry(rows, dp))
+    out, _, l = lax.fori_loop(start // block, tiling.cdiv(num_keys, block), body, blocks.init_carry(rows, dp))
     o_ref[...] = blocks.normalize(out, l).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "q_tile"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "q_tile", "logits_soft_cap"))
 def ragged_paged_attention_pallas(
-    q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None, interpret=False, q_tile=None
+    q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None, interpret=False, q_tile=None,
+    sliding_window=None, logits_soft_cap=None
 ):
     """q_tile overrides the tokens per tile (tests use it to cross tiles)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -106,7 +113,9 @@ def ragged_paged_attention_pallas(
         head_dim=head_dim,
         tile=tile,
         pages_per_iter=pages_per_iter,
+        soft_cap=logits_soft_cap,
     )
+    window = jnp.full((1,), blocks.NO_WINDOW if sliding_window is None else sliding_window, jnp.int32)
     out = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads),
@@ -114,6 +123,7 @@ def ragged_paged_attention_pallas(
             scalar_spec,
             scalar_spec,
             scalar_spec,
+            pl.BlockSpec((1,), lambda j, h: (0,)),
             pl.BlockSpec((num_seqs, padded_width), lambda j, h: (0, 0)),
             row_spec,
             page_spec,
@@ -124,7 +134,7 @@ def ragged_paged_attention_pallas(
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="jpaged_ragged_prefill",
-    )(seq, pos0, num_keys, tables, qt, k_pages, v_pages)
+    )(seq, pos0, num_keys, window, tables, qt, k_pages, v_pages)
     out = out.reshape(num_tiles, num_kv_heads, gp, tile, dp)
     out = out[:, :, :group, :, :head_dim].transpose(0, 3, 1, 2, 4)
     out = out.reshape(num_tiles, tile, num_heads, head_dim)

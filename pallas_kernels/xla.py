@@ -15,6 +15,11 @@ softmax in a loop that stops after the longest context in the call, so the
 cost follows the real contexts and not the block tables' width: callers may
 pass tables padded to the maximum width and compile one shape.
 Softmax is computed in fp32; rows with no visible key give zeros, not NaN.
+
+Optional, as the kernels: `sliding_window` w (an int or a traced int32 scalar)
+lets a query at position p see only keys in (p - w, p], and the loop starts at
+the first chunk any query sees; `logits_soft_cap` c maps scores to
+c * tanh(score / c) (Gemma 2).
 """
 
 import functools
@@ -45,8 +50,13 @@ def _gather_pages(pages, tables):
 CHUNK_PAGES = 8
 
 
-def _attend_in_chunks(tables, max_context, page_size, chunk_scores, av_equation, out_shape):
-    """Online-softmax attention over the table's pages, CHUNK_PAGES at a time, up to `max_context`.
+def soft_cap(scores, cap):
+    return scores if cap is None else cap * jnp.tanh(scores / cap)
+
+
+def _attend_in_chunks(tables, max_context, page_size, chunk_scores, av_equation, out_shape, first_key=0):
+    """Online-softmax attention over the table's pages, CHUNK_PAGES at a time, from the chunk
+    holding `first_key` (the first key any query sees) up to `max_context`.
 
     chunk_scores(table_chunk [N, C], first_key) -> (fp32 scores [..., keys], mask, v) for that
     chunk's keys; `av_equation` contracts probabilities with v into `out_shape`. Empty rows -> 0.
@@ -69,12 +79,19 @@ def _attend_in_chunks(tables, max_context, page_size, chunk_scores, av_equation,
 
     init = (jnp.full(out_shape[:-1], -jnp.inf, jnp.float32), jnp.zeros(out_shape[:-1], jnp.float32),
             jnp.zeros(out_shape, jnp.float32))
-    _, l, acc = lax.fori_loop(0, num_chunks, step, init)
+    _, l, acc = lax.fori_loop(first_key // (chunk * page_size), num_chunks, step, init)
     return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, *, scale=None):
+def _first_key(starts, contexts):
+    """The first key any non-empty row sees (0 when every row is empty)."""
+    live = contexts > 0
+    return jnp.where(jnp.any(live), jnp.min(jnp.where(live, starts, jnp.iinfo(jnp.int32).max)), 0)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "logits_soft_cap"))
+def paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, *, scale=None, sliding_window=None,
+                        logits_soft_cap=None):
     """Decode attention: q [S, H, d] -> [S, H, d]; see paged_attention."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size = k_pages.shape[:3]
@@ -86,14 +103,18 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, *, scal
     def chunk_scores(chunk_tables, first_key):
         k = _gather_pages(k_pages, chunk_tables)  # [kvh, S, keys, d]
         v = _gather_pages(v_pages, chunk_tables)
-        key_ok = first_key + jnp.arange(k.shape[2])[None, :] < context_lens[:, None]  # [S, keys]
-        # Masking V too keeps non-finite garbage in unused slots out of 0 * x.
+        key = first_key + jnp.arange(k.shape[2])[None, :]
+        key_ok = (key < context_lens[:, None]) & (key >= window_start[:, None])  # [S, keys]
+        # Masking V too keeps non-finite garbage in unused (or freed) slots out of 0 * x.
         v = jnp.where(key_ok[None, :, :, None], v, jnp.zeros((), v.dtype))
         scores = jnp.einsum("skgd,ksld->skgl", qg, k, preferred_element_type=jnp.float32, precision=_HIGHEST)
-        return scores * scale, key_ok[:, None, None, :], v
+        return soft_cap(scores * scale, logits_soft_cap), key_ok[:, None, None, :], v
 
+    # The one query of sequence s sits at context_lens[s] - 1 and sees keys >= window_start[s].
+    window_start = jnp.zeros_like(context_lens) if sliding_window is None else jnp.maximum(
+        context_lens - sliding_window, 0)
     out = _attend_in_chunks(tables, jnp.max(context_lens), page_size, chunk_scores, "skgl,ksld->skgd",
-                            (num_seqs, num_kv_heads, group, head_dim))
+                            (num_seqs, num_kv_heads, group, head_dim), _first_key(window_start, context_lens))
     return out.reshape(q.shape).astype(q.dtype)
 
 
@@ -104,8 +125,9 @@ def xla_query_tile(num_tokens: int, num_seqs: int) -> int:
     return min(128, tiling.next_pow2(avg))
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None):
+@functools.partial(jax.jit, static_argnames=("scale", "logits_soft_cap"))
+def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None,
+                               sliding_window=None, logits_soft_cap=None):
     """Ragged prefill: q [T, H, d] -> [T, H, d]; see ragged_paged_attention."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size = k_pages.shape[:3]
@@ -124,15 +146,20 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, 
         k = _gather_pages(k_pages, chunk_tables)  # [kvh, NT, keys, d]
         v = _gather_pages(v_pages, chunk_tables)
         key = first_key + jnp.arange(k.shape[2], dtype=jnp.int32)
-        key_ok = key[None, :] < tile_context[:, None]  # [NT, keys]
+        key_ok = (key[None, :] < tile_context[:, None]) & (key[None, :] >= tile_start[:, None])  # [NT, keys]
         v = jnp.where(key_ok[None, :, :, None], v, jnp.zeros((), v.dtype))
-        causal = key[None, None, :] <= (pos0[:, None] + row[None, :])[:, :, None]
+        q_pos = (pos0[:, None] + row[None, :])[:, :, None]
+        causal = key[None, None, :] <= q_pos
+        if sliding_window is not None:
+            causal &= key[None, None, :] > q_pos - sliding_window
         mask = causal & key_ok[:, None, :] & (row[None, :] < rows[:, None])[:, :, None]
         scores = jnp.einsum("ntkgd,knld->nkgtl", qt, k, preferred_element_type=jnp.float32, precision=_HIGHEST)
-        return scores * scale, mask[:, None, None], v
+        return soft_cap(scores * scale, logits_soft_cap), mask[:, None, None], v
 
+    # The first key the tile's first query sees (every later query sees less far back).
+    tile_start = jnp.zeros_like(pos0) if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
     out = _attend_in_chunks(tables, jnp.max(tile_context), page_size, chunk_scores, "nkgtl,knld->nkgtd",
-                            (nt, num_kv_heads, group, tile, head_dim))
+                            (nt, num_kv_heads, group, tile, head_dim), _first_key(tile_start, tile_context))
     out = out.transpose(0, 3, 1, 2, 4).reshape(nt, tile, num_heads, head_dim)
     out = tiling.scatter_tiles_to_tokens(out, query_start_loc, num_tokens, tile)
     return out.astype(q.dtype)
