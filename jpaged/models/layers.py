@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 import pallas_kernels
+from pallas_kernels.blocks import NO_WINDOW
 from jpaged.config import ATTENTION_BACKENDS
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, kv_head_replicas, tp_size
 
@@ -92,13 +93,17 @@ class Embedding(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim, eps, *, dtype=jnp.float32):
-        self.eps = eps
+    """`offset` 1.0: Gemma's (1 + w) scaling, applied in fp32 before the cast (Llama casts first)."""
+
+    def __init__(self, dim, eps, *, dtype=jnp.float32, offset=0.0):
+        self.eps, self.offset = eps, offset
         self.weight = _param((dim,), ("norm",), dtype)
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * x32.astype(x.dtype)
 
     def hf_weights(self, prefix: str) -> HFWeights:
@@ -168,34 +173,65 @@ class MLP(nnx.Module):
 
 # ----------------------------------------------------------------------------- rotary embedding
 
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding parameters; `scaling` is a sorted tuple of the HF rope_scaling items."""
+    """Rotary embedding parameters. `params` is a sorted tuple of the HF rope parameters that shape
+    the frequencies; rotary_dim < head_dim rotates only the first rotary_dim features (Phi-4's
+    partial_rotary_factor)."""
 
     head_dim: int
     theta: float
-    scaling: tuple = ()
+    params: tuple = ()
+    rotary_dim: int | None = None
 
     @classmethod
-    def from_hf(cls, hf_config, head_dim: int) -> "RopeConfig":
-        # transformers >= 5 keeps everything in `rope_parameters`; older versions use
-        # `rope_theta` + `rope_scaling`.
+    def from_hf(cls, hf_config, head_dim: int, layer_type: str | None = None,
+                max_model_len: int | None = None) -> "RopeConfig":
+        """`layer_type` picks Gemma 3's per-layer-type parameters. LongRoPE (Phi-3) rotates with its
+        long factors when the context may exceed original_max_position_embeddings (max_model_len,
+        default the model's max_position_embeddings), else with its short ones, fixed for the
+        engine's life as vLLM does: cached keys never change rotation."""
+        # transformers >= 5 keeps everything in `rope_parameters` (per layer type for Gemma 3);
+        # older versions use `rope_theta` + `rope_scaling`.
         params = dict(getattr(hf_config, "rope_parameters", None) or {})
+        if layer_type is not None and layer_type in params:
+            params = dict(params[layer_type])
         theta = params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", 10000.0)
         if not params:
             params = dict(getattr(hf_config, "rope_scaling", None) or {})
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: 'default', 'llama3'")
-        scaling = () if rope_type == "default" else tuple(sorted(
-            (k, v) for k, v in params.items() if k in ("rope_type", "factor", "low_freq_factor", "high_freq_factor",
-                                                     "original_max_position_embeddings")))
-        return cls(head_dim, float(theta), scaling)
+        if rope_type == "su":  # LongRoPE's older name
+            rope_type = "longrope"
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+        partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0
+        rotary_dim = int(head_dim * partial)
+        kept = {"rope_type": rope_type}
+        if rope_type in ("linear", "llama3"):
+            kept.update((k, v) for k, v in params.items() if k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                                   "original_max_position_embeddings"))
+        elif rope_type == "longrope":
+            # Phi-3 keeps the pretrained length as a top-level field, which wins over the parameter.
+            original = getattr(hf_config, "original_max_position_embeddings", None) or params[
+                "original_max_position_embeddings"]
+            longest = max_model_len or hf_config.max_position_embeddings
+            factors = params["long_factor"] if longest > original else params["short_factor"]
+            factor = params.get("factor") or hf_config.max_position_embeddings / original
+            attention_factor = params.get("attention_factor") or (
+                1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
+            kept.update(ext_factors=tuple(factors), attention_factor=attention_factor)
+        return cls(head_dim, float(theta), tuple(sorted(kept.items())) if rope_type != "default" else (), rotary_dim)
 
     def inv_freq(self) -> np.ndarray:
-        inv_freq = 1.0 / (self.theta ** (np.arange(0, self.head_dim, 2, dtype=np.float32) / self.head_dim))
-        scaling = dict(self.scaling)
-        if scaling.get("rope_type") == "llama3":
+        dim = self.rotary_dim or self.head_dim
+        inv_freq = 1.0 / (self.theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+        scaling = dict(self.params)
+        if scaling.get("rope_type") == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif scaling.get("rope_type") == "llama3":
             # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
             factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
             old_len = scaling["original_max_position_embeddings"]
@@ -205,23 +241,33 @@ class RopeConfig:
             smoothed = (1 - smooth) * scaled / factor + smooth * scaled
             medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
             inv_freq = np.where(medium, smoothed, scaled)
+        elif scaling.get("rope_type") == "longrope":
+            inv_freq = inv_freq / np.asarray(scaling["ext_factors"], np.float32)
         return inv_freq.astype(np.float32)
 
+    def attention_factor(self) -> float:
+        """LongRoPE scales cos and sin by this (1 for the others)."""
+        return dict(self.params).get("attention_factor", 1.0)
 
-def apply_rope(x, positions, rope: RopeConfig):
-    """Rotate-half rotary embedding of x: [tokens, heads, head_dim] at integer positions [tokens]."""
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope.inv_freq())[None, :]
+
+def apply_rope(x, positions, inv_freq, attention_factor=1.0):
+    """Rotate-half rotary embedding of x: [tokens, heads, head_dim] at integer positions [tokens];
+    inv_freq [rotary_dim / 2] (a traced per-layer row under the scan is fine); features past
+    rotary_dim pass through."""
+    rotary_dim = 2 * inv_freq.shape[-1]
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    cos, sin = (jnp.cos(emb) * attention_factor).astype(x.dtype), (jnp.sin(emb) * attention_factor).astype(x.dtype)
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+    return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
 
 
 # ----------------------------------------------------------------------------- paged attention
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["slot_mapping", "block_tables", "context_lens", "query_start_loc"],
+                   data_fields=["slot_mapping", "block_tables", "context_lens", "query_start_loc", "layer"],
                    meta_fields=["is_decode"])
 @dataclasses.dataclass
 class AttentionMetadata:
@@ -232,6 +278,8 @@ class AttentionMetadata:
     context_lens: int32[seqs], tokens in pages after this step (cached + new); 0 for padding.
     query_start_loc: int32[seqs + 1], where each sequence's new tokens start in the token axis.
     is_decode: static; every sequence has exactly one new token (tokens == seqs).
+    layer: int32 scalar, the decoder layer being run (set by the layer stack's scan), for the
+      layers that differ by layer (Gemma's alternating local and global attention).
     """
 
     slot_mapping: jax.Array
@@ -239,13 +287,14 @@ class AttentionMetadata:
     context_lens: jax.Array
     query_start_loc: jax.Array
     is_decode: bool = False
+    layer: jax.Array | None = None
 
     def for_layer(self, layer, pages_per_layer: int, page_size: int) -> "AttentionMetadata":
         """The same step in layer `layer`'s part of the stacked pool, whose page axis holds every
         layer's pages one layer after another (page p of layer l is page l * pages_per_layer + p)."""
         first_page = layer * pages_per_layer
         slots = jnp.where(self.slot_mapping < 0, -1, self.slot_mapping + first_page * page_size)
-        return dataclasses.replace(self, slot_mapping=slots, block_tables=self.block_tables + first_page)
+        return dataclasses.replace(self, slot_mapping=slots, block_tables=self.block_tables + first_page, layer=layer)
 
 
 
@@ -272,25 +321,29 @@ class AttentionOps:
             return jax.default_backend() != "gpu"
         return None
 
-    def __call__(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
-        attend = functools.partial(self._attend, scale=scale)
+    def __call__(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window=None,
+                 logits_soft_cap: float | None = None):
+        """`sliding_window`: None (full attention), an int, or a traced int32 scalar (per layer)."""
+        attend = functools.partial(self._attend, scale=scale, logits_soft_cap=logits_soft_cap)
         if self.mesh is None:
-            return attend(q, k, v, kv_cache, meta)
+            return attend(q, k, v, kv_cache, meta, sliding_window)
         heads, pages = P(None, TP_AXIS, None), kv_cache_sharding(self.mesh).spec
         # check_vma=False: the Pallas kernels do not declare how they vary across the mesh.
-        return jax.shard_map(attend, mesh=self.mesh, in_specs=(heads, heads, heads, (pages, pages), P()),
-                             out_specs=(heads, (pages, pages)), check_vma=False)(q, k, v, kv_cache, meta)
+        return jax.shard_map(attend, mesh=self.mesh, in_specs=(heads, heads, heads, (pages, pages), P(), P()),
+                             out_specs=(heads, (pages, pages)), check_vma=False)(
+            q, k, v, kv_cache, meta, sliding_window)
 
-    def _attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
+    def _attend(self, q, k, v, kv_cache, meta: AttentionMetadata, sliding_window, scale: float, logits_soft_cap):
         k_pages, v_pages = pallas_kernels.write_kv(*kv_cache, k, v, meta.slot_mapping)
         args = (q, k_pages, v_pages, meta.block_tables, meta.context_lens)
+        opts = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         if self.backend == "xla":
-            out = (pallas_kernels.paged_attention_xla(*args, scale=scale) if meta.is_decode
-                   else pallas_kernels.ragged_paged_attention_xla(*args, meta.query_start_loc, scale=scale))
+            out = (pallas_kernels.paged_attention_xla(*args, **opts) if meta.is_decode
+                   else pallas_kernels.ragged_paged_attention_xla(*args, meta.query_start_loc, **opts))
         elif meta.is_decode:
-            out = pallas_kernels.paged_attention(*args, scale=scale, interpret=self._interpret())
+            out = pallas_kernels.paged_attention(*args, **opts, interpret=self._interpret())
         else:
-            out = pallas_kernels.ragged_paged_attention(*args, meta.query_start_loc, scale=scale,
+            out = pallas_kernels.ragged_paged_attention(*args, meta.query_start_loc, **opts,
                                                         interpret=self._interpret())
         return out, (k_pages, v_pages)
 
@@ -306,13 +359,27 @@ class Attention(nnx.Module):
     """
 
     def __init__(self, hidden, num_heads, num_kv_heads, head_dim, *, ops: AttentionOps, dtype,
-                 qkv_bias=False, o_bias=False, rope: RopeConfig | None = None, scale=None):
+                 qkv_bias=False, o_bias=False, rope: RopeConfig | tuple[RopeConfig, ...] | None = None, scale=None,
+                 sliding_window: int | None | tuple[int | None, ...] = None, logits_soft_cap: float | None = None,
+                 qk_norm: Callable[[], RMSNorm] | None = None):
+        """`rope` and `sliding_window` are either one value for every layer or a tuple with one per
+        layer of the stack (picked at run time by `meta.layer`); `qk_norm` builds the per-head
+        RMSNorm that Qwen3 and Gemma 3 apply to q and k before the rotation."""
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
         self.kv_replicas = kv_head_replicas(num_heads, num_kv_heads, tp_size(ops.mesh))
         num_kv_heads *= self.kv_replicas
-        self.ops, self.rope = ops, rope
+        self.ops, self.logits_soft_cap = ops, logits_soft_cap
+        ropes = rope if isinstance(rope, tuple) else (rope,)
+        # Hashable tuples: they are part of the static graph.
+        self.rope = None if rope is None else (tuple(tuple(r.inv_freq().tolist()) for r in ropes),
+                                               tuple(r.attention_factor() for r in ropes))
+        windows = sliding_window if isinstance(sliding_window, tuple) else (sliding_window,)
+        self.sliding_window = None if all(w is None for w in windows) else tuple(
+            NO_WINDOW if w is None else int(w) for w in windows)
         self.scale = scale if scale is not None else head_dim ** -0.5
+        self.q_norm = qk_norm() if qk_norm else None
+        self.k_norm = qk_norm() if qk_norm else None
         self.q_proj = Linear((hidden,), (num_heads, head_dim), ("embed", "q_heads", "head_dim"), use_bias=qkv_bias, dtype=dtype)
         self.k_proj = Linear((hidden,), (num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), use_bias=qkv_bias, dtype=dtype)
         self.v_proj = Linear((hidden,), (num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), use_bias=qkv_bias, dtype=dtype)
@@ -320,9 +387,13 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, kv_cache, meta: AttentionMetadata):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
-            q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)
-        out, kv_cache = self.ops(q, k, v, kv_cache, meta, self.scale)
+            inv_freq, factor = (_for_layer(table, meta.layer) for table in self.rope)
+            q, k = apply_rope(q, positions, inv_freq, factor), apply_rope(k, positions, inv_freq, factor)
+        window = None if self.sliding_window is None else _for_layer(self.sliding_window, meta.layer)
+        out, kv_cache = self.ops(q, k, v, kv_cache, meta, self.scale, window, self.logits_soft_cap)
         return self.o_proj(out.astype(x.dtype)), kv_cache
 
     def hf_weights(self, prefix: str, names=("q_proj", "k_proj", "v_proj", "o_proj")) -> HFWeights:
@@ -330,7 +401,16 @@ class Attention(nnx.Module):
         for ours, theirs in zip(("q_proj", "k_proj", "v_proj", "o_proj"), names):
             repeats = self.kv_replicas if ours in ("k_proj", "v_proj") else 1
             specs.update(getattr(self, ours).hf_weights(f"{prefix}.{theirs}", out_repeats=repeats))
+        if self.q_norm is not None:
+            specs.update({**self.q_norm.hf_weights(f"{prefix}.q_norm"), **self.k_norm.hf_weights(f"{prefix}.k_norm")})
         return specs
+
+
+def _for_layer(values: tuple, layer):
+    """Entry `layer` of a per-layer tuple: a constant when every layer has the same."""
+    if all(v == values[0] for v in values):
+        return np.asarray(values[0], np.float32) if isinstance(values[0], tuple) else values[0]
+    return jnp.asarray(values)[layer]
 
 
 # ----------------------------------------------------------------------------- stacked layers
