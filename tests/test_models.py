@@ -16,6 +16,7 @@ VOCAB = 160
 COMMON = dict(vocab_size=VOCAB, max_position_embeddings=256)
 LLAMA = dict(COMMON, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              initializer_range=0.3)
+PHI3 = dict(LLAMA, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # Phi-3's defaults lie outside VOCAB
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
 
@@ -26,8 +27,23 @@ CASES = {
     "llama-mqa-tied-bias": (tf.LlamaConfig, tf.LlamaForCausalLM,
                             dict(LLAMA, num_key_value_heads=1, tie_word_embeddings=True, attention_bias=True)),
     "mistral-gqa": (tf.MistralConfig, tf.MistralForCausalLM, dict(LLAMA, num_key_value_heads=2, head_dim=16)),
+    # Prompts of 17-40 tokens and 16 new ones: every sequence outgrows the window.
+    "mistral-sliding-window": (tf.MistralConfig, tf.MistralForCausalLM,
+                               dict(LLAMA, num_key_value_heads=2, sliding_window=11)),
     "qwen2-mqa-tied": (tf.Qwen2Config, tf.Qwen2ForCausalLM,
                        dict(LLAMA, num_key_value_heads=1, tie_word_embeddings=True)),
+    "qwen3-gqa": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(LLAMA, num_key_value_heads=2, head_dim=32)),
+    # Layer 0 full, layer 1 windowed (max_window_layers).
+    "qwen3-tied-sliding-layer": (tf.Qwen3Config, tf.Qwen3ForCausalLM,
+                                 dict(LLAMA, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
+                                      use_sliding_window=True, sliding_window=9, max_window_layers=1)),
+    "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(PHI3, num_key_value_heads=2)),
+    # LongRoPE past original_max_position_embeddings (long factors, attention factor); Phi-4-mini's
+    # partial rotary factor; a window over every layer.
+    "phi3-longrope-partial-sliding": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(
+        PHI3, num_key_value_heads=1, original_max_position_embeddings=16, partial_rotary_factor=0.5,
+        sliding_window=13, rope_scaling={"type": "longrope", "short_factor": [1.5, 1.0, 3.0, 1.2],
+                                         "long_factor": [2.0, 4.0, 8.0, 16.0]})),
     "opt": (tf.OPTConfig, tf.OPTForCausalLM,
             dict(COMMON, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
                  word_embed_proj_dim=64, init_std=0.3)),
@@ -72,7 +88,7 @@ def hf_greedy(model, ids: list[int], steps: int) -> list[int]:
     return tokens[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("case,backend", [(case, "xla") for case in CASES] + [("llama3-gqa-rope-scaling", "pallas")])
+@pytest.mark.parametrize("case,backend", [(case, "xla") for case in CASES] + [(case, "pallas") for case in ("llama3-gqa-rope-scaling", "mistral-sliding-window")])
 def test_hf_parity(case, backend, tmp_path):
     hf = make_checkpoint(tmp_path, case)
     llm = jpaged.LLM(str(tmp_path), dtype="float32", block_size=8, attention_backend=backend, enforce_eager=True,

@@ -35,9 +35,6 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 def derive_max_model_len(hf_config, requested: int | None) -> int:
     limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
-    # Sliding-window attention (Mistral) is not implemented: never attend past the window.
-    if getattr(hf_config, "use_sliding_window", True) and getattr(hf_config, "sliding_window", None):
-        limit = min(limit or hf_config.sliding_window, hf_config.sliding_window)
     if requested is None:
         if limit is None:
             raise ValueError("max_model_len must be given: the model config has no max_position_embeddings")
@@ -88,7 +85,8 @@ class LLMEngine:
         distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
         enable_compilation_cache()
         loaded = load_model(config.model, dtype=config.dtype, attention_backend=config.attention_backend,
-                            revision=config.revision, tensor_parallel_size=config.tensor_parallel_size)
+                            revision=config.revision, tensor_parallel_size=config.tensor_parallel_size,
+                            max_model_len=config.max_model_len)
         self.tokenizer, self.hf_config = loaded.tokenizer, loaded.hf_config
         if config.tokenizer is not None:  # vLLM's --tokenizer: another directory or hub id
             from transformers import AutoTokenizer

@@ -43,7 +43,7 @@ class GPT2Block(nnx.Module):
 
 
 class GPT2LMHeadModel(nnx.Module):
-    def __init__(self, cfg, *, dtype, ops: AttentionOps):
+    def __init__(self, cfg, *, dtype, ops: AttentionOps, max_model_len: int | None = None):
         if cfg.scale_attn_by_inverse_layer_idx or cfg.reorder_and_upcast_attn:
             raise ValueError("GPT-2 with scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn is not supported")
         self.wte = Embedding(cfg.vocab_size, cfg.n_embd, dtype=dtype)

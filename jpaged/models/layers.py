@@ -38,6 +38,30 @@ class WeightTarget(NamedTuple):
 HFWeights = dict[str, list[WeightTarget]]
 
 
+def fused_rows(*parts: list[WeightTarget]) -> list[WeightTarget]:
+    """Targets of one checkpoint tensor that stacks several [out, ...] tensors along its first axis
+    (Phi-3's qkv_proj, gate_up_proj): each part converts its own rows."""
+    total = sum(t.hf_shape[0] for targets in parts for t in targets[:1])
+    fused, offset = [], 0
+    for targets in parts:
+        n = targets[0].hf_shape[0]
+        fused += [t._replace(hf_shape=(total,) + t.hf_shape[1:],
+                             convert=lambda a, t=t, rows=slice(offset, offset + n): t.convert(a[rows]))
+                  for t in targets]
+        offset += n
+    return fused
+
+
+def sliding_windows(hf_config) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention). `layer_types` names the windowed layers
+    (Qwen2/3, Gemma); without it a config's `sliding_window` covers every layer (Mistral, Phi-3)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not getattr(hf_config, "use_sliding_window", True):  # Qwen2 configs written by older transformers
+        window = None
+    types = getattr(hf_config, "layer_types", None) or ["sliding_attention"] * hf_config.num_hidden_layers
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
 def _param(shape, axes, dtype) -> nnx.Param:
     assert len(shape) == len(axes), (shape, axes)
     return nnx.Param(jnp.zeros(shape, dtype), logical_axes=tuple(axes))

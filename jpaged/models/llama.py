@@ -1,24 +1,36 @@
-"""Llama family: Llama 2, Llama 3 (incl. llama3 rope scaling), Mistral and Qwen2.
+"""Llama family: Llama 2, Llama 3 (incl. llama3 rope scaling), Mistral, Qwen2 and Qwen3.
 
-Pre-norm decoder with RMSNorm, rotary embeddings, GQA/MQA and a SiLU-gated MLP. Qwen2
-differs only by q/k/v biases (and usually tied embeddings); Mistral's sliding window is not
-implemented, so the engine caps max_model_len at it.
+Pre-norm decoder with RMSNorm, rotary embeddings, GQA/MQA and a SiLU-gated MLP. Qwen2 adds
+q/k/v biases (and usually ties the embeddings), Qwen3 a per-head RMSNorm of q and k. Mistral's
+sliding window covers every layer; Qwen2/3 window the layers their `layer_types` name.
 """
 
 from flax import nnx
 
 from jpaged.models.layers import (Attention, AttentionOps, Embedding, GatedMLP, HFWeights, LayerStack, Linear,
-                                  RMSNorm, RopeConfig)
+                                  RMSNorm, RopeConfig, sliding_windows)
+
+
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def llama_attention(cfg, *, ops, dtype, max_model_len=None, qkv_bias=False, o_bias=False) -> Attention:
+    head_dim = head_dim_of(cfg)
+    qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
+    return Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, ops=ops,
+                     dtype=dtype, qkv_bias=qkv_bias, o_bias=o_bias,
+                     rope=RopeConfig.from_hf(cfg, head_dim, max_model_len=max_model_len),
+                     sliding_window=sliding_windows(cfg),
+                     qk_norm=(lambda: RMSNorm(head_dim, cfg.rms_norm_eps, dtype=dtype)) if qk_norm else None)
 
 
 class LlamaDecoderLayer(nnx.Module):
-    def __init__(self, cfg, head_dim, *, ops, dtype, qkv_bias, o_bias):
+    def __init__(self, self_attn: Attention, mlp: nnx.Module, cfg, *, dtype):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim,
-                                   ops=ops, dtype=dtype, qkv_bias=qkv_bias, o_bias=o_bias,
-                                   rope=RopeConfig.from_hf(cfg, head_dim))
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype=dtype)
+        self.mlp = mlp
 
     def __call__(self, x, positions, kv_cache, meta):
         h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
@@ -33,18 +45,26 @@ class LlamaDecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    def __init__(self, cfg, *, dtype, ops: AttentionOps):
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        qwen2 = cfg.model_type == "qwen2"
-        qkv_bias = qwen2 or getattr(cfg, "attention_bias", False)
-        o_bias = not qwen2 and getattr(cfg, "attention_bias", False)
+    """Also the base of the families that keep Llama's outer structure (Phi-3, the MoE models):
+    they override `make_layer`."""
+
+    def __init__(self, cfg, *, dtype, ops: AttentionOps, max_model_len: int | None = None):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = LayerStack(lambda: LlamaDecoderLayer(cfg, head_dim, ops=ops, dtype=dtype, qkv_bias=qkv_bias,
-                                                           o_bias=o_bias), cfg.num_hidden_layers)
+        self.layers = LayerStack(lambda: self.make_layer(cfg, ops=ops, dtype=dtype, max_model_len=max_model_len),
+                                 cfg.num_hidden_layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(
             (cfg.hidden_size,), (cfg.vocab_size,), ("embed", "vocab"), dtype=dtype)
+
+    @staticmethod
+    def make_layer(cfg, *, ops, dtype, max_model_len) -> nnx.Module:
+        qwen2 = cfg.model_type == "qwen2"
+        bias = getattr(cfg, "attention_bias", False)
+        attn = llama_attention(cfg, ops=ops, dtype=dtype, max_model_len=max_model_len, qkv_bias=qwen2 or bias,
+                               o_bias=not qwen2 and bias)
+        return LlamaDecoderLayer(attn, GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype=dtype),
+                                 cfg, dtype=dtype)
 
     def __call__(self, input_ids, positions, kv_cache, meta):
         x, kv_cache = self.layers(self.embed_tokens(input_ids), positions, kv_cache, meta)

@@ -27,6 +27,7 @@ from jpaged.models.gpt2 import GPT2LMHeadModel
 from jpaged.models.layers import AttentionOps
 from jpaged.models.llama import LlamaForCausalLM
 from jpaged.models.opt import OPTForCausalLM
+from jpaged.models.phi3 import Phi3ForCausalLM
 from jpaged.parallel import sharding
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }
@@ -77,14 +80,16 @@ def resolve_dtype(dtype, hf_config: PretrainedConfig) -> jnp.dtype:
 
 
 def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.ndarray]], *, dtype: jnp.dtype,
-                attention_backend: str = "auto", mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
+                attention_backend: str = "auto", mesh: jax.sharding.Mesh | None = None,
+                max_model_len: int | None = None) -> nnx.Module:
     """Build the model for `hf_config` abstractly and fill it from (name, tensor) pairs in HF naming,
-    each weight placed on `mesh` (default: the first device) by its logical axes."""
+    each weight placed on `mesh` (default: the first device) by its logical axes. `max_model_len`
+    (default: the model's own limit) is for models whose rotary embedding depends on it (LongRoPE)."""
     model_cls = get_model_class(hf_config)
     mesh = mesh or sharding.make_mesh(1)
     ops = AttentionOps(attention_backend, mesh)
     # Abstract: a tensor-parallel size the heads do not allow fails here, before any allocation.
-    model = nnx.eval_shape(lambda: model_cls(hf_config, dtype=dtype, ops=ops))
+    model = nnx.eval_shape(lambda: model_cls(hf_config, dtype=dtype, ops=ops, max_model_len=max_model_len))
     specs = model.hf_weights()
     ignored = [re.compile(p) for p in model_cls.ignored_hf_weights]
     seen = set()
@@ -156,7 +161,7 @@ def resolve_model_dir(model: str, revision: str | None = None) -> str:
 
 
 def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", revision: str | None = None,
-               tensor_parallel_size: int = 1) -> LoadedModel:
+               tensor_parallel_size: int = 1, max_model_len: int | None = None) -> LoadedModel:
     mesh = sharding.make_mesh(tensor_parallel_size)  # fails on too few devices before reading anything
     if model == "tiny":
         from jpaged.models import tiny
@@ -174,5 +179,6 @@ def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", rev
         except (OSError, ValueError, TypeError):
             logger.warning("no tokenizer found in %s: prompts must be token ids", model_dir)
             tokenizer = None
-    nn_model = build_model(hf_config, weights, dtype=jdtype, attention_backend=attention_backend, mesh=mesh)
+    nn_model = build_model(hf_config, weights, dtype=jdtype, attention_backend=attention_backend, mesh=mesh,
+                           max_model_len=max_model_len)
     return LoadedModel(nn_model, hf_config, tokenizer, jdtype, mesh)

@@ -32,7 +32,7 @@ class OPTDecoderLayer(nnx.Module):
 
 
 class OPTForCausalLM(nnx.Module):
-    def __init__(self, cfg, *, dtype, ops: AttentionOps):
+    def __init__(self, cfg, *, dtype, ops: AttentionOps, max_model_len: int | None = None):
         unsupported = {"do_layer_norm_before": (cfg.do_layer_norm_before, True),
                        "word_embed_proj_dim": (cfg.word_embed_proj_dim, cfg.hidden_size),
                        "enable_bias": (getattr(cfg, "enable_bias", True), True),
