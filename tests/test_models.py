@@ -17,6 +17,7 @@ COMMON = dict(vocab_size=VOCAB, max_position_embeddings=256)
 LLAMA = dict(COMMON, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              initializer_range=0.3)
 PHI3 = dict(LLAMA, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # Phi-3's defaults lie outside VOCAB
+GEMMA = dict(LLAMA, pad_token_id=0, bos_token_id=1, eos_token_id=2, layer_types=["sliding_attention", "full_attention"])
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
 
@@ -44,6 +45,17 @@ CASES = {
         PHI3, num_key_value_heads=1, original_max_position_embeddings=16, partial_rotary_factor=0.5,
         sliding_window=13, rope_scaling={"type": "longrope", "short_factor": [1.5, 1.0, 3.0, 1.2],
                                          "long_factor": [2.0, 4.0, 8.0, 16.0]})),
+    # Layer 0 local (window 10), layer 1 global; attention and final logits soft-capped low enough
+    # to bite; head_dim != hidden / heads.
+    "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, dict(
+        GEMMA, num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=20, sliding_window=10,
+        attn_logit_softcapping=3.0, final_logit_softcapping=4.0)),
+    # Local and global layers with their own rope bases (the global one linearly scaled).
+    "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, dict(
+        GEMMA, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=12,
+        sliding_window_pattern=2, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}})),
     "opt": (tf.OPTConfig, tf.OPTForCausalLM,
             dict(COMMON, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
                  word_embed_proj_dim=64, init_std=0.3)),
@@ -88,7 +100,7 @@ def hf_greedy(model, ids: list[int], steps: int) -> list[int]:
     return tokens[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("case,backend", [(case, "xla") for case in CASES] + [(case, "pallas") for case in ("llama3-gqa-rope-scaling", "mistral-sliding-window")])
+@pytest.mark.parametrize("case,backend", [(case, "xla") for case in CASES] + [(case, "pallas") for case in ("llama3-gqa-rope-scaling", "mistral-sliding-window", "gemma2")])
 def test_hf_parity(case, backend, tmp_path):
     hf = make_checkpoint(tmp_path, case)
     llm = jpaged.LLM(str(tmp_path), dtype="float32", block_size=8, attention_backend=backend, enforce_eager=True,

@@ -23,6 +23,7 @@ import safetensors
 from flax import nnx
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
+from jpaged.models.gemma import GemmaForCausalLM
 from jpaged.models.gpt2 import GPT2LMHeadModel
 from jpaged.models.layers import AttentionOps
 from jpaged.models.llama import LlamaForCausalLM
@@ -39,6 +40,8 @@ MODEL_REGISTRY = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }
