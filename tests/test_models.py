@@ -91,13 +91,16 @@ def prompt_logits(llm: jpaged.LLM, ids: list[int]) -> np.ndarray:
     return np.asarray(model.compute_logits(hidden))
 
 
-def hf_greedy(model, ids: list[int], steps: int) -> list[int]:
-    tokens = torch.tensor([ids])
+def hf_greedy(model, ids: list[int], steps: int, with_logprobs=False):
+    """HF's greedy continuation (the whole sequence recomputed each step), and its logprobs."""
+    tokens, logprobs = torch.tensor([ids]), []
     with torch.no_grad():
         for _ in range(steps):
-            nxt = model(tokens).logits[0, -1].argmax()
+            logits = model(tokens).logits[0, -1].double()
+            nxt = logits.argmax()
+            logprobs.append(torch.log_softmax(logits, -1)[nxt].item())
             tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
-    return tokens[0, len(ids):].tolist()
+    return (tokens[0, len(ids):].tolist(), logprobs) if with_logprobs else tokens[0, len(ids):].tolist()
 
 
 @pytest.mark.parametrize("case,backend", [(case, "xla") for case in CASES] + [(case, "pallas") for case in ("llama3-gqa-rope-scaling", "mistral-sliding-window", "gemma2")])
@@ -130,3 +133,26 @@ def test_sharded_bf16_checkpoint_auto_dtype(tmp_path):
     ours = prompt_logits(llm, ids)
     # bf16 weights and activations: loose, but proves the tensors landed in the right places.
     assert np.corrcoef(ours.ravel(), ref.ravel())[0, 1] > 0.99
+
+
+NEW_ARCHITECTURES = ["mistral-sliding-window", "qwen3-tied-sliding-layer", "phi3-longrope-partial-sliding", "gemma2",
+                     "gemma3"]
+
+
+@pytest.mark.parametrize("case", NEW_ARCHITECTURES)
+def test_hf_parity_tp2_under_recompute_preemption(case, tmp_path):
+    """Tensor parallelism over 2 devices and a pool too small for the batch (recomputed sequences
+    prefill again through the windows): greedy tokens equal HF's, logprobs within 1e-4."""
+    hf = make_checkpoint(tmp_path, case)
+    llm = jpaged.LLM(str(tmp_path), dtype="float32", block_size=8, attention_backend="xla", enforce_eager=True,
+                     max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, tensor_parallel_size=2,
+                     num_gpu_blocks_override=12, preemption_mode="recompute")
+    prompts = [np.random.randint(0, VOCAB, size=np.random.randint(17, 40)).tolist() for _ in range(4)]
+    outs = llm.generate(prompts, jpaged.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1),
+                        use_tqdm=False)
+    assert llm.stats()["num_preemptions"] > 0
+    for ids, out in zip(prompts, outs):
+        tokens, logprobs = hf_greedy(hf, ids, 16, with_logprobs=True)
+        assert out.outputs[0].token_ids == tokens
+        ours = [lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)]
+        np.testing.assert_allclose(ours, logprobs, rtol=0, atol=1e-4)
