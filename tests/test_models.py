@@ -11,6 +11,7 @@ from flax import nnx
 
 import jpaged
 from jpaged.models.layers import AttentionMetadata
+from jpaged.models.loader import build_model, iter_safetensors
 
 VOCAB = 160
 COMMON = dict(vocab_size=VOCAB, max_position_embeddings=256)
@@ -56,6 +57,13 @@ CASES = {
         sliding_window_pattern=2, rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}})),
+    # 8 experts, top 2 (renormalised); a window over every layer.
+    "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, dict(
+        LLAMA, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, sliding_window=14)),
+    # Top 3 of 6, not renormalised (norm_topk_prob=False); q/k norm.
+    "qwen3-moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(
+        LLAMA, num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40,
+        norm_topk_prob=False)),
     "opt": (tf.OPTConfig, tf.OPTForCausalLM,
             dict(COMMON, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
                  word_embed_proj_dim=64, init_std=0.3)),
@@ -136,7 +144,7 @@ def test_sharded_bf16_checkpoint_auto_dtype(tmp_path):
 
 
 NEW_ARCHITECTURES = ["mistral-sliding-window", "qwen3-tied-sliding-layer", "phi3-longrope-partial-sliding", "gemma2",
-                     "gemma3"]
+                     "gemma3", "mixtral", "qwen3-moe"]
 
 
 @pytest.mark.parametrize("case", NEW_ARCHITECTURES)
@@ -156,3 +164,30 @@ def test_hf_parity_tp2_under_recompute_preemption(case, tmp_path):
         assert out.outputs[0].token_ids == tokens
         ours = [lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)]
         np.testing.assert_allclose(ours, logprobs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe"])
+def test_moe_routing_equals_hf(case, tmp_path):
+    """Layer 0's sparse block on random hidden states: the same experts (no near-ties among the
+    chosen and the next best), routing weights and output as HF's."""
+    hf = make_checkpoint(tmp_path, case)
+    cfg = tf.AutoConfig.from_pretrained(tmp_path)
+    model = build_model(cfg, iter_safetensors(str(tmp_path)), dtype=jnp.float32, attention_backend="xla")
+    graphdef, state = nnx.split(model.layers.layer)
+    layer0 = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
+    block = hf.model.layers[0].mlp  # transformers 5 names Mixtral's block `mlp` too (not in the checkpoint)
+    x = np.random.randn(50, cfg.hidden_size).astype(np.float32)
+    with torch.no_grad():
+        _, hf_weights, hf_experts = block.gate(torch.tensor(x))
+        hf_out = block(torch.tensor(x)[None])[0].numpy()
+        probs = torch.softmax(block.gate(torch.tensor(x))[0], -1).sort(-1, descending=True).values.numpy()
+    k = cfg.num_experts_per_tok
+    # Ties-free tokens only: where the k-th and next best are close, the choice is a rounding accident.
+    clear = probs[:, k - 1] - probs[:, k] > 1e-4
+    assert clear.sum() >= 40
+    experts, weights = layer0.mlp.route(jnp.asarray(x))
+    ours, theirs = np.sort(np.asarray(experts), -1)[clear], np.sort(hf_experts.numpy(), -1)[clear]
+    np.testing.assert_array_equal(ours, theirs)
+    np.testing.assert_allclose(np.sort(np.asarray(weights), -1)[clear], np.sort(hf_weights.numpy(), -1)[clear],
+                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(layer0.mlp(jnp.asarray(x)))[clear], hf_out[clear], rtol=1e-5, atol=1e-5)

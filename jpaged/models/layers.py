@@ -27,12 +27,14 @@ from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, kv_head_replica
 
 class WeightTarget(NamedTuple):
     """Where one Hugging Face tensor (of `hf_shape`) goes: `convert` maps it to `param`'s layout
-    (to one slice `layer` of it when the param is stacked over layers)."""
+    (to one slice `layer` of it when the param is stacked over layers, and to slice `expert` of
+    that when experts are stacked too)."""
 
     param: nnx.Param
     hf_shape: tuple[int, ...]
     convert: Callable[[np.ndarray], np.ndarray]
     layer: int | None = None
+    expert: int | None = None
 
 
 HFWeights = dict[str, list[WeightTarget]]
@@ -62,7 +64,7 @@ def sliding_windows(hf_config) -> tuple[int | None, ...]:
     return tuple(window if t == "sliding_attention" else None for t in types)
 
 
-def _param(shape, axes, dtype) -> nnx.Param:
+def weight_param(shape, axes, dtype) -> nnx.Param:
     assert len(shape) == len(axes), (shape, axes)
     return nnx.Param(jnp.zeros(shape, dtype), logical_axes=tuple(axes))
 
@@ -72,8 +74,8 @@ class Linear(nnx.Module):
 
     def __init__(self, in_shape, out_shape, axes, *, use_bias=False, dtype=jnp.float32):
         self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
-        self.kernel = _param(self.in_shape + self.out_shape, axes, dtype)
-        self.bias = _param(self.out_shape, axes[len(self.in_shape):], dtype) if use_bias else None
+        self.kernel = weight_param(self.in_shape + self.out_shape, axes, dtype)
+        self.bias = weight_param(self.out_shape, axes[len(self.in_shape):], dtype) if use_bias else None
 
     def __call__(self, x):
         n_in = len(self.in_shape)
@@ -103,7 +105,7 @@ class Linear(nnx.Module):
 
 class Embedding(nnx.Module):
     def __init__(self, num_embeddings, features, axes=("vocab", "embed"), *, dtype=jnp.float32):
-        self.embedding = _param((num_embeddings, features), axes, dtype)
+        self.embedding = weight_param((num_embeddings, features), axes, dtype)
 
     def __call__(self, ids):
         return jnp.take(self.embedding[...], ids, axis=0)
@@ -121,7 +123,7 @@ class RMSNorm(nnx.Module):
 
     def __init__(self, dim, eps, *, dtype=jnp.float32, offset=0.0):
         self.eps, self.offset = eps, offset
-        self.weight = _param((dim,), ("norm",), dtype)
+        self.weight = weight_param((dim,), ("norm",), dtype)
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
@@ -137,8 +139,8 @@ class RMSNorm(nnx.Module):
 class LayerNorm(nnx.Module):
     def __init__(self, dim, eps, *, dtype=jnp.float32):
         self.eps = eps
-        self.weight = _param((dim,), ("norm",), dtype)
-        self.bias = _param((dim,), ("norm",), dtype)
+        self.weight = weight_param((dim,), ("norm",), dtype)
+        self.bias = weight_param((dim,), ("norm",), dtype)
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)

@@ -27,6 +27,7 @@ from jpaged.models.gemma import GemmaForCausalLM
 from jpaged.models.gpt2 import GPT2LMHeadModel
 from jpaged.models.layers import AttentionOps
 from jpaged.models.llama import LlamaForCausalLM
+from jpaged.models.moe import MixtralForCausalLM
 from jpaged.models.opt import OPTForCausalLM
 from jpaged.models.phi3 import Phi3ForCausalLM
 from jpaged.parallel import sharding
@@ -42,6 +43,8 @@ MODEL_REGISTRY = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": MixtralForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }
@@ -111,7 +114,8 @@ def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.nda
                 target.param.set_value(sharding.put(value, sharding.logical_sharding(
                     mesh, target.param.logical_axes, value.shape)))
             else:
-                _set_layer(target.param, target.layer, value, mesh)
+                index = (target.layer,) if target.expert is None else (target.layer, target.expert)
+                _set_slice(target.param, index, value, mesh)
         seen.add(name)
     missing = [f"{n} (shape {specs[n][0].hf_shape})" for n in specs if n not in seen]
     if missing:
@@ -120,18 +124,19 @@ def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.nda
     return model
 
 
-# Writes one layer's slice into a stacked weight in place (the stack is donated).
-_update_layer = jax.jit(lambda stacked, layer, value: stacked.at[layer].set(value), donate_argnums=0)
+# Writes one slice into a stacked weight in place (the stack is donated).
+_update_slice = jax.jit(lambda stacked, index, value: stacked.at[index].set(value), donate_argnums=0)
 
 
-def _set_layer(param: nnx.Param, layer: int, value: np.ndarray, mesh: jax.sharding.Mesh):
-    """Fill slice `layer` of a stacked (scanned) weight; the stack is allocated on its first slice."""
+def _set_slice(param: nnx.Param, index: tuple[int, ...], value: np.ndarray, mesh: jax.sharding.Mesh):
+    """Fill slice `index` (a layer, or a layer's expert) of a stacked weight; the stack is
+    allocated on its first slice."""
     stacked = param.get_value()
     if not isinstance(stacked, jax.Array):  # still abstract
         stacked = jnp.zeros(stacked.shape, stacked.dtype,
                             device=sharding.logical_sharding(mesh, param.logical_axes, stacked.shape))
-    layer_sharding = sharding.logical_sharding(mesh, param.logical_axes[1:], value.shape)
-    param.set_value(_update_layer(stacked, layer, sharding.put(value, layer_sharding)))
+    slice_sharding = sharding.logical_sharding(mesh, param.logical_axes[len(index):], value.shape)
+    param.set_value(_update_slice(stacked, index, sharding.put(value, slice_sharding)))
 
 
 def iter_safetensors(model_dir: str) -> Iterator[tuple[str, np.ndarray]]:
