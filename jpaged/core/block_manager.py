@@ -17,6 +17,10 @@ computed. A block whose last holder lets go keeps its hash and sits in the free 
 evicted (its hash forgotten) only when the pool hands it out again, least recently freed first.
 A sequence frees its blocks tail first, so of blocks freed together the longest prefix goes first.
 Full blocks are never written again, which is what makes them safe to share this way.
+
+Sliding window (sliding_window set: every layer of the model is windowed): a sequence's blocks
+that hold only keys before the window of the next token it computes go back to the pool, as in
+vLLM; their table entries become FREED_BLOCK, which the kernels never read.
 """
 
 import array
@@ -26,6 +30,14 @@ import hashlib
 import math
 
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+FREED_BLOCK = -1  # a table entry whose block fell out of the sliding window and was freed
+
+
+def held(table: list[int]) -> list[int]:
+    """The blocks a table holds (without the entries freed out of the window)."""
+    return [block_id for block_id in table if block_id != FREED_BLOCK]
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -142,7 +154,7 @@ class BlockPool:
 
 class BlockManager:
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, watermark: float = 0.01,
-                 enable_caching: bool = False):
+                 enable_caching: bool = False, sliding_window: int | None = None):
         if block_size < 1 or num_gpu_blocks < 1 or num_cpu_blocks < 0 or not 0 <= watermark < 1:
             raise ValueError(f"bad block manager sizes: block_size={block_size}, num_gpu_blocks={num_gpu_blocks}, "
                              f"num_cpu_blocks={num_cpu_blocks}, watermark={watermark}")
@@ -155,6 +167,7 @@ class BlockManager:
         self.gpu_tables: dict[int, list[int]] = {}  # seq_id -> device block ids
         self.cpu_tables: dict[int, list[int]] = {}  # seq_id -> host block ids (swapped out)
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self._num_hashed_blocks: dict[int, int] = {}  # seq_id -> leading device blocks already cached
         # Prefix cache lookups in TOKENS, as vLLM v1 counts them: each admitted sequence queries
         # all its tokens and hits the leading ones found in the cache.
@@ -180,7 +193,7 @@ class BlockManager:
 
     def get_num_gpu_blocks_without_sharing(self) -> int:
         """Device blocks in use if nothing were shared: one per block table entry."""
-        return sum(len(table) for table in self.gpu_tables.values())
+        return sum(len(held(table)) for table in self.gpu_tables.values())
 
     def get_num_cached_gpu_blocks(self) -> int:
         return self.gpu_pool.get_num_cached_blocks()
@@ -321,7 +334,8 @@ class BlockManager:
             return
         table = self.gpu_tables[seq.seq_id]
         for block_id, block_hash in zip(table[start:num_full], self._block_hashes(seq, num_full)[start:]):
-            self.gpu_pool.cache(block_id, block_hash)
+            if block_id != FREED_BLOCK:  # swapped back in after its window moved on
+                self.gpu_pool.cache(block_id, block_hash)
         self._num_hashed_blocks[seq.seq_id] = num_full
 
     # Decoding.
@@ -370,7 +384,7 @@ class BlockManager:
         if child.seq_id in self.gpu_tables or child.seq_id in self.cpu_tables:
             raise ValueError(f"{child} already has blocks")
         table = self.get_block_table(parent)
-        for block_id in table:
+        for block_id in held(table):
             self.gpu_pool.share(block_id)
         self.gpu_tables[child.seq_id] = list(table)
         self._num_hashed_blocks[child.seq_id] = self._num_hashed_blocks[parent.seq_id]
@@ -383,15 +397,28 @@ class BlockManager:
             pool, table = self.cpu_pool, self.cpu_tables.pop(seq.seq_id)
         else:
             raise ValueError(f"{seq} has no blocks to free (freed twice?)")
-        for block_id in reversed(table):  # tail first: evicted before the prefix it extends
+        for block_id in reversed(held(table)):  # tail first: evicted before the prefix it extends
             pool.free(block_id)
         self._num_hashed_blocks.pop(seq.seq_id, None)
+
+    def free_out_of_window(self, seq: Sequence):
+        """Sliding window: free the sequence's blocks that hold only keys no token from
+        seq.num_computed_tokens on will see (before its window). The last block always stays."""
+        if self.sliding_window is None:
+            return
+        table = self.gpu_tables[seq.seq_id]
+        first_key = seq.num_computed_tokens - self.sliding_window + 1
+        i = min(max(first_key, 0) // self.block_size, len(table) - 1) - 1
+        while i >= 0 and table[i] != FREED_BLOCK:  # the freed entries are a prefix of the table
+            self.gpu_pool.free(table[i])
+            table[i] = FREED_BLOCK
+            i -= 1
 
     # Swapping. A block shared by several sequences of the group moves once and keeps its
     # reference count.
 
     def _distinct_blocks(self, tables: dict[int, list[int]], seqs: list[Sequence]) -> set[int]:
-        return {block_id for seq in seqs for block_id in tables[seq.seq_id]}
+        return {block_id for seq in seqs for block_id in held(tables[seq.seq_id])}
 
     def can_swap_out(self, seq_group: SequenceGroup) -> bool:
         blocks = self._distinct_blocks(self.gpu_tables, seq_group.get_seqs(SequenceStatus.RUNNING))
@@ -428,14 +455,14 @@ class BlockManager:
         mapping: dict[int, int] = {}  # src block -> dst block
         for seq in seqs:
             table = src_tables.pop(seq.seq_id)
-            for block_id in table:
+            for block_id in held(table):
                 if block_id in mapping:
                     dst_pool.share(mapping[block_id])
                 else:
                     mapping[block_id] = dst_pool.allocate()
-            for block_id in reversed(table):  # device blocks left behind stay cached, tail first
+            for block_id in reversed(held(table)):  # device blocks left behind stay cached, tail first
                 src_pool.free(block_id)
-            dst_tables[seq.seq_id] = [mapping[block_id] for block_id in table]
+            dst_tables[seq.seq_id] = [mapping.get(block_id, FREED_BLOCK) for block_id in table]
         return list(mapping.items())
 
     def check_invariants(self):
@@ -443,7 +470,7 @@ class BlockManager:
         tables holding it, exactly the blocks nobody holds are in the free queue, the prefix cache
         maps each hash to the one block carrying it, and free + cached + in use = total."""
         for pool, tables in ((self.gpu_pool, self.gpu_tables), (self.cpu_pool, self.cpu_tables)):
-            holders = collections.Counter(block_id for table in tables.values() for block_id in table)
+            holders = collections.Counter(block_id for table in tables.values() for block_id in held(table))
             counts = collections.Counter()  # free / cached / in use
             for block in pool.blocks:
                 if block.ref_cnt != holders[block.block_id]:

@@ -213,6 +213,7 @@ class Scheduler:
             # The blocks this step fills are cached from now on. A group admitted later in this
             # step may read them at once: every layer writes the step's new K/V before attending.
             self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + chunk)
+            self.block_manager.free_out_of_window(seq)
         num_tokens = chunk * len(running)
         out.scheduled_seq_groups.append(ScheduledSequenceGroup(seq_group, chunk))
         out.num_batched_tokens += num_tokens

@@ -20,6 +20,7 @@ from jpaged.core.detokenizer import Detokenizer
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from jpaged.core.structured_output import StructuredOutputManager
+from jpaged.models.layers import common_sliding_window
 from jpaged.models.loader import load_model
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.parallel import distributed
@@ -111,7 +112,8 @@ class LLMEngine:
                     config.model, loaded.dtype.name, jax.default_backend(), num_gpu_blocks, num_cpu_blocks,
                     config.block_size, bytes_per_block / 1024)
         self.block_manager = BlockManager(config.block_size, num_gpu_blocks, num_cpu_blocks,
-                                          enable_caching=config.enable_prefix_caching)
+                                          enable_caching=config.enable_prefix_caching,
+                                          sliding_window=common_sliding_window(loaded.model))
         # Debug mode (the tests turn it on): check the block pool's invariants after every step.
         self.check_invariants = os.environ.get("JPAGED_CHECK_INVARIANTS", "0") not in ("", "0")
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,

@@ -439,6 +439,14 @@ def _for_layer(values: tuple, layer):
     return jnp.asarray(values)[layer]
 
 
+def common_sliding_window(model: nnx.Module) -> int | None:
+    """The window every attention layer of the model shares, or None (some attend to everything):
+    only then can the block manager free the blocks that fell out of it."""
+    windows = {w for _, node in nnx.iter_graph(model) if isinstance(node, Attention)
+               for w in (node.sliding_window or (NO_WINDOW,))}
+    return windows.pop() if len(windows) == 1 and NO_WINDOW not in windows else None
+
+
 # ----------------------------------------------------------------------------- stacked layers
 
 class LayerStack(nnx.Module):
