@@ -149,18 +149,20 @@ NEW_ARCHITECTURES = ["mistral-sliding-window", "qwen3-tied-sliding-layer", "phi3
 
 @pytest.mark.parametrize("case", NEW_ARCHITECTURES)
 def test_hf_parity_tp2_under_recompute_preemption(case, tmp_path):
-    """Tensor parallelism over 2 devices and a pool too small for the batch (recomputed sequences
-    prefill again through the windows): greedy tokens equal HF's, logprobs within 1e-4."""
+    """Tensor parallelism over 2 devices, and four sequences that all start at once (one block
+    each) and grow past what the pool holds, even with the blocks that fell out of a window freed
+    (3 each at most, 10 in all): some are preempted and recomputed, their prefill running through
+    the windows. Greedy tokens equal HF's, logprobs within 1e-4."""
     hf = make_checkpoint(tmp_path, case)
     llm = jpaged.LLM(str(tmp_path), dtype="float32", block_size=8, attention_backend="xla", enforce_eager=True,
                      max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, tensor_parallel_size=2,
-                     num_gpu_blocks_override=12, preemption_mode="recompute")
-    prompts = [np.random.randint(0, VOCAB, size=np.random.randint(17, 40)).tolist() for _ in range(4)]
-    outs = llm.generate(prompts, jpaged.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1),
+                     num_gpu_blocks_override=10, preemption_mode="recompute")
+    prompts = [np.random.randint(0, VOCAB, size=np.random.randint(5, 9)).tolist() for _ in range(4)]
+    outs = llm.generate(prompts, jpaged.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1),
                         use_tqdm=False)
     assert llm.stats()["num_preemptions"] > 0
     for ids, out in zip(prompts, outs):
-        tokens, logprobs = hf_greedy(hf, ids, 16, with_logprobs=True)
+        tokens, logprobs = hf_greedy(hf, ids, 40, with_logprobs=True)
         assert out.outputs[0].token_ids == tokens
         ours = [lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)]
         np.testing.assert_allclose(ours, logprobs, rtol=0, atol=1e-4)
