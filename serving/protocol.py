@@ -7,6 +7,7 @@ jpaged does not implement (suffix, audio, functions, ...), are a 400 naming them
 """
 
 import dataclasses
+import json
 import logging
 import re
 from typing import Any
@@ -129,7 +130,20 @@ def parse_messages(body: dict, *, max_messages: int) -> list[dict]:
             raise APIError(f"messages[{i}].content must be a string or an array of text parts, got "
                            f"{_type_name(content)}", param=f"messages[{i}].content", code="invalid_type")
         parsed.append({**m, "content": content or ""})
+        if isinstance(m.get("tool_calls"), list):  # earlier calls: templates expect arguments as objects
+            parsed[-1]["tool_calls"] = [_arguments_as_object(c) for c in m["tool_calls"]]
     return parsed
+
+
+def _arguments_as_object(call):
+    """A call from the history, its `function.arguments` JSON text read as an object (as vLLM does)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        return {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
+    except ValueError:
+        return call
 
 
 @dataclasses.dataclass

@@ -115,3 +115,18 @@ def test_parse_tools_choices():
     assert parse_tools({**body, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
                        None).function == "get_weather"
     assert parse_tools({**body, "tool_choice": "required"}, None).schema["minItems"] == 1
+
+
+def test_history_tool_call_arguments_reach_the_template_as_objects():
+    from serving.protocol import parse_messages
+    arguments = {"city": "Oslo", "days": random.randint(1, 9)}
+    body = {"messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(arguments)}},
+            {"id": "call_2", "type": "function", "function": {"name": "f", "arguments": "not json"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]}
+    messages = parse_messages(body, max_messages=10)
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == arguments
+    assert messages[1]["tool_calls"][1]["function"]["arguments"] == "not json"  # left as it came
+    assert messages[2] == {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
