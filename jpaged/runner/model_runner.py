@@ -173,6 +173,8 @@ class ModelRunner:
                                 out_shardings=(rep, kv))
         self._sample = jax.jit(sampler.sample, out_shardings=rep)
         self._executables = {}
+        if self._multihost:  # the driver's broadcasts: one executable, compiled now
+            self._executables[("broadcast", distributed.BROADCAST_CHUNK)] = distributed.broadcast_executable()[0]
         self._warm = False
         self._copy = jax.jit(functools.partial(_copy_blocks, num_layers), in_shardings=(kv, rep, rep),
                              out_shardings=kv, donate_argnums=(0,))
