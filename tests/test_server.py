@@ -639,7 +639,7 @@ def test_tool_calls_auto_and_streamed(client):
     assert streamed_chat(client, messages=messages, tools=tools, max_tokens=8, temperature=0,
                          extra_body={"ignore_eos": True}) == (plain.choices[0].message.content, [], "length")
     for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        kwargs = dict(messages=messages, tools=tools, tool_choice=tool_choice, max_tokens=60, temperature=0)
+        kwargs = dict(messages=messages, tools=tools, tool_choice=tool_choice, max_tokens=150, temperature=0)
         whole = client.chat.completions.create(model="tiny", **kwargs).choices[0]
         assert whole.finish_reason == "tool_calls", whole
         expected = [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]

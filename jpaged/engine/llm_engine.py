@@ -23,6 +23,7 @@ from jpaged.core.structured_output import StructuredOutputManager
 from jpaged.models.loader import load_model
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.parallel import distributed
+from jpaged.runner.executable_cache import ExecutableCache
 from jpaged.runner.model_runner import MAX_BANNED_TOKENS, MAX_LOGPROBS, ModelRunner, SeqInput, kv_cache_layout
 from jpaged.runner.sampler import SamplingRow, beam_search_candidates
 from jpaged.sampling_params import SamplingParams
@@ -47,14 +48,16 @@ def derive_max_model_len(hf_config, requested: int | None) -> int:
     return requested
 
 
-def enable_compilation_cache():
+def enable_compilation_cache() -> str:
     """Keep compiled steps on disk (~/.cache/jpaged/xla, or $JPAGED_CACHE_DIR) so a restart with the
-    same model and limits loads them instead of compiling; respects a cache dir set by the user."""
+    same model and limits loads them instead of compiling; respects a cache dir set by the user.
+    Returns the directory for whole executables (runner/executable_cache.py), inside it."""
     if jax.config.jax_compilation_cache_dir is None:
         path = os.environ.get("JPAGED_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "xla"))
         jax.config.update("jax_compilation_cache_dir", path)
         # Every executable: with layers scanned, many compile in under a second and would miss.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    return os.path.join(jax.config.jax_compilation_cache_dir, "executables")
 
 
 class StepFailedError(RuntimeError):
@@ -86,7 +89,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
-        enable_compilation_cache()
+        executables_dir = enable_compilation_cache()
         loaded = load_model(config.model, dtype=config.dtype, attention_backend=config.attention_backend,
                             revision=config.revision, tensor_parallel_size=config.tensor_parallel_size)
         self.tokenizer, self.hf_config = loaded.tokenizer, loaded.hf_config
@@ -121,11 +124,17 @@ class LLMEngine:
                                    preemption_mode=config.preemption_mode)
         self.runner = ModelRunner(loaded, block_size=config.block_size, num_gpu_blocks=num_gpu_blocks,
                                   num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len)
+                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
+                                  executable_cache=ExecutableCache(executables_dir, self._model_fingerprint(loaded)))
         if not config.enforce_eager:
             self.runner.warm_up()
         self._seq_ids = itertools.count()
         self._groups: dict[str, SequenceGroup] = {}
+
+    def _model_fingerprint(self, loaded) -> str:
+        """What shapes the compiled steps besides their arguments' shapes and jpaged's source: the
+        model's config (constants such as rope_theta and eps are baked in), dtype and kernels."""
+        return "\n".join([loaded.hf_config.to_json_string(), loaded.dtype.name, self.config.attention_backend])
 
     def _num_gpu_blocks(self, bytes_per_block: int) -> int:
         if self.config.num_gpu_blocks_override:
