@@ -48,16 +48,10 @@ def derive_max_model_len(hf_config, requested: int | None) -> int:
     return requested
 
 
-def enable_compilation_cache() -> str:
-    """Keep compiled steps on disk (~/.cache/jpaged/xla, or $JPAGED_CACHE_DIR) so a restart with the
-    same model and limits loads them instead of compiling; respects a cache dir set by the user.
-    Returns the directory for whole executables (runner/executable_cache.py), inside it."""
-    if jax.config.jax_compilation_cache_dir is None:
-        path = os.environ.get("JPAGED_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "xla"))
-        jax.config.update("jax_compilation_cache_dir", path)
-        # Every executable: with layers scanned, many compile in under a second and would miss.
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    return os.path.join(jax.config.jax_compilation_cache_dir, "executables")
+def executable_cache_dir() -> str:
+    """Where compiled steps are kept (~/.cache/jpaged/xla, or $JPAGED_CACHE_DIR), so a restart with
+    the same model and limits loads them instead of compiling (runner/executable_cache.py)."""
+    return os.environ.get("JPAGED_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "xla"))
 
 
 class StepFailedError(RuntimeError):
@@ -89,7 +83,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
-        executables_dir = enable_compilation_cache()
         loaded = load_model(config.model, dtype=config.dtype, attention_backend=config.attention_backend,
                             revision=config.revision, tensor_parallel_size=config.tensor_parallel_size)
         self.tokenizer, self.hf_config = loaded.tokenizer, loaded.hf_config
@@ -125,7 +118,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded, block_size=config.block_size, num_gpu_blocks=num_gpu_blocks,
                                   num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
-                                  executable_cache=ExecutableCache(executables_dir, self._model_fingerprint(loaded)))
+                                  executable_cache=ExecutableCache(executable_cache_dir(), self._model_fingerprint(loaded)))
         if not config.enforce_eager:
             self.runner.warm_up()
         self._seq_ids = itertools.count()

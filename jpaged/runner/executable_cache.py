@@ -1,13 +1,13 @@
 """Compiled executables kept on disk whole, so a restart skips tracing and lowering too.
 
-jax's persistent compilation cache (also on, see LLMEngine) saves XLA's compile only: every start
-still traces and lowers each step to find its cache key, about a second per step for a 30-layer
-model on a CPU. Here a compiled executable is serialized (jax.experimental.serialize_executable)
+jax's persistent compilation cache saves XLA's compile only: every start still traces and lowers
+each step to find its cache key, about a second per step for a 30-layer model on a CPU. Here a compiled executable is serialized (jax.experimental.serialize_executable)
 under a key made of everything that determines it: the jax and jaxlib versions, the backend and its
 devices, XLA's flags, the source of jpaged and its kernels, the model's fingerprint (its config and dtype), the
 executable's name, and its abstract arguments (shapes, dtypes, shardings, tree structure). Any
 change makes a new key, so a stale executable is never loaded; one that fails to load is compiled
-again and rewritten.
+again and rewritten. Compiles here bypass jax's own cache: an executable it loaded serializes
+without its CPU kernels (jax 0.10: "Function wrapped_iota not found" when run after loading).
 """
 
 import functools
@@ -19,11 +19,13 @@ import tempfile
 
 import jax
 import jaxlib
+from jax._src import config as jax_config  # its context manager; jax.config.update is process-wide
 from jax.experimental import serialize_executable
 
 logger = logging.getLogger(__name__)
 
 _PACKAGES = ("jpaged", "pallas_kernels")
+MAX_CACHE_BYTES = 4 * 2**30
 
 
 @functools.cache
@@ -53,11 +55,12 @@ class ExecutableCache:
     ShapeDtypeStructs), from `directory` when an earlier run left it there. directory=None: compile."""
 
     def __init__(self, directory: str | None, model_fingerprint: str):
-        self.directory = directory
+        # Multi-host executables span other processes' devices: those always compile.
+        self.directory = directory if jax.process_count() == 1 else None
         devices = jax.devices()
         self._prefix = "\n".join([jax.__version__, jaxlib.__version__, jax.default_backend(),
                                   ",".join(sorted({d.device_kind for d in devices})), str(len(devices)),
-                                  str(jax.process_index()), os.environ.get("XLA_FLAGS", ""),
+                                  os.environ.get("XLA_FLAGS", ""),
                                   str(jax.config.jax_enable_x64), str(jax.config.jax_default_matmul_precision),
                                   source_fingerprint(), model_fingerprint])
         self.hits = 0
@@ -69,19 +72,39 @@ class ExecutableCache:
         path = os.path.join(self.directory, key + ".bin")
         try:
             with open(path, "rb") as f:
-                executable = serialize_executable.deserialize_and_load(*pickle.load(f))
+                device_ids, serialized = pickle.load(f)
+            devices = {d.id: d for d in jax.devices()}
+            executable = serialize_executable.deserialize_and_load(
+                *serialized, execution_devices=[devices[i] for i in device_ids])
             self.hits += 1
+            os.utime(path)  # recently used: pruned last
             return executable
         except FileNotFoundError:
             pass
         except Exception as e:  # a truncated or foreign file: compile it again
             logger.warning("could not load the cached executable %s (%r); compiling it", path, e)
-        executable = jitted.lower(*args).compile()
+        with jax_config.enable_compilation_cache(False):  # see the module's docstring
+            executable = jitted.lower(*args).compile()
         try:
             os.makedirs(self.directory, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.directory, delete=False) as f:
-                pickle.dump(serialize_executable.serialize(executable), f)
+                # Its devices too: a step on one of several devices must load onto that one.
+                device_ids = [d.id for d in executable.runtime_executable().local_devices()]
+                pickle.dump((device_ids, serialize_executable.serialize(executable)), f)
             os.replace(f.name, path)  # whole or not at all, also with several processes writing
+            self._prune()
         except Exception as e:  # a read-only or full disk, a backend that cannot serialize: serve anyway
             logger.warning("could not keep the executable %s on disk: %r", name, e)
         return executable
+
+    def _prune(self):
+        """Least recently used executables go once the directory holds more than MAX_CACHE_BYTES
+        (each new jpaged version or model adds its own)."""
+        entries = sorted((e.stat().st_mtime, e.stat().st_size, e.path) for e in os.scandir(self.directory)
+                         if e.name.endswith(".bin"))
+        excess = sum(size for _, size, _ in entries) - MAX_CACHE_BYTES
+        for _, size, path in entries:
+            if excess <= 0:
+                break
+            os.remove(path)
+            excess -= size
