@@ -265,13 +265,6 @@ class AttentionOps:
         if self.backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.backend!r}; expected one of {ATTENTION_BACKENDS}")
 
-    def _interpret(self):
-        # "pallas" off-GPU runs the Pallas kernels in interpret mode; "auto" lets
-        # pallas_kernels pick (Pallas on GPU, XLA elsewhere).
-        if self.backend == "pallas":
-            return jax.default_backend() != "gpu"
-        return None
-
     def __call__(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         attend = functools.partial(self._attend, scale=scale)
         if self.mesh is None:
@@ -284,14 +277,11 @@ class AttentionOps:
     def _attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         k_pages, v_pages = pallas_kernels.write_kv(*kv_cache, k, v, meta.slot_mapping)
         args = (q, k_pages, v_pages, meta.block_tables, meta.context_lens)
-        if self.backend == "xla":
-            out = (pallas_kernels.paged_attention_xla(*args, scale=scale) if meta.is_decode
-                   else pallas_kernels.ragged_paged_attention_xla(*args, meta.query_start_loc, scale=scale))
-        elif meta.is_decode:
-            out = pallas_kernels.paged_attention(*args, scale=scale, interpret=self._interpret())
+        # pallas_kernels picks the kernels (interpret mode for Pallas ones off-GPU).
+        if meta.is_decode:
+            out = pallas_kernels.paged_attention(*args, scale=scale, backend=self.backend)
         else:
-            out = pallas_kernels.ragged_paged_attention(*args, meta.query_start_loc, scale=scale,
-                                                        interpret=self._interpret())
+            out = pallas_kernels.ragged_paged_attention(*args, meta.query_start_loc, scale=scale, backend=self.backend)
         return out, (k_pages, v_pages)
 
 
