@@ -1,6 +1,7 @@
-"""pallas_kernels against a float64 numpy reference: the XLA twins and the Pallas
-kernels (interpret mode on CPU; compiled for real, via Triton, when the tests run on a
-GPU). Data is fresh random each run; every case prints its parameters and sequence
+"""pallas_kernels against a float64 numpy reference: the XLA twins, the Pallas Triton
+kernels and the Pallas Mosaic GPU kernels (interpret mode on CPU; compiled for real when the
+tests run on a GPU -- Mosaic on sm_90+ only, and off-GPU only with jax >= 0.11, whose GPU
+interpret mode simulates TMA, barriers and wgmma). Data is fresh random each run; every case prints its parameters and sequence
 lengths so a failure can be replayed.
 
 Unused table entries hold garbage (negative, out of range, huge), and every
@@ -19,13 +20,24 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels.decode import auto_num_splits
 from pallas_kernels.prefill import ragged_paged_attention_pallas
+from pallas_kernels.tiling import auto_num_splits
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 TOL = {"f32": 1e-5, "bf16": 2e-2, "f16": 5e-3}
 rng = np.random.default_rng()
 INTERPRET = jax.default_backend() != "gpu"  # on a GPU the kernels compile for real
+
+
+def mosaic_runs() -> bool:
+    if not INTERPRET:
+        return float(jax.devices()[0].compute_capability) >= 9.0
+    from jax.experimental.pallas import mosaic_gpu
+
+    return hasattr(mosaic_gpu, "InterpretGPUParams")
+
+
+needs_mosaic = pytest.mark.skipif(not mosaic_runs(), reason="Mosaic GPU kernels need sm_90+, or jax >= 0.11 off-GPU")
 
 
 # ---------------------------------------------------------------- fixtures --
@@ -105,6 +117,14 @@ DECODE_CASES = [
 ]
 
 
+# Mosaic: bf16/fp16 and head_dim % 64 == 0 only; split-K forced and automatic.
+MOSAIC_DECODE_CASES = [
+    ("bf16", 16, 8, 2, 64, None),
+    ("f16", 8, 4, 4, 128, 2),
+    ("bf16", 128, 8, 1, 64, 3),
+]
+
+
 def decode_lens(page):
     return [1, page - 1, page, page + 1, 0, 20 * page + 3]
 
@@ -112,6 +132,16 @@ def decode_lens(page):
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("case", DECODE_CASES, ids=str)
 def test_paged_attention(impl, case):
+    run_decode(impl, case)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("case", MOSAIC_DECODE_CASES, ids=str)
+def test_paged_attention_mosaic(case):
+    run_decode("mosaic", case)
+
+
+def run_decode(impl, case):
     dtype_name, page, heads, kv_heads, head_dim, splits = case
     dtype = DTYPES[dtype_name]
     lens = decode_lens(page)
@@ -122,7 +152,7 @@ def test_paged_attention(impl, case):
         out = pk.paged_attention_xla(q, k, v, tables, jnp.asarray(lens), scale=scale)
     else:
         out = pk.paged_attention(
-            q, k, v, tables, jnp.asarray(lens, jnp.int32), scale=scale, interpret=INTERPRET, num_splits=splits
+            q, k, v, tables, jnp.asarray(lens, jnp.int32), scale=scale, num_splits=splits, backend=impl
         )
     assert out.shape == q.shape and out.dtype == q.dtype
     tables_np = np.asarray(tables)
@@ -155,7 +185,7 @@ def test_paged_attention_auto_split_k():
     assert auto_num_splits(2, 300 // 8 + 2, 8) > 1
     k, v, tables, k64, v64 = make_cache(lens, 1, 8, 64, jnp.float32)
     q, q64 = random_q((2, 2, 64), jnp.float32)
-    out = pk.paged_attention(q, k, v, tables, jnp.asarray(lens, jnp.int32), interpret=INTERPRET)
+    out = pk.paged_attention(q, k, v, tables, jnp.asarray(lens, jnp.int32), backend="pallas")
     ref = np.stack(
         [
             attend(q64[s], gather_seq(k64, np.asarray(tables)[s], n), gather_seq(v64, np.asarray(tables)[s], n), 1 / 8)
@@ -192,6 +222,14 @@ PREFILL_CASES = [
 ]
 
 
+# Mosaic: query tiles are 64 // next_pow2(group) tokens (q_tile does not apply).
+MOSAIC_PREFILL_CASES = [
+    ("bf16", 16, 8, 2, 64, 3, None),
+    ("f16", 8, 4, 4, 128, 0, None),
+    ("bf16", 64, 6, 2, 64, 1, None),
+]
+
+
 def run_prefill(impl, case, seqs):
     dtype_name, page, heads, kv_heads, head_dim, pad_tokens, q_tile = case
     dtype = DTYPES[dtype_name]
@@ -204,6 +242,8 @@ def run_prefill(impl, case, seqs):
     args = (q, k, v, tables, jnp.asarray(ctx, jnp.int32), jnp.asarray(qsl))
     if impl == "xla":
         out = pk.ragged_paged_attention_xla(*args)
+    elif impl == "mosaic":
+        out = pk.ragged_paged_attention(*args, backend="mosaic")
     else:
         out = ragged_paged_attention_pallas(*args, interpret=INTERPRET, q_tile=q_tile)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -226,6 +266,24 @@ def test_ragged_paged_attention(impl, case):
     seqs = prefill_seqs(case[1])
     order = rng.permutation(len(seqs))
     run_prefill(impl, case, [seqs[i] for i in order])
+
+
+@needs_mosaic
+@pytest.mark.parametrize("case", MOSAIC_PREFILL_CASES, ids=str)
+def test_ragged_paged_attention_mosaic(case):
+    seqs = prefill_seqs(case[1])
+    order = rng.permutation(len(seqs))
+    run_prefill("mosaic", case, [seqs[i] for i in order])
+
+
+def test_mosaic_rejects_what_it_cannot_take():
+    k, v, tables, _, _ = make_cache([3], 2, 16, 80, jnp.bfloat16)
+    q = jnp.zeros((1, 4, 80), jnp.bfloat16)
+    with pytest.raises(ValueError, match="head_dim % 64"):
+        pk.paged_attention(q, k, v, tables, jnp.asarray([3], jnp.int32), backend="mosaic")
+    k, v, tables, _, _ = make_cache([3], 2, 16, 64, jnp.float32)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        pk.paged_attention(jnp.zeros((1, 4, 64)), k, v, tables, jnp.asarray([3], jnp.int32), backend="mosaic")
 
 
 def test_ragged_paged_attention_single_long_prompt():
