@@ -40,7 +40,7 @@ def describe(attention_backend: str) -> str:
     device = jax.devices()[0]
     family = pallas_kernels.kernel_family(attention_backend)
     kernels = {"pallas": "Pallas/Triton", "mosaic": "Pallas/Mosaic GPU", "xla": "XLA"}[family]
-    if family != "xla" and jax.default_backend() != "gpu":
+    if family != "xla" and not pallas_kernels.targets_gpu():
         kernels += " (interpret mode)"
     return (f"{jax.default_backend()} ({device.device_kind} x{jax.device_count()}), "
             f"attention {attention_backend!r} -> {kernels}")

@@ -31,7 +31,7 @@ Backends (`backend` kwarg, the engine's attention_backend):
   "xla"     the XLA twins (xla.py): every platform.
   "auto"    "pallas" on a GPU, "xla" elsewhere (Mosaic becomes auto's choice on sm_90+ only
             once a GPU run has shown it correct and faster).
-`interpret`: None -> Pallas kernels compile on a GPU and run in interpret mode elsewhere;
+`interpret`: None -> Pallas kernels compile for a GPU and run in interpret mode elsewhere;
 True / False force it. The Triton and Mosaic modules are imported on first use, so
 `import pallas_kernels` survives a jax that no longer ships one of them.
 """
@@ -57,14 +57,20 @@ __all__ = [
 BACKENDS = ("auto", "pallas", "mosaic", "xla")
 
 
+def targets_gpu() -> bool:
+    """Whether traced code is for a GPU: jax's default backend's, or an abstract mesh's device
+    (lowering for CUDA on a machine without one, as CI's readiness job does)."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return (jax.default_backend() if device is None else device.platform) == "gpu"
+
+
 def kernel_family(backend: str = "auto") -> str:
     """The kernels `backend` runs here: "pallas" (Triton), "mosaic" or "xla"."""
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend={backend!r}; expected one of {BACKENDS}")
-    on_gpu = jax.default_backend() == "gpu"
     if backend == "auto":
-        return "pallas" if on_gpu else "xla"
-    if backend == "mosaic" and on_gpu:
+        return "pallas" if targets_gpu() else "xla"
+    if backend == "mosaic" and jax.default_backend() == "gpu":
         cc = getattr(jax.devices()[0], "compute_capability", "0")
         if float(cc) < 9.0:
             raise ValueError(f"attention_backend='mosaic' needs an sm_90+ GPU (Hopper or newer); "
@@ -73,7 +79,7 @@ def kernel_family(backend: str = "auto") -> str:
 
 
 def _interpret(interpret) -> bool:
-    return jax.default_backend() != "gpu" if interpret is None else bool(interpret)
+    return not targets_gpu() if interpret is None else bool(interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "backend"))

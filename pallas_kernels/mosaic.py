@@ -140,13 +140,19 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
     return lax.fori_loop(0, num_blocks, body, (acc, m, l))
 
 
+def _wgmma_smem(shape, dtype):
+    """A wgmma operand in shared memory: 128-byte swizzled (8, 64) tiles (jax 0.10 wants them
+    spelled out; 0.11 would infer them)."""
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+
+
 def _scratch(head_dim, page_size, dtype):
+    """q, K and V stages, p, and the stages' barriers."""
     block = max(MIN_BLOCK_KEYS, page_size)
-    pages = plgpu.SMEM((STAGES, block, head_dim), dtype)
-    pages_per_block = block // page_size
+    pages = _wgmma_smem((STAGES, block, head_dim), dtype)
     # Every page's copy arrives on its stage's barrier: it completes when all have landed.
-    barrier = plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=STAGES)
-    return pages, pages, plgpu.SMEM((ROWS, block), dtype), barrier, barrier
+    barrier = plgpu.Barrier(num_arrivals=block // page_size, num_barriers=STAGES)
+    return _wgmma_smem((ROWS, head_dim), dtype), pages, pages, _wgmma_smem((ROWS, block), dtype), barrier, barrier
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret"))
@@ -168,7 +174,7 @@ def paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_lens, *, s
     qp = jnp.pad(qp, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
     scale = default_scale(scale, head_dim)
 
-    def kernel(ctx_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, q_smem, o_smem, m_smem, l_smem, q_bar,
+    def kernel(ctx_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, o_smem, m_smem, l_smem, q_bar, q_smem,
                *scratch):
         h, s, split = lax.axis_index("kv_head"), lax.axis_index("seq"), lax.axis_index("split")
         span = per_split * page_size
@@ -190,9 +196,8 @@ def paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_lens, *, s
     out, m, l = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, group, head_dim), jnp.float32), stat, stat),
-        scratch_types=(plgpu.SMEM((ROWS, head_dim), q.dtype), plgpu.SMEM((ROWS, head_dim), jnp.float32),
-                       plgpu.SMEM((ROWS,), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32), plgpu.Barrier(),
-                       *_scratch(head_dim, page_size, q.dtype)),
+        scratch_types=(plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32),
+                       plgpu.SMEM((ROWS,), jnp.float32), plgpu.Barrier(), *_scratch(head_dim, page_size, q.dtype)),
         grid=(num_kv_heads, num_seqs, splits),
         grid_names=("kv_head", "seq", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -229,7 +234,7 @@ def ragged_paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_len
     qt = jnp.pad(qt, ((0, 0), (0, 0), (0, gp - group), (0, 0), (0, 0))).reshape(num_tiles, num_kv_heads, ROWS, head_dim)
     scale = default_scale(scale, head_dim)
 
-    def kernel(seq_ref, pos0_ref, keys_ref, table_ref, q_ref, k_ref, v_ref, o_ref, q_smem, o_smem, q_bar, *scratch):
+    def kernel(seq_ref, pos0_ref, keys_ref, table_ref, q_ref, k_ref, v_ref, o_ref, o_smem, q_bar, q_smem, *scratch):
         h, j = lax.axis_index("kv_head"), lax.axis_index("tile")
         plgpu.copy_gmem_to_smem(q_ref.at[j, h], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
@@ -244,8 +249,7 @@ def ragged_paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_len
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(qt.shape, q.dtype),
-        scratch_types=(plgpu.SMEM((ROWS, head_dim), q.dtype), plgpu.SMEM((ROWS, head_dim), q.dtype), plgpu.Barrier(),
-                       *_scratch(head_dim, page_size, q.dtype)),
+        scratch_types=(_wgmma_smem((ROWS, head_dim), q.dtype), plgpu.Barrier(), *_scratch(head_dim, page_size, q.dtype)),
         grid=(num_kv_heads, num_tiles),
         grid_names=("kv_head", "tile"),
         compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -2,7 +2,11 @@
 picks, fp32 matmul precision in the compiled step, and the start-up log line."""
 
 import logging
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -63,3 +67,29 @@ def test_fp32_matmuls_run_at_highest_precision():
     assert f32 and all("HIGHEST" in line for line in f32), [line for line in f32 if "HIGHEST" not in line][:3]
     bf16 = _dot_lines("bfloat16")
     assert any("HIGHEST" not in line for line in bf16)
+
+
+def test_import_survives_a_jax_without_the_triton_backend(tmp_path):
+    """The Triton module is imported on first use: with it gone (as a future jax removes it),
+    `import jpaged` and the XLA kernels still work."""
+    script = tmp_path / "no_triton.py"
+    script.write_text(
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'jax.experimental.pallas.triton':\n"
+        "            raise ImportError('no Triton backend in this jax')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import jax.numpy as jnp, jpaged, pallas_kernels as pk\n"
+        "out = pk.paged_attention(jnp.ones((1, 2, 8)), jnp.ones((1, 2, 4, 8)), jnp.ones((1, 2, 4, 8)),\n"
+        "                         jnp.zeros((1, 2), jnp.int32), jnp.array([3]), backend='auto')\n"
+        "assert float(out.sum()) == 16.0\n"
+        "try:\n"
+        "    pk.paged_attention(jnp.ones((1, 2, 8)), jnp.ones((1, 2, 4, 8)), jnp.ones((1, 2, 4, 8)),\n"
+        "                       jnp.zeros((1, 2), jnp.int32), jnp.array([3]), backend='pallas')\n"
+        "except ImportError as e:\n"
+        "    print('pallas:', e)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pallas: no Triton backend in this jax" in done.stdout
