@@ -50,7 +50,7 @@ def test_startup_log_names_backend_device_kernels_and_pool(caplog):
     device = jax.devices()[0].device_kind
     assert f"on {jax.default_backend()} ({device} x" in lines[0]
     assert "attention 'xla' -> XLA" in lines[0]
-    assert re.search(r"KV pool: 16 device blocks \([0-9.]+ GiB\)", lines[0])
+    assert re.search(r"KV pool: 16 device blocks \([0-9.]+ MiB\)", lines[0])
 
 
 def _dot_lines(dtype: str) -> list[str]:
@@ -93,3 +93,16 @@ def test_import_survives_a_jax_without_the_triton_backend(tmp_path):
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pallas: no Triton backend in this jax" in done.stdout
+
+
+def test_gpu_check_devices_step_runs_on_cpu(capsys):
+    """scripts/gpu_check.sh's backend step, with the device it asserts set to the CPU."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parents[1] / "scripts/gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.main(["devices", "--device", "cpu"]) == 0
+    assert "generated 8 tokens on cpu" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match="device='cuda'"):
+        gpu_check.main(["devices", "--device", "cuda"])

@@ -108,9 +108,9 @@ class LLMEngine:
         # Every process must allocate the same pool: the smallest one that fits everywhere.
         num_gpu_blocks = distributed.min_across_processes(self._num_gpu_blocks(bytes_per_block))
         num_cpu_blocks = int(config.swap_space * 2**30 // bytes_per_block)
-        logger.info("jpaged: %s (%s) on %s; KV pool: %d device blocks (%.2f GiB), %d host blocks of %d tokens "
+        logger.info("jpaged: %s (%s) on %s; KV pool: %d device blocks (%.1f MiB), %d host blocks of %d tokens "
                     "(%.1f KiB each)", config.model, loaded.dtype.name, platform.describe(config.attention_backend),
-                    num_gpu_blocks, num_gpu_blocks * bytes_per_block / 2**30, num_cpu_blocks, config.block_size,
+                    num_gpu_blocks, num_gpu_blocks * bytes_per_block / 2**20, num_cpu_blocks, config.block_size,
                     bytes_per_block / 1024)
         self.block_manager = BlockManager(config.block_size, num_gpu_blocks, num_cpu_blocks,
                                           enable_caching=config.enable_prefix_caching)
