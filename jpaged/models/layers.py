@@ -42,6 +42,11 @@ def _param(shape, axes, dtype) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype), logical_axes=tuple(axes))
 
 
+def fp32_precision(dtype):
+    """fp32 matmuls in IEEE fp32, not the TF32 NVIDIA GPUs default to; bf16/fp16 keep the default."""
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
 class Linear(nnx.Module):
     """y = x · W (+ b), W of shape in_shape + out_shape (e.g. [embed, q_heads, head_dim])."""
 
@@ -52,7 +57,8 @@ class Linear(nnx.Module):
 
     def __call__(self, x):
         n_in = len(self.in_shape)
-        y = jax.lax.dot_general(x, self.kernel[...], (((tuple(range(x.ndim - n_in, x.ndim))), tuple(range(n_in))), ((), ())))
+        y = jax.lax.dot_general(x, self.kernel[...], (((tuple(range(x.ndim - n_in, x.ndim))), tuple(range(n_in))), ((), ())),
+                                precision=fp32_precision(x.dtype))
         return y if self.bias is None else y + self.bias[...]
 
     def hf_weights(self, prefix: str, *, hf_layout: str = "out_in", out_repeats: int = 1) -> HFWeights:
@@ -85,7 +91,7 @@ class Embedding(nnx.Module):
 
     def attend(self, x):
         """Tied output projection: logits = x · Eᵀ."""
-        return x @ self.embedding[...].T
+        return jnp.matmul(x, self.embedding[...].T, precision=fp32_precision(x.dtype))
 
     def hf_weights(self, name: str) -> HFWeights:
         return {name: [WeightTarget(self.embedding, self.embedding.shape, lambda a: a)]}

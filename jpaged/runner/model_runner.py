@@ -397,10 +397,8 @@ def _forward(graphdef, logits_sharding, state, kv_cache, inputs: StepInputs):
     """The model's part of a step: write the new K/V, attend, and the fp32 logits of the rows to
     sample. They stay on the device for the sampler executable."""
     model = nnx.merge(graphdef, state)
-    # fp32 models: IEEE fp32 matmuls, not the TF32 NVIDIA GPUs default to (bf16/fp16: unchanged).
-    with jax.default_matmul_precision("highest" if kv_cache[0].dtype == jnp.float32 else None):
-        hidden, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache, inputs.attn)
-        logits = model.compute_logits(hidden[inputs.logits_indices])
+    hidden, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache, inputs.attn)
+    logits = model.compute_logits(hidden[inputs.logits_indices])
     # Vocabulary-parallel logits are gathered: every device samples the same full rows.
     return jax.lax.with_sharding_constraint(logits, logits_sharding), kv_cache
 
