@@ -14,7 +14,7 @@ import time
 
 import jax
 
-from jpaged import platform
+from jpaged import devices
 from jpaged.config import EngineConfig
 from jpaged.core.block_manager import BlockManager
 from jpaged.core.detokenizer import Detokenizer
@@ -83,9 +83,9 @@ _PROMPT_ROW_PARAMS = SamplingParams(temperature=0)
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        platform.select(config.device)
+        devices.select(config.device)
         distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
-        platform.check(config.device)
+        devices.check(config.device)
         loaded = load_model(config.model, dtype=config.dtype, attention_backend=config.attention_backend,
                             revision=config.revision, tensor_parallel_size=config.tensor_parallel_size)
         self.tokenizer, self.hf_config = loaded.tokenizer, loaded.hf_config
@@ -109,7 +109,7 @@ class LLMEngine:
         num_gpu_blocks = distributed.min_across_processes(self._num_gpu_blocks(bytes_per_block))
         num_cpu_blocks = int(config.swap_space * 2**30 // bytes_per_block)
         logger.info("jpaged: %s (%s) on %s; KV pool: %d device blocks (%.1f MiB), %d host blocks of %d tokens "
-                    "(%.1f KiB each)", config.model, loaded.dtype.name, platform.describe(config.attention_backend),
+                    "(%.1f KiB each)", config.model, loaded.dtype.name, devices.describe(config.attention_backend),
                     num_gpu_blocks, num_gpu_blocks * bytes_per_block / 2**20, num_cpu_blocks, config.block_size,
                     bytes_per_block / 1024)
         self.block_manager = BlockManager(config.block_size, num_gpu_blocks, num_cpu_blocks,
