@@ -7,11 +7,13 @@ expert). Tensor parallelism splits every expert's intermediate dimension ("mlp",
 so each device holds a slice of every expert and the sum over devices follows the down projection.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jpaged.models.layers import HFWeights, WeightTarget, activation, weight_param
+from jpaged.models.layers import HFWeights, WeightTarget, activation, fp32_precision, weight_param
 from jpaged.models.llama import LlamaDecoderLayer, LlamaForCausalLM, llama_attention
 
 
@@ -26,7 +28,8 @@ class SparseMoE(nnx.Module):
     def route(self, x):
         """Each token's top-k experts [T, k] and their weights [T, k] (fp32): softmax over all
         experts, then the top k, renormalised to sum to 1 when the model says so."""
-        probs = jax.nn.softmax((x @ self.router[...]).astype(jnp.float32), axis=-1)
+        logits = jnp.matmul(x, self.router[...], precision=fp32_precision(x.dtype))
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, self.top_k)
         if self.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -39,10 +42,10 @@ class SparseMoE(nnx.Module):
         order = jnp.argsort(experts.reshape(-1), stable=True)
         token = order // self.top_k
         group_sizes = jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.int32)
+        grouped = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes, precision=fp32_precision(x.dtype))
         rows = x[token]
-        gate = jax.lax.ragged_dot(rows, self.gate_proj[...], group_sizes)
-        up = jax.lax.ragged_dot(rows, self.up_proj[...], group_sizes)
-        out = jax.lax.ragged_dot(activation(self.act)(gate) * up, self.down_proj[...], group_sizes)
+        gate, up = grouped(rows, self.gate_proj[...]), grouped(rows, self.up_proj[...])
+        out = grouped(activation(self.act)(gate) * up, self.down_proj[...])
         out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
         return jnp.zeros((num_tokens, x.shape[1]), out.dtype).at[token].add(out).astype(x.dtype)
 
