@@ -41,9 +41,10 @@ CASES = {
                                       use_sliding_window=True, sliding_window=9, max_window_layers=1)),
     "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(PHI3, num_key_value_heads=2)),
     # LongRoPE past original_max_position_embeddings (long factors, attention factor); Phi-4-mini's
-    # partial rotary factor; a window over every layer.
+    # partial rotary factor; a window over every layer. Every sequence here is longer than 4, so HF
+    # too rotates with the long factors throughout (it switches factors with the sequence's length).
     "phi3-longrope-partial-sliding": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(
-        PHI3, num_key_value_heads=1, original_max_position_embeddings=16, partial_rotary_factor=0.5,
+        PHI3, num_key_value_heads=1, original_max_position_embeddings=4, partial_rotary_factor=0.5,
         sliding_window=13, rope_scaling={"type": "longrope", "short_factor": [1.5, 1.0, 3.0, 1.2],
                                          "long_factor": [2.0, 4.0, 8.0, 16.0]})),
     # Layer 0 local (window 10), layer 1 global; attention and final logits soft-capped low enough
