@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (aiohttp) in front of the AsyncLLMEngine.
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /tokenize, POST /detokenize, GET /metrics. Handlers check the whole request before anything
+POST /tokenize, POST /detokenize, GET /metrics, GET /kv (serving/kv_page.py). Handlers check the whole request before anything
 reaches the engine, tokenize prompts themselves (to check the context length with both numbers),
 and abort their requests in `finally`: a client that leaves (the handler is cancelled) frees its
 blocks before the next engine step.
@@ -30,7 +30,7 @@ from jpaged.core.detokenizer import held_back_chars, token_bytes_fn
 from jpaged.engine.llm_engine import LLMEngine, StepFailedError
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.sampling_params import SamplingParams
-from serving import protocol
+from serving import kv_page, protocol
 from serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from serving.metrics import Metrics
 from serving.protocol import APIError, field
@@ -101,6 +101,7 @@ class OpenAIServer:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/metrics", self.metrics)
+        kv_page.add_routes(app, self.engine, self.model_name)
         return app
 
     # ------------------------------------------------------------------ middlewares
@@ -697,7 +698,7 @@ async def serve(engine: LLMEngine, options: ServerOptions) -> int:
     bound_host, bound_port = runner.addresses[0][:2]
     scheme = "https" if ssl_context else "http"
     print(f"jpaged: serving {options.served_model_name!r} at {scheme}://{bound_host}:{bound_port}/v1 "
-          "(OpenAI API; also /health, /metrics, /tokenize, /detokenize)", flush=True)
+          "(OpenAI API; also /health, /metrics, /kv, /tokenize, /detokenize)", flush=True)
     stats_task = asyncio.create_task(_log_stats(async_engine)) if options.log_stats else None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

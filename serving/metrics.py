@@ -85,6 +85,10 @@ class Metrics:
                "without sharing (forks, beams, cached prefixes).", stats["num_gpu_blocks_without_sharing"])
         metric("num_cached_gpu_blocks", "gauge", "Free device KV blocks still holding a cached prefix.",
                stats["num_cached_gpu_blocks"])
+        lines += [f"# HELP {PREFIX}kv_slots Device KV slots (tokens) by what they hold (the paper's Fig. 2).",
+                  f"# TYPE {PREFIX}kv_slots gauge"]
+        lines += [f'{PREFIX}kv_slots{{{self.labels},state="{state}"}} {stats[f"kv_{state}_slots"]}'
+                  for state in ("token", "reserved", "fragmented", "free")]
         metric("num_compilations", "gauge", "Step shapes compiled (constant after warm-up).",
                stats["num_compilations"])
         lines += [f"# HELP {PREFIX}request_success_total Finished requests by finish reason.",

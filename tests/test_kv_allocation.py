@@ -168,3 +168,54 @@ def test_map_shows_a_reservation_and_renders_one_rect_per_block(tmp_path):
     assert re.search(r"20 blocks of 4 tokens", path.read_text())
     with pytest.raises(ValueError, match="svg"):
         kv.save(str(tmp_path / "kv.png"))
+
+
+@pytest.fixture(scope="module")
+def engines():
+    import jpaged
+
+    kwargs = dict(max_num_seqs=4, max_model_len=64, num_gpu_blocks_override=24, block_size=8, enforce_eager=True)
+    return {policy: jpaged.LLM("tiny", kv_allocation=policy, **kwargs) for policy in ("paged", "orca-max", "static")}
+
+
+def test_engine_baselines_generate_the_same_tokens(engines):
+    """Same kernels, only the block tables differ: greedy outputs match paged allocation's. The
+    baselines run fewer requests at once (each reserves 8 of the 24 blocks) but finish them all."""
+    import jpaged
+
+    prompts = [[5 + i] * (3 + 4 * i) for i in range(5)]
+    params = jpaged.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in engines["paged"].generate(prompts, params, use_tqdm=False)]
+    for policy in ("orca-max", "static"):
+        outputs = engines[policy].generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected, policy
+        stats = engines[policy].stats()
+        assert stats["kv_free_slots"] == 24 * 8 and stats["num_preemptions"] == 0
+
+
+def test_engine_accounting_and_map_while_running(engines):
+    import jpaged
+
+    llm = engines["orca-max"]
+    engine = llm.llm_engine
+    engine.add_request("a", [3] * 10, jpaged.SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()  # prefill 10, sample the 11th: 8 reserved blocks of 8 (max_model_len 64)
+    stats = llm.stats()
+    assert (stats["kv_token_slots"], stats["kv_reserved_slots"], stats["kv_fragmented_slots"],
+            stats["kv_free_slots"]) == (10, 15 - 10, 64 - 15, 16 * 8)
+    states = [s for _, s in llm.kv_map().rows[0][1]]
+    assert states == ["in use"] * 2 + ["reserved"] * 6
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.kv_map().counts()["free"] == 24
+
+
+def test_engine_rejects_what_the_baselines_cannot_do(engines):
+    import jpaged
+
+    with pytest.raises(ValueError, match="best_of"):
+        engines["orca-max"].generate([[1, 2]], jpaged.SamplingParams(n=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="kv_allocation"):
+        jpaged.LLM("tiny", kv_allocation="orca-max", enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="kv_allocation"):
+        jpaged.LLM("tiny", kv_allocation="fastertransformer")
