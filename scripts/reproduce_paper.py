@@ -7,9 +7,9 @@ engine (kv_allocation), so that every comparison isolates memory management.
 Workloads: synthetic traces with the paper's length statistics (Fig. 11: ShareGPT prompts of
 161.3 tokens and outputs of 338.0 on average, long-tailed; Alpaca 19.3 and 58.5), lognormal
 lengths, random token ids, every request ignoring EOS (so it produces exactly its sampled output
-length: what orca-oracle reserves), Poisson arrivals. `--quick` halves the ShareGPT lengths and
-max_model_len (2048 -> 1024), so that the ratio of Orca (Max)'s reservation to a mean request
-stays the paper's (~4x), and uses fewer requests.
+length: what orca-oracle reserves), Poisson arrivals. `--quick` divides the ShareGPT lengths and
+max_model_len (2048 -> 512) by 4, so that Orca (Max) still reserves ~4x a mean request as in the
+paper, and uses fewer requests and a 2048-token KV pool.
 
 The trace is replayed on a virtual clock: requests arrive at their Poisson times, each engine
 step advances the clock by its measured duration, and an idle engine jumps to the next arrival
@@ -78,13 +78,13 @@ class Trace:
 
 
 def traces(args) -> list[Trace]:
-    scale = 0.5 if args.quick else 1.0
+    scale = 0.25 if args.quick else 1.0
     cap = args.max_model_len // 2
     return [Trace("ShareGPT", (161.3 * scale, 1.0, 4, cap), (338.0 * scale, 1.0, 4, cap),
-                  args.num_requests or (32 if args.quick else 1000)),
+                  args.num_requests or (40 if args.quick else 1000)),
             Trace("Alpaca", bench_sharing.ALPACA_PROMPT[:3] + (min(bench_sharing.ALPACA_PROMPT[3], cap),),
                   bench_sharing.ALPACA_OUTPUT[:3] + (min(bench_sharing.ALPACA_OUTPUT[3], cap),),
-                  2 * args.num_requests if args.num_requests else 64 if args.quick else 2000)]
+                  2 * args.num_requests if args.num_requests else 80 if args.quick else 2000)]
 
 
 def sample_requests(trace: Trace, vocab_size: int, seed: int):
@@ -130,6 +130,7 @@ def replay(llm, prompts, output_lens, rate: float, seed: int) -> dict:
     allocated = tokens + reserved + fragmented
     return {"rate": rate, "requests": n, "normalized_latency": float(np.mean(latencies)),
             "makespan_s": round(clock - float(arrivals[0]), 3), "busy_s": round(busy, 3),
+            "throughput_req_s": n / (clock - float(arrivals[0])),
             "mean_batched_requests": batched / busy,
             "token_fraction": tokens / allocated, "reserved_fraction": reserved / allocated,
             "fragmented_fraction": fragmented / allocated,
@@ -147,9 +148,10 @@ class Engines:
         kwargs = dict(block_size=16, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                       max_num_batched_tokens=a.max_num_batched_tokens, swap_space=a.swap_space, seed=a.seed,
                       enforce_eager=a.enforce_eager)
+        kv_slots = overrides.pop("kv_slots", a.kv_slots)
         kwargs.update(overrides)
         # The same memory at every block size: block_size * blocks = kv_slots.
-        kwargs["num_gpu_blocks_override"] = a.kv_slots // kwargs["block_size"]
+        kwargs["num_gpu_blocks_override"] = kv_slots // kwargs["block_size"]
         return kwargs
 
     def get(self, **overrides):
@@ -174,12 +176,9 @@ def fig12(engines, args, vocab_size) -> dict:
         capacity = trace.num_requests / capacity_run["makespan_s"]
         rates = [round(f * capacity, 3) for f in args.rate_fractions]
         log(f"{trace.name}: paged serves {capacity:.2f} req/s at most; rates {rates}")
-        runs, capacities = {}, {"paged": capacity}
+        runs = {}
         for policy in args.policies:
             llm = engines.get(kv_allocation=policy)
-            if policy != "paged":
-                capacities[policy] = trace.num_requests / replay(llm, prompts, output_lens, math.inf,
-                                                                 args.seed)["makespan_s"]
             runs[policy] = []
             for rate in rates:
                 run = replay(llm, prompts, output_lens, rate, args.seed)
@@ -187,9 +186,7 @@ def fig12(engines, args, vocab_size) -> dict:
                 log(f"  {policy:12s} {rate:7.2f} req/s: {run['normalized_latency']:.4f} s/token, "
                     f"{run['mean_batched_requests']:.1f} batched, {run['token_fraction']:.1%} of allocated KV "
                     f"holds tokens, {run['preemptions']} preemptions ({run['busy_s']:.1f} s)")
-        log(f"  capacities (req/s, all requests at once): "
-            + ", ".join(f"{p} {c:.2f}" for p, c in capacities.items()))
-        results[trace.name] = {"capacity_req_s": capacity, "capacities": capacities, "rates": rates, "runs": runs,
+        results[trace.name] = {"capacity_req_s": capacity, "rates": rates, "runs": runs,
                                "mean_prompt_len": float(np.mean([len(p) for p in prompts])),
                                "mean_output_len": float(np.mean(output_lens))}
     return results
@@ -197,40 +194,38 @@ def fig12(engines, args, vocab_size) -> dict:
 
 def fig14_16(engines, args) -> list[dict]:
     """Sharing (bench_sharing's workloads and measures, with this script's engine sizes)."""
-    plain = engines.get(kv_allocation="paged")
+    # bench_sharing's sizes: long enough for its 5-shot prefix, a pool that never preempts; it
+    # measures memory, and times the prefix workloads after a warm-up run: shapes compile on first use.
+    sizes = dict(kv_allocation="paged", max_model_len=max(args.max_model_len, 1024),
+                 kv_slots=max(args.kv_slots, 8192), enforce_eager=True)
+    plain = engines.get(**sizes)
     vocab_size = plain.llm_engine.hf_config.vocab_size
     ns = argparse.Namespace(num_prompts=args.sharing_prompts, widths=args.widths, seed=args.seed)
     results = bench_sharing.bench_parallel_and_beam(plain, ns, vocab_size)
     # The prefix workloads compare caching on and off: two engines at once, small enough here.
-    cached = jpaged.LLM(args.model, **engines.kwargs(kv_allocation="paged", enable_prefix_caching=True))
+    cached = jpaged.LLM(args.model, **engines.kwargs(**sizes, enable_prefix_caching=True))
     return results + bench_sharing.bench_shared_prefix({True: cached, False: plain}, ns, vocab_size)
 
 
-def fig18(engines, args, vocab_size, fig12_results) -> dict:
-    results = {}
-    for trace in traces(args):
-        prompts, output_lens = sample_requests(trace, vocab_size, args.seed)
-        rate = fig12_results[trace.name]["capacity_req_s"] * args.fixed_rate_fraction
-        results[trace.name] = {"rate": rate, "runs": {}}
-        for block_size in args.block_sizes:
-            run = replay(engines.get(kv_allocation="paged", block_size=block_size), prompts, output_lens, rate, args.seed)
-            results[trace.name]["runs"][block_size] = run
-            log(f"  {trace.name} block size {block_size:3d}: {run['normalized_latency']:.4f} s/token, "
-                f"{run['token_fraction']:.1%} of allocated KV holds tokens ({run['busy_s']:.1f} s)")
-    return results
-
-
-def fig19(engines, args, vocab_size, fig12_results) -> dict:
-    """(a) Moving a sequence's KV out and back vs recomputing it; (b) end to end, ShareGPT."""
-    micro = {}
-    n = args.recompute_tokens
+def fig18_19a(engines, args, vocab_size, fig12_results) -> tuple[dict, dict]:
+    """Per block size: normalized latency at a fixed rate (Fig. 18b), and moving a sequence's KV
+    out and back vs recomputing it (Fig. 19a)."""
+    fig18 = {trace.name: {"rate": fig12_results[trace.name]["capacity_req_s"] * args.fixed_rate_fraction, "runs": {}}
+             for trace in traces(args)}
+    micro, n = {}, args.recompute_tokens
     for block_size in args.block_sizes:
         llm = engines.get(kv_allocation="paged", block_size=block_size)
+        for trace in traces(args):
+            prompts, output_lens = sample_requests(trace, vocab_size, args.seed)
+            run = replay(llm, prompts, output_lens, fig18[trace.name]["rate"], args.seed)
+            fig18[trace.name]["runs"][block_size] = run
+            log(f"  {trace.name} block size {block_size:3d}: {run['normalized_latency']:.4f} s/token, "
+                f"{run['token_fraction']:.1%} of allocated KV holds tokens ({run['busy_s']:.1f} s)")
         engine, runner = llm.llm_engine, llm.llm_engine.runner
-        pairs = [(i, i) for i in range(math.ceil(n / block_size))]
+        pairs = [(i, i) for i in range(math.ceil(n / block_size))]  # the engine is idle: any blocks do
         prompt = np.random.default_rng(args.seed).integers(0, vocab_size, size=n).tolist()
         swap, recompute = [], []
-        for _ in range(args.repeats + 1):  # the first of each compiles
+        for _ in range(args.repeats + 1):  # the first of each may compile
             start = time.perf_counter()
             runner.swap_out(pairs)
             runner.swap_in(pairs)
@@ -243,6 +238,11 @@ def fig19(engines, args, vocab_size, fig12_results) -> dict:
         micro[block_size] = {"swap_s": float(np.median(swap[1:])), "recompute_s": float(np.median(recompute[1:]))}
         log(f"  block size {block_size:3d}: swap out + in of {n} tokens {micro[block_size]['swap_s'] * 1e3:.1f} ms, "
             f"recompute {micro[block_size]['recompute_s'] * 1e3:.1f} ms")
+    return fig18, {"tokens": n, "micro": micro}
+
+
+def fig19b(engines, args, vocab_size, fig12_results) -> dict:
+    """Normalized latency with preemption by swap vs by recompute, ShareGPT-like, overloaded."""
     trace = traces(args)[0]
     prompts, output_lens = sample_requests(trace, vocab_size, args.seed)
     rate = fig12_results[trace.name]["capacity_req_s"] * args.preemption_rate_fraction
@@ -252,7 +252,7 @@ def fig19(engines, args, vocab_size, fig12_results) -> dict:
         end_to_end[mode] = run
         log(f"  {mode:9s} at {rate:.2f} req/s: {run['normalized_latency']:.4f} s/token, "
             f"{run['preemptions']} preemptions ({run['busy_s']:.1f} s)")
-    return {"tokens": n, "micro": micro, "rate": rate, "end_to_end": end_to_end}
+    return {"rate": rate, "end_to_end": end_to_end}
 
 
 # ---------------------------------------------------------------------------------------- claims
@@ -274,13 +274,15 @@ def claims(results: dict) -> list[tuple[str, str, str, bool]]:
                          " / ".join(f"{PAPER['fig2_token_fraction'][p]:.1%}" for p in baselines),
                          " / ".join(f"{x:.1%}" for x in ordered),
                          ordered == sorted(ordered, reverse=True) and max(ordered) < fractions["paged"]))
-        caps = r["capacities"]
+        # At the highest rate every policy is overloaded: requests served per second is its capacity.
+        caps = {p: runs[-1]["throughput_req_s"] for p, runs in r["runs"].items()}
         for p in ("orca-oracle", "orca-pow2", "orca-max", "static"):
             if p in caps and "paged" in caps:
                 paper = {"orca-oracle": "1.7-2.7x", "orca-max": "2.7-8x", "static": "up to 22x",
                          "orca-pow2": "between Oracle and Max"}[p]
                 gain = caps["paged"] / caps[p]
-                rows.append((f"Fig. 12 ({name}): throughput of paged / {POLICY_LABELS[p]}", paper + " (ShareGPT)",
+                rows.append((f"Fig. 12 ({name}): throughput at {r['rates'][-1]:.2f} req/s, paged / {POLICY_LABELS[p]}",
+                             paper + " rate at equal latency (ShareGPT)",
                              f"{gain:.2f}x", gain > 1.2))
         mid = {p: runs[len(runs) // 2]["mean_batched_requests"] for p, runs in r["runs"].items()}
         for p, paper in (("orca-oracle", 2.2), ("orca-max", 4.3)):
@@ -441,7 +443,7 @@ def plot(results: dict, out_dir: str):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="CPU-sized: halved ShareGPT lengths, fewer requests")
+    parser.add_argument("--quick", action="store_true", help="CPU-sized: ShareGPT lengths / 4, fewer requests")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--output-dir", default=os.path.join(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))), "docs", "figures"))
@@ -449,11 +451,12 @@ def main(argv=None):
     parser.add_argument("--rate-fractions", type=float, nargs="+",
                         help="request rates as fractions of paged allocation's capacity")
     parser.add_argument("--fixed-rate-fraction", type=float, default=0.5, help="the rate of Fig. 18")
-    parser.add_argument("--preemption-rate-fraction", type=float, default=1.0, help="the rate of Fig. 19b")
+    parser.add_argument("--preemption-rate-fraction", type=float, default=2.0,
+                        help="the rate of Fig. 19b (overloaded, so that the pool fills and requests are preempted)")
     parser.add_argument("--block-sizes", type=int, nargs="+")
     parser.add_argument("--num-requests", type=int, help="of the ShareGPT-like trace; twice as many Alpaca-like "
                         "(default: 32 quick, 1000 full)")
-    parser.add_argument("--kv-slots", type=int, help="KV pool size in tokens (default: 4096 quick, 32768 full)")
+    parser.add_argument("--kv-slots", type=int, help="KV pool size in tokens (default: 2048 quick, 32768 full)")
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -466,9 +469,9 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     q = args.quick
-    defaults = dict(rate_fractions=[0.25, 0.5, 1.0] if q else [0.2, 0.4, 0.6, 0.8, 1.0, 1.2],
-                    block_sizes=[8, 16, 64] if q else [8, 16, 32, 64, 128], kv_slots=4096 if q else 32768,
-                    max_model_len=1024 if q else 2048, max_num_seqs=64 if q else 256,
+    defaults = dict(rate_fractions=[0.25, 0.6, 1.2] if q else [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.5],
+                    block_sizes=[8, 16, 128] if q else [8, 16, 32, 64, 128], kv_slots=2048 if q else 32768,
+                    max_model_len=512 if q else 2048, max_num_seqs=64 if q else 256,
                     sharing_prompts=4 if q else 64)
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -479,12 +482,12 @@ def main(argv=None):
     vocab_size = engines.get(kv_allocation="paged").llm_engine.hf_config.vocab_size
     log("Figs. 12, 13 and 2: latency vs rate per allocation policy")
     results = {"fig12": fig12(engines, args, vocab_size)}
+    log("Figs. 18 and 19a: block size; swap vs recompute")
+    results["fig18"], results["fig19"] = fig18_19a(engines, args, vocab_size, results["fig12"])
+    log("Fig. 19b: preemption by recompute vs swap")
+    results["fig19"].update(fig19b(engines, args, vocab_size, results["fig12"]))
     log("Figs. 14-16: sharing (bench_sharing)")
     results["fig14_16"] = fig14_16(engines, args)
-    log("Fig. 18: block size")
-    results["fig18"] = fig18(engines, args, vocab_size, results["fig12"])
-    log("Fig. 19: recompute vs swap")
-    results["fig19"] = fig19(engines, args, vocab_size, results["fig12"])
     report = {"model": args.model, "quick": q, "backend": jax.default_backend(),
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
               "args": {k: v for k, v in vars(args).items()}, "paper": PAPER, "results": results,
