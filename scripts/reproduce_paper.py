@@ -47,7 +47,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 import jpaged  # noqa: E402
-from jpaged.core.kv_allocation import KV_ALLOCATIONS  # noqa: E402
+from jpaged.core.block_manager import BlockManager  # noqa: E402
+from jpaged.core.kv_allocation import KV_ALLOCATIONS, kv_usage  # noqa: E402
+from jpaged.core.scheduler import Scheduler  # noqa: E402
+from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
     "bench_sharing", os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_sharing.py"))
@@ -192,6 +195,53 @@ def fig12(engines, args, vocab_size) -> dict:
     return results
 
 
+def fig2_paper_scale(args) -> dict:
+    """Fig. 2 at the paper's sizes, without a model: the engine's own scheduler and block manager
+    serve a full-length ShareGPT-like trace (context 2048, OPT-13B's 15.7K KV slots on an A100,
+    the paper's Table 1) with every request queued at once, as under heavy load. A step computes
+    the scheduled tokens and samples one token for each sequence at its end. What the memory
+    holds depends only on what is scheduled, not on how fast a model computes it."""
+    max_len, block_size = 2048, 16
+    rng = np.random.default_rng(args.seed)
+    n = args.memory_requests
+    prompt_lens = bench_sharing.lengths(rng, n, 161.3, 1.0, 4, max_len // 2)
+    output_lens = bench_sharing.lengths(rng, n, 338.0, 1.0, 4, max_len // 2)
+    results = {}
+    for policy in [p for p in args.policies if p != "static"]:  # the paper's Fig. 2 has no FasterTransformer
+        bm = BlockManager(block_size, args.memory_kv_slots // block_size, 0, kv_allocation=policy,
+                          max_model_len=max_len)
+        scheduler = Scheduler(bm, max_num_seqs=256, max_num_batched_tokens=max_len, max_model_len=max_len)
+        for i, (p, o) in enumerate(zip(prompt_lens, output_lens)):
+            scheduler.add_seq_group(SequenceGroup(str(i), [Sequence(i, [0] * p)],
+                                                  jpaged.SamplingParams(max_tokens=o, ignore_eos=True), 0.0))
+        steps = batched = tokens = reserved = fragmented = 0
+        while scheduler.has_unfinished_seqs():
+            for scheduled in scheduler.schedule().scheduled_seq_groups:
+                group = scheduled.seq_group
+                group.update_num_computed_tokens(scheduled.token_chunk_size)
+                for seq in group.get_seqs(SequenceStatus.RUNNING):
+                    if seq.num_computed_tokens == seq.get_len():
+                        seq.append_token_id(0, 0.0)
+                        if seq.get_output_len() >= group.sampling_params.max_tokens:
+                            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+                            scheduler.free_seq(seq)
+            scheduler.free_finished_seq_groups()
+            usage = kv_usage(bm, scheduler.running, max_len)
+            steps += 1
+            batched += len(scheduler.running)
+            tokens += usage.token_slots
+            reserved += usage.reserved_slots
+            fragmented += usage.fragmented_slots
+        allocated = tokens + reserved + fragmented
+        results[policy] = {"steps": steps, "mean_batched_requests": batched / steps,
+                           "token_fraction": tokens / allocated, "reserved_fraction": reserved / allocated,
+                           "fragmented_fraction": fragmented / allocated}
+        log(f"  {policy:12s} {tokens / allocated:.1%} of allocated KV holds tokens, "
+            f"{reserved / allocated:.1%} reserved, {fragmented / allocated:.1%} fragmented; "
+            f"{batched / steps:.1f} requests batched, {steps} steps")
+    return {"requests": n, "kv_slots": args.memory_kv_slots, "max_model_len": max_len, "policies": results}
+
+
 def fig14_16(engines, args) -> list[dict]:
     """Sharing (bench_sharing's workloads and measures, with this script's engine sizes)."""
     # bench_sharing's sizes: long enough for its 5-shot prefix, a pool that never preempts; it
@@ -260,6 +310,22 @@ def fig19b(engines, args, vocab_size, fig12_results) -> dict:
 def claims(results: dict) -> list[tuple[str, str, str, bool]]:
     """(claim, the paper's number, ours, whether the shape holds) for each figure."""
     rows = []
+    f2 = results["fig2"]["policies"]
+    if "paged" in f2:
+        rows.append(("Fig. 2 (paper's sizes, scheduler only): share of allocated KV slots holding tokens, paged",
+                     "96.3%", f"{f2['paged']['token_fraction']:.1%}", f2["paged"]["token_fraction"] >= 0.96))
+    baselines = [p for p in ("orca-oracle", "orca-pow2", "orca-max") if p in f2]
+    if baselines and "paged" in f2:
+        ordered = [f2[p]["token_fraction"] for p in baselines]
+        rows.append(("Fig. 2 (paper's sizes): the same for " + " / ".join(POLICY_LABELS[p] for p in baselines),
+                     " / ".join(f"{PAPER['fig2_token_fraction'][p]:.1%}" for p in baselines),
+                     " / ".join(f"{x:.1%}" for x in ordered),
+                     ordered == sorted(ordered, reverse=True) and max(ordered) < f2["paged"]["token_fraction"]))
+    for p, paper in (("orca-oracle", 2.2), ("orca-max", 4.3)):
+        if p in f2 and "paged" in f2:
+            gain = f2["paged"]["mean_batched_requests"] / f2[p]["mean_batched_requests"]
+            rows.append((f"Fig. 13 (paper's sizes): requests batched, paged / {POLICY_LABELS[p]}", f"{paper}x",
+                         f"{gain:.2f}x", gain >= paper / 2))
     f12 = results["fig12"]
     for name, r in f12.items():
         top = {p: runs[-1] for p, runs in r["runs"].items()}
@@ -284,11 +350,12 @@ def claims(results: dict) -> list[tuple[str, str, str, bool]]:
                 rows.append((f"Fig. 12 ({name}): throughput at {r['rates'][-1]:.2f} req/s, paged / {POLICY_LABELS[p]}",
                              paper + " rate at equal latency (ShareGPT)",
                              f"{gain:.2f}x", gain > 1.2))
-        mid = {p: runs[len(runs) // 2]["mean_batched_requests"] for p, runs in r["runs"].items()}
+        batched = {p: runs[-1]["mean_batched_requests"] for p, runs in r["runs"].items()}
         for p, paper in (("orca-oracle", 2.2), ("orca-max", 4.3)):
-            if p in mid and "paged" in mid:
-                gain = mid["paged"] / mid[p]
-                rows.append((f"Fig. 13 ({name}): requests batched, paged / {POLICY_LABELS[p]}", f"{paper}x (ShareGPT)",
+            if p in batched and "paged" in batched:
+                gain = batched["paged"] / batched[p]
+                rows.append((f"Fig. 13 ({name}): requests batched at {r['rates'][-1]:.2f} req/s, paged / "
+                             f"{POLICY_LABELS[p]}", f"{paper}x (ShareGPT)",
                              f"{gain:.2f}x", gain >= paper / 2))
     sharing = results.get("fig14_16", [])
     for kind in ("parallel", "beam"):
@@ -358,34 +425,33 @@ def plot(results: dict, out_dir: str):
         ax.legend(fontsize=8)
     save(fig, "fig12_latency_vs_rate.png")
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, (name, r) in zip(axes, f12.items()):
-        policies = list(r["runs"])
-        mid = len(r["rates"]) // 2
-        ax.bar(range(len(policies)), [r["runs"][p][mid]["mean_batched_requests"] for p in policies],
+    # Figs. 13 and 2: the paper-scale scheduler-only run, then each quick trace at its highest rate.
+    panels = [("paper's sizes, ShareGPT-like\n(scheduler and block manager only)", results["fig2"]["policies"])]
+    panels += [(f"{name}-like at {r['rates'][-1]:.2f} req/s", {p: runs[-1] for p, runs in r["runs"].items()})
+               for name, r in f12.items()]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    for ax, (title, runs) in zip(axes, panels):
+        policies = list(runs)
+        ax.bar(range(len(policies)), [runs[p]["mean_batched_requests"] for p in policies],
                color=[f"C{i}" for i in range(len(policies))])
-        ax.set_xticks(range(len(policies)), [POLICY_LABELS[p].split(" (")[0] + "\n" + p for p in policies], fontsize=7)
-        ax.set(title=f"{name}-like at {r['rates'][mid]:.2f} req/s (Fig. 13)", ylabel="mean batched requests")
+        ax.set_xticks(range(len(policies)), policies, fontsize=7)
+        ax.set(title=title + " (Fig. 13)", ylabel="mean batched requests")
     save(fig, "fig13_batched_requests.png")
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, (name, r) in zip(axes, f12.items()):
-        policies = [p for p in r["runs"]]
-        top = {p: r["runs"][p][-1] for p in policies}
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5))
+    for ax, (title, runs) in zip(axes, panels):
+        policies = [p for p in runs if p != "static"]
         bottom = np.zeros(len(policies))
-        for part, color in (("token", "#16a34a"), ("reserved", "#facc15"), ("fragmented", "#ef4444")):
-            values = np.array([top[p][f"{part}_fraction"] * 100 for p in policies])
-            ax.bar(range(len(policies)), values, bottom=bottom, color=color,
-                   label={"token": "token states", "reserved": "reservation",
-                          "fragmented": "internal fragmentation"}[part])
+        for part, color, label in (("token", "#16a34a", "token states"), ("reserved", "#facc15", "reservation"),
+                                   ("fragmented", "#ef4444", "internal fragmentation")):
+            values = np.array([runs[p][f"{part}_fraction"] * 100 for p in policies])
+            ax.bar(range(len(policies)), values, bottom=bottom, color=color, label=label)
             bottom += values
         for i, p in enumerate(policies):
-            ax.text(i, top[p]["token_fraction"] * 100 / 2, f"{top[p]['token_fraction']:.1%}", ha="center", fontsize=8)
-            if p in PAPER["fig2_token_fraction"]:
-                ax.plot([i - 0.4, i + 0.4], [PAPER["fig2_token_fraction"][p] * 100] * 2, "k--", lw=1)
+            ax.text(i, 2, f"{runs[p]['token_fraction']:.1%}", ha="center", fontsize=8, color="white")
+            ax.plot([i - 0.4, i + 0.4], [PAPER["fig2_token_fraction"][p] * 100] * 2, "k--", lw=1)
         ax.set_xticks(range(len(policies)), policies, fontsize=8)
-        ax.set(title=f"{name}-like: KV memory by content (Fig. 2; dashes: paper)", ylabel="% of allocated KV slots",
-               ylim=(0, 100))
+        ax.set(title=title + "\n(Fig. 2; dashes: the paper)", ylabel="% of allocated KV slots", ylim=(0, 100))
         ax.legend(fontsize=7, loc="upper right")
     save(fig, "fig2_memory_breakdown.png")
 
@@ -437,7 +503,9 @@ def plot(results: dict, out_dir: str):
     axes[0].legend()
     modes = list(f19["end_to_end"])
     axes[1].bar(modes, [f19["end_to_end"][m]["normalized_latency"] for m in modes], color=["C0", "C1"])
-    axes[1].set(title=f"(b) ShareGPT-like at {f19['rate']:.2f} req/s (Fig. 19b)", ylabel="normalized latency (s/token)")
+    axes[1].set(title=f"(b) ShareGPT-like at {f19['rate']:.2f} req/s (Fig. 19b)\n"
+                f"{' / '.join(str(f19['end_to_end'][m]['preemptions']) for m in modes)} preemptions",
+                ylabel="normalized latency (s/token)")
     save(fig, "fig19_recompute_vs_swap.png")
 
 
@@ -451,8 +519,9 @@ def main(argv=None):
     parser.add_argument("--rate-fractions", type=float, nargs="+",
                         help="request rates as fractions of paged allocation's capacity")
     parser.add_argument("--fixed-rate-fraction", type=float, default=0.5, help="the rate of Fig. 18")
-    parser.add_argument("--preemption-rate-fraction", type=float, default=2.0,
-                        help="the rate of Fig. 19b (overloaded, so that the pool fills and requests are preempted)")
+    parser.add_argument("--preemption-rate-fraction", type=float, default=math.inf,
+                        help="the rate of Fig. 19b (default: all requests at once, so that the pool fills and "
+                        "requests are preempted)")
     parser.add_argument("--block-sizes", type=int, nargs="+")
     parser.add_argument("--num-requests", type=int, help="of the ShareGPT-like trace; twice as many Alpaca-like "
                         "(default: 32 quick, 1000 full)")
@@ -461,6 +530,9 @@ def main(argv=None):
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--swap-space", type=float, default=0.5, help="GiB of host memory for swapped KV")
+    parser.add_argument("--memory-requests", type=int, default=150, help="requests of the paper-scale Fig. 2 run")
+    parser.add_argument("--memory-kv-slots", type=int, default=15_696,
+                        help="KV slots of the paper-scale Fig. 2 run (OPT-13B on an A100-40GB: 15.7K)")
     parser.add_argument("--sharing-prompts", type=int, help="prompts per sharing workload (bench_sharing)")
     parser.add_argument("--widths", type=int, nargs="+", default=[2, 4, 6])
     parser.add_argument("--recompute-tokens", type=int, default=256)
@@ -469,7 +541,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     q = args.quick
-    defaults = dict(rate_fractions=[0.25, 0.6, 1.2] if q else [0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.5],
+    defaults = dict(rate_fractions=[0.3, 1.0, 2.5] if q else [0.2, 0.4, 0.6, 0.8, 1.0, 1.5, 2.5],
                     block_sizes=[8, 16, 128] if q else [8, 16, 32, 64, 128], kv_slots=2048 if q else 32768,
                     max_model_len=512 if q else 2048, max_num_seqs=64 if q else 256,
                     sharing_prompts=4 if q else 64)
@@ -480,8 +552,10 @@ def main(argv=None):
     start = time.perf_counter()
     engines = Engines(args)
     vocab_size = engines.get(kv_allocation="paged").llm_engine.hf_config.vocab_size
+    log("Fig. 2 at the paper's sizes (scheduler and block manager only)")
+    results = {"fig2": fig2_paper_scale(args)}
     log("Figs. 12, 13 and 2: latency vs rate per allocation policy")
-    results = {"fig12": fig12(engines, args, vocab_size)}
+    results["fig12"] = fig12(engines, args, vocab_size)
     log("Figs. 18 and 19a: block size; swap vs recompute")
     results["fig18"], results["fig19"] = fig18_19a(engines, args, vocab_size, results["fig12"])
     log("Fig. 19b: preemption by recompute vs swap")

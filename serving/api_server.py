@@ -149,7 +149,8 @@ class OpenAIServer:
                 "root": self.engine.engine.config.model, "max_model_len": self.max_model_len}
 
     async def metrics(self, request):
-        return web.Response(body=self.engine.metrics.render(self.engine.stats).encode(),
+        kv_usage = await self.engine.call(lambda e: e.kv_usage()) if self.engine.dead is None else None
+        return web.Response(body=self.engine.metrics.render(self.engine.stats, kv_usage).encode(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def tokenize(self, request):

@@ -189,8 +189,8 @@ def test_engine_baselines_generate_the_same_tokens(engines):
     for policy in ("orca-max", "static"):
         outputs = engines[policy].generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected, policy
-        stats = engines[policy].stats()
-        assert stats["kv_free_slots"] == 24 * 8 and stats["num_preemptions"] == 0
+        assert engines[policy].llm_engine.kv_usage().free_slots == 24 * 8
+        assert engines[policy].stats()["num_preemptions"] == 0
 
 
 def test_engine_accounting_and_map_while_running(engines):
@@ -200,9 +200,7 @@ def test_engine_accounting_and_map_while_running(engines):
     engine = llm.llm_engine
     engine.add_request("a", [3] * 10, jpaged.SamplingParams(max_tokens=5, ignore_eos=True))
     engine.step()  # prefill 10, sample the 11th: 8 reserved blocks of 8 (max_model_len 64)
-    stats = llm.stats()
-    assert (stats["kv_token_slots"], stats["kv_reserved_slots"], stats["kv_fragmented_slots"],
-            stats["kv_free_slots"]) == (10, 15 - 10, 64 - 15, 16 * 8)
+    assert engine.kv_usage() == KVUsage(10, 15 - 10, 64 - 15, 16 * 8)
     states = [s for _, s in llm.kv_map().rows[0][1]]
     assert states == ["in use"] * 2 + ["reserved"] * 6
     while engine.has_unfinished_requests():

@@ -23,6 +23,7 @@ def test_quick_path_on_a_tiny_workload(tmp_path, monkeypatch):
                           "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--block-sizes", "16",
                           "--sharing-prompts", "2", "--widths", "2", "--enforce-eager", "--rate-fractions", "1.0",
                           "--policies", "paged", "orca-max", "--recompute-tokens", "32", "--repeats", "1",
+                          "--memory-requests", "6", "--memory-kv-slots", "4096",
                           "--output-dir", str(tmp_path)])
     for name in FIGURES:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
@@ -30,6 +31,10 @@ def test_quick_path_on_a_tiny_workload(tmp_path, monkeypatch):
     claims = (tmp_path / "claims.md").read_text()
     assert "Fig. 2 (ShareGPT)" in claims and "Fig. 19b" in claims
 
+    # Fig. 2 at the paper's context (2048): orca-max holds at most 2 requests in 4096 slots.
+    f2 = report["results"]["fig2"]["policies"]
+    assert 0 < f2["orca-max"]["mean_batched_requests"] <= 2 < f2["paged"]["mean_batched_requests"]
+    assert f2["orca-max"]["token_fraction"] < 0.5 < 0.9 < f2["paged"]["token_fraction"]
     for name, trace in report["results"]["fig12"].items():
         paged, orca = trace["runs"]["paged"][0], trace["runs"]["orca-max"][0]
         # orca-max reserves max_model_len = 4 blocks per request: at most 4 of the 16 blocks' worth run.

@@ -537,7 +537,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stats
     def kv_usage(self) -> KVUsage:
-        """The device KV slots now: holding tokens, reserved, internally fragmented, free."""
+        """The device KV slots now: holding tokens, reserved, internally fragmented, free. It
+        visits every block table entry: read it when asked (per scrape, per benchmark step), not
+        in stats(), which the server reads after every step."""
         return kv_usage(self.block_manager, self.scheduler.running, self.max_model_len)
 
     def kv_map(self) -> KVMap:
@@ -545,7 +547,6 @@ class LLMEngine:
 
     def stats(self) -> dict:
         bm, sched = self.block_manager, self.scheduler
-        usage = self.kv_usage()
         return {
             "num_gpu_blocks": bm.num_gpu_blocks, "num_free_gpu_blocks": bm.get_num_free_gpu_blocks(),
             "num_cpu_blocks": bm.num_cpu_blocks, "num_free_cpu_blocks": bm.get_num_free_cpu_blocks(),
@@ -560,7 +561,4 @@ class LLMEngine:
             "num_gpu_blocks_without_sharing": bm.get_num_gpu_blocks_without_sharing(),
             "num_cached_gpu_blocks": bm.get_num_cached_gpu_blocks(),
             "num_compilations": self.runner.num_compilations,
-            # KV slots (tokens) by what they hold, as the paper's Fig. 2 splits them.
-            "kv_token_slots": usage.token_slots, "kv_reserved_slots": usage.reserved_slots,
-            "kv_fragmented_slots": usage.fragmented_slots, "kv_free_slots": usage.free_slots,
         }
