@@ -29,7 +29,7 @@ def test_quick_path_on_a_tiny_workload(tmp_path, monkeypatch):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     assert json.loads((tmp_path / "results.json").read_text())["results"].keys() == report["results"].keys()
     claims = (tmp_path / "claims.md").read_text()
-    assert "Fig. 2 (ShareGPT)" in claims and "Fig. 19b" in claims
+    assert "Fig. 2 (ShareGPT)" in claims and "Fig. 19b (Alpaca)" in claims
 
     # Fig. 2 at the paper's context (2048): orca-max holds at most 2 requests in 4096 slots.
     f2 = report["results"]["fig2"]["policies"]
