@@ -10,7 +10,8 @@ ids and logprobs return to the host.
 
 Every step is padded to a bucket (see Buckets), block copies and swaps to a fixed size, and every
 executable is compiled ahead of time at warm-up, so serving never compiles; `num_compilations`
-counts them all. The forward and the sampler compile apart: the sampler's shapes depend only on
+counts them all. Compiled executables are kept on disk whole (executable_cache.py): a restart
+loads them without tracing. The forward and the sampler compile apart: the sampler's shapes depend only on
 its row bucket and the penalties switch, so the warm-up compiles forwards + samplers, not their
 product.
 
@@ -39,6 +40,7 @@ from jpaged.models.loader import LoadedModel
 from jpaged.parallel import distributed
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, replicated, tp_size
 from jpaged.runner import sampler
+from jpaged.runner.executable_cache import ExecutableCache
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +149,8 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, *, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 executable_cache: ExecutableCache | None = None):
         self.block_size, self.num_gpu_blocks = block_size, num_gpu_blocks
         self.vocab_size = loaded.hf_config.vocab_size
         self.max_model_len = max_model_len
@@ -172,7 +175,10 @@ class ModelRunner:
         self._forward = jax.jit(functools.partial(_forward, self.graphdef, rep), donate_argnums=(1,),
                                 out_shardings=(rep, kv))
         self._sample = jax.jit(sampler.sample, out_shardings=rep)
+        self.executable_cache = executable_cache or ExecutableCache(None, "")
         self._executables = {}
+        if self._multihost:  # the driver's broadcasts: one executable, compiled now
+            self._executables[("broadcast", distributed.BROADCAST_CHUNK)] = distributed.broadcast_executable()[0]
         self._warm = False
         self._copy = jax.jit(functools.partial(_copy_blocks, num_layers), in_shardings=(kv, rep, rep),
                              out_shardings=kv, donate_argnums=(0,))
@@ -194,23 +200,31 @@ class ModelRunner:
         thread pool was no faster on 2 cores (19.1 vs 20.2 s for tiny's 42) and hung once in CI."""
         keys = [k for k in self.buckets.keys() if k not in self._executables]
         for key in tqdm(keys, desc="Compiling step buckets", unit="shape"):
-            self._executables[key] = self._lower(key).compile()
+            self._executables[key] = self._compile(key)
         self._warm = True
 
+    def _compile(self, key):
+        return self.executable_cache.compile(repr(key), *self._jitted_and_args(key))
+
     def _lower(self, key):
+        jitted, args = self._jitted_and_args(key)
+        return jitted.lower(*args)
+
+    def _jitted_and_args(self, key):
+        """The jitted function executable `key` compiles, and its (abstract) arguments."""
         if key[0] == "forward":
-            return self._forward.lower(self.state, self.kv_cache, self._abstract_inputs(*key[1:]))
+            return self._forward, (self.state, self.kv_cache, self._abstract_inputs(*key[1:]))
         if key[0] == "sample":
             _, num_rows, do_penalties = key
             logits = jax.ShapeDtypeStruct((num_rows, self.vocab_size), jnp.float32, sharding=self._replicated)
-            return self._sample.lower(logits, self._replicate(self._sampling_metadata([], num_rows, do_penalties)))
+            return self._sample, (logits, self._replicate(self._sampling_metadata([], num_rows, do_penalties)))
         op, num_blocks = key
         blocks = jax.ShapeDtypeStruct((num_blocks,), jnp.int32, sharding=self._replicated)
         if op == "copy_blocks":
-            return self._copy.lower(self.kv_cache, blocks, blocks)
+            return self._copy, (self.kv_cache, blocks, blocks)
         if op == "swap_out":
-            return self._gather.lower(self.kv_cache, blocks)
-        return self._scatter.lower(self.kv_cache, self._swapped_pages_shape(num_blocks), blocks)
+            return self._gather, (self.kv_cache, blocks)
+        return self._scatter, (self.kv_cache, self._swapped_pages_shape(num_blocks), blocks)
 
     def _swapped_pages_shape(self, num_blocks: int) -> jax.ShapeDtypeStruct:
         """Pages in flight between the pool and the host: [layers, k/v, kv_heads, blocks, page_size, head_dim]."""
@@ -222,7 +236,7 @@ class ModelRunner:
         if key not in self._executables:
             if self._warm:
                 logger.warning("compiling an unexpected step shape %s while serving", key)
-            self._executables[key] = self._lower(key).compile()
+            self._executables[key] = self._compile(key)
         return self._executables[key]
 
     def _abstract_inputs(self, is_decode: bool, num_tokens: int, num_seqs: int) -> StepInputs:
