@@ -2,9 +2,9 @@
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
 POST /tokenize, POST /detokenize, GET /metrics, GET /kv (serving/kv_page.py). Handlers check
-the whole request before anything reaches the engine, tokenize prompts themselves (to check the context length with both numbers),
-and abort their requests in `finally`: a client that leaves (the handler is cancelled) frees its
-blocks before the next engine step.
+the whole request before anything reaches the engine, tokenize prompts themselves (to check the
+context length with both numbers), and abort their requests in `finally`: a client that leaves
+(the handler is cancelled) frees its blocks before the next engine step.
 """
 
 import asyncio
