@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP server (aiohttp) in front of the AsyncLLMEngine.
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /tokenize, POST /detokenize, GET /metrics. Handlers check the whole request before anything
-reaches the engine, tokenize prompts themselves (to check the context length with both numbers),
-and abort their requests in `finally`: a client that leaves (the handler is cancelled) frees its
-blocks before the next engine step.
+POST /tokenize, POST /detokenize, GET /metrics, GET /kv (serving/kv_page.py). Handlers check
+the whole request before anything reaches the engine, tokenize prompts themselves (to check the
+context length with both numbers), and abort their requests in `finally`: a client that leaves
+(the handler is cancelled) frees its blocks before the next engine step.
 """
 
 import asyncio
@@ -30,7 +30,7 @@ from jpaged.core.detokenizer import held_back_chars, token_bytes_fn
 from jpaged.engine.llm_engine import LLMEngine, StepFailedError
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.sampling_params import SamplingParams
-from serving import protocol, tool_calls
+from serving import kv_page, protocol, tool_calls
 from serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from serving.metrics import Metrics
 from serving.protocol import APIError, field
@@ -102,6 +102,7 @@ class OpenAIServer:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/metrics", self.metrics)
+        kv_page.add_routes(app, self.engine, self.model_name)
         return app
 
     # ------------------------------------------------------------------ middlewares
@@ -149,7 +150,8 @@ class OpenAIServer:
                 "root": self.engine.engine.config.model, "max_model_len": self.max_model_len}
 
     async def metrics(self, request):
-        return web.Response(body=self.engine.metrics.render(self.engine.stats).encode(),
+        kv_usage = await self.engine.call(lambda e: e.kv_usage()) if self.engine.dead is None else None
+        return web.Response(body=self.engine.metrics.render(self.engine.stats, kv_usage).encode(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def tokenize(self, request):
@@ -712,7 +714,7 @@ async def serve(engine: LLMEngine, options: ServerOptions) -> int:
     bound_host, bound_port = runner.addresses[0][:2]
     scheme = "https" if ssl_context else "http"
     print(f"jpaged: serving {options.served_model_name!r} at {scheme}://{bound_host}:{bound_port}/v1 "
-          "(OpenAI API; also /health, /metrics, /tokenize, /detokenize)", flush=True)
+          "(OpenAI API; also /health, /metrics, /kv, /tokenize, /detokenize)", flush=True)
     stats_task = asyncio.create_task(_log_stats(async_engine)) if options.log_stats else None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

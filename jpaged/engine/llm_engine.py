@@ -18,6 +18,8 @@ from jpaged import devices
 from jpaged.config import EngineConfig
 from jpaged.core.block_manager import BlockManager
 from jpaged.core.detokenizer import Detokenizer
+from jpaged.core.kv_allocation import KVUsage, kv_usage
+from jpaged.core.kv_map import KVMap
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from jpaged.core.structured_output import StructuredOutputManager
@@ -113,6 +115,7 @@ class LLMEngine:
                     bytes_per_block / 1024)
         self.block_manager = BlockManager(config.block_size, num_gpu_blocks, num_cpu_blocks,
                                           enable_caching=config.enable_prefix_caching,
+                                          kv_allocation=config.kv_allocation, max_model_len=self.max_model_len,
                                           sliding_window=common_sliding_window(loaded.model))
         # Debug mode (the tests turn it on): check the block pool's invariants after every step.
         self.check_invariants = os.environ.get("JPAGED_CHECK_INVARIANTS", "0") not in ("", "0")
@@ -202,6 +205,9 @@ class LLMEngine:
             field = "n" if sp.best_of == sp.n else "best_of"
             raise ValueError(f"{field}={getattr(sp, field)}; a request's sequences run together, so best_of "
                              f"({sp.best_of}) must not exceed max_num_seqs={self.config.max_num_seqs}")
+        if sp.best_of > 1 and self.config.kv_allocation != "paged":
+            raise ValueError(f"best_of={sp.best_of}; kv_allocation={self.config.kv_allocation!r} (a baseline "
+                             "without block sharing) runs one sequence per request")
         if sp.use_beam_search and 2 * sp.best_of > MAX_LOGPROBS:
             # Each beam's candidates are its 2 * best_of most likely tokens, from the step's top logprobs.
             raise ValueError(f"best_of={sp.best_of}; beam search supports at most {MAX_LOGPROBS // 2} beams")
@@ -536,6 +542,15 @@ class LLMEngine:
                              prompt_logprobs)
 
     # ------------------------------------------------------------------ stats
+    def kv_usage(self) -> KVUsage:
+        """The device KV slots now: holding tokens, reserved, internally fragmented, free. It
+        visits every block table entry: read it when asked (per scrape, per benchmark step), not
+        in stats(), which the server reads after every step."""
+        return kv_usage(self.block_manager, self.scheduler.running, self.max_model_len)
+
+    def kv_map(self) -> KVMap:
+        return KVMap.of(self.block_manager, self.scheduler.running)
+
     def stats(self) -> dict:
         bm, sched = self.block_manager, self.scheduler
         return {
