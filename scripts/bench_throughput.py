@@ -68,6 +68,10 @@ MAX_PROMPT_LEN, MAX_TOTAL_LEN, MIN_LEN = 1024, 2048, 4
 # Random-Llama presets: LlamaConfig overrides. 25m ~= 25.2M parameters (fp32 on CPU);
 # 1b is Llama-3.2-1B-shaped and 8b Llama-3-8B-shaped (bf16, for GPUs).
 PRESETS = {
+    # The host-bound case: a model this small takes microseconds per step on the device.
+    "micro": {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "intermediate_size": 512, "vocab_size": 384, "max_position_embeddings": 4096,
+              "rope_theta": 10000.0, "tie_word_embeddings": False, "dtype": "float32"},
     "25m": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
             "intermediate_size": 1344, "vocab_size": 259, "max_position_embeddings": 4096,
             "rope_theta": 10000.0, "tie_word_embeddings": False, "dtype": "float32"},

@@ -11,7 +11,7 @@ ids and logprobs return to the host.
 Every step is padded to a bucket (see Buckets), block copies and swaps to a fixed size, and every
 executable is compiled ahead of time at warm-up, so serving never compiles; `num_compilations`
 counts them all. The forward and the sampler compile apart: the sampler's shapes depend only on
-its row bucket and the penalties switch, so the warm-up compiles forwards + samplers, not their
+its row bucket and its full/fast switch, so the warm-up compiles forwards + samplers, not their
 product.
 
 Tensor parallelism: weights and KV pages live on the loader's mesh (jpaged/parallel); the runner
@@ -79,44 +79,42 @@ def _fit(buckets: list[int], n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    """The fixed set of step shapes. Block tables always have the full `width`: the attention's cost
-    follows the real contexts (pallas_kernels/xla.py, and the Pallas kernels loop to each context's
-    end), so a step's shape is only its token and sequence counts. Decode steps (one token per
-    sequence) take `seqs` rows; mixed steps take `tokens` with min(tokens, max_num_seqs) sequence
-    rows, so a lone prompt does not pay for max_num_seqs rows in the LM head and the sampler. The
-    LM head and the sampler take `sample_rows(seqs)` rows: a coarser ladder, because the sampler
-    compiles slowly (its sorts over the vocabulary) and costs little per row."""
+    """The fixed set of step shapes: one step family keyed by its token bucket (vLLM v1's ragged
+    layout: decode and mixed prefill + decode steps alike). A step of `tokens` rows has
+    `seqs(tokens)` = min(tokens, max_num_seqs) sequence rows, so a lone prompt or a small decode
+    batch does not pay for max_num_seqs rows. Block tables always have the full `width`: the
+    attention's cost follows the real contexts (pallas_kernels/xla.py, and the Pallas kernels loop
+    to each context's end). The LM head and the sampler take `sample_rows(seqs)` rows: a coarser
+    ladder, because the sampler compiles slowly (its sorts over the vocabulary) and costs little
+    per row."""
 
-    seqs: list[int]
     tokens: list[int]
     rows: list[int]
+    max_num_seqs: int
     width: int
 
     @classmethod
     def create(cls, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int) -> "Buckets":
-        # Doubling ladders: at most 2x padding; a mixed step has at least 16 token rows (decode
-        # batches below that are decode steps).
-        tokens = _ladder(min(16, max_num_batched_tokens), max_num_batched_tokens)
-        return cls(_ladder(1, max_num_seqs), tokens, _ladder(1, max_num_seqs, factor=4), max_blocks_per_seq)
+        # Doubling token ladder: at most 2x padding.
+        return cls(_ladder(1, max_num_batched_tokens), _ladder(1, max_num_seqs, factor=8), max_num_seqs,
+                   max_blocks_per_seq)
 
-    def mixed_seqs(self, num_tokens: int) -> int:
-        """Sequence rows of a mixed step of `num_tokens` (a bucket): each sequence has a token."""
-        return _fit(self.seqs, min(num_tokens, self.seqs[-1]))
+    def seqs(self, num_tokens: int) -> int:
+        """Sequence rows of a step of `num_tokens` (a bucket): each sequence has a token."""
+        return min(num_tokens, self.max_num_seqs)
 
     def sample_rows(self, num_seqs: int) -> int:
         return _fit(self.rows, num_seqs)
 
     def keys(self):
-        """Every executable: the model forward per (is_decode, tokens, seqs), the sampler per
-        (rows, penalties on/off), each block operation per padded size. Compiling the forward and
-        the sampler apart keeps the count additive, not a product."""
-        for seqs in self.seqs:
-            yield ("forward", True, seqs, seqs)
+        """Every executable: the model forward per token bucket, the sampler per (rows, full on/off),
+        each block operation per padded size. Compiling the forward and the sampler apart keeps
+        the count additive, not a product."""
         for tokens in self.tokens:
-            yield ("forward", False, tokens, self.mixed_seqs(tokens))
+            yield ("forward", tokens)
         for rows in self.rows:
-            for do_penalties in (False, True):
-                yield ("sample", rows, do_penalties)
+            for full in (False, True):
+                yield ("sample", rows, full)
         for op in BLOCK_OPS:
             for num_blocks in BLOCK_OP_SIZES:
                 yield (op, num_blocks)
@@ -199,11 +197,11 @@ class ModelRunner:
 
     def _lower(self, key):
         if key[0] == "forward":
-            return self._forward.lower(self.state, self.kv_cache, self._abstract_inputs(*key[1:]))
+            return self._forward.lower(self.state, self.kv_cache, self._abstract_inputs(key[1]))
         if key[0] == "sample":
-            _, num_rows, do_penalties = key
+            _, num_rows, full = key
             logits = jax.ShapeDtypeStruct((num_rows, self.vocab_size), jnp.float32, sharding=self._replicated)
-            return self._sample.lower(logits, self._replicate(self._sampling_metadata([], num_rows, do_penalties)))
+            return self._sample.lower(logits, self._replicate(self._sampling_metadata([], num_rows, full)))
         op, num_blocks = key
         blocks = jax.ShapeDtypeStruct((num_blocks,), jnp.int32, sharding=self._replicated)
         if op == "copy_blocks":
@@ -225,10 +223,12 @@ class ModelRunner:
             self._executables[key] = self._lower(key).compile()
         return self._executables[key]
 
-    def _abstract_inputs(self, is_decode: bool, num_tokens: int, num_seqs: int) -> StepInputs:
+    def _abstract_inputs(self, num_tokens: int) -> StepInputs:
+        num_seqs = self.buckets.seqs(num_tokens)
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+        decode = jax.ShapeDtypeStruct((), jnp.bool_) if num_seqs == num_tokens else None
         attn = AttentionMetadata(i32((num_tokens,)), i32((num_seqs, self.buckets.width)), i32((num_seqs,)),
-                                 i32((num_seqs + 1,)), is_decode=is_decode)
+                                 i32((num_seqs + 1,)), decode)
         return self._replicate(StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn,
                                           i32((self.buckets.sample_rows(num_seqs),))))
 
@@ -236,28 +236,29 @@ class ModelRunner:
         """Abstract step inputs, replicated on every device."""
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated), tree)
 
-    def _sampling_metadata(self, rows, num_seqs: int, do_penalties: bool | None) -> sampler.SamplingMetadata:
-        """Fixed widths and logprob count, so the sampler adds only one variant: `do_penalties`, the
-        full sampler (penalties and structured-output masks), taken when any row needs either."""
-        if do_penalties is None:
-            do_penalties = any(r.params.presence_penalty or r.params.frequency_penalty
-                               or r.params.repetition_penalty != 1.0 or r.allowed_bitmask is not None for r in rows)
-        width = self.max_model_len if do_penalties else 0
-        return sampler.SamplingMetadata.from_rows(rows, num_seqs, vocab_size=self.vocab_size, num_logprobs=MAX_LOGPROBS,
-                                                  do_penalties=do_penalties, prompt_width=width, output_width=width,
-                                                  banned_width=MAX_BANNED_TOKENS, do_guided=do_penalties)
+    def _sampling_metadata(self, rows, num_rows: int, full: bool) -> sampler.SamplingMetadata:
+        """Fixed widths and logprob count, so the sampler has two variants: the fast one (no
+        penalties, grammars or logprobs) and `full`, taken when any row needs one of them."""
+        width = self.max_model_len if full else 0
+        return sampler.SamplingMetadata.from_rows(rows, num_rows, vocab_size=self.vocab_size,
+                                                  num_logprobs=MAX_LOGPROBS if full else 0, do_penalties=full,
+                                                  prompt_width=width, output_width=width,
+                                                  banned_width=MAX_BANNED_TOKENS, do_guided=full)
+
+    @staticmethod
+    def _needs_full_sampler(rows) -> bool:
+        return any(r.params.presence_penalty or r.params.frequency_penalty or r.params.repetition_penalty != 1.0
+                   or r.allowed_bitmask is not None or r.params.logprobs is not None or r.params.use_beam_search
+                   or r.target_token_id >= 0 for r in rows)
 
     def execute(self, seqs: list[SeqInput], sampling_rows: list) -> sampler.SamplerOutput:
         """Run one step. `sampling_rows` are the per-sample rows for the sampler, in the order of
         the sequences' samples. Returns the sampler's output as numpy arrays."""
-        is_decode = all(len(s.token_ids) == 1 for s in seqs)
         num_rows = sum(s.num_prompt_rows + s.num_samples for s in seqs)
         num_tokens_real = sum(len(s.token_ids) for s in seqs)
-        if is_decode:
-            num_seqs = num_tokens = _fit(self.buckets.seqs, max(len(seqs), num_rows))
-        else:  # enough token rows for the sequence rows every sample needs
-            num_tokens = _fit(self.buckets.tokens, max(num_tokens_real, num_rows))
-            num_seqs = self.buckets.mixed_seqs(num_tokens)
+        # Enough token rows for the sequence rows and the sampling rows (both at most max_num_seqs).
+        num_tokens = _fit(self.buckets.tokens, max(num_tokens_real, len(seqs), num_rows))
+        num_seqs = self.buckets.seqs(num_tokens)
         width = self.buckets.width
 
         input_ids = np.zeros(num_tokens, np.int32)
@@ -283,18 +284,20 @@ class ModelRunner:
             logits_indices[row:row + s.num_samples] = start + n - 1
             start, row = start + n, row + s.num_samples
 
-        smeta = self._sampling_metadata(sampling_rows, len(logits_indices), None)
-        key = (is_decode, num_tokens, num_seqs, smeta.do_penalties)
-        attn = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, is_decode=is_decode)
-        out = self._dispatch("run_step", key, StepInputs(input_ids, positions, attn, logits_indices), smeta)
+        full = self._needs_full_sampler(sampling_rows)
+        smeta = self._sampling_metadata(sampling_rows, len(logits_indices), full)
+        decode = np.bool_(num_tokens_real == len(seqs)) if num_seqs == num_tokens else None
+        attn = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, decode)
+        out = self._dispatch("run_step", (num_tokens, full), StepInputs(input_ids, positions, attn, logits_indices),
+                             smeta)
         # Outputs are replicated: any local copy is the whole.
         return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[:num_rows], out)
 
     def _run_step(self, key, inputs: StepInputs, smeta: sampler.SamplingMetadata):
-        is_decode, num_tokens, num_seqs, do_penalties = key
-        logits, self.kv_cache = self._executable(("forward", is_decode, num_tokens, num_seqs))(
-            self.state, self.kv_cache, inputs)
-        return self._executable(("sample", self.buckets.sample_rows(num_seqs), do_penalties))(logits, smeta)
+        num_tokens, full = key
+        logits, self.kv_cache = self._executable(("forward", num_tokens))(self.state, self.kv_cache, inputs)
+        return self._executable(("sample", self.buckets.sample_rows(self.buckets.seqs(num_tokens)), full))(
+            logits, smeta)
 
     # ------------------------------------------------------------------ multi-host
     def _dispatch(self, op: str, *args):
