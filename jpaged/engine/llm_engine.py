@@ -318,8 +318,8 @@ class LLMEngine:
             # A decode computes just the last token: skip rebuilding the whole token list.
             token_ids = [seq.get_last_token_id()] if chunk == 1 and end == seq.get_len() \
                 else seq.get_token_ids()[start:end]
-            step.seq_inputs.append(SeqInput(token_ids, start, self.block_manager.get_block_table(seq), samples,
-                                            step.prompt_rows))
+            step.seq_inputs.append(SeqInput(seq.seq_id, token_ids, start, self.block_manager.get_block_table(seq),
+                                            samples, step.prompt_rows))
         return step
 
     def _execute(self, steps: list["_GroupStep"], failed: dict) -> dict:

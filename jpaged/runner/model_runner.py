@@ -39,6 +39,7 @@ from jpaged.models.loader import LoadedModel
 from jpaged.parallel import distributed
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, replicated, tp_size
 from jpaged.runner import sampler
+from jpaged.runner.input_batch import InputBatch, Layout, layout_of, pack, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +125,11 @@ class Buckets:
 class SeqInput:
     """One sequence's share of a step: compute `token_ids` at positions start_pos.. through
     `block_table`, and sample `num_samples` tokens after the last one (0: a prefill chunk). Prompt
-    logprobs: the first `num_prompt_rows` tokens also get a logits row each (before the samples')."""
+    logprobs: the first `num_prompt_rows` tokens also get a logits row each (before the samples').
+    `block_table` is the block manager's own list (read only); `seq_id` keys the sequence's row
+    in the InputBatch."""
 
+    seq_id: int
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
@@ -167,9 +171,11 @@ class ModelRunner:
         # Swapped pages in flight: [layer, k/v, kv_heads, blocks, block_size, head_dim], split on kv heads.
         self._pages_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, None, TP_AXIS))
         self.buckets = Buckets.create(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size))
+        self.input_batch = InputBatch(max_num_seqs, self.buckets.width)
+        # Each takes its inputs packed in one int32 array (one transfer), `layout` static.
         self._forward = jax.jit(functools.partial(_forward, self.graphdef, rep), donate_argnums=(1,),
-                                out_shardings=(rep, kv))
-        self._sample = jax.jit(sampler.sample, out_shardings=rep)
+                                out_shardings=(rep, kv), static_argnames=("layout",))
+        self._sample = jax.jit(_sample, out_shardings=rep, static_argnames=("layout",))
         self._executables = {}
         self._warm = False
         self._copy = jax.jit(functools.partial(_copy_blocks, num_layers), in_shardings=(kv, rep, rep),
@@ -197,11 +203,13 @@ class ModelRunner:
 
     def _lower(self, key):
         if key[0] == "forward":
-            return self._forward.lower(self.state, self.kv_cache, self._abstract_inputs(key[1]))
+            layout = layout_of(self._abstract_inputs(key[1]))
+            return self._forward.lower(self.state, self.kv_cache, self._packed(layout), layout=layout)
         if key[0] == "sample":
             _, num_rows, full = key
             logits = jax.ShapeDtypeStruct((num_rows, self.vocab_size), jnp.float32, sharding=self._replicated)
-            return self._sample.lower(logits, self._replicate(self._sampling_metadata([], num_rows, full)))
+            layout = layout_of(self._sampling_metadata([], num_rows, full))
+            return self._sample.lower(logits, self._packed(layout), layout=layout)
         op, num_blocks = key
         blocks = jax.ShapeDtypeStruct((num_blocks,), jnp.int32, sharding=self._replicated)
         if op == "copy_blocks":
@@ -229,12 +237,11 @@ class ModelRunner:
         decode = jax.ShapeDtypeStruct((), jnp.bool_) if num_seqs == num_tokens else None
         attn = AttentionMetadata(i32((num_tokens,)), i32((num_seqs, self.buckets.width)), i32((num_seqs,)),
                                  i32((num_seqs + 1,)), decode)
-        return self._replicate(StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn,
-                                          i32((self.buckets.sample_rows(num_seqs),))))
+        return StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn, i32((self.buckets.sample_rows(num_seqs),)))
 
-    def _replicate(self, tree):
-        """Abstract step inputs, replicated on every device."""
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated), tree)
+    def _packed(self, layout: Layout) -> jax.ShapeDtypeStruct:
+        """The abstract packed inputs of `layout`, replicated on every device."""
+        return jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self._replicated)
 
     def _sampling_metadata(self, rows, num_rows: int, full: bool) -> sampler.SamplingMetadata:
         """Fixed widths and logprob count, so the sampler has two variants: the fast one (no
@@ -254,46 +261,59 @@ class ModelRunner:
     def execute(self, seqs: list[SeqInput], sampling_rows: list) -> sampler.SamplerOutput:
         """Run one step. `sampling_rows` are the per-sample rows for the sampler, in the order of
         the sequences' samples. Returns the sampler's output as numpy arrays."""
-        num_rows = sum(s.num_prompt_rows + s.num_samples for s in seqs)
-        num_tokens_real = sum(len(s.token_ids) for s in seqs)
+        n = len(seqs)
+        lens = np.fromiter((len(s.token_ids) for s in seqs), np.int32, n)
+        start_pos = np.fromiter((s.start_pos for s in seqs), np.int32, n)
+        num_samples = np.fromiter((s.num_samples for s in seqs), np.int32, n)
+        num_prompt_rows = np.fromiter((s.num_prompt_rows for s in seqs), np.int32, n)
+        num_rows = int(num_samples.sum() + num_prompt_rows.sum())
+        num_tokens_real = int(lens.sum())
         # Enough token rows for the sequence rows and the sampling rows (both at most max_num_seqs).
-        num_tokens = _fit(self.buckets.tokens, max(num_tokens_real, len(seqs), num_rows))
+        num_tokens = _fit(self.buckets.tokens, max(num_tokens_real, n, num_rows))
         num_seqs = self.buckets.seqs(num_tokens)
-        width = self.buckets.width
 
-        input_ids = np.zeros(num_tokens, np.int32)
-        positions = np.zeros(num_tokens, np.int32)
-        slot_mapping = np.full(num_tokens, -1, np.int32)
-        block_tables = np.zeros((num_seqs, width), np.int32)
-        context_lens = np.zeros(num_seqs, np.int32)
+        rows = self.input_batch.rows([s.seq_id for s in seqs], [s.block_table for s in seqs])
+        block_tables = np.zeros((num_seqs, self.buckets.width), np.int32)
+        block_tables[:n] = self.input_batch.block_tables[rows]
         query_start_loc = np.full(num_seqs + 1, num_tokens_real, np.int32)
+        query_start_loc[0] = 0
+        np.cumsum(lens, out=query_start_loc[1:n + 1])
+        context_lens = np.zeros(num_seqs, np.int32)
+        context_lens[:n] = start_pos + lens
+        input_ids = np.zeros(num_tokens, np.int32)
+        input_ids[:num_tokens_real] = [t for s in seqs for t in s.token_ids] if num_tokens_real > n \
+            else [s.token_ids[0] for s in seqs]
+        # Each token's sequence and position; padding tokens write nowhere (slot -1).
+        seq_of = np.repeat(np.arange(n, dtype=np.int32), lens)
+        pos = start_pos[seq_of] + np.arange(num_tokens_real, dtype=np.int32) - query_start_loc[seq_of]
+        positions = np.zeros(num_tokens, np.int32)
+        positions[:num_tokens_real] = pos
+        slot_mapping = np.full(num_tokens, -1, np.int32)
+        slot_mapping[:num_tokens_real] = (block_tables[seq_of, pos // self.block_size] * self.block_size
+                                          + pos % self.block_size)
+        # Logits rows: each sequence's prompt-logprob rows (its first tokens), then its samples (its last).
         logits_indices = np.zeros(self.buckets.sample_rows(num_seqs), np.int32)
-        start, row = 0, 0
-        for i, s in enumerate(seqs):
-            n = len(s.token_ids)
-            table = np.asarray(s.block_table, np.int32)
-            pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int32)
-            input_ids[start:start + n] = s.token_ids
-            positions[start:start + n] = pos
-            slot_mapping[start:start + n] = table[pos // self.block_size] * self.block_size + pos % self.block_size
-            block_tables[i, :len(table)] = table
-            context_lens[i] = s.start_pos + n
-            query_start_loc[i] = start
-            logits_indices[row:row + s.num_prompt_rows] = start + np.arange(s.num_prompt_rows)
-            row += s.num_prompt_rows
-            logits_indices[row:row + s.num_samples] = start + n - 1
-            start, row = start + n, row + s.num_samples
+        last = query_start_loc[1:n + 1] - 1
+        if num_prompt_rows.any():
+            row = 0
+            for i in range(n):
+                k = num_prompt_rows[i]
+                logits_indices[row:row + k] = query_start_loc[i] + np.arange(k)
+                logits_indices[row + k:row + k + num_samples[i]] = last[i]
+                row += k + num_samples[i]
+        else:
+            logits_indices[:num_rows] = np.repeat(last, num_samples)
 
         full = self._needs_full_sampler(sampling_rows)
         smeta = self._sampling_metadata(sampling_rows, len(logits_indices), full)
-        decode = np.bool_(num_tokens_real == len(seqs)) if num_seqs == num_tokens else None
+        decode = np.bool_(num_tokens_real == n) if num_seqs == num_tokens else None
         attn = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, decode)
-        out = self._dispatch("run_step", (num_tokens, full), StepInputs(input_ids, positions, attn, logits_indices),
-                             smeta)
+        out = self._dispatch("run_step", (num_tokens, full), pack(StepInputs(input_ids, positions, attn, logits_indices)),
+                             pack(smeta))
         # Outputs are replicated: any local copy is the whole.
-        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[:num_rows], out)
+        return _unpack_output(np.asarray(out.addressable_data(0)), len(logits_indices), smeta.num_logprobs, num_rows)
 
-    def _run_step(self, key, inputs: StepInputs, smeta: sampler.SamplingMetadata):
+    def _run_step(self, key, inputs: np.ndarray, smeta: np.ndarray):
         num_tokens, full = key
         logits, self.kv_cache = self._executable(("forward", num_tokens))(self.state, self.kv_cache, inputs)
         return self._executable(("sample", self.buckets.sample_rows(self.buckets.seqs(num_tokens)), full))(
@@ -382,14 +402,34 @@ class ModelRunner:
         self.kv_cache = self._executable(("swap_in", len(gpu)))(self.kv_cache, pages, gpu)
 
 
-def _forward(graphdef, logits_sharding, state, kv_cache, inputs: StepInputs):
+def _forward(graphdef, logits_sharding, state, kv_cache, packed, *, layout: Layout):
     """The model's part of a step: write the new K/V, attend, and the fp32 logits of the rows to
     sample. They stay on the device for the sampler executable."""
+    inputs: StepInputs = unpack(packed, layout)
     model = nnx.merge(graphdef, state)
     hidden, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache, inputs.attn)
     logits = model.compute_logits(hidden[inputs.logits_indices])
     # Vocabulary-parallel logits are gathered: every device samples the same full rows.
     return jax.lax.with_sharding_constraint(logits, logits_sharding), kv_cache
+
+
+def _sample(logits, packed, *, layout: Layout):
+    """The sampler on packed metadata; its outputs come back packed too: one int32 array of
+    [token_ids, logprobs, target_logprobs, top_ids, top_logprobs], float32s bitcast."""
+    out = sampler.sample(logits, unpack(packed, layout))
+    as_i32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+    return jnp.concatenate([out.token_ids, as_i32(out.logprobs), as_i32(out.target_logprobs),
+                            out.top_ids.reshape(-1), as_i32(out.top_logprobs).reshape(-1)])
+
+
+def _unpack_output(packed: np.ndarray, num_rows: int, k: int, num_real: int) -> sampler.SamplerOutput:
+    """`_sample`'s packed output -> its SamplerOutput, the first `num_real` rows."""
+    r = num_rows
+    token_ids, logprobs, target = packed[:r], packed[r:2 * r].view(np.float32), packed[2 * r:3 * r].view(np.float32)
+    top_ids = packed[3 * r:3 * r + r * k].reshape(r, k)
+    top_logprobs = packed[3 * r + r * k:].view(np.float32).reshape(r, k)
+    return sampler.SamplerOutput(token_ids[:num_real], logprobs[:num_real], top_ids[:num_real],
+                                 top_logprobs[:num_real], target[:num_real])
 
 
 def every_layer(blocks, num_layers: int, pages_per_layer: int):
