@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import logging
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 # Top logprobs computed every step (OpenAI's and vLLM's maximum); requests slice their own.
 MAX_LOGPROBS = 20
+# A token the previous step sampled and the host has not read yet (overlapped steps).
+PENDING_TOKEN = -1
 # Tokens a row can forbid in one step (EOS and stop_token_ids while min_tokens is not reached).
 MAX_BANNED_TOKENS = 32
 # Block copies and swaps are padded to one of these sizes (-1: skip), longer lists split into
@@ -127,7 +130,8 @@ class SeqInput:
     `block_table`, and sample `num_samples` tokens after the last one (0: a prefill chunk). Prompt
     logprobs: the first `num_prompt_rows` tokens also get a logits row each (before the samples').
     `block_table` is the block manager's own list (read only); `seq_id` keys the sequence's row
-    in the InputBatch."""
+    in the InputBatch. A token id -1 (PENDING_TOKEN) is the one the previous step sampled for this
+    sequence: it is still on the device and is taken from there."""
 
     seq_id: int
     token_ids: list[int]
@@ -137,14 +141,15 @@ class SeqInput:
     num_prompt_rows: int = 0
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["input_ids", "positions", "attn", "logits_indices"],
-                   meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["input_ids", "positions", "attn", "logits_indices", "src_rows"], meta_fields=[])
 @dataclasses.dataclass
 class StepInputs:
     input_ids: jax.Array  # int32[tokens]
     positions: jax.Array  # int32[tokens]
     attn: AttentionMetadata
     logits_indices: jax.Array  # int32[rows]: token row whose logits each sampling row uses
+    src_rows: jax.Array  # int32[tokens]: >= 0: the token is last_tokens[row] (sampled by a step in flight)
 
 
 class ModelRunner:
@@ -172,10 +177,13 @@ class ModelRunner:
         self._pages_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, None, TP_AXIS))
         self.buckets = Buckets.create(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size))
         self.input_batch = InputBatch(max_num_seqs, self.buckets.width)
+        # The token each InputBatch row sampled last, kept on the device: the next step can read it
+        # before the host has (overlap).
+        self.last_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=rep)
         # Each takes its inputs packed in one int32 array (one transfer), `layout` static.
         self._forward = jax.jit(functools.partial(_forward, self.graphdef, rep), donate_argnums=(1,),
                                 out_shardings=(rep, kv), static_argnames=("layout",))
-        self._sample = jax.jit(_sample, out_shardings=rep, static_argnames=("layout",))
+        self._sample = jax.jit(_sample, out_shardings=(rep, rep), donate_argnums=(2,), static_argnames=("layout",))
         self._executables = {}
         self._warm = False
         self._copy = jax.jit(functools.partial(_copy_blocks, num_layers), in_shardings=(kv, rep, rep),
@@ -204,12 +212,14 @@ class ModelRunner:
     def _lower(self, key):
         if key[0] == "forward":
             layout = layout_of(self._abstract_inputs(key[1]))
-            return self._forward.lower(self.state, self.kv_cache, self._packed(layout), layout=layout)
+            return self._forward.lower(self.state, self.kv_cache, self._packed(layout), self.last_tokens,
+                                       layout=layout)
         if key[0] == "sample":
             _, num_rows, full = key
             logits = jax.ShapeDtypeStruct((num_rows, self.vocab_size), jnp.float32, sharding=self._replicated)
-            layout = layout_of(self._sampling_metadata([], num_rows, full))
-            return self._sample.lower(logits, self._packed(layout), layout=layout)
+            i32 = jax.ShapeDtypeStruct((num_rows,), jnp.int32)
+            layout = layout_of((self._sampling_metadata([], num_rows, full), i32))
+            return self._sample.lower(logits, self._packed(layout), self.last_tokens, layout=layout)
         op, num_blocks = key
         blocks = jax.ShapeDtypeStruct((num_blocks,), jnp.int32, sharding=self._replicated)
         if op == "copy_blocks":
@@ -237,7 +247,8 @@ class ModelRunner:
         decode = jax.ShapeDtypeStruct((), jnp.bool_) if num_seqs == num_tokens else None
         attn = AttentionMetadata(i32((num_tokens,)), i32((num_seqs, self.buckets.width)), i32((num_seqs,)),
                                  i32((num_seqs + 1,)), decode)
-        return StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn, i32((self.buckets.sample_rows(num_seqs),)))
+        return StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn, i32((self.buckets.sample_rows(num_seqs),)),
+                          i32((num_tokens,)))
 
     def _packed(self, layout: Layout) -> jax.ShapeDtypeStruct:
         """The abstract packed inputs of `layout`, replicated on every device."""
@@ -259,8 +270,12 @@ class ModelRunner:
                    or r.target_token_id >= 0 for r in rows)
 
     def execute(self, seqs: list[SeqInput], sampling_rows: list) -> sampler.SamplerOutput:
-        """Run one step. `sampling_rows` are the per-sample rows for the sampler, in the order of
-        the sequences' samples. Returns the sampler's output as numpy arrays."""
+        """Run one step and wait for it: `collect(dispatch(...))`."""
+        return self.collect(self.dispatch(seqs, sampling_rows))
+
+    def dispatch(self, seqs: list[SeqInput], sampling_rows: list) -> "StepHandle":
+        """Start one step on the device and return at once. `sampling_rows` are the per-sample rows
+        for the sampler, in the order of the sequences' samples."""
         n = len(seqs)
         lens = np.fromiter((len(s.token_ids) for s in seqs), np.int32, n)
         start_pos = np.fromiter((s.start_pos for s in seqs), np.int32, n)
@@ -283,6 +298,10 @@ class ModelRunner:
         input_ids = np.zeros(num_tokens, np.int32)
         input_ids[:num_tokens_real] = [t for s in seqs for t in s.token_ids] if num_tokens_real > n \
             else [s.token_ids[0] for s in seqs]
+        # Pending tokens come from the device: a decode token's sequence row in last_tokens.
+        src_rows = np.full(num_tokens, -1, np.int32)
+        pending = np.flatnonzero(input_ids[:num_tokens_real] == PENDING_TOKEN)
+        src_rows[pending] = rows[np.repeat(np.arange(n, dtype=np.int32), lens)[pending]] if len(pending) else 0
         # Each token's sequence and position; padding tokens write nowhere (slot -1).
         seq_of = np.repeat(np.arange(n, dtype=np.int32), lens)
         pos = start_pos[seq_of] + np.arange(num_tokens_real, dtype=np.int32) - query_start_loc[seq_of]
@@ -294,30 +313,43 @@ class ModelRunner:
         # Logits rows: each sequence's prompt-logprob rows (its first tokens), then its samples (its last).
         logits_indices = np.zeros(self.buckets.sample_rows(num_seqs), np.int32)
         last = query_start_loc[1:n + 1] - 1
+        # A sequence's single sample goes to its row of last_tokens (several: a fork, read by the host).
+        dst_rows = np.full(len(logits_indices), -1, np.int32)
         if num_prompt_rows.any():
             row = 0
             for i in range(n):
                 k = num_prompt_rows[i]
                 logits_indices[row:row + k] = query_start_loc[i] + np.arange(k)
                 logits_indices[row + k:row + k + num_samples[i]] = last[i]
+                if num_samples[i] == 1:
+                    dst_rows[row + k] = rows[i]
                 row += k + num_samples[i]
         else:
             logits_indices[:num_rows] = np.repeat(last, num_samples)
+            dst_rows[:num_rows] = np.repeat(np.where(num_samples == 1, rows, -1), num_samples)
 
         full = self._needs_full_sampler(sampling_rows)
         smeta = self._sampling_metadata(sampling_rows, len(logits_indices), full)
         decode = np.bool_(num_tokens_real == n) if num_seqs == num_tokens else None
         attn = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, decode)
-        out = self._dispatch("run_step", (num_tokens, full), pack(StepInputs(input_ids, positions, attn, logits_indices)),
-                             pack(smeta))
+        inputs = StepInputs(input_ids, positions, attn, logits_indices, src_rows)
+        out = self._dispatch("run_step", (num_tokens, full), pack(inputs), pack((smeta, dst_rows)))
+        return StepHandle(out, len(logits_indices), smeta.num_logprobs, num_rows)
+
+    @staticmethod
+    def collect(handle: "StepHandle") -> sampler.SamplerOutput:
+        """Wait for a dispatched step: its sampler output as numpy arrays (its real rows)."""
         # Outputs are replicated: any local copy is the whole.
-        return _unpack_output(np.asarray(out.addressable_data(0)), len(logits_indices), smeta.num_logprobs, num_rows)
+        return _unpack_output(np.asarray(handle.out.addressable_data(0)), handle.num_rows, handle.num_logprobs,
+                              handle.num_real_rows)
 
     def _run_step(self, key, inputs: np.ndarray, smeta: np.ndarray):
         num_tokens, full = key
-        logits, self.kv_cache = self._executable(("forward", num_tokens))(self.state, self.kv_cache, inputs)
-        return self._executable(("sample", self.buckets.sample_rows(self.buckets.seqs(num_tokens)), full))(
-            logits, smeta)
+        logits, self.kv_cache = self._executable(("forward", num_tokens))(self.state, self.kv_cache, inputs,
+                                                                          self.last_tokens)
+        out, self.last_tokens = self._executable(
+            ("sample", self.buckets.sample_rows(self.buckets.seqs(num_tokens)), full))(logits, smeta, self.last_tokens)
+        return out
 
     # ------------------------------------------------------------------ multi-host
     def _dispatch(self, op: str, *args):
@@ -402,10 +434,12 @@ class ModelRunner:
         self.kv_cache = self._executable(("swap_in", len(gpu)))(self.kv_cache, pages, gpu)
 
 
-def _forward(graphdef, logits_sharding, state, kv_cache, packed, *, layout: Layout):
+def _forward(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *, layout: Layout):
     """The model's part of a step: write the new K/V, attend, and the fp32 logits of the rows to
     sample. They stay on the device for the sampler executable."""
     inputs: StepInputs = unpack(packed, layout)
+    input_ids = jnp.where(inputs.src_rows >= 0, last_tokens[jnp.maximum(inputs.src_rows, 0)], inputs.input_ids)
+    inputs = dataclasses.replace(inputs, input_ids=input_ids)
     model = nnx.merge(graphdef, state)
     hidden, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache, inputs.attn)
     logits = model.compute_logits(hidden[inputs.logits_indices])
@@ -413,13 +447,26 @@ def _forward(graphdef, logits_sharding, state, kv_cache, packed, *, layout: Layo
     return jax.lax.with_sharding_constraint(logits, logits_sharding), kv_cache
 
 
-def _sample(logits, packed, *, layout: Layout):
+def _sample(logits, packed, last_tokens, *, layout: Layout):
     """The sampler on packed metadata; its outputs come back packed too: one int32 array of
-    [token_ids, logprobs, target_logprobs, top_ids, top_logprobs], float32s bitcast."""
-    out = sampler.sample(logits, unpack(packed, layout))
+    [token_ids, logprobs, target_logprobs, top_ids, top_logprobs], float32s bitcast. Each row's
+    token also goes to its `dst_rows` entry of last_tokens (-1: none), for the next step."""
+    meta, dst_rows = unpack(packed, layout)
+    out = sampler.sample(logits, meta)
+    last_tokens = last_tokens.at[jnp.where(dst_rows < 0, last_tokens.shape[0], dst_rows)].set(out.token_ids,
+                                                                                               mode="drop")
     as_i32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
     return jnp.concatenate([out.token_ids, as_i32(out.logprobs), as_i32(out.target_logprobs),
-                            out.top_ids.reshape(-1), as_i32(out.top_logprobs).reshape(-1)])
+                            out.top_ids.reshape(-1), as_i32(out.top_logprobs).reshape(-1)]), last_tokens
+
+
+class StepHandle(NamedTuple):
+    """A dispatched step: its packed sampler output (a device array, maybe not ready yet)."""
+
+    out: jax.Array
+    num_rows: int  # padded sampling rows
+    num_logprobs: int
+    num_real_rows: int
 
 
 def _unpack_output(packed: np.ndarray, num_rows: int, k: int, num_real: int) -> sampler.SamplerOutput:

@@ -171,11 +171,10 @@ class SamplingMetadata:
 
         def counter(values, pad, dtype=np.int32):
             out = np.full(s, pad, dtype)
-            out[:n] = np.fromiter(values, np.int64, n) if dtype is np.int32 else \
-                np.fromiter(values, np.int64, n) % (1 << 32)
+            out[:n] = np.fromiter(values, np.int64, n)
             return out
 
-        seeds = counter((r.seed for r in rows), 0, np.uint32)
+        seeds = counter((r.seed % (1 << 32) for r in rows), 0, np.uint32)
         seq_index = counter((r.seq_index for r in rows), 0)
         sample_index = counter((r.sample_index for r in rows), 0)
         target_token_ids = counter((r.target_token_id for r in rows), -1)
