@@ -6,7 +6,11 @@ merges them inside jit, so no Python object traversal happens per step. The KV p
 head_dim] (layer l's page p at l * num_pages + p; see LayerStack); it is donated to the step and
 comes back updated in place. Block copies and swaps move every layer's part of a page. A step is
 two device calls: the model forward (its logits stay on the device) and the sampler; only sampled
-ids and logprobs return to the host.
+ids and logprobs return to the host. Each call's inputs travel packed in one int32 array, built
+from the InputBatch (block tables kept across steps; see input_batch.py). `dispatch` returns
+before the device is done and `collect` reads the result, so the engine can prepare and dispatch
+the next step first: each row's sampled token also stays on the device (`last_tokens`), where the
+next step's forward takes it (a PENDING_TOKEN input).
 
 Every step is padded to a bucket (see Buckets), block copies and swaps to a fixed size, and every
 executable is compiled ahead of time at warm-up, so serving never compiles; `num_compilations`
