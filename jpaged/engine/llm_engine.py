@@ -6,6 +6,7 @@ and swaps) -> runner (padded host arrays, precompiled jitted step: write KV, att
 """
 
 import dataclasses
+import gc
 import itertools
 import logging
 import math
@@ -134,6 +135,13 @@ class LLMEngine:
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len)
         if not config.enforce_eager:
             self.runner.warm_up()
+        # The heap built so far (jax, the model, the tokenizer) lives as long as the engine: keep
+        # it out of the cyclic collector's full passes, which otherwise cost milliseconds in the
+        # middle of steps (measured: 5 ms per step at 256 sequences with async scheduling; vLLM
+        # freezes its start-up heap too). Unfreezing first lets an earlier, dropped engine go.
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
         self._seq_ids = itertools.count()
         self._groups: dict[str, SequenceGroup] = {}
         self._in_flight: _Dispatched | None = None  # async_scheduling: a step not read yet
