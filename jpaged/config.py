@@ -2,8 +2,11 @@
 
 import dataclasses
 
+from jpaged.core.kv_allocation import KV_ALLOCATIONS
 
-ATTENTION_BACKENDS = ("auto", "pallas", "xla")
+
+ATTENTION_BACKENDS = ("auto", "pallas", "mosaic", "xla")  # pallas: Triton kernels; mosaic: Mosaic GPU (sm_90+)
+DEVICES = ("cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -26,9 +29,14 @@ class EngineConfig:
     enable_prefix_caching: bool = _option(False, "keep full KV blocks for reuse by later prompts with the same prefix")
     preemption_mode: str | None = _option(None, "how to preempt when KV blocks run out (default: recompute a "
                                           "single sequence, swap a group)", choices=("swap", "recompute"))
+    kv_allocation: str = _option("paged", "benchmarks only: the paper's baselines reserve KV slots at admission "
+                                 "('orca-max', 'orca-pow2', 'orca-oracle') or also batch per request ('static', "
+                                 "FasterTransformer-like)", choices=KV_ALLOCATIONS)
     tensor_parallel_size: int = _option(1, "devices to split the model over (Megatron-style)")
-    attention_backend: str = _option("auto", "attention kernels ('auto': Pallas on GPU, XLA elsewhere)",
-                                     choices=ATTENTION_BACKENDS)
+    attention_backend: str = _option("auto", "attention kernels: 'pallas' (Triton), 'mosaic' (Mosaic GPU, sm_90+), "
+                                     "'xla' ('auto': Triton on GPU, XLA elsewhere)", choices=ATTENTION_BACKENDS)
+    device: str | None = _option(None, "device platform ('cuda' or 'cpu'): that one or a clear error at start-up "
+                                 "(default: jax's default backend)", choices=DEVICES)
     seed: int = _option(0, "seed of unseeded sampling")
     enforce_eager: bool = _option(False, "compile each step shape on first use instead of all at start-up "
                                   "(quick experiments; serving should leave it off)")
@@ -58,8 +66,12 @@ class EngineConfig:
               "None or >= 1")
         check("max_model_len", self.max_model_len is None or self.max_model_len >= 1, "None or >= 1")
         check("preemption_mode", self.preemption_mode in (None, "swap", "recompute"), "None, 'swap' or 'recompute'")
+        check("kv_allocation", self.kv_allocation in KV_ALLOCATIONS, f"one of {KV_ALLOCATIONS}")
+        check("kv_allocation", self.kv_allocation == "paged" or not self.enable_prefix_caching,
+              "'paged' with enable_prefix_caching (the baselines share no blocks)")
         check("tensor_parallel_size", isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
               "an integer >= 1")
         check("num_processes", self.num_processes is None or self.num_processes >= 1, "None or >= 1")
         check("process_id", self.process_id is None or self.process_id >= 0, "None or >= 0")
         check("attention_backend", self.attention_backend in ATTENTION_BACKENDS, f"one of {ATTENTION_BACKENDS}")
+        check("device", self.device in (None,) + DEVICES, f"None or one of {DEVICES}")

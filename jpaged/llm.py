@@ -66,6 +66,10 @@ class LLM:
     def stats(self) -> dict:
         return self.llm_engine.stats()
 
+    def kv_map(self):
+        """A picture of the KV pool now (a KVMap: `.save("kv.svg")`, shown inline by Jupyter)."""
+        return self.llm_engine.kv_map()
+
 
 def generate(prompts, sampling_params: SamplingParams | None = None, *, model: str = "tiny", use_tqdm: bool = True,
              **engine_kwargs) -> list[RequestOutput]:

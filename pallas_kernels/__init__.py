@@ -25,9 +25,15 @@ Ops:
                             Rows past query_start_loc[-1] are padding (zeros).
   write_kv, copy_blocks     cache updates (XLA scatter on all backends).
 
-Backend dispatch (`interpret` kwarg): None -> compiled Pallas (Triton) on GPU,
-XLA twin elsewhere; True -> Pallas in interpret mode; False -> compiled Pallas.
-The XLA twins are exported as paged_attention_xla / ragged_paged_attention_xla.
+Backends (`backend` kwarg, the engine's attention_backend):
+  "pallas"  Pallas kernels lowered through Triton (decode.py, prefill.py): any CUDA GPU.
+  "mosaic"  Pallas kernels lowered through Mosaic GPU (mosaic.py): TMA + wgmma, sm_90+.
+  "xla"     the XLA twins (xla.py): every platform.
+  "auto"    "pallas" on a GPU, "xla" elsewhere (Mosaic becomes auto's choice on sm_90+ only
+            once a GPU run has shown it correct and faster).
+`interpret`: None -> Pallas kernels compile for a GPU and run in interpret mode elsewhere;
+True / False force it. The Triton and Mosaic modules are imported on first use, so
+`import pallas_kernels` survives a jax that no longer ships one of them.
 """
 
 import functools
@@ -35,11 +41,11 @@ import functools
 import jax
 
 from pallas_kernels.cache_ops import copy_blocks, write_kv
-from pallas_kernels.decode import paged_attention_pallas
-from pallas_kernels.prefill import ragged_paged_attention_pallas
 from pallas_kernels.xla import paged_attention_xla, ragged_paged_attention_xla
 
 __all__ = [
+    "BACKENDS",
+    "kernel_family",
     "paged_attention",
     "ragged_paged_attention",
     "write_kv",
@@ -48,38 +54,70 @@ __all__ = [
     "ragged_paged_attention_xla",
 ]
 
-
-def _xla_fallback(interpret) -> bool:
-    return interpret is None and jax.default_backend() != "gpu"
+BACKENDS = ("auto", "pallas", "mosaic", "xla")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits"))
-def paged_attention(q, k_pages, v_pages, block_tables, context_lens, *, scale=None, interpret=None, num_splits=None):
+def targets_gpu() -> bool:
+    """Whether traced code is for a GPU: jax's default backend's, or an abstract mesh's device
+    (lowering for CUDA on a machine without one, as CI's readiness job does)."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return (jax.default_backend() if device is None else device.platform) == "gpu"
+
+
+def kernel_family(backend: str = "auto") -> str:
+    """The kernels `backend` runs here: "pallas" (Triton), "mosaic" or "xla"."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention_backend={backend!r}; expected one of {BACKENDS}")
+    if backend == "auto":
+        return "pallas" if targets_gpu() else "xla"
+    if backend == "mosaic" and jax.default_backend() == "gpu":
+        cc = getattr(jax.devices()[0], "compute_capability", "0")
+        if float(cc) < 9.0:
+            raise ValueError(f"attention_backend='mosaic' needs an sm_90+ GPU (Hopper or newer); "
+                             f"{jax.devices()[0].device_kind} is sm_{cc.replace('.', '')}: use 'pallas'")
+    return backend
+
+
+def _interpret(interpret) -> bool:
+    return not targets_gpu() if interpret is None else bool(interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "backend"))
+def paged_attention(q, k_pages, v_pages, block_tables, context_lens, *, scale=None, interpret=None, num_splits=None,
+                    backend="auto"):
     """Decode attention over paged K/V.
 
     q [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim]
     (q's dtype). Sequence s attends to tokens [0, context_lens[s]) of its
-    pages. scale defaults to 1/sqrt(head_dim). num_splits (Pallas only) forces
-    the number of split-K partitions; None picks it from the shapes.
+    pages. scale defaults to 1/sqrt(head_dim). num_splits (Pallas kernels)
+    forces the number of split-K partitions; None picks it from the shapes.
     """
-    if _xla_fallback(interpret):
+    family = kernel_family(backend)
+    if family == "xla":
         return paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, scale=scale)
-    return paged_attention_pallas(
-        q, k_pages, v_pages, block_tables, context_lens, scale=scale, num_splits=num_splits, interpret=bool(interpret)
-    )
+    if family == "mosaic":
+        from pallas_kernels.mosaic import paged_attention_mosaic as kernel
+    else:
+        from pallas_kernels.decode import paged_attention_pallas as kernel
+    return kernel(q, k_pages, v_pages, block_tables, context_lens, scale=scale, num_splits=num_splits,
+                  interpret=_interpret(interpret))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "backend"))
 def ragged_paged_attention(
-    q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None, interpret=None
+    q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None, interpret=None, backend="auto"
 ):
     """Causal attention of packed new tokens over paged K/V.
 
     q [num_tokens, num_heads, head_dim] -> same shape (q's dtype);
     query_start_loc int32[num_seqs + 1], nondecreasing. See module docstring.
     """
-    if _xla_fallback(interpret):
+    family = kernel_family(backend)
+    if family == "xla":
         return ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, scale=scale)
-    return ragged_paged_attention_pallas(
-        q, k_pages, v_pages, block_tables, context_lens, query_start_loc, scale=scale, interpret=bool(interpret)
-    )
+    if family == "mosaic":
+        from pallas_kernels.mosaic import ragged_paged_attention_mosaic as kernel
+    else:
+        from pallas_kernels.prefill import ragged_paged_attention_pallas as kernel
+    return kernel(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, scale=scale,
+                  interpret=_interpret(interpret))

@@ -30,17 +30,6 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import blocks, tiling
 from pallas_kernels.xla import default_scale
 
-TARGET_PROGRAMS = 256  # ~2 waves on a 108-132 SM GPU
-MAX_SPLITS = 16
-
-
-def auto_num_splits(num_programs: int, table_width: int, pages_per_iter: int) -> int:
-    """Enough splits to reach TARGET_PROGRAMS, but >= 2 iterations each."""
-    want = tiling.next_pow2(tiling.cdiv(TARGET_PROGRAMS, num_programs))
-    most = max(1, table_width // (2 * pages_per_iter))
-    return max(1, min(want, most, MAX_SPLITS))
-
-
 def _decode_kernel(ctx_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *stat_refs, scale, head_dim, pages_per_iter):
     seq, split = pl.program_id(0), pl.program_id(2)
     page_size = k_ref.shape[1]
@@ -68,15 +57,6 @@ def _decode_kernel(ctx_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *stat_refs, s
         o_ref[...] = blocks.normalize(out, l).astype(o_ref.dtype)
 
 
-def _combine(out, m, l):
-    """Merge split partials: out [K, ..., R, dp], m/l [K, ..., R]."""
-    m_all = jnp.max(m, axis=0)
-    w = jnp.exp(m - m_all)
-    denom = jnp.sum(w * l, axis=0)
-    num = jnp.sum(w[..., None] * out, axis=0)
-    return num / jnp.where(denom > 0, denom, 1.0)[..., None]
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret"))
 def paged_attention_pallas(
     q, k_pages, v_pages, block_tables, context_lens, *, scale=None, num_splits=None, interpret=False
@@ -88,7 +68,7 @@ def paged_attention_pallas(
     dp = max(16, tiling.next_pow2(head_dim))
     pages_per_iter = max(1, blocks.KEYS_PER_ITER // page_size)
     width = block_tables.shape[1]
-    splits = num_splits or auto_num_splits(num_seqs * num_kv_heads, width, pages_per_iter)
+    splits = num_splits or tiling.auto_num_splits(num_seqs * num_kv_heads, width, pages_per_iter)
     per_split = tiling.round_up(tiling.cdiv(width, splits), pages_per_iter)
     tables = tiling.clamp_block_tables(block_tables, num_pages)
     tables = jnp.pad(tables, ((0, 0), (0, splits * per_split - width)))
@@ -124,6 +104,6 @@ def paged_attention_pallas(
         interpret=interpret,
         name="jpaged_decode",
     )(context_lens.astype(jnp.int32), tables, qp, k_pages, v_pages)
-    out = _combine(*res) if part else res[0][0]
+    out = tiling.combine_splits(*res) if part else res[0][0]
     out = out[:, :, :group, :head_dim].reshape(q.shape)
     return out.astype(q.dtype)

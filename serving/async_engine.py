@@ -79,6 +79,14 @@ class AsyncLLMEngine:
             raise
         return stream
 
+    async def call(self, fn):
+        """fn(engine) on the engine thread, between two steps (the engine is not thread-safe)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self.dead!r}")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("call", fn, done))
+        return await asyncio.wrap_future(done)
+
     def _abort(self, request_id: str):
         self._streams.pop(request_id, None)
         self._send(("abort", request_id))
@@ -130,6 +138,14 @@ class AsyncLLMEngine:
                     added.set_exception(e)
                 else:
                     added.set_result(None)
+            elif command[0] == "call":
+                _, fn, done = command
+                if not done.set_running_or_notify_cancel():  # the client left
+                    continue
+                try:
+                    done.set_result(fn(self.engine))
+                except Exception as e:
+                    done.set_exception(e)
             else:
                 self.engine.abort_request(command[1])
         self.stats = self.engine.stats()
@@ -160,7 +176,7 @@ class AsyncLLMEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if command[0] == "add" and command[-1].set_running_or_notify_cancel():
+            if command[0] in ("add", "call") and command[-1].set_running_or_notify_cancel():
                 command[-1].set_exception(error)
         self._fail(list(self._streams), error)
         self.on_dead()

@@ -14,6 +14,7 @@ import typing
 
 from jpaged import __version__
 from jpaged.config import EngineConfig
+from serving.tool_calls import TOOL_CALL_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -55,12 +56,15 @@ def cmd_serve(args) -> int:
 
     if args.model_tag is not None:  # `jpaged serve MODEL`, as vLLM
         args.model = args.model_tag
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
     options = ServerOptions(
         host=args.host, port=args.port, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
         max_queue=args.max_queue, timeout_keep_alive=args.timeout_keep_alive, chat_template=args.chat_template,
-        max_logprobs=args.max_logprobs, log_requests=not args.disable_log_requests,
+        max_logprobs=args.max_logprobs, enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser, log_requests=not args.disable_log_requests,
         log_stats=not args.disable_log_stats, allowed_origins=args.allowed_origins, ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile)
     return run_server(EngineConfig(**engine_kwargs(args)), options)
@@ -92,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
     server.add_argument("--max-logprobs", type=int, default=20, choices=range(0, 21), metavar="{0..20}",
                         help="most logprobs / top_logprobs a request may ask for")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="answer tool_choice 'auto' (OpenAI's default with tools); needs --tool-call-parser")
+    server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="the model's tool-call format: hermes (Hermes, Qwen 2.5/3), llama3_json (Llama 3.1+)")
     server.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
     server.add_argument("--disable-log-stats", action="store_true",
                         help="no periodic stats line (throughput, running / waiting, KV cache usage)")

@@ -57,7 +57,8 @@ class Metrics:
     def request_finished(self, reason: str):
         self.finished[reason] = self.finished.get(reason, 0) + 1
 
-    def render(self, stats: dict) -> str:
+    def render(self, stats: dict, kv_usage=None) -> str:
+        """`kv_usage`: the engine's KVUsage now, when it could be read."""
         lines = []
 
         def metric(name, kind, help, value, labels=self.labels):
@@ -85,6 +86,11 @@ class Metrics:
                "without sharing (forks, beams, cached prefixes).", stats["num_gpu_blocks_without_sharing"])
         metric("num_cached_gpu_blocks", "gauge", "Free device KV blocks still holding a cached prefix.",
                stats["num_cached_gpu_blocks"])
+        if kv_usage is not None:
+            lines += [f"# HELP {PREFIX}kv_slots Device KV slots (tokens) by what they hold (the paper's Fig. 2).",
+                      f"# TYPE {PREFIX}kv_slots gauge"]
+            lines += [f'{PREFIX}kv_slots{{{self.labels},state="{state}"}} {getattr(kv_usage, f"{state}_slots")}'
+                      for state in ("token", "reserved", "fragmented", "free")]
         metric("num_compilations", "gauge", "Step shapes compiled (constant after warm-up).",
                stats["num_compilations"])
         lines += [f"# HELP {PREFIX}request_success_total Finished requests by finish reason.",

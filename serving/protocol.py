@@ -3,14 +3,13 @@
 Every check raises APIError, which the server answers with its status and
 {"error": {"message", "type", "param", "code"}}. Unknown fields are ignored (with a debug line), as
 clients send extras freely; known fields of the wrong type or out of range, and OpenAI fields that
-jpaged does not implement (suffix, logit_bias, response_format, tools, ...), are a 400 naming them.
+jpaged does not implement (suffix, audio, functions, ...), are a 400 naming them.
 """
 
 import dataclasses
 import json
 import logging
 import re
-import uuid
 from typing import Any
 
 from jpaged.sampling_params import SamplingParams
@@ -131,7 +130,20 @@ def parse_messages(body: dict, *, max_messages: int) -> list[dict]:
             raise APIError(f"messages[{i}].content must be a string or an array of text parts, got "
                            f"{_type_name(content)}", param=f"messages[{i}].content", code="invalid_type")
         parsed.append({**m, "content": content or ""})
+        if isinstance(m.get("tool_calls"), list):  # earlier calls: templates expect arguments as objects
+            parsed[-1]["tool_calls"] = [_arguments_as_object(c) for c in m["tool_calls"]]
     return parsed
+
+
+def _arguments_as_object(call):
+    """A call from the history, its `function.arguments` JSON text read as an object (as vLLM does)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        return {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
+    except ValueError:
+        return call
 
 
 @dataclasses.dataclass
@@ -210,60 +222,6 @@ def parse_response_format(body: dict) -> dict | str | None:
         return schema
     raise APIError(f"response_format type {kind!r}; expected 'text', 'json_object' or 'json_schema'",
                    param="response_format")
-
-
-@dataclasses.dataclass
-class ToolCalling:
-    """What the completion must be when tools are called: `schema` constrains it; the text is
-    then parsed into tool calls (one to `function`, or a list of {name, parameters} if None)."""
-
-    schema: dict
-    function: str | None
-
-
-def parse_tools(body: dict) -> ToolCalling | None:
-    """`tools` + `tool_choice`. A named function or "required" constrains the output to the call(s)'
-    JSON; "auto" would need a tool-call parser for the model's own format, which jpaged lacks: a
-    400 says so rather than ignoring the tools."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    if not tools:
-        if choice not in (None, "none", "auto"):
-            raise APIError("'tool_choice' needs 'tools'", param="tool_choice")
-        return None
-    if not isinstance(tools, list) or not all(
-            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str) for t in tools):
-        raise APIError("'tools' must be an array of {'type': 'function', 'function': {'name', 'parameters'}}",
-                       param="tools", code="invalid_type")
-    functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "properties": {}}
-                 for t in tools}
-    if choice == "none":
-        return None
-    if choice is None or choice == "auto":
-        raise APIError("tool_choice 'auto' (the default with tools) is not supported: jpaged has no parser for "
-                       "models' own tool-call formats yet; use tool_choice 'required' or name a function",
-                       param="tool_choice", code="unsupported_parameter")
-    if choice == "required":
-        return ToolCalling({"type": "array", "minItems": 1, "items": {"anyOf": [
-            {"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
-             "required": ["name", "parameters"], "additionalProperties": False}
-            for name, parameters in functions.items()]}}, None)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if name not in functions:
-        raise APIError(f"tool_choice {choice!r:.80}; expected 'none', 'required' or "
-                       "{'type': 'function', 'function': {'name': <one of the tools>}}", param="tool_choice")
-    return ToolCalling(functions[name], name)
-
-
-def tool_calls(text: str, tools: ToolCalling) -> list[dict] | None:
-    """OpenAI's tool_calls from a completion that followed `tools.schema` (None if it did not finish)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    calls = [(tools.function, value)] if tools.function else [(c["name"], c["parameters"]) for c in value]
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps(arguments)}} for name, arguments in calls]
 
 
 def sampling_params(body: dict, *, max_tokens: int, logprobs: int | None, best_of: int | None,

@@ -46,15 +46,40 @@ def worker(process_id: int, port: int, out_path: str):
     # 16 blocks of 8 tokens cannot hold 4 sequences of up to 72 tokens: swap preemption.
     llm = jpaged.LLM("tiny", tensor_parallel_size=4, num_gpu_blocks_override=16, preemption_mode="swap",
                      **LIMITS, **distributed)
+    result = broadcast_check(process_id)
     prompts, params = workload()
-    result = {"outputs": summarize(llm.generate(prompts, params, use_tqdm=False)),
-              "num_preemptions": llm.stats()["num_preemptions"]}
+    result.update(outputs=summarize(llm.generate(prompts, params, use_tqdm=False)),
+                  num_preemptions=llm.stats()["num_preemptions"])
     try:
         llm.generate([[1, 2], []], use_tqdm=False)
     except ValueError as e:
         result["error"] = str(e)
     with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def broadcast_check(process_id: int) -> dict:
+    """Messages of many sizes (one spans four chunks) sent with the engine's broadcast: what every
+    process receives, and how many executables jax compiled meanwhile (the collective was compiled
+    when the engine started)."""
+    import jax
+
+    from jpaged.parallel import distributed
+
+    compiled = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(kwargs.get("fun_name"))
+
+    rng = np.random.default_rng()  # each process draws its own: only process 0's may arrive
+    sizes = [0, 10, distributed.BROADCAST_CHUNK - 20, 3 * distributed.BROADCAST_CHUNK + 5]
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        received = [distributed.broadcast_object(rng.bytes(n)) for n in sizes]
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return {"received": [r.hex() for r in received], "broadcast_compilations": compiled}
 
 
 def free_port() -> int:
@@ -67,6 +92,7 @@ def test_two_processes_match_one(tmp_path):
     import jax
 
     import jpaged
+    from jpaged.parallel import distributed
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -82,6 +108,10 @@ def test_two_processes_match_one(tmp_path):
         assert p.returncode == 0, log[-3000:]
     leader, follower = (json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2))
 
+    assert leader["received"] == follower["received"]
+    chunk = distributed.BROADCAST_CHUNK
+    assert [len(r) // 2 for r in leader["received"]] == [0, 10, chunk - 20, 3 * chunk + 5]
+    assert leader["broadcast_compilations"] == follower["broadcast_compilations"] == []
     assert leader["num_preemptions"] > 0  # only the driver schedules
     assert leader["outputs"] == follower["outputs"]
     assert leader["error"] == follower["error"] == "prompt is empty"

@@ -66,7 +66,8 @@ def server(tmp_path_factory):
     template.write_text(CHAT_TEMPLATE)
     s = Server("--api-key", API_KEY, "--max-num-seqs", "64", "--max-model-len", str(MAX_MODEL_LEN),
                "--max-num-batched-tokens", "512", "--enforce-eager", "--chat-template", str(template),
-               "--max-logprobs", "5", "--allowed-origins", ORIGIN)
+               "--max-logprobs", "5", "--allowed-origins", ORIGIN, "--enable-auto-tool-choice",
+               "--tool-call-parser", "hermes")
     yield s
     assert s.stop() == 0, "".join(s.log[-30:])
 
@@ -300,7 +301,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "stop": [1]}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "seed": 1.5}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 1, "echo": True, "stream": True}, 400, "stream"),
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "temperature": 0, "stream": True}, 400,
      "stream"),
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "n": 2, "temperature": 1}, 400, "temperature"),
@@ -335,8 +335,6 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
      400, "guided_json"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [
         {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
                                                                         "function": {"name": "g"}}}, 400, "tool_choice"),
@@ -599,6 +597,68 @@ def test_tool_calls(client):
     assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
     for c in calls:
         json.loads(c.function.arguments)
+
+
+def streamed_chat(client, **kwargs):
+    """A streamed chat through the openai SDK, its deltas added up: (content, [(name, arguments)], finish reason)."""
+    content, calls, reason = "", [], None
+    for chunk in client.chat.completions.create(model="tiny", stream=True, **kwargs):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                if call.index == len(calls):
+                    assert call.id and call.function.name
+                    calls.append([call.function.name, ""])
+                calls[call.index][1] += call.function.arguments or ""
+            reason = choice.finish_reason or reason
+    return content, [(name, json.loads(arguments)) for name, arguments in calls], reason
+
+
+def test_tool_calls_auto_and_streamed(client):
+    """tool_choice "auto" (the server runs --tool-call-parser hermes): a completion in Hermes'
+    format becomes tool calls, the text before them content; tiny's random weights are made to write
+    one by vLLM's guided_regex. Streamed, the deltas add up to the same; and so do streamed
+    "required" and named-function calls."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}]
+    messages = [{"role": "user", "content": random_prompt(random.Random())}]
+    regex = r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)"\}\}\n</tool_call>'
+    forced = dict(messages=messages, tools=tools, max_tokens=120, temperature=1.0, seed=random.randrange(2**31),
+                  extra_body={"guided_regex": regex})
+    chat = client.chat.completions.create(model="tiny", **forced)
+    choice = chat.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check.\n", choice
+    call, = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    assert streamed_chat(client, **forced) == (choice.message.content, [
+        (call.function.name, json.loads(call.function.arguments))], "tool_calls")
+    # No call written: plain content, finish reason as usual.
+    plain = client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=8,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    assert plain.choices[0].finish_reason == "length" and not plain.choices[0].message.tool_calls
+    assert streamed_chat(client, messages=messages, tools=tools, max_tokens=8, temperature=0,
+                         extra_body={"ignore_eos": True}) == (plain.choices[0].message.content, [], "length")
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        kwargs = dict(messages=messages, tools=tools, tool_choice=tool_choice, max_tokens=150, temperature=0)
+        whole = client.chat.completions.create(model="tiny", **kwargs).choices[0]
+        assert whole.finish_reason == "tool_calls", whole
+        expected = [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+        assert streamed_chat(client, **kwargs) == ("", expected, "tool_calls")
+
+
+def test_streamed_echo_logprobs(server):
+    """echo + logprobs streamed (max_tokens 0 too): the events add up to the whole response."""
+    ids = tiny_tokenizer().encode(random_prompt(random.Random(), 5))
+    for max_tokens in (0, 4):
+        body = {"model": "tiny", "prompt": ids, "echo": True, "logprobs": 2, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True}
+        status, whole = run(post(server.url, "/v1/completions", body))
+        assert status == 200, whole
+        events = run(stream_events(server.url, "/v1/completions", body))
+        streamed = {k: sum((e["choices"][0]["logprobs"][k] for e in events), []) for k in whole["choices"][0]["logprobs"]}
+        assert streamed == whole["choices"][0]["logprobs"]
+        assert "".join(e["choices"][0]["text"] for e in events) == whole["choices"][0]["text"]
+        assert len(streamed["tokens"]) == len(ids) + max_tokens
 
 
 def test_langchain_structured_output_and_tools(server):

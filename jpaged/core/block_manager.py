@@ -17,6 +17,9 @@ computed. A block whose last holder lets go keeps its hash and sits in the free 
 evicted (its hash forgotten) only when the pool hands it out again, least recently freed first.
 A sequence frees its blocks tail first, so of blocks freed together the longest prefix goes first.
 Full blocks are never written again, which is what makes them safe to share this way.
+
+For benchmarks, kv_allocation picks one of the paper's baselines instead of on-demand growth
+(see kv_allocation.py): admission then takes the request's whole reservation at once.
 """
 
 import array
@@ -25,6 +28,7 @@ import enum
 import hashlib
 import math
 
+from jpaged.core.kv_allocation import final_len, reserved_len
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -142,11 +146,16 @@ class BlockPool:
 
 class BlockManager:
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, watermark: float = 0.01,
-                 enable_caching: bool = False):
+                 enable_caching: bool = False, kv_allocation: str = "paged", max_model_len: int | None = None):
         if block_size < 1 or num_gpu_blocks < 1 or num_cpu_blocks < 0 or not 0 <= watermark < 1:
             raise ValueError(f"bad block manager sizes: block_size={block_size}, num_gpu_blocks={num_gpu_blocks}, "
                              f"num_cpu_blocks={num_cpu_blocks}, watermark={watermark}")
+        if kv_allocation != "paged" and (max_model_len is None or enable_caching):
+            raise ValueError(f"kv_allocation={kv_allocation!r} needs max_model_len and no prefix caching")
+        reserved_len(kv_allocation, 1, 1)  # a ValueError for an unknown policy
         self.block_size = block_size
+        self.kv_allocation = kv_allocation
+        self.max_model_len = max_model_len
         self.gpu_pool = BlockPool(num_gpu_blocks)
         self.cpu_pool = BlockPool(num_cpu_blocks)
         # Admissions leave this many device blocks free, so the sequences already running can
@@ -194,7 +203,8 @@ class BlockManager:
         """Blocks a group of `num_seqs` sequences needs at worst once each is `max_len` tokens long:
         they share only their prompt's full blocks (what they share again after a recompute)."""
         shared = prompt_len // self.block_size if num_seqs > 1 else 0
-        return shared + num_seqs * (self._num_blocks(max_len) - shared)
+        reserved = reserved_len(self.kv_allocation, max_len, self.max_model_len or max_len)
+        return shared + num_seqs * (self._num_blocks(reserved) - shared)
 
     def get_block_table(self, seq: Sequence) -> list[int]:
         """The sequence's device blocks (the manager's own list: read it, don't change it)."""
@@ -204,6 +214,13 @@ class BlockManager:
 
     def _num_blocks(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
+
+    def _admission_len(self, seq_group: SequenceGroup, seq: Sequence) -> int:
+        """Token slots the sequence takes at admission: those it has, or its whole reservation."""
+        if self.kv_allocation == "paged":
+            return seq.get_len()
+        final = final_len(seq.get_prompt_len(), seq_group.sampling_params.max_tokens, self.max_model_len)
+        return max(seq.get_len(), reserved_len(self.kv_allocation, final, self.max_model_len))
 
     # Admission.
 
@@ -263,7 +280,8 @@ class BlockManager:
         cached = self._cached_prefix(seq_group, seqs)
         num_cached = len(cached[0])
         first_own = max(num_shared, num_cached)
-        num_new = first_own - num_cached + sum(self._num_blocks(seq.get_len()) - first_own for seq in seqs)
+        num_new = first_own - num_cached + sum(self._num_blocks(self._admission_len(seq_group, seq)) - first_own
+                                                for seq in seqs)
         # Hits on blocks nobody holds take them out of the free queue.
         hit_blocks = {block_id for blocks in cached for block_id in blocks}
         num_free = self.get_num_free_gpu_blocks() - sum(1 for b in hit_blocks if self.gpu_pool.ref_cnt(b) == 0)
@@ -302,7 +320,8 @@ class BlockManager:
             if i > 0:
                 for block_id in shared:
                     self.gpu_pool.share(block_id)
-            own = [self.gpu_pool.allocate() for _ in range(self._num_blocks(seq.get_len()) - first_own)]
+            own = [self.gpu_pool.allocate() for _ in range(self._num_blocks(self._admission_len(seq_group, seq))
+                                                                   - first_own)]
             self.gpu_tables[seq.seq_id] = hits + shared + own
             self._num_hashed_blocks[seq.seq_id] = num_cached
             if self.enable_caching:
@@ -333,8 +352,8 @@ class BlockManager:
         sharers = collections.Counter()  # shared last block -> how many of these sequences write into it
         for seq in seqs:
             table = tables[seq.seq_id]
-            missing = self._num_blocks(seq.get_len()) - len(table)
-            if missing:
+            missing = self._num_blocks(seq.get_len()) - len(table)  # < 0: slots reserved ahead
+            if missing > 0:
                 num_required += missing
             elif pool.ref_cnt(table[-1]) > 1:
                 sharers[table[-1]] += 1
@@ -352,7 +371,7 @@ class BlockManager:
         before this sequence writes into it (copy-on-write)."""
         table = self.gpu_tables[seq.seq_id]
         missing = self._num_blocks(seq.get_len()) - len(table)
-        if missing:
+        if missing > 0:
             if missing > self.get_num_free_gpu_blocks():
                 raise NoFreeBlocksError(f"{seq} needs {missing} blocks, {self.get_num_free_gpu_blocks()} are free")
             table.extend(self.gpu_pool.allocate() for _ in range(missing))

@@ -10,7 +10,8 @@ Every step it decides which sequence groups compute which tokens:
   3. If nothing was preempted and nothing is swapped out, waiting groups are admitted (FCFS)
      while blocks (leaving the watermark free), max_num_seqs and the token budget allow; a
      prompt longer than the remaining budget is split into chunks over several steps. With
-     prefix caching, an admitted group starts computing at its first uncached token.
+     prefix caching, an admitted group starts computing at its first uncached token. The
+     benchmark baseline kv_allocation="static" admits only while no running group decodes.
 
 Preemption by recompute frees a group's blocks and puts it back at the front of the waiting
 queue: its prompt and outputs so far are prefilled again. Preemption by swap moves its blocks
@@ -118,9 +119,14 @@ class Scheduler:
         # A preemption means blocks are short: don't bring anyone in this step.
         if not out.preempted:
             self._schedule_swapped(out, budget)
-            if not self.swapped:
+            if not self.swapped and not self._batch_closed():
                 self._schedule_waiting(out, budget)
         return out
+
+    def _batch_closed(self) -> bool:
+        """Request-level batching (kv_allocation="static", FasterTransformer-like): once a batch
+        decodes, nobody joins it until all of it has finished."""
+        return self.block_manager.kv_allocation == "static" and any(not g.is_prefill() for g in self.running)
 
     def _schedule_running(self, out: SchedulerOutputs, budget: _Budget) -> list[SequenceGroup]:
         """Give each decoding group its slots, preempting the latest groups when blocks run out.

@@ -15,15 +15,19 @@ import time
 
 import jax
 
+from jpaged import devices
 from jpaged.config import EngineConfig
 from jpaged.core.block_manager import BlockManager
 from jpaged.core.detokenizer import Detokenizer
+from jpaged.core.kv_allocation import KVUsage, kv_usage
+from jpaged.core.kv_map import KVMap
 from jpaged.core.scheduler import Scheduler, SchedulerOutputs
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from jpaged.core.structured_output import StructuredOutputManager
 from jpaged.models.loader import load_model
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.parallel import distributed
+from jpaged.runner.executable_cache import ExecutableCache
 from jpaged.runner.model_runner import MAX_BANNED_TOKENS, MAX_LOGPROBS, ModelRunner, SeqInput, kv_cache_layout
 from jpaged.runner.sampler import SamplingRow, beam_search_candidates
 from jpaged.sampling_params import SamplingParams
@@ -48,14 +52,10 @@ def derive_max_model_len(hf_config, requested: int | None) -> int:
     return requested
 
 
-def enable_compilation_cache():
-    """Keep compiled steps on disk (~/.cache/jpaged/xla, or $JPAGED_CACHE_DIR) so a restart with the
-    same model and limits loads them instead of compiling; respects a cache dir set by the user."""
-    if jax.config.jax_compilation_cache_dir is None:
-        path = os.environ.get("JPAGED_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "xla"))
-        jax.config.update("jax_compilation_cache_dir", path)
-        # Every executable: with layers scanned, many compile in under a second and would miss.
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+def executable_cache_dir() -> str:
+    """Where compiled steps are kept (~/.cache/jpaged/xla, or $JPAGED_CACHE_DIR), so a restart with
+    the same model and limits loads them instead of compiling (runner/executable_cache.py)."""
+    return os.environ.get("JPAGED_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "xla"))
 
 
 class StepFailedError(RuntimeError):
@@ -96,8 +96,9 @@ _PROMPT_ROW_PARAMS = SamplingParams(temperature=0)
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        devices.select(config.device)
         distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
-        enable_compilation_cache()
+        devices.check(config.device)
         loaded = load_model(config.model, dtype=config.dtype, attention_backend=config.attention_backend,
                             revision=config.revision, tensor_parallel_size=config.tensor_parallel_size)
         self.tokenizer, self.hf_config = loaded.tokenizer, loaded.hf_config
@@ -120,11 +121,13 @@ class LLMEngine:
         # Every process must allocate the same pool: the smallest one that fits everywhere.
         num_gpu_blocks = distributed.min_across_processes(self._num_gpu_blocks(bytes_per_block))
         num_cpu_blocks = int(config.swap_space * 2**30 // bytes_per_block)
-        logger.info("jpaged: %s (%s) on %s; KV pool: %d device blocks, %d host blocks of %d tokens (%.1f KiB each)",
-                    config.model, loaded.dtype.name, jax.default_backend(), num_gpu_blocks, num_cpu_blocks,
-                    config.block_size, bytes_per_block / 1024)
+        logger.info("jpaged: %s (%s) on %s; KV pool: %d device blocks (%.1f MiB), %d host blocks of %d tokens "
+                    "(%.1f KiB each)", config.model, loaded.dtype.name, devices.describe(config.attention_backend),
+                    num_gpu_blocks, num_gpu_blocks * bytes_per_block / 2**20, num_cpu_blocks, config.block_size,
+                    bytes_per_block / 1024)
         self.block_manager = BlockManager(config.block_size, num_gpu_blocks, num_cpu_blocks,
-                                          enable_caching=config.enable_prefix_caching)
+                                          enable_caching=config.enable_prefix_caching,
+                                          kv_allocation=config.kv_allocation, max_model_len=self.max_model_len)
         # Debug mode (the tests turn it on): check the block pool's invariants after every step.
         self.check_invariants = os.environ.get("JPAGED_CHECK_INVARIANTS", "0") not in ("", "0")
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
@@ -132,7 +135,8 @@ class LLMEngine:
                                    preemption_mode=config.preemption_mode)
         self.runner = ModelRunner(loaded, block_size=config.block_size, num_gpu_blocks=num_gpu_blocks,
                                   num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len)
+                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
+                                  executable_cache=ExecutableCache(executable_cache_dir(), self._model_fingerprint(loaded)))
         if not config.enforce_eager:
             self.runner.warm_up()
         # The heap built so far (jax, the model, the tokenizer) lives as long as the engine: keep
@@ -145,6 +149,11 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._groups: dict[str, SequenceGroup] = {}
         self._in_flight: _Dispatched | None = None  # async_scheduling: a step not read yet
+
+    def _model_fingerprint(self, loaded) -> str:
+        """What shapes the compiled steps besides their arguments' shapes and jpaged's source: the
+        model's config (constants such as rope_theta and eps are baked in), dtype and kernels."""
+        return "\n".join([loaded.hf_config.to_json_string(), loaded.dtype.name, self.config.attention_backend])
 
     def _num_gpu_blocks(self, bytes_per_block: int) -> int:
         if self.config.num_gpu_blocks_override:
@@ -215,6 +224,9 @@ class LLMEngine:
             field = "n" if sp.best_of == sp.n else "best_of"
             raise ValueError(f"{field}={getattr(sp, field)}; a request's sequences run together, so best_of "
                              f"({sp.best_of}) must not exceed max_num_seqs={self.config.max_num_seqs}")
+        if sp.best_of > 1 and self.config.kv_allocation != "paged":
+            raise ValueError(f"best_of={sp.best_of}; kv_allocation={self.config.kv_allocation!r} (a baseline "
+                             "without block sharing) runs one sequence per request")
         if sp.use_beam_search and 2 * sp.best_of > MAX_LOGPROBS:
             # Each beam's candidates are its 2 * best_of most likely tokens, from the step's top logprobs.
             raise ValueError(f"best_of={sp.best_of}; beam search supports at most {MAX_LOGPROBS // 2} beams")
@@ -612,6 +624,15 @@ class LLMEngine:
                              prompt_logprobs)
 
     # ------------------------------------------------------------------ stats
+    def kv_usage(self) -> KVUsage:
+        """The device KV slots now: holding tokens, reserved, internally fragmented, free. It
+        visits every block table entry: read it when asked (per scrape, per benchmark step), not
+        in stats(), which the server reads after every step."""
+        return kv_usage(self.block_manager, self.scheduler.running, self.max_model_len)
+
+    def kv_map(self) -> KVMap:
+        return KVMap.of(self.block_manager, self.scheduler.running)
+
     def stats(self) -> dict:
         bm, sched = self.block_manager, self.scheduler
         return {

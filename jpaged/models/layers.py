@@ -42,6 +42,11 @@ def _param(shape, axes, dtype) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype), logical_axes=tuple(axes))
 
 
+def fp32_precision(dtype):
+    """fp32 matmuls in IEEE fp32, not the TF32 NVIDIA GPUs default to; bf16/fp16 keep the default."""
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
 class Linear(nnx.Module):
     """y = x · W (+ b), W of shape in_shape + out_shape (e.g. [embed, q_heads, head_dim])."""
 
@@ -52,7 +57,8 @@ class Linear(nnx.Module):
 
     def __call__(self, x):
         n_in = len(self.in_shape)
-        y = jax.lax.dot_general(x, self.kernel[...], (((tuple(range(x.ndim - n_in, x.ndim))), tuple(range(n_in))), ((), ())))
+        y = jax.lax.dot_general(x, self.kernel[...], (((tuple(range(x.ndim - n_in, x.ndim))), tuple(range(n_in))), ((), ())),
+                                precision=fp32_precision(x.dtype))
         return y if self.bias is None else y + self.bias[...]
 
     def hf_weights(self, prefix: str, *, hf_layout: str = "out_in", out_repeats: int = 1) -> HFWeights:
@@ -85,7 +91,7 @@ class Embedding(nnx.Module):
 
     def attend(self, x):
         """Tied output projection: logits = x · Eᵀ."""
-        return x @ self.embedding[...].T
+        return jnp.matmul(x, self.embedding[...].T, precision=fp32_precision(x.dtype))
 
     def hf_weights(self, name: str) -> HFWeights:
         return {name: [WeightTarget(self.embedding, self.embedding.shape, lambda a: a)]}
@@ -267,13 +273,6 @@ class AttentionOps:
         if self.backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.backend!r}; expected one of {ATTENTION_BACKENDS}")
 
-    def _interpret(self):
-        # "pallas" off-GPU runs the Pallas kernels in interpret mode; "auto" lets
-        # pallas_kernels pick (Pallas on GPU, XLA elsewhere).
-        if self.backend == "pallas":
-            return jax.default_backend() != "gpu"
-        return None
-
     def __call__(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         attend = functools.partial(self._attend, scale=scale)
         if self.mesh is None:
@@ -286,17 +285,17 @@ class AttentionOps:
     def _attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         k_pages, v_pages = pallas_kernels.write_kv(*kv_cache, k, v, meta.slot_mapping)
         args = (q, k_pages, v_pages, meta.block_tables, meta.context_lens)
-        if self.backend == "xla" or (self.backend == "auto" and jax.default_backend() != "gpu"):
+        if pallas_kernels.kernel_family(self.backend) == "xla":
             # XLA's ragged path is as fast as its decode path on decode steps (tile 1): one branch.
             return pallas_kernels.ragged_paged_attention_xla(*args, meta.query_start_loc, scale=scale), (k_pages, v_pages)
 
+        # pallas_kernels picks the kernels (interpret mode for Pallas ones off-GPU).
         def ragged():
-            return pallas_kernels.ragged_paged_attention(*args, meta.query_start_loc, scale=scale,
-                                                         interpret=self._interpret())
+            return pallas_kernels.ragged_paged_attention(*args, meta.query_start_loc, scale=scale, backend=self.backend)
 
         if meta.decode is None:
             return ragged(), (k_pages, v_pages)
-        decode = functools.partial(pallas_kernels.paged_attention, *args, scale=scale, interpret=self._interpret())
+        decode = functools.partial(pallas_kernels.paged_attention, *args, scale=scale, backend=self.backend)
         return jax.lax.cond(meta.decode, decode, ragged), (k_pages, v_pages)
 
 

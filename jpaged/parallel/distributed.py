@@ -2,16 +2,20 @@
 
 Process 0 (the driver) runs the scheduler and block manager; before each device operation it
 broadcasts the operation's host inputs, and the other processes (followers) run the same
-operation on their devices (SPMD). The transport is `broadcast_object`: pickled bytes sent with
-`multihost_utils.broadcast_one_to_all`, so no channel besides jax.distributed's own is needed.
+operation on their devices (SPMD). The transport is `broadcast_object`: pickled bytes summed over
+the processes by one precompiled collective (process 0's bytes plus the others' zeros), so no
+channel besides jax.distributed's own is needed.
 """
 
+import functools
 import os
 import pickle
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 
 def _env_int(name: str) -> int | None:
@@ -38,17 +42,47 @@ def is_driver() -> bool:
     return jax.process_index() == 0
 
 
+# Bytes per broadcast collective. One fixed shape means one executable, compiled at start-up
+# (ModelRunner counts it), whatever the messages' sizes; longer messages take several.
+BROADCAST_CHUNK = 1 << 17
+_LENGTH_BYTES = 8  # a message starts with its length
+
+
+@functools.cache
+def broadcast_executable():
+    """The collective under `broadcast_object`: every process gives one chunk (zeros, but for
+    process 0's), summed over the processes. Returns (compiled executable, input sharding)."""
+    devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
+    mesh = jax.sharding.Mesh(devices, ("processes", "local"))
+    rows = NamedSharding(mesh, PartitionSpec("processes"))
+    total = jax.jit(lambda chunks: jnp.sum(chunks, axis=0, dtype=jnp.uint8),
+                    out_shardings=NamedSharding(mesh, PartitionSpec()))
+    chunks = jax.ShapeDtypeStruct((jax.process_count(), BROADCAST_CHUNK), jnp.uint8, sharding=rows)
+    return total.lower(chunks).compile(), rows
+
+
+def _broadcast_chunk(message: bytes, start: int) -> np.ndarray:
+    executable, rows = broadcast_executable()
+    chunk = np.zeros((1, BROADCAST_CHUNK), np.uint8)
+    piece = message[start:start + BROADCAST_CHUNK]
+    chunk[0, :len(piece)] = np.frombuffer(piece, np.uint8)
+    total = executable(multihost_utils.host_local_array_to_global_array(chunk, rows.mesh, rows.spec))
+    return np.asarray(total.addressable_data(0))
+
+
 def broadcast_object(obj=None):
     """Process 0's `obj` on every process (the others pass anything, e.g. None)."""
     if jax.process_count() == 1:
         return obj
-    data = np.frombuffer(pickle.dumps(obj), np.uint8) if is_driver() else np.zeros(0, np.uint8)
-    size = int(multihost_utils.broadcast_one_to_all(np.int32(data.size)))
-    # Pad to a power of two: each distinct shape compiles its own broadcast.
-    buffer = np.zeros(1 << max(size - 1, 0).bit_length(), np.uint8)
-    buffer[:data.size] = data
-    buffer = multihost_utils.broadcast_one_to_all(buffer)
-    return pickle.loads(buffer[:size].tobytes())
+    message = b""  # the followers' chunks are zeros
+    if is_driver():
+        data = pickle.dumps(obj)
+        message = len(data).to_bytes(_LENGTH_BYTES, "little") + data
+    chunks = [_broadcast_chunk(message, 0)]
+    size = int.from_bytes(chunks[0][:_LENGTH_BYTES].tobytes(), "little")
+    for start in range(BROADCAST_CHUNK, _LENGTH_BYTES + size, BROADCAST_CHUNK):
+        chunks.append(_broadcast_chunk(message, start))
+    return pickle.loads(np.concatenate(chunks)[_LENGTH_BYTES:_LENGTH_BYTES + size].tobytes())
 
 
 def min_across_processes(value: int) -> int:

@@ -14,8 +14,10 @@ next step's forward takes it (a PENDING_TOKEN input).
 
 Every step is padded to a bucket (see Buckets), block copies and swaps to a fixed size, and every
 executable is compiled ahead of time at warm-up, so serving never compiles; `num_compilations`
-counts them all. The forward and the sampler compile apart: the sampler's shapes depend only on
-its row bucket and its full/fast switch, so the warm-up compiles forwards + samplers, not their
+counts them all. Compiled executables are kept on disk whole (executable_cache.py): a restart
+loads them without tracing. The forward and the sampler compile apart: the sampler's shapes
+depend only on its row bucket and its full/fast switch, so the warm-up compiles forwards +
+samplers, not their
 product.
 
 Tensor parallelism: weights and KV pages live on the loader's mesh (jpaged/parallel); the runner
@@ -44,6 +46,7 @@ from jpaged.models.loader import LoadedModel
 from jpaged.parallel import distributed
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, replicated, tp_size
 from jpaged.runner import sampler
+from jpaged.runner.executable_cache import ExecutableCache
 from jpaged.runner.input_batch import InputBatch, Layout, layout_of, pack, unpack
 
 logger = logging.getLogger(__name__)
@@ -158,7 +161,8 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, *, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 executable_cache: ExecutableCache | None = None):
         self.block_size, self.num_gpu_blocks = block_size, num_gpu_blocks
         self.vocab_size = loaded.hf_config.vocab_size
         self.max_model_len = max_model_len
@@ -184,11 +188,15 @@ class ModelRunner:
         # The token each InputBatch row sampled last, kept on the device: the next step can read it
         # before the host has (overlap).
         self.last_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=rep)
-        # Each takes its inputs packed in one int32 array (one transfer), `layout` static.
-        self._forward = jax.jit(functools.partial(_forward, self.graphdef, rep), donate_argnums=(1,),
-                                out_shardings=(rep, kv), static_argnames=("layout",))
-        self._sample = jax.jit(_sample, out_shardings=(rep, rep), donate_argnums=(2,), static_argnames=("layout",))
+        # Each takes its inputs packed in one int32 array (one transfer), unpacked by `layout`.
+        self._forward = lambda layout: jax.jit(functools.partial(_forward, self.graphdef, rep, layout=layout),
+                                               donate_argnums=(1,), out_shardings=(rep, kv))
+        self._sample = lambda layout: jax.jit(functools.partial(_sample, layout=layout), out_shardings=(rep, rep),
+                                              donate_argnums=(2,))
+        self.executable_cache = executable_cache or ExecutableCache(None, "")
         self._executables = {}
+        if self._multihost:  # the driver's broadcasts: one executable, compiled now
+            self._executables[("broadcast", distributed.BROADCAST_CHUNK)] = distributed.broadcast_executable()[0]
         self._warm = False
         self._copy = jax.jit(functools.partial(_copy_blocks, num_layers), in_shardings=(kv, rep, rep),
                              out_shardings=kv, donate_argnums=(0,))
@@ -210,27 +218,34 @@ class ModelRunner:
         thread pool was no faster on 2 cores (19.1 vs 20.2 s for tiny's 42) and hung once in CI."""
         keys = [k for k in self.buckets.keys() if k not in self._executables]
         for key in tqdm(keys, desc="Compiling step buckets", unit="shape"):
-            self._executables[key] = self._lower(key).compile()
+            self._executables[key] = self._compile(key)
         self._warm = True
 
+    def _compile(self, key):
+        return self.executable_cache.compile(repr(key), *self._jitted_and_args(key))
+
     def _lower(self, key):
+        jitted, args = self._jitted_and_args(key)
+        return jitted.lower(*args)
+
+    def _jitted_and_args(self, key):
+        """The jitted function executable `key` compiles, and its (abstract) arguments."""
         if key[0] == "forward":
             layout = layout_of(self._abstract_inputs(key[1]))
-            return self._forward.lower(self.state, self.kv_cache, self._packed(layout), self.last_tokens,
-                                       layout=layout)
+            return self._forward(layout), (self.state, self.kv_cache, self._packed(layout), self.last_tokens)
         if key[0] == "sample":
             _, num_rows, full = key
             logits = jax.ShapeDtypeStruct((num_rows, self.vocab_size), jnp.float32, sharding=self._replicated)
             i32 = jax.ShapeDtypeStruct((num_rows,), jnp.int32)
             layout = layout_of((self._sampling_metadata([], num_rows, full), i32))
-            return self._sample.lower(logits, self._packed(layout), self.last_tokens, layout=layout)
+            return self._sample(layout), (logits, self._packed(layout), self.last_tokens)
         op, num_blocks = key
         blocks = jax.ShapeDtypeStruct((num_blocks,), jnp.int32, sharding=self._replicated)
         if op == "copy_blocks":
-            return self._copy.lower(self.kv_cache, blocks, blocks)
+            return self._copy, (self.kv_cache, blocks, blocks)
         if op == "swap_out":
-            return self._gather.lower(self.kv_cache, blocks)
-        return self._scatter.lower(self.kv_cache, self._swapped_pages_shape(num_blocks), blocks)
+            return self._gather, (self.kv_cache, blocks)
+        return self._scatter, (self.kv_cache, self._swapped_pages_shape(num_blocks), blocks)
 
     def _swapped_pages_shape(self, num_blocks: int) -> jax.ShapeDtypeStruct:
         """Pages in flight between the pool and the host: [layers, k/v, kv_heads, blocks, page_size, head_dim]."""
@@ -242,7 +257,7 @@ class ModelRunner:
         if key not in self._executables:
             if self._warm:
                 logger.warning("compiling an unexpected step shape %s while serving", key)
-            self._executables[key] = self._lower(key).compile()
+            self._executables[key] = self._compile(key)
         return self._executables[key]
 
     def _abstract_inputs(self, num_tokens: int) -> StepInputs:

@@ -1,0 +1,83 @@
+"""KV allocation policies (the paper's baselines, for benchmarks) and the KV memory accounting.
+
+`paged` is jpaged's own policy: a sequence gets a block only when its last one is full. The
+others reproduce the systems the paper compares against (§2.3, §6.1), inside the same engine so
+that a comparison isolates memory management:
+
+  orca-max     reserve max_model_len slots per request at admission (Orca, Max)
+  orca-pow2    reserve the next power of two of prompt + output length (Orca, Pow2)
+  orca-oracle  reserve exactly prompt + output length (Orca, Oracle: the true length is known)
+  static       reserve max_model_len like orca-max, and batch per request (FasterTransformer):
+               a batch runs to completion before the next one is admitted
+
+A reservation is taken in whole blocks, so the blocks stand in for Orca's contiguous chunks: the
+baselines lose memory to reservation and internal fragmentation, never to external
+fragmentation (the paper's "external fragmentation & others" is not modelled). The "output
+length" is max_tokens: benchmarks set ignore_eos, so every request produces exactly that many.
+The baselines run one sequence per request (n = best_of = 1): Orca does not share blocks.
+
+Accounting (the paper's Fig. 2) splits every device slot into: holding a computed token's K/V,
+reserved (allocated, to be filled before the sequence reaches its final length), internal
+fragmentation (allocated, never to be filled) and free. A block shared by several sequences
+counts once.
+"""
+
+import dataclasses
+
+from jpaged.core.sequence import SequenceGroup, SequenceStatus
+
+KV_ALLOCATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle", "static")
+
+
+def final_len(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
+    """The longest a sequence of this request can get."""
+    return min(prompt_len + max_tokens, max_model_len)
+
+
+def reserved_len(policy: str, final: int, max_model_len: int) -> int:
+    """Token slots a sequence that will reach `final` tokens holds from its admission on (paged:
+    only those it has; this is what it holds at its end)."""
+    if policy in ("orca-max", "static"):
+        return max_model_len
+    if policy == "orca-pow2":
+        return min(1 << (final - 1).bit_length(), max_model_len)
+    if policy in ("orca-oracle", "paged"):
+        return final
+    raise ValueError(f"kv_allocation={policy!r}; expected one of {KV_ALLOCATIONS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVUsage:
+    """Device KV slots (tokens) by what they hold; the four parts add up to `total_slots`."""
+
+    token_slots: int  # a computed token's K/V
+    reserved_slots: int  # allocated to a sequence, filled before it reaches its final length
+    fragmented_slots: int  # allocated, never filled (internal fragmentation)
+    free_slots: int  # in free blocks (cached prefixes included: evicted when needed)
+
+    @property
+    def total_slots(self) -> int:
+        return self.token_slots + self.reserved_slots + self.fragmented_slots + self.free_slots
+
+    @property
+    def allocated_slots(self) -> int:
+        return self.total_slots - self.free_slots
+
+
+def kv_usage(block_manager, seq_groups: list[SequenceGroup], max_model_len: int) -> KVUsage:
+    """The device pool's slots right now; `seq_groups`: the groups holding device blocks."""
+    size = block_manager.block_size
+    filled: dict[int, int] = {}  # block -> slots holding tokens (max over its sharers: a common prefix)
+    planned: dict[int, int] = {}  # block -> slots its sharers fill by their final length
+    for group in seq_groups:
+        sp = group.sampling_params
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            final = final_len(seq.get_prompt_len(), sp.max_tokens, max_model_len)
+            for i, block_id in enumerate(block_manager.get_block_table(seq)):
+                start = i * size
+                filled[block_id] = max(filled.get(block_id, 0), min(max(seq.num_computed_tokens - start, 0), size))
+                planned[block_id] = max(planned.get(block_id, 0), min(max(final - start, 0), size))
+    tokens, will_fill = sum(filled.values()), sum(planned.values())
+    return KVUsage(token_slots=tokens, reserved_slots=will_fill - tokens,
+                   fragmented_slots=len(planned) * size - will_fill,
+                   free_slots=block_manager.get_num_free_gpu_blocks() * size)

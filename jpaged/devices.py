@@ -1,0 +1,46 @@
+"""The device platform the engine runs on: the `device` option, checked loudly at start-up.
+
+jax falls back to the CPU without a word when its CUDA plugin fails to load; with
+device="cuda" that is an error here instead of a server that never touches its GPU.
+"""
+
+import jax
+from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
+
+import pallas_kernels
+
+PLATFORMS = {"cuda": "gpu", "cpu": "cpu"}  # device option -> jax.default_backend()
+
+
+def select(device: str | None):
+    """Before jax starts its backends: device="cpu" keeps jax off a GPU that is present."""
+    if device == "cpu" and not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+
+
+def check(device: str | None):
+    """RuntimeError unless jax's default backend is `device`'s (None: any)."""
+    if device is None:
+        return
+    if device == "cuda":
+        try:
+            jax.devices("cuda")
+        except RuntimeError as e:
+            raise RuntimeError(f"device='cuda' but jax has no CUDA backend ({e}). Install jax's CUDA plugin "
+                               "(pip install 'jpaged[cuda12]' or 'jpaged[cuda13]') and check that "
+                               "`python -c 'import jax; print(jax.devices())'` lists the GPU") from e
+    backend = jax.default_backend()
+    if backend != PLATFORMS[device]:
+        raise RuntimeError(f"device={device!r} but jax already runs on {backend!r}: set JAX_PLATFORMS={device} "
+                           "before anything in the process starts jax")
+
+
+def describe(attention_backend: str) -> str:
+    """Backend, device name and the attention kernels that will run, for the start-up log."""
+    device = jax.devices()[0]
+    family = pallas_kernels.kernel_family(attention_backend)
+    kernels = {"pallas": "Pallas/Triton", "mosaic": "Pallas/Mosaic GPU", "xla": "XLA"}[family]
+    if family != "xla" and not pallas_kernels.targets_gpu():
+        kernels += " (interpret mode)"
+    return (f"{jax.default_backend()} ({device.device_kind} x{jax.device_count()}), "
+            f"attention {attention_backend!r} -> {kernels}")

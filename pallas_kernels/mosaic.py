@@ -1,0 +1,261 @@
+"""Pallas (Mosaic GPU lowering) decode and ragged prefill kernels, for sm_90+ (Hopper and newer).
+
+One warpgroup per program works on a [ROWS=64, head_dim] block of queries in shared
+memory -- the query heads of one kv head, stacked so wgmma's M dimension is filled:
+decode stacks a GQA group's heads (padded to 64 rows), prefill a tile of tokens times the
+group's heads (head-major rows, as prefill.py). It walks the sequence's block table
+BLOCK_KEYS keys at a time: each page of K and V comes into shared memory with its own TMA
+copy (the page id read from the block table), two stages deep so the next block's pages
+load while this one computes; QK^T and PV run on wgmma with fp32 accumulators, and an
+online softmax in fp32 sits between them.
+
+Decode splits long tables into `num_splits` programs (split-K, flash-decoding) that
+write fp32 partials (out, max, sumexp) merged by tiling.combine_splits. Prefill's tiles
+come from tiling.ragged_tiles, as in prefill.py and the XLA twin.
+
+Limits (ValueError otherwise; the Triton kernels cover the rest): bf16/fp16, head_dim a
+multiple of 64, at most 64 query heads per kv head. Off-GPU the kernels run in Mosaic
+GPU's interpret mode (jax >= 0.11), which simulates TMA, barriers and wgmma on the CPU.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import tiling
+from pallas_kernels.xla import default_scale
+
+ROWS = 64  # wgmma's M for one warpgroup
+MIN_BLOCK_KEYS = 64  # keys per pipeline step (more when one page is larger)
+STAGES = 2
+MASK_VALUE = -1e30  # finite: a fully masked row never computes inf - inf
+LOG2E = 1.4426950408889634
+
+
+def check_supported(q, k_pages):
+    """ValueError naming what the Mosaic kernels cannot take."""
+    group = q.shape[1] // k_pages.shape[0]
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
+        raise ValueError(f"attention_backend='mosaic' needs bf16 or fp16 q and pages, got {q.dtype} and "
+                         f"{k_pages.dtype}: use 'pallas'")
+    if q.shape[-1] % 64:
+        raise ValueError(f"attention_backend='mosaic' needs head_dim % 64 == 0, got {q.shape[-1]}: use 'pallas'")
+    if group > ROWS:
+        raise ValueError(f"attention_backend='mosaic' takes at most {ROWS} query heads per kv head, got {group}")
+
+
+def _interpret_params(interpret):
+    if not interpret:
+        return None
+    if not hasattr(plgpu, "InterpretGPUParams"):
+        raise NotImplementedError("Mosaic GPU kernels run off-GPU only in jax >= 0.11's GPU interpret mode")
+    return plgpu.InterpretGPUParams()
+
+
+def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scale, causal, scratch):
+    """Online-softmax attention of q_smem's rows over keys [0, num_keys) of the pages listed in
+    table_ref[first_page:]. causal = (pos0, tile) (prefill): row r is the query at position
+    pos0 + r % tile (head-major rows) and sees keys up to its own position.
+    Returns fp32 (out [ROWS, d] unnormalised, max [ROWS] in log2 units, sumexp [ROWS])."""
+    k_smem, v_smem, p_smem, k_bar, v_bar = scratch
+    page_size = k_ref.shape[2]
+    block = k_smem.shape[1]
+    pages_per_block = block // page_size
+    head_dim = q_smem.shape[1]
+    dtype = q_smem.dtype
+
+    def fetch(i, slot):
+        for j in range(pages_per_block):  # one TMA copy per page, all on the stage's barriers
+            page = table_ref[first_page + i * pages_per_block + j]
+            rows = pl.ds(j * page_size, page_size)
+            plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, rows], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_bar.at[slot])
+
+    num_blocks = tiling.cdiv(num_keys, block)
+
+    @pl.when(num_blocks > 0)
+    def _():
+        fetch(0, 0)
+
+    wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
+    m = plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), wgmma_rows)
+    l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), wgmma_rows)
+    acc = plgpu.layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+    def body(i, carry):
+        acc, m, l = carry
+        slot = lax.rem(i, STAGES)
+
+        @pl.when(i + 1 < num_blocks)  # the other stage was consumed by step i - 1's wgmmas
+        def _():
+            fetch(i + 1, 1 - slot)
+
+        plgpu.barrier_wait(k_bar.at[slot])
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            return acc_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((ROWS, block), jnp.float32))
+        key = i * block + plgpu.broadcasted_iota(jnp.int32, (ROWS, block), 1, layout=plgpu.Layout.WGMMA)
+        ok = key < num_keys
+        if causal is not None:
+            pos0, tile = causal
+            row = plgpu.broadcasted_iota(jnp.int32, (ROWS, block), 0, layout=plgpu.Layout.WGMMA)
+            ok = ok & (key <= pos0 + lax.rem(row, tile))
+        s = jnp.where(ok, s * (scale * LOG2E), MASK_VALUE)  # log2 units: exp2 below
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        plgpu.barrier_wait(v_bar.at[slot])
+
+        # The last block's slots past num_keys may hold anything (even NaN): 0 * NaN would
+        # reach the output through p @ v, so zero them in shared memory first.
+        @pl.when((i + 1) * block > num_keys)
+        def _():
+            v = v_smem[slot]
+            row = plgpu.broadcasted_iota(jnp.int32, (block, head_dim), 0, layout=plgpu.Layout.WGMMA)
+            v_smem[slot] = jnp.where(i * block + row < num_keys, v, jnp.zeros((), dtype))
+            plgpu.commit_smem()
+
+        # p goes through shared memory: the one wgmma form GPU interpret mode simulates, so
+        # the path tested on the CPU is the path compiled (registers would save a round trip).
+        p_smem[...] = p.astype(dtype)
+        plgpu.commit_smem()
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+            return acc_ref[...]
+
+        # A fresh accumulator, added in registers (interpret mode has no run_state over ACC refs).
+        acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
+        return acc, m_new, l
+
+    return lax.fori_loop(0, num_blocks, body, (acc, m, l))
+
+
+def _wgmma_smem(shape, dtype):
+    """A wgmma operand in shared memory: 128-byte swizzled (8, 64) tiles (jax 0.10 wants them
+    spelled out; 0.11 would infer them)."""
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+
+
+def _scratch(head_dim, page_size, dtype):
+    """q, K and V stages, p, and the stages' barriers."""
+    block = max(MIN_BLOCK_KEYS, page_size)
+    pages = _wgmma_smem((STAGES, block, head_dim), dtype)
+    # Every page's copy arrives on its stage's barrier: it completes when all have landed.
+    barrier = plgpu.Barrier(num_arrivals=block // page_size, num_barriers=STAGES)
+    return _wgmma_smem((ROWS, head_dim), dtype), pages, pages, _wgmma_smem((ROWS, block), dtype), barrier, barrier
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret"))
+def paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_lens, *, scale=None, num_splits=None,
+                           interpret=False):
+    """Decode attention (see pallas_kernels.paged_attention) on Mosaic GPU."""
+    check_supported(q, k_pages)
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    group = num_heads // num_kv_heads
+    block = max(MIN_BLOCK_KEYS, page_size)
+    pages_per_block = block // page_size
+    width = block_tables.shape[1]
+    splits = num_splits or tiling.auto_num_splits(num_seqs * num_kv_heads, width, pages_per_block)
+    per_split = tiling.round_up(tiling.cdiv(width, splits), pages_per_block)
+    tables = tiling.clamp_block_tables(block_tables, num_pages)
+    tables = jnp.pad(tables, ((0, 0), (0, splits * per_split - width)))
+    qp = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    qp = jnp.pad(qp, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
+    scale = default_scale(scale, head_dim)
+
+    def kernel(ctx_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, o_smem, m_smem, l_smem, q_bar, q_smem,
+               *scratch):
+        h, s, split = lax.axis_index("kv_head"), lax.axis_index("seq"), lax.axis_index("split")
+        span = per_split * page_size
+        num_keys = jnp.clip(ctx_ref[s] - split * span, 0, span)
+        plgpu.copy_gmem_to_smem(q_ref.at[s, h], q_smem, q_bar)
+        plgpu.barrier_wait(q_bar)
+        acc, m, l = _attend(q_smem, k_ref, v_ref, table_ref.at[s], h, split * per_split, num_keys, scale, None,
+                            scratch)
+        o_smem[...] = acc
+        m_smem[...] = m
+        l_smem[...] = l
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[split, s, h])
+        plgpu.copy_smem_to_gmem(m_smem, m_ref.at[split, s, h])
+        plgpu.copy_smem_to_gmem(l_smem, l_ref.at[split, s, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    stat = jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, ROWS), jnp.float32)
+    out, m, l = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, group, head_dim), jnp.float32), stat, stat),
+        scratch_types=(plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32),
+                       plgpu.SMEM((ROWS,), jnp.float32), plgpu.Barrier(), *_scratch(head_dim, page_size, q.dtype)),
+        grid=(num_kv_heads, num_seqs, splits),
+        grid_names=("kv_head", "seq", "split"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_params(interpret),
+        kernel_name="jpaged_decode_mosaic",
+    )(context_lens.astype(jnp.int32), tables, qp, k_pages, v_pages)
+    # m is in log2 units: the merge only compares and exponentiates differences.
+    out = tiling.combine_splits(out, m[..., :group] / LOG2E, l[..., :group])
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def ragged_paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None,
+                                  interpret=False):
+    """Ragged prefill (see pallas_kernels.ragged_paged_attention) on Mosaic GPU."""
+    check_supported(q, k_pages)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_seqs, width = block_tables.shape
+    group = num_heads // num_kv_heads
+    gp = tiling.next_pow2(group)
+    tile = ROWS // gp
+    block = max(MIN_BLOCK_KEYS, page_size)
+    padded_width = tiling.round_up(width, block // page_size)
+    tables = tiling.clamp_block_tables(block_tables, num_pages)
+    tables = jnp.pad(tables, ((0, 0), (0, padded_width - width)))
+    seq, tok0, pos0, n_rows = tiling.ragged_tiles(query_start_loc, context_lens, num_tokens, tile)
+    num_tiles = seq.shape[0]
+    # Keys the tile's last real token sees; 0 for empty tiles.
+    num_keys = jnp.minimum(context_lens[seq].astype(jnp.int32), pos0 + n_rows)
+    num_keys = jnp.where(n_rows > 0, jnp.clip(num_keys, 0, padded_width * page_size), 0)
+    qt = tiling.gather_query_tiles(q, tok0, n_rows, tile)
+    qt = qt.reshape(num_tiles, tile, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, gp - group), (0, 0), (0, 0))).reshape(num_tiles, num_kv_heads, ROWS, head_dim)
+    scale = default_scale(scale, head_dim)
+
+    def kernel(seq_ref, pos0_ref, keys_ref, table_ref, q_ref, k_ref, v_ref, o_ref, o_smem, q_bar, q_smem, *scratch):
+        h, j = lax.axis_index("kv_head"), lax.axis_index("tile")
+        plgpu.copy_gmem_to_smem(q_ref.at[j, h], q_smem, q_bar)
+        plgpu.barrier_wait(q_bar)
+        acc, _, l = _attend(q_smem, k_ref, v_ref, table_ref.at[seq_ref[j]], h, 0, keys_ref[j], scale,
+                            (pos0_ref[j], tile), scratch)
+        l = jnp.where(l > 0, l, 1.0)  # empty tiles stay zero
+        o_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[j, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    out = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(qt.shape, q.dtype),
+        scratch_types=(_wgmma_smem((ROWS, head_dim), q.dtype), plgpu.Barrier(), *_scratch(head_dim, page_size, q.dtype)),
+        grid=(num_kv_heads, num_tiles),
+        grid_names=("kv_head", "tile"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_params(interpret),
+        kernel_name="jpaged_ragged_prefill_mosaic",
+    )(seq, pos0, num_keys, tables, qt, k_pages, v_pages)
+    out = out.reshape(num_tiles, num_kv_heads, gp, tile, head_dim)[:, :, :group].transpose(0, 3, 1, 2, 4)
+    return tiling.scatter_tiles_to_tokens(out.reshape(num_tiles, tile, num_heads, head_dim), query_start_loc,
+                                          num_tokens, tile)

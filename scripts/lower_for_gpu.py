@@ -1,0 +1,171 @@
+"""GPU readiness without a GPU: lower every attention kernel (Pallas Triton and Pallas Mosaic GPU)
+and the engine's jitted forward for CUDA with an abstract H100, verify the kernel modules, and
+check that the step updates the KV pool in place (the donated pool aliased to the output).
+
+    JAX_PLATFORMS=cpu python scripts/lower_for_gpu.py    # exit status 1 on any failure
+
+Lowering runs each backend's compiler front half: Mosaic GPU's layout inference and MLIR verifier
+(for sm_90), and Triton's lowering, whose serialized module is parsed back here and verified.
+Nothing runs on a GPU: a kernel that lowers can still fail to compile or compute wrong numbers
+there (scripts/gpu_check.sh does that part on a lent GPU). CI runs this under the GPU machines'
+jax (see .ci/run), next to the Mosaic kernels' interpret-mode tests.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, PartitionSpec, use_abstract_mesh
+
+import jpaged
+import pallas_kernels as pk
+from jpaged.models.layers import Attention
+from jpaged.parallel.sharding import TP_AXIS
+from jpaged.runner import model_runner
+
+H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+KERNEL_CALLS = {"__gpu$xla.gpu.triton": "pallas", "mosaic_gpu_v2": "mosaic"}
+
+
+# A one-device mesh shaped as the engine's tensor-parallel one, on the abstract GPU.
+MESH = AbstractMesh((1,), (TP_AXIS,), (AxisType.Auto,), abstract_device=H100)
+
+
+@contextlib.contextmanager
+def abstract_gpu():
+    """Trace and lower as if for an H100 (kernel selection and Pallas lowering read it)."""
+    with use_abstract_mesh(MESH):
+        yield
+
+
+def lower_for_cuda(fn, *args, donate_argnums=()):
+    """jit(fn) lowered for CUDA with an abstract H100; args are ShapeDtypeStructs (or arrays)."""
+    with abstract_gpu():
+        return jax.jit(fn, donate_argnums=donate_argnums).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def _verify_triton(backend_config) -> None:
+    """Parse the serialized Triton module back and run the MLIR verifier on it."""
+    from jax._src.lib import triton  # noqa: F401 (the dialect's Python bindings)
+    from jaxlib.mlir import ir
+    from jaxlib.triton import dialect
+
+    with ir.Context() as ctx, ir.Location.unknown():
+        dialect.register_dialect(ctx)
+        module = ir.Module.parse(backend_config["ir"].value_bytes)
+        if not module.operation.verify():
+            raise RuntimeError("the Triton module does not verify")
+
+
+def kernel_calls(lowered) -> list[str]:
+    """Kernel families of the lowered module's custom calls ("pallas", "mosaic"), each verified.
+    Mosaic GPU verifies its module while lowering; Triton's is verified here."""
+    found = []
+
+    def visit(op):
+        op = op.operation
+        if op.name == "stablehlo.custom_call":
+            target = op.attributes["call_target_name"].value
+            if target in KERNEL_CALLS:
+                if KERNEL_CALLS[target] == "pallas":
+                    _verify_triton(op.attributes["mhlo.backend_config"])
+                found.append(KERNEL_CALLS[target])
+        for region in op.regions:
+            for block in region.blocks:
+                for child in block.operations:
+                    visit(child)
+
+    visit(lowered.compiler_ir("stablehlo").operation)
+    return found
+
+
+def kernel_cases():
+    """(label, function, abstract args): decode and ragged prefill for each kernel family, over
+    dtypes, GQA ratios, page sizes and head_dims each family takes."""
+    def shapes(*specs):
+        return [jax.ShapeDtypeStruct(s, t) for s, t in specs]
+
+    def decode(dtype, heads, kv_heads, head_dim, page, seqs=5, width=40):
+        pages = ((kv_heads, 300, page, head_dim), dtype)
+        return shapes(((seqs, heads, head_dim), dtype), pages, pages, ((seqs, width), jnp.int32), ((seqs,), jnp.int32))
+
+    def prefill(dtype, heads, kv_heads, head_dim, page, tokens=200, seqs=5, width=40):
+        _, k, v, tables, lens = decode(dtype, heads, kv_heads, head_dim, page, seqs, width)
+        return [jax.ShapeDtypeStruct((tokens, heads, head_dim), dtype), k, v, tables, lens,
+                jax.ShapeDtypeStruct((seqs + 1,), jnp.int32)]
+
+    bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
+    families = {
+        "pallas": [(bf16, 32, 8, 128, 16), (f32, 24, 8, 80, 16), (f16, 8, 1, 64, 64)],
+        "mosaic": [(bf16, 32, 8, 128, 16), (bf16, 32, 8, 64, 128), (f16, 16, 2, 64, 8)],
+    }
+    for backend, configs in families.items():
+        for dtype, heads, kv_heads, head_dim, page in configs:
+            label = f"{backend} {jnp.dtype(dtype).name} heads={heads}/{kv_heads} d={head_dim} page={page}"
+            yield (f"decode {label}", functools.partial(pk.paged_attention, backend=backend), backend,
+                   decode(dtype, heads, kv_heads, head_dim, page))
+            yield (f"prefill {label}", functools.partial(pk.ragged_paged_attention, backend=backend), backend,
+                   prefill(dtype, heads, kv_heads, head_dim, page))
+
+
+def forward_cases():
+    """The engine's forward (tiny model in bf16, tensor parallelism off) per kernel family, for a
+    decode bucket and a mixed (prefill) bucket, lowered with the KV pool donated as the engine
+    does. Returns (label, lowered-or-exception thunk, backend)."""
+    strip = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731 (shapes only: no CPU placement)
+    for backend in ("pallas", "mosaic"):
+        llm = jpaged.LLM("tiny", dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8,
+                         num_gpu_blocks_override=64, attention_backend=backend)
+        runner = llm.llm_engine.runner
+        # The engine's model, its attention's shard_map on the abstract mesh instead of the CPU's.
+        model = nnx.merge(runner.graphdef, runner.state)
+        for _, node in nnx.iter_graph(model):
+            if isinstance(node, Attention):
+                node.ops = dataclasses.replace(node.ops, mesh=MESH)
+        graphdef, state = nnx.split(model)
+        forward = functools.partial(model_runner._forward, graphdef, PartitionSpec())
+        state = jax.tree.map(strip, state)
+        kv_cache = jax.tree.map(strip, runner.kv_cache)
+        for is_decode, tokens, seqs in ((True, 8, 8), (False, 64, 8)):
+            inputs = jax.tree.map(strip, runner._abstract_inputs(is_decode, tokens, seqs))
+            label = f"forward {backend} {'decode' if is_decode else 'mixed'} tokens={tokens}"
+            yield label, (lambda f=forward, a=(state, kv_cache, inputs): lower_for_cuda(f, *a, donate_argnums=(1,))), \
+                backend
+
+
+def main() -> int:
+    print(f"jax {jax.__version__}, Python {sys.version.split()[0]}: lowering for CUDA on {H100.device_kind}")
+    failures = 0
+
+    def check(label, lower, backend, expect_aliases=0):
+        nonlocal failures
+        start = time.perf_counter()
+        try:
+            lowered = lower()
+            calls = kernel_calls(lowered)
+            if not calls or set(calls) != {backend}:
+                raise RuntimeError(f"expected {backend} kernels, found {calls or 'none'}")
+            aliases = lowered.as_text().count("tf.aliasing_output")
+            if aliases < expect_aliases:
+                raise RuntimeError(f"the KV pool is not donated: {aliases} aliased outputs, expected {expect_aliases}")
+            note = f"; KV pool aliased ({aliases} buffers)" if expect_aliases else ""
+            print(f"ok    {label}: {len(calls)} {backend} kernel(s) verified{note} ({time.perf_counter() - start:.1f} s)")
+        except Exception as e:  # every case is reported, then the exit status says whether any failed
+            failures += 1
+            print(f"FAIL  {label}: {type(e).__name__}: {str(e)[:2000]}")
+
+    for label, fn, backend, args in kernel_cases():
+        check(label, functools.partial(lower_for_cuda, fn, *args), backend)
+    for label, lower, backend in forward_cases():
+        check(label, lower, backend, expect_aliases=2)  # k_pages and v_pages
+    print("all lowered" if not failures else f"{failures} case(s) failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

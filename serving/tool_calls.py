@@ -1,0 +1,205 @@
+"""Tool calling: what `tools` + `tool_choice` ask of the completion, and its text split into
+content and tool calls as it grows (the same split serves a finished text and a stream).
+
+- A named function: the completion is constrained to that function's arguments (JSON).
+- "required": constrained to a JSON array of {"name", "parameters"} objects, at least one.
+- "auto": the model writes calls in its own format, read by a parser chosen at start-up
+  (vLLM's `--enable-auto-tool-choice --tool-call-parser NAME`):
+  - "hermes" (Hermes, Qwen 2.5/3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
+    after optional content;
+  - "llama3_json" (Llama 3.1+): a completion that is `{"name": ..., "parameters": {...}}` objects
+    (separated by ";", optionally after `<|python_tag|>`); any other completion is content.
+"""
+
+import dataclasses
+import json
+import uuid
+
+from serving.protocol import APIError
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
+_decoder = json.JSONDecoder()
+
+
+@dataclasses.dataclass
+class ToolCalling:
+    """How a request calls tools: `schema` constrains the completion (None: free text, read by
+    `parser`); `function` names the one function a constrained completion holds the arguments of."""
+
+    schema: dict | None
+    function: str | None = None
+    parser: str | None = None
+
+
+def parse_tools(body: dict, auto_parser: str | None) -> ToolCalling | None:
+    """`tools` + `tool_choice` (None: the completion is plain text). OpenAI's default with tools is
+    "auto", which needs the server's tool-call parser: without one it is a 400, as in vLLM."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise APIError("'tool_choice' needs 'tools'", param="tool_choice")
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools):
+        raise APIError("'tools' must be an array of {'type': 'function', 'function': {'name', 'parameters'}}",
+                       param="tools", code="invalid_type")
+    functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "properties": {}}
+                 for t in tools}
+    if choice == "none":
+        return None
+    if choice is None or choice == "auto":
+        if auto_parser is None:
+            raise APIError("tool_choice 'auto' (the default with tools) needs the server started with "
+                           "--enable-auto-tool-choice and --tool-call-parser; or use tool_choice 'required' "
+                           "or name a function", param="tool_choice", code="unsupported_parameter")
+        return ToolCalling(None, parser=auto_parser)
+    if choice == "required":
+        return ToolCalling({"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
+             "required": ["name", "parameters"], "additionalProperties": False}
+            for name, parameters in functions.items()]}})
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if name not in functions:
+        raise APIError(f"tool_choice {choice!r:.80}; expected 'none', 'auto', 'required' or "
+                       "{'type': 'function', 'function': {'name': <one of the tools>}}", param="tool_choice")
+    return ToolCalling(functions[name], function=name)
+
+
+@dataclasses.dataclass
+class Split:
+    """A completion's text read as content and tool calls [name, arguments as JSON text]. As the
+    text grows, content and the calls only grow, and only the last call's arguments can: so a
+    stream sends differences."""
+
+    content: str
+    calls: list[tuple[str, str]]
+
+
+def split(text: str, tools: ToolCalling, final: bool) -> Split:
+    """`text` (the completion so far; `final`: all of it) as content and calls. An unfinished text
+    holds back what may still become a call; a finished one gives back as content whatever did not
+    parse as a call, so nothing the model wrote is lost."""
+    if tools.function is not None:  # the whole completion is the arguments, streamed as they come
+        return Split("", [(tools.function, text)])
+    if tools.parser is None:  # "required": the elements of a JSON array, each once complete
+        calls, end = _calls(text, text.find("[") + 1, ",")
+        return Split(text[end:].strip().removesuffix("]").strip() if final else "", calls)
+    if tools.parser == "hermes":
+        return _split_hermes(text, final)
+    return _split_llama3_json(text, final)
+
+
+def _split_hermes(text: str, final: bool) -> Split:
+    start = text.find(_HERMES_OPEN)
+    if start < 0:  # content; unfinished, a tail that may begin a tag waits
+        return Split(text if final else text[:len(text) - _partial_prefix(text, _HERMES_OPEN)], [])
+    calls, after = [], start  # `after`: the end of the last whole call
+    while (pos := text.find(_HERMES_OPEN, after)) >= 0:
+        end = text.find(_HERMES_CLOSE, pos)
+        try:
+            call = _named(json.loads(text[pos + len(_HERMES_OPEN):end])) if end >= 0 else None
+        except ValueError:
+            call = None
+        if call is None:
+            break
+        calls.append(call)
+        after = end + len(_HERMES_CLOSE)
+    return Split(text[:start] + (text[after:].strip() if final else ""), calls)
+
+
+def _split_llama3_json(text: str, final: bool) -> Split:
+    body = text.lstrip().removeprefix(_PYTHON_TAG).lstrip()
+    if not body.startswith("{"):
+        if not final and (not body or _PYTHON_TAG.startswith(body)):  # may still become a call
+            return Split("", [])
+        return Split(text, [])
+    calls, end = _calls(body, 0, ";")
+    if final and not calls:
+        return Split(text, [])  # not a call after all: the model answered in text
+    return Split(body[end:].strip() if final else "", calls)
+
+
+def _calls(text: str, pos: int, separator: str) -> tuple[list[tuple[str, str]], int]:
+    """The complete JSON calls from `pos` on, separated by `separator`, and where the rest (an
+    incomplete value, or one that is not a call) starts."""
+    calls = []
+    while True:
+        while pos < len(text) and (text[pos].isspace() or text[pos] == separator):
+            pos += 1
+        try:
+            value, after = _decoder.raw_decode(text, pos)
+        except ValueError:
+            return calls, pos
+        call = _named(value)
+        if call is None:
+            return calls, pos
+        calls.append(call)
+        pos = after
+
+
+def _named(value) -> tuple[str, str] | None:
+    """(name, arguments as JSON) of {"name": ..., "arguments" or "parameters": {...}}; None otherwise."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    return value["name"], json.dumps(value.get("arguments", value.get("parameters", {})))
+
+
+def _partial_prefix(text: str, tag: str) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of `tag`."""
+    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:n])), 0)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def message(text: str, tools: ToolCalling, finish_reason: str | None) -> tuple[dict, str | None]:
+    """The chat message of a finished completion, and its finish reason ("tool_calls" when it
+    called any)."""
+    result = split(text, tools, final=True)
+    if tools.function is not None and finish_reason != "stop":
+        result = Split(text, [])  # cut short: the arguments are not whole, so no call
+    if not result.calls:
+        return {"role": "assistant", "content": result.content}, finish_reason
+    calls = [{"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+             for name, arguments in result.calls]
+    return {"role": "assistant", "content": result.content or None, "tool_calls": calls}, \
+        "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+class StreamedCalls:
+    """One streamed choice's tool calling: each chunk's text delta becomes content and tool-call
+    deltas in OpenAI's shape (a call's first delta carries its id and name)."""
+
+    def __init__(self, tools: ToolCalling):
+        self.tools = tools
+        self.text = ""
+        self.content_sent = 0
+        self.arguments_sent: list[int] = []  # per call sent so far
+        self.ids: list[str] = []
+
+    def delta(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        self.text += text
+        result = split(self.text, self.tools, final=finish_reason is not None)
+        delta = {}
+        if result.content[self.content_sent:]:
+            delta["content"] = result.content[self.content_sent:]
+            self.content_sent = len(result.content)
+        calls = []
+        for index, (name, arguments) in enumerate(result.calls):
+            if index == len(self.arguments_sent):
+                self.ids.append(new_call_id())
+                self.arguments_sent.append(0)
+                calls.append({"index": index, "id": self.ids[index], "type": "function",
+                              "function": {"name": name, "arguments": arguments}})
+            elif arguments[self.arguments_sent[index]:]:
+                calls.append({"index": index, "function": {"arguments": arguments[self.arguments_sent[index]:]}})
+            self.arguments_sent[index] = len(arguments)
+        if calls:
+            delta["tool_calls"] = calls
+        if self.ids and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return delta, finish_reason

@@ -1,0 +1,72 @@
+"""GET /kv, the live KV map, rendered by a real headless browser (Chromium) while requests run."""
+
+import asyncio
+import shutil
+import subprocess
+import threading
+
+import aiohttp
+import pytest
+
+from test_server import Server, get, metrics, run
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian: apt-get install chromium)")
+
+NUM_BLOCKS = 40
+CELL = 12 * 12  # pixels of one block's cell (kv_map.CELL square, device scale factor 1)
+COLORS = {"in use": (0x16, 0xA3, 0x4A), "reserved": (0xFA, 0xCC, 0x15), "free": (0xE5, 0xE7, 0xEB)}
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--max-num-seqs", "2", "--max-model-len", "128", "--max-num-batched-tokens", "128",
+               "--num-gpu-blocks-override", str(NUM_BLOCKS), "--block-size", "16", "--enforce-eager")
+    yield s
+    assert s.stop() == 0, "".join(s.log[-30:])
+
+
+def screenshot(url: str, path) -> dict[str, int]:
+    """Load the page in headless Chromium; the number of cells of each colour it rendered (the
+    legend's one cell per colour not counted)."""
+    Image = pytest.importorskip("PIL.Image")
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--user-data-dir={path.parent / 'chromium'}", "--force-device-scale-factor=1",
+                    "--window-size=1100,400", f"--screenshot={path}", url + "/kv"],
+                   check=True, capture_output=True, timeout=60)
+    pixels = {rgb: n for n, rgb in Image.open(path).convert("RGB").getcolors(1 << 20)}
+    return {state: round(pixels.get(rgb, 0) / CELL) - 1 for state, rgb in COLORS.items()}
+
+
+def test_page_and_metrics_follow_the_pool(server, tmp_path):
+    status, page = run(get(server.url, "/kv"))
+    assert status == 200 and '<meta http-equiv="refresh"' in page and page.count('class="block ') == NUM_BLOCKS
+    idle = screenshot(server.url, tmp_path / "idle.png")
+    assert idle == {"in use": 0, "reserved": 0, "free": NUM_BLOCKS}
+
+    async def generate(i):
+        body = {"model": "tiny", "prompt": f"request {i}", "max_tokens": 60, "ignore_eos": True}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(server.url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+
+    async def generate_all():
+        await asyncio.gather(*(generate(i) for i in range(4)))
+
+    requests = threading.Thread(target=lambda: run(generate_all()))
+    requests.start()
+    busy = []
+    while requests.is_alive() and len(busy) < 3:
+        values = metrics(server.url)
+        if values['jpaged:kv_slots{model_name="tiny",state="token"}'] > 0:
+            assert sum(values[f'jpaged:kv_slots{{model_name="tiny",state="{s}"}}']
+                       for s in ("token", "reserved", "fragmented", "free")) == NUM_BLOCKS * 16
+            busy.append(screenshot(server.url, tmp_path / f"busy{len(busy)}.png"))
+    requests.join()
+    # Two requests run at a time, each growing to 5 blocks of 16 tokens: the browser saw blocks
+    # in use, every block drawn once, and different pictures as blocks filled and freed.
+    seen = [b for b in busy if b["in use"] > 0]
+    assert seen, f"no screenshot caught a request running: {busy}"
+    assert all(0 < b["in use"] <= 10 and b["in use"] + b["reserved"] + b["free"] == NUM_BLOCKS for b in seen), seen
+    assert len({tuple(b.values()) for b in busy + [idle]}) >= 2
+    assert screenshot(server.url, tmp_path / "after.png") == idle

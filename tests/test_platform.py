@@ -1,0 +1,108 @@
+"""The GPU path cannot fail silently: the `device` option, the kernels each attention_backend
+picks, fp32 matmul precision in the compiled step, and the start-up log line."""
+
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jpaged
+import pallas_kernels as pk
+from jpaged.config import ATTENTION_BACKENDS, EngineConfig
+
+ENGINE = dict(max_model_len=64, max_num_seqs=2, num_gpu_blocks_override=16, enforce_eager=True)
+
+
+def test_device_cuda_without_gpu_is_a_clear_error():
+    with pytest.raises(RuntimeError, match=r"device='cuda'.*CUDA"):
+        jpaged.LLM("tiny", device="cuda", **ENGINE)
+
+
+def test_device_option_checked():
+    with pytest.raises(ValueError, match="device='tpu'"):
+        EngineConfig(device="tpu")
+    llm = jpaged.LLM("tiny", device="cpu", **ENGINE)
+    out = llm.generate([[1, 2, 3]], jpaged.SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_kernel_family_names_match_the_config():
+    assert pk.BACKENDS == ATTENTION_BACKENDS
+    on_gpu = jax.default_backend() == "gpu"
+    assert pk.kernel_family("auto") == ("pallas" if on_gpu else "xla")
+    for name in ("pallas", "mosaic", "xla"):
+        assert pk.kernel_family(name) == name
+    with pytest.raises(ValueError, match="attention_backend='triton'"):
+        pk.kernel_family("triton")
+
+
+def test_startup_log_names_backend_device_kernels_and_pool(caplog):
+    with caplog.at_level(logging.INFO, logger="jpaged"):
+        jpaged.LLM("tiny", attention_backend="xla", **ENGINE)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("jpaged: tiny")]
+    assert len(lines) == 1, lines
+    device = jax.devices()[0].device_kind
+    assert f"on {jax.default_backend()} ({device} x" in lines[0]
+    assert "attention 'xla' -> XLA" in lines[0]
+    assert re.search(r"KV pool: 16 device blocks \([0-9.]+ MiB\)", lines[0])
+
+
+def _dot_lines(dtype: str) -> list[str]:
+    llm = jpaged.LLM("tiny", dtype=dtype, attention_backend="xla", **ENGINE)
+    runner = llm.llm_engine.runner
+    text = runner._lower(("forward", False, 16, 2)).as_text()
+    return [line for line in text.splitlines() if "dot_general" in line]
+
+
+def test_fp32_matmuls_run_at_highest_precision():
+    """No TF32 for fp32 models on NVIDIA GPUs: every matmul of the fp32 step asks for HIGHEST;
+    a bf16 step keeps the default for its projections."""
+    f32 = _dot_lines("float32")
+    assert f32 and all("HIGHEST" in line for line in f32), [line for line in f32 if "HIGHEST" not in line][:3]
+    bf16 = _dot_lines("bfloat16")
+    assert any("HIGHEST" not in line for line in bf16)
+
+
+def test_import_survives_a_jax_without_the_triton_backend(tmp_path):
+    """The Triton module is imported on first use: with it gone (as a future jax removes it),
+    `import jpaged` and the XLA kernels still work."""
+    script = tmp_path / "no_triton.py"
+    script.write_text(
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'jax.experimental.pallas.triton':\n"
+        "            raise ImportError('no Triton backend in this jax')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import jax.numpy as jnp, jpaged, pallas_kernels as pk\n"
+        "out = pk.paged_attention(jnp.ones((1, 2, 8)), jnp.ones((1, 2, 4, 8)), jnp.ones((1, 2, 4, 8)),\n"
+        "                         jnp.zeros((1, 2), jnp.int32), jnp.array([3]), backend='auto')\n"
+        "assert float(out.sum()) == 16.0\n"
+        "try:\n"
+        "    pk.paged_attention(jnp.ones((1, 2, 8)), jnp.ones((1, 2, 4, 8)), jnp.ones((1, 2, 4, 8)),\n"
+        "                       jnp.zeros((1, 2), jnp.int32), jnp.array([3]), backend='pallas')\n"
+        "except ImportError as e:\n"
+        "    print('pallas:', e)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pallas: no Triton backend in this jax" in done.stdout
+
+
+def test_gpu_check_devices_step_runs_on_cpu(capsys):
+    """scripts/gpu_check.sh's backend step, with the device it asserts set to the CPU."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parents[1] / "scripts/gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.main(["devices", "--device", "cpu"]) == 0
+    assert "generated 8 tokens on cpu" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match="device='cuda'"):
+        gpu_check.main(["devices", "--device", "cuda"])

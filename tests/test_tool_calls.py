@@ -1,0 +1,132 @@
+"""Tool calling's text split (serving/tool_calls.py): random calls written in each format must come
+back as the same calls, whole or streamed in random pieces, and text that is not a call must come
+back as content, nothing lost."""
+
+import json
+import random
+import string
+
+import pytest
+
+from serving.protocol import APIError
+from serving.tool_calls import StreamedCalls, ToolCalling, message, parse_tools
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def random_calls(rng, n):
+    def value():
+        return rng.choice([rng.randint(-99, 99), rng.random() < 0.5, "".join(rng.choices(string.printable, k=6)),
+                           [rng.randint(0, 9)], {"x": "y <tool_call>"}])
+    return [("".join(rng.choices(string.ascii_lowercase + "_", k=rng.randint(1, 10))),
+             {"".join(rng.choices(string.ascii_lowercase, k=4)): value() for _ in range(rng.randint(0, 3))})
+            for _ in range(n)]
+
+
+def random_content(rng):
+    return "".join(rng.choices(string.ascii_letters + " .,<>{}\n", k=rng.randint(0, 30))).replace("<tool", "<tool ")
+
+
+def write(calls, parser):
+    if parser == "hermes":
+        return "".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>\n" for n, a in calls)
+    if parser == "llama3_json":
+        return "<|python_tag|>" + "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
+    return json.dumps([{"name": n, "parameters": a} for n, a in calls])  # "required"
+
+
+def stream(text, tools, rng, finish_reason="stop"):
+    """The text fed in random pieces: the content and calls the deltas add up to, and the last finish reason."""
+    streamed, content, calls = StreamedCalls(tools), "", []
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 12)))) if len(text) > 1 else []
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] or [""]
+    for i, piece in enumerate(pieces):
+        delta, reason = streamed.delta(piece, finish_reason if i == len(pieces) - 1 else None)
+        content += delta.get("content", "")
+        for call in delta.get("tool_calls", []):
+            if call["index"] == len(calls):
+                assert call["id"].startswith("call_") and call["type"] == "function"
+                calls.append([call["function"]["name"], ""])
+            calls[call["index"]][1] += call["function"]["arguments"]
+    return content, [(n, json.loads(a)) for n, a in calls], reason
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", None])
+def test_calls_come_back_whole_and_streamed(parser):
+    rng = random.Random()
+    tools = ToolCalling(None, parser=parser) if parser else ToolCalling({"type": "array"})
+    for _ in range(30):
+        calls = random_calls(rng, rng.randint(1, 3))
+        content = random_content(rng) if parser == "hermes" else ""
+        text = content + write(calls, parser)
+        msg, reason = message(text, tools, "stop")
+        assert reason == "tool_calls" and (msg["content"] or "") == content
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == calls
+        assert len({c["id"] for c in msg["tool_calls"]}) == len(calls)
+        assert stream(text, tools, rng) == (content, calls, "tool_calls")
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_text_that_is_not_a_call_is_content(parser):
+    rng = random.Random()
+    tools = ToolCalling(None, parser=parser)
+    cut_short = '<tool_call>{"name": "f", "argu' if parser == "hermes" else '{"name": "f", "param'
+    for _ in range(30):
+        text = random_content(rng).lstrip("{<")
+        for candidate in (text, text + cut_short if parser == "hermes" else cut_short):
+            msg, reason = message(candidate, tools, "length")
+            assert msg == {"role": "assistant", "content": candidate} and reason == "length"
+            assert stream(candidate, tools, rng, "length") == (candidate, [], "length")
+    text = write([("f", {"a": 1})], parser) + " and then some text"  # after the calls: kept
+    msg, _ = message(text, tools, "stop")
+    assert msg["content"].endswith("and then some text") and msg["tool_calls"][0]["function"]["name"] == "f"
+
+
+def test_hermes_holds_back_a_tag_being_written():
+    tools = ToolCalling(None, parser="hermes")
+    streamed = StreamedCalls(tools)
+    assert streamed.delta("Let me look.<tool", None) == ({"content": "Let me look."}, None)
+    assert streamed.delta("_ca", None) == ({}, None)
+    delta, reason = streamed.delta('ll>{"name": "f", "arguments": {"a": 1}}</tool_call>', "stop")
+    assert reason == "tool_calls" and delta["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    streamed = StreamedCalls(tools)  # a "<" that turns out not to be a tag is sent
+    assert streamed.delta("a <", None) == ({"content": "a "}, None)
+    assert streamed.delta("b", None) == ({"content": "<b"}, None)
+
+
+def test_named_function_streams_its_arguments():
+    rng = random.Random()
+    for _ in range(10):
+        (name, arguments), = random_calls(rng, 1)
+        tools = ToolCalling({"type": "object"}, function=name)
+        assert stream(json.dumps(arguments), tools, rng) == ("", [(name, arguments)], "tool_calls")
+        msg, reason = message(json.dumps(arguments)[:-1], tools, "length")  # cut short: text, not a call
+        assert msg["content"] == json.dumps(arguments)[:-1] and reason == "length"
+
+
+def test_parse_tools_choices():
+    body = {"tools": TOOLS}
+    with pytest.raises(APIError) as e:  # "auto" (the default with tools) needs a parser, as in vLLM
+        parse_tools(body, None)
+    assert e.value.param == "tool_choice" and "--tool-call-parser" in str(e.value)
+    assert parse_tools(body, "hermes") == ToolCalling(None, parser="hermes")
+    assert parse_tools({**body, "tool_choice": "none"}, None) is None
+    assert parse_tools({**body, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+                       None).function == "get_weather"
+    assert parse_tools({**body, "tool_choice": "required"}, None).schema["minItems"] == 1
+
+
+def test_history_tool_call_arguments_reach_the_template_as_objects():
+    from serving.protocol import parse_messages
+    arguments = {"city": "Oslo", "days": random.randint(1, 9)}
+    body = {"messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(arguments)}},
+            {"id": "call_2", "type": "function", "function": {"name": "f", "arguments": "not json"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]}
+    messages = parse_messages(body, max_messages=10)
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == arguments
+    assert messages[1]["tool_calls"][1]["function"]["arguments"] == "not json"  # left as it came
+    assert messages[2] == {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
