@@ -40,6 +40,8 @@ class EngineConfig:
     seed: int = _option(0, "seed of unseeded sampling")
     enforce_eager: bool = _option(False, "compile each step shape on first use instead of all at start-up "
                                   "(quick experiments; serving should leave it off)")
+    async_scheduling: bool = _option(False, "schedule and dispatch the next decode step before reading the last "
+                                     "one's sampled ids, so host and device overlap (outputs come a step later)")
     revision: str | None = _option(None, "hub revision (branch, tag or commit) of the model")
     tokenizer: str | None = _option(None, "tokenizer directory or hub id, when not the model's")
     # Multi-host (jax.distributed): the same command on every host; unset -> JAX_COORDINATOR_ADDRESS,

@@ -68,6 +68,10 @@ MAX_PROMPT_LEN, MAX_TOTAL_LEN, MIN_LEN = 1024, 2048, 4
 # Random-Llama presets: LlamaConfig overrides. 25m ~= 25.2M parameters (fp32 on CPU);
 # 1b is Llama-3.2-1B-shaped and 8b Llama-3-8B-shaped (bf16, for GPUs).
 PRESETS = {
+    # The host-bound case: a model this small takes microseconds per step on the device.
+    "micro": {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "intermediate_size": 512, "vocab_size": 384, "max_position_embeddings": 4096,
+              "rope_theta": 10000.0, "tie_word_embeddings": False, "dtype": "float32"},
     "25m": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
             "intermediate_size": 1344, "vocab_size": 259, "max_position_embeddings": 4096,
             "rope_theta": 10000.0, "tie_word_embeddings": False, "dtype": "float32"},
@@ -187,6 +191,8 @@ def engine_kwargs(args) -> dict:
             kw[name] = getattr(args, name)
     if args.attention_backend:
         kw["attention_backend"] = args.attention_backend
+    if args.async_scheduling:
+        kw["async_scheduling"] = True
     return kw
 
 
@@ -382,6 +388,7 @@ def parse_args(argv=None):
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--attention-backend", choices=["auto", "pallas", "xla"])
     p.add_argument("--enforce-eager", action="store_true", help="compile step shapes on first use (not at start-up)")
+    p.add_argument("--async-scheduling", action="store_true", help="overlap the host's work with the device's")
     p.add_argument("--num-warmup-prompts", type=int, default=0,
                    help="jpaged: run the first N requests once, untimed, before the timed run")
     # hf flags

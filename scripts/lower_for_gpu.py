@@ -27,6 +27,7 @@ import pallas_kernels as pk
 from jpaged.models.layers import Attention
 from jpaged.parallel.sharding import TP_AXIS
 from jpaged.runner import model_runner
+from jpaged.runner.input_batch import layout_of
 
 H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
 KERNEL_CALLS = {"__gpu$xla.gpu.triton": "pallas", "mosaic_gpu_v2": "mosaic"}
@@ -128,14 +129,18 @@ def forward_cases():
             if isinstance(node, Attention):
                 node.ops = dataclasses.replace(node.ops, mesh=MESH)
         graphdef, state = nnx.split(model)
-        forward = functools.partial(model_runner._forward, graphdef, PartitionSpec())
         state = jax.tree.map(strip, state)
         kv_cache = jax.tree.map(strip, runner.kv_cache)
-        for is_decode, tokens, seqs in ((True, 8, 8), (False, 64, 8)):
-            inputs = jax.tree.map(strip, runner._abstract_inputs(is_decode, tokens, seqs))
-            label = f"forward {backend} {'decode' if is_decode else 'mixed'} tokens={tokens}"
-            yield label, (lambda f=forward, a=(state, kv_cache, inputs): lower_for_cuda(f, *a, donate_argnums=(1,))), \
-                backend
+        last_tokens = strip(runner.last_tokens)
+        # 8 tokens of 8 sequence rows: the decode kernel and the ragged one under a traced cond;
+        # 64 tokens: the ragged kernel alone.
+        for tokens in (8, 64):
+            layout = layout_of(runner._abstract_inputs(tokens))
+            forward = functools.partial(model_runner._forward, graphdef, PartitionSpec(), layout=layout)
+            packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
+            label = f"forward {backend} {'decode or mixed' if tokens == 8 else 'mixed'} tokens={tokens}"
+            yield label, (lambda f=forward, a=(state, kv_cache, packed, last_tokens):
+                          lower_for_cuda(f, *a, donate_argnums=(1,))), backend
 
 
 def main() -> int:

@@ -86,7 +86,7 @@ def test_step_updates_the_pool_in_place():
     k_pages = runner.kv_cache[0]
     pool_bytes = k_pages.nbytes
     pool_type = f"{k_pages.dtype.name.replace('float', 'f')}[{','.join(map(str, k_pages.shape))}]"
-    for key in (("forward", True, 8, 8), ("forward", False, 128, 8), ("copy_blocks", BLOCK_OP_SIZES[-1]),
+    for key in (("forward", 8), ("forward", 128), ("copy_blocks", BLOCK_OP_SIZES[-1]),
                 ("swap_in", BLOCK_OP_SIZES[-1])):
         compiled = runner._lower(key).compile()
         memory = compiled.memory_analysis()

@@ -130,14 +130,14 @@ def test_groups_that_fit_are_never_cut_short(mode):
 
 def poison(monkeypatch, engine):
     """Make every device step that computes a prompt starting with token 250 raise."""
-    execute = engine.runner.execute
+    dispatch = engine.runner.dispatch
 
     def poisoned(seq_inputs, rows):
         if any(s.start_pos == 0 and s.token_ids[:1] == [250] for s in seq_inputs):
             raise ZeroDivisionError("poisoned")
-        return execute(seq_inputs, rows)
+        return dispatch(seq_inputs, rows)
 
-    monkeypatch.setattr(engine.runner, "execute", poisoned)
+    monkeypatch.setattr(engine.runner, "dispatch", poisoned)
 
 
 def test_a_failed_step_fails_its_request_alone(llm, monkeypatch):
@@ -244,7 +244,7 @@ def test_server_exits_nonzero_when_the_engine_dies(llm, monkeypatch, capsys):
     def lost(*args):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(llm.llm_engine.runner, "execute", lost)
+    monkeypatch.setattr(llm.llm_engine.runner, "dispatch", lost)
     monkeypatch.setattr(llm.llm_engine.runner, "is_alive", lambda: False)
 
     async def scenario():

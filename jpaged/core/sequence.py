@@ -50,6 +50,9 @@ class Sequence:
         # Tokens whose K/V are in the KV pages. The tokens after them are what the next steps
         # compute: the prompt in chunks, then one sampled token per step.
         self.num_computed_tokens = 0
+        # Tokens sampled by a dispatched step and not read yet (async scheduling): they count in
+        # the length (the next step computes the last one, taken on the device) until appended.
+        self.num_pending_tokens = 0
         self.cumulative_logprob = 0.0
         self.output_logprobs: list[dict[int, float]] = []  # per output token, when logprobs are asked for
         self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it
@@ -62,18 +65,21 @@ class Sequence:
         self.read_offset = 0
 
     def get_len(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     def get_prompt_len(self) -> int:
         return len(self.prompt_token_ids)
 
     def get_output_len(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     def get_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
     def get_last_token_id(self) -> int:
+        """The last token id; PENDING_TOKEN (-1) when it is still on the device."""
+        if self.num_pending_tokens:
+            return -1
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def get_num_uncomputed_tokens(self) -> int:
@@ -87,6 +93,9 @@ class Sequence:
         return self.status.is_finished
 
     def append_token_id(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None = None):
+        """Append a sampled token: the oldest pending one, if any, now read."""
+        if self.num_pending_tokens:
+            self.num_pending_tokens -= 1
         self.output_token_ids.append(token_id)
         self.cumulative_logprob += logprob
         if top_logprobs is not None:

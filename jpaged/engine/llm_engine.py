@@ -6,6 +6,7 @@ and swaps) -> runner (padded host arrays, precompiled jitted step: write KV, att
 """
 
 import dataclasses
+import gc
 import itertools
 import logging
 import math
@@ -20,7 +21,7 @@ from jpaged.core.block_manager import BlockManager
 from jpaged.core.detokenizer import Detokenizer
 from jpaged.core.kv_allocation import KVUsage, kv_usage
 from jpaged.core.kv_map import KVMap
-from jpaged.core.scheduler import Scheduler
+from jpaged.core.scheduler import Scheduler, SchedulerOutputs
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from jpaged.core.structured_output import StructuredOutputManager
 from jpaged.models.layers import common_sliding_window
@@ -76,6 +77,16 @@ class _GroupStep:
     prompt_rows: int = 0  # prompt-logprob rows, before the sampling rows (a fresh group's one sequence)
 
 
+@dataclasses.dataclass
+class _Dispatched:
+    """A step on its way through the device; the host has not read its sampled ids yet."""
+
+    plan: SchedulerOutputs
+    steps: list[_GroupStep]
+    results: dict  # id(group) -> (StepHandle, the group's first row)
+    failed: dict  # id(group) -> (group, exception): groups whose inputs could not be built
+
+
 # Prompt-logprob rows report the model's own distribution: no penalty, bias or grammar.
 _PROMPT_ROW_PARAMS = SamplingParams(temperature=0)
 
@@ -128,8 +139,16 @@ class LLMEngine:
                                   executable_cache=ExecutableCache(executable_cache_dir(), self._model_fingerprint(loaded)))
         if not config.enforce_eager:
             self.runner.warm_up()
+        # The heap built so far (jax, the model, the tokenizer) lives as long as the engine: keep
+        # it out of the cyclic collector's full passes, which otherwise cost milliseconds in the
+        # middle of steps (measured: 5 ms per step at 256 sequences with async scheduling; vLLM
+        # freezes its start-up heap too). Unfreezing first lets an earlier, dropped engine go.
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
         self._seq_ids = itertools.count()
         self._groups: dict[str, SequenceGroup] = {}
+        self._in_flight: _Dispatched | None = None  # async_scheduling: a step not read yet
 
     def _model_fingerprint(self, loaded) -> str:
         """What shapes the compiled steps besides their arguments' shapes and jpaged's source: the
@@ -247,20 +266,58 @@ class LLMEngine:
         """One scheduler iteration. A request whose processing raises is aborted (its blocks freed)
         and the step raises StepFailedError naming it, with the other requests' outputs; the engine
         goes on with the next step. If the device state was lost, the error itself is raised: the
-        engine cannot continue."""
+        engine cannot continue.
+
+        With async_scheduling, a step whose sampled ids the next step does not need on the host
+        (every group decoding, nothing waiting, blocks to spare) stays in flight: the next call
+        schedules and dispatches the next step, whose inputs take those ids on the device, and
+        only then reads and processes the previous one, so the host works while the device
+        runs. Outputs then come one call later."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and not self._can_overlap(previous):
+            return self._complete(previous)
         plan = self.scheduler.schedule()
         try:
-            return self._run(plan)
-        except StepFailedError:
-            raise
+            current = self._dispatch(plan)
         except Exception as e:  # the block copies, or a lone request's device step: fail the step's requests
+            outputs = self._complete(previous) if previous is not None else []
             failed = [s.seq_group for s in plan.scheduled_seq_groups]
             self._fail(failed, e)
             if not self.runner.is_alive():
                 raise
-            raise StepFailedError([g.request_id for g in failed], e, []) from e
+            raise StepFailedError([g.request_id for g in failed], e, outputs) from e
+        if previous is None and not self._can_overlap(current):
+            return self._complete(current)
+        self._in_flight = current
+        return self._complete(previous) if previous is not None else []
 
-    def _run(self, plan) -> list[RequestOutput]:
+    def _can_overlap(self, dispatched: _Dispatched) -> bool:
+        """Whether the next step can be scheduled before `dispatched`'s sampled ids are read: each
+        running group decodes one pending token per sequence with sampling that needs no host
+        state of it (no penalties, grammar, beam search or fork), nothing waits or is swapped
+        out (no admission), every sequence can take a block (no preemption), none is sure to
+        end with its pending token (no slot past its end) and, with prefix caching, none fills
+        a block with it (the block's hash needs the token)."""
+        if not self.config.async_scheduling or dispatched.failed or self.scheduler.waiting or self.scheduler.swapped:
+            return False
+        groups = {id(s.group) for s in dispatched.steps}
+        caching, num_seqs = self.block_manager.enable_caching, 0
+        for group in self.scheduler.running:
+            sp = group.sampling_params
+            if (id(group) not in groups or sp.use_beam_search or sp.guided or sp.presence_penalty
+                    or sp.frequency_penalty or sp.repetition_penalty != 1.0):
+                return False
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                if (seq.num_pending_tokens != 1 or seq.get_output_len() >= sp.max_tokens
+                        or seq.get_len() >= self.max_model_len
+                        or (caching and seq.get_len() % self.config.block_size == 0)):
+                    return False  # (a block the pending token fills is hashed from its tokens)
+                num_seqs += 1
+        return num_seqs > 0 and self.block_manager.get_num_free_gpu_blocks() >= num_seqs
+
+    def _dispatch(self, plan: SchedulerOutputs) -> _Dispatched:
+        """Make the plan's block copies and start its step on the device. Its tokens count as
+        computed from now on; each sequence's sampled token is pending until it is read."""
         self.runner.swap_out(plan.blocks_to_swap_out)
         self.runner.swap_in(plan.blocks_to_swap_in)
         self.runner.copy_blocks(plan.blocks_to_copy)
@@ -272,19 +329,39 @@ class LLMEngine:
             except Exception as e:
                 failed[id(scheduled.seq_group)] = (scheduled.seq_group, e)
         results = self._execute(steps, failed)
-        outputs = []
         for step in steps:
+            if id(step.group) in failed:
+                continue
+            step.group.update_num_computed_tokens(step.chunk)
+            if not step.group.sampling_params.use_beam_search:
+                for seq, samples in step.sampled:
+                    if samples == 1:
+                        seq.num_pending_tokens += 1
+        return _Dispatched(plan, steps, results, failed)
+
+    def _complete(self, dispatched: _Dispatched) -> list[RequestOutput]:
+        """Read a dispatched step's sampled ids and process them: outputs, stops, freed blocks.
+        Groups that finished or were aborted meanwhile drop their tokens of this step."""
+        failed, outputs = dispatched.failed, []
+        read = {}  # id(handle) -> SamplerOutput: one read per device call
+        for step in dispatched.steps:
             group = step.group
             if id(group) in failed:
                 continue
+            if group.is_finished() or self._groups.get(group.request_id) is not group:
+                continue  # ended while this step ran: its tokens of this step are dropped
             try:
-                group.update_num_computed_tokens(step.chunk)
-                self._process(step, *results[id(group)])
+                handle, row = dispatched.results[id(group)]
+                if id(handle) not in read:
+                    read[id(handle)] = self.runner.collect(handle)
+                self._process(step, read[id(handle)], row)
             except Exception as e:
+                if not self.runner.is_alive():
+                    raise
                 failed[id(group)] = (group, e)
                 continue
             outputs.append(self._request_output(group))
-        for group in plan.ignored_seq_groups:  # check_request keeps these out; a warning if one slips by
+        for group in dispatched.plan.ignored_seq_groups:  # check_request keeps these out; a warning if one slips by
             logger.warning("request %s can never be scheduled: it ends with what it has", group.request_id)
             outputs.append(self._request_output(group))
         cause = next(iter(failed.values()))[1] if failed else None
@@ -330,12 +407,12 @@ class LLMEngine:
             # A decode computes just the last token: skip rebuilding the whole token list.
             token_ids = [seq.get_last_token_id()] if chunk == 1 and end == seq.get_len() \
                 else seq.get_token_ids()[start:end]
-            step.seq_inputs.append(SeqInput(token_ids, start, self.block_manager.get_block_table(seq), samples,
-                                            step.prompt_rows))
+            step.seq_inputs.append(SeqInput(seq.seq_id, token_ids, start, self.block_manager.get_block_table(seq),
+                                            samples, step.prompt_rows))
         return step
 
     def _execute(self, steps: list["_GroupStep"], failed: dict) -> dict:
-        """Run the step for every group not failed yet: {id(group): (sampler output, its first row)}.
+        """Start the step for every group not failed yet: {id(group): (step handle, its first row)}.
         If the batch fails, each group runs alone to find the one(s) at fault, which go to `failed`
         (computing a group's tokens twice rewrites the same K/V into the same slots)."""
         steps = [s for s in steps if id(s.group) not in failed]
@@ -343,14 +420,14 @@ class LLMEngine:
         if not seq_inputs:
             return {}
         try:
-            out = self.runner.execute(seq_inputs, [r for s in steps for r in s.rows])
+            out = self.runner.dispatch(seq_inputs, [r for s in steps for r in s.rows])
         except Exception:
             if len(steps) == 1 or not self.runner.is_alive():
                 raise
             results = {}
             for s in steps:
                 try:
-                    results[id(s.group)] = (self.runner.execute(s.seq_inputs, s.rows), 0)
+                    results[id(s.group)] = (self.runner.dispatch(s.seq_inputs, s.rows), 0)
                 except Exception as e:
                     if not self.runner.is_alive():
                         raise
@@ -377,6 +454,9 @@ class LLMEngine:
                 self._process_beam_search(group, [(seq, row + i) for i, (seq, _) in enumerate(step.sampled)], out)
             return
         for seq, samples in step.sampled:
+            if seq.is_finished():  # stopped by its previous token, read after this step was dispatched
+                row += samples
+                continue
             for s in [seq] + [self._fork(group, seq) for _ in range(samples - 1)]:
                 self._append(group, s, out, row)
                 row += 1
@@ -510,7 +590,9 @@ class LLMEngine:
                 self.detokenizer.remove_last_delta(seq)
             seq.status = SequenceStatus.FINISHED_STOPPED
             return
-        if seq.get_output_len() >= sp.min_tokens:
+        # Real tokens only: a token of a step still in flight is not the sequence's yet.
+        output_len = len(seq.output_token_ids)
+        if output_len >= sp.min_tokens:
             if (not sp.ignore_eos and token == self.eos_token_id) or token in sp.stop_token_ids:
                 if self.detokenizer is not None:  # the stop token's own text is not output
                     self.detokenizer.remove_last_delta(seq)
@@ -521,7 +603,7 @@ class LLMEngine:
                 if matched is not None:
                     seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, matched
                     return
-        if seq.get_output_len() >= sp.max_tokens or seq.get_len() >= self.max_model_len:
+        if output_len >= sp.max_tokens or seq.get_prompt_len() + output_len >= self.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
 
     def _request_output(self, group: SequenceGroup) -> RequestOutput:

@@ -299,8 +299,8 @@ def apply_rope(x, positions, inv_freq, attention_factor=1.0):
 # ----------------------------------------------------------------------------- paged attention
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["slot_mapping", "block_tables", "context_lens", "query_start_loc", "layer"],
-                   meta_fields=["is_decode"])
+                   data_fields=["slot_mapping", "block_tables", "context_lens", "query_start_loc", "decode", "layer"],
+                   meta_fields=[])
 @dataclasses.dataclass
 class AttentionMetadata:
     """Where a step's tokens live in the KV pages (one entry per token or per sequence).
@@ -309,7 +309,9 @@ class AttentionMetadata:
     block_tables: int32[seqs, max_blocks], physical page of each logical block.
     context_lens: int32[seqs], tokens in pages after this step (cached + new); 0 for padding.
     query_start_loc: int32[seqs + 1], where each sequence's new tokens start in the token axis.
-    is_decode: static; every sequence has exactly one new token (tokens == seqs).
+    decode: bool[] or None: every sequence has exactly one new token (traced, so decode and mixed
+      steps share one executable); given only when the token and sequence axes have the same
+      length, where the Pallas decode kernel can take the step.
     layer: int32 scalar, the decoder layer being run (set by the layer stack's scan), for the
       layers that differ by layer (Gemma's alternating local and global attention).
     """
@@ -318,7 +320,7 @@ class AttentionMetadata:
     block_tables: jax.Array
     context_lens: jax.Array
     query_start_loc: jax.Array
-    is_decode: bool = False
+    decode: jax.Array | None = None
     layer: jax.Array | None = None
 
     def for_layer(self, layer, pages_per_layer: int, page_size: int) -> "AttentionMetadata":
@@ -361,13 +363,22 @@ class AttentionOps:
     def _attend(self, q, k, v, kv_cache, meta: AttentionMetadata, sliding_window, scale: float, logits_soft_cap):
         k_pages, v_pages = pallas_kernels.write_kv(*kv_cache, k, v, meta.slot_mapping)
         args = (q, k_pages, v_pages, meta.block_tables, meta.context_lens)
+        if pallas_kernels.kernel_family(self.backend) == "xla":
+            # XLA's ragged path is as fast as its decode path on decode steps (tile 1): one branch.
+            return pallas_kernels.ragged_paged_attention_xla(
+                *args, meta.query_start_loc, scale=scale, sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap), (k_pages, v_pages)
+
         # pallas_kernels picks the kernels (interpret mode for Pallas ones off-GPU).
         opts = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, backend=self.backend)
-        if meta.is_decode:
-            out = pallas_kernels.paged_attention(*args, **opts)
-        else:
-            out = pallas_kernels.ragged_paged_attention(*args, meta.query_start_loc, **opts)
-        return out, (k_pages, v_pages)
+
+        def ragged():
+            return pallas_kernels.ragged_paged_attention(*args, meta.query_start_loc, **opts)
+
+        if meta.decode is None:
+            return ragged(), (k_pages, v_pages)
+        decode = functools.partial(pallas_kernels.paged_attention, *args, **opts)
+        return jax.lax.cond(meta.decode, decode, ragged), (k_pages, v_pages)
 
 
 class Attention(nnx.Module):

@@ -6,13 +6,18 @@ merges them inside jit, so no Python object traversal happens per step. The KV p
 head_dim] (layer l's page p at l * num_pages + p; see LayerStack); it is donated to the step and
 comes back updated in place. Block copies and swaps move every layer's part of a page. A step is
 two device calls: the model forward (its logits stay on the device) and the sampler; only sampled
-ids and logprobs return to the host.
+ids and logprobs return to the host. Each call's inputs travel packed in one int32 array, built
+from the InputBatch (block tables kept across steps; see input_batch.py). `dispatch` returns
+before the device is done and `collect` reads the result, so the engine can prepare and dispatch
+the next step first: each row's sampled token also stays on the device (`last_tokens`), where the
+next step's forward takes it (a PENDING_TOKEN input).
 
 Every step is padded to a bucket (see Buckets), block copies and swaps to a fixed size, and every
 executable is compiled ahead of time at warm-up, so serving never compiles; `num_compilations`
 counts them all. Compiled executables are kept on disk whole (executable_cache.py): a restart
-loads them without tracing. The forward and the sampler compile apart: the sampler's shapes depend only on
-its row bucket and the penalties switch, so the warm-up compiles forwards + samplers, not their
+loads them without tracing. The forward and the sampler compile apart: the sampler's shapes
+depend only on its row bucket and its full/fast switch, so the warm-up compiles forwards +
+samplers, not their
 product.
 
 Tensor parallelism: weights and KV pages live on the loader's mesh (jpaged/parallel); the runner
@@ -26,6 +31,7 @@ import dataclasses
 import functools
 import logging
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,11 +47,14 @@ from jpaged.parallel import distributed
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, replicated, tp_size
 from jpaged.runner import sampler
 from jpaged.runner.executable_cache import ExecutableCache
+from jpaged.runner.input_batch import InputBatch, Layout, layout_of, pack, unpack
 
 logger = logging.getLogger(__name__)
 
 # Top logprobs computed every step (OpenAI's and vLLM's maximum); requests slice their own.
 MAX_LOGPROBS = 20
+# A token the previous step sampled and the host has not read yet (overlapped steps).
+PENDING_TOKEN = -1
 # Tokens a row can forbid in one step (EOS and stop_token_ids while min_tokens is not reached).
 MAX_BANNED_TOKENS = 32
 # Block copies and swaps are padded to one of these sizes (-1: skip), longer lists split into
@@ -81,44 +90,42 @@ def _fit(buckets: list[int], n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    """The fixed set of step shapes. Block tables always have the full `width`: the attention's cost
-    follows the real contexts (pallas_kernels/xla.py, and the Pallas kernels loop to each context's
-    end), so a step's shape is only its token and sequence counts. Decode steps (one token per
-    sequence) take `seqs` rows; mixed steps take `tokens` with min(tokens, max_num_seqs) sequence
-    rows, so a lone prompt does not pay for max_num_seqs rows in the LM head and the sampler. The
-    LM head and the sampler take `sample_rows(seqs)` rows: a coarser ladder, because the sampler
-    compiles slowly (its sorts over the vocabulary) and costs little per row."""
+    """The fixed set of step shapes: one step family keyed by its token bucket (vLLM v1's ragged
+    layout: decode and mixed prefill + decode steps alike). A step of `tokens` rows has
+    `seqs(tokens)` = min(tokens, max_num_seqs) sequence rows, so a lone prompt or a small decode
+    batch does not pay for max_num_seqs rows. Block tables always have the full `width`: the
+    attention's cost follows the real contexts (pallas_kernels/xla.py, and the Pallas kernels loop
+    to each context's end). The LM head and the sampler take `sample_rows(seqs)` rows: a coarser
+    ladder, because the sampler compiles slowly (its sorts over the vocabulary) and costs little
+    per row."""
 
-    seqs: list[int]
     tokens: list[int]
     rows: list[int]
+    max_num_seqs: int
     width: int
 
     @classmethod
     def create(cls, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int) -> "Buckets":
-        # Doubling ladders: at most 2x padding; a mixed step has at least 16 token rows (decode
-        # batches below that are decode steps).
-        tokens = _ladder(min(16, max_num_batched_tokens), max_num_batched_tokens)
-        return cls(_ladder(1, max_num_seqs), tokens, _ladder(1, max_num_seqs, factor=4), max_blocks_per_seq)
+        # Doubling token ladder: at most 2x padding.
+        return cls(_ladder(1, max_num_batched_tokens), _ladder(1, max_num_seqs, factor=8), max_num_seqs,
+                   max_blocks_per_seq)
 
-    def mixed_seqs(self, num_tokens: int) -> int:
-        """Sequence rows of a mixed step of `num_tokens` (a bucket): each sequence has a token."""
-        return _fit(self.seqs, min(num_tokens, self.seqs[-1]))
+    def seqs(self, num_tokens: int) -> int:
+        """Sequence rows of a step of `num_tokens` (a bucket): each sequence has a token."""
+        return min(num_tokens, self.max_num_seqs)
 
     def sample_rows(self, num_seqs: int) -> int:
         return _fit(self.rows, num_seqs)
 
     def keys(self):
-        """Every executable: the model forward per (is_decode, tokens, seqs), the sampler per
-        (rows, penalties on/off), each block operation per padded size. Compiling the forward and
-        the sampler apart keeps the count additive, not a product."""
-        for seqs in self.seqs:
-            yield ("forward", True, seqs, seqs)
+        """Every executable: the model forward per token bucket, the sampler per (rows, full on/off),
+        each block operation per padded size. Compiling the forward and the sampler apart keeps
+        the count additive, not a product."""
         for tokens in self.tokens:
-            yield ("forward", False, tokens, self.mixed_seqs(tokens))
+            yield ("forward", tokens)
         for rows in self.rows:
-            for do_penalties in (False, True):
-                yield ("sample", rows, do_penalties)
+            for full in (False, True):
+                yield ("sample", rows, full)
         for op in BLOCK_OPS:
             for num_blocks in BLOCK_OP_SIZES:
                 yield (op, num_blocks)
@@ -128,8 +135,12 @@ class Buckets:
 class SeqInput:
     """One sequence's share of a step: compute `token_ids` at positions start_pos.. through
     `block_table`, and sample `num_samples` tokens after the last one (0: a prefill chunk). Prompt
-    logprobs: the first `num_prompt_rows` tokens also get a logits row each (before the samples')."""
+    logprobs: the first `num_prompt_rows` tokens also get a logits row each (before the samples').
+    `block_table` is the block manager's own list (read only); `seq_id` keys the sequence's row
+    in the InputBatch. A token id -1 (PENDING_TOKEN) is the one the previous step sampled for this
+    sequence: it is still on the device and is taken from there."""
 
+    seq_id: int
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
@@ -137,14 +148,15 @@ class SeqInput:
     num_prompt_rows: int = 0
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["input_ids", "positions", "attn", "logits_indices"],
-                   meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["input_ids", "positions", "attn", "logits_indices", "src_rows"], meta_fields=[])
 @dataclasses.dataclass
 class StepInputs:
     input_ids: jax.Array  # int32[tokens]
     positions: jax.Array  # int32[tokens]
     attn: AttentionMetadata
     logits_indices: jax.Array  # int32[rows]: token row whose logits each sampling row uses
+    src_rows: jax.Array  # int32[tokens]: >= 0: the token is last_tokens[row] (sampled by a step in flight)
 
 
 class ModelRunner:
@@ -172,9 +184,15 @@ class ModelRunner:
         # Swapped pages in flight: [layer, k/v, kv_heads, blocks, block_size, head_dim], split on kv heads.
         self._pages_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, None, TP_AXIS))
         self.buckets = Buckets.create(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size))
-        self._forward = jax.jit(functools.partial(_forward, self.graphdef, rep), donate_argnums=(1,),
-                                out_shardings=(rep, kv))
-        self._sample = jax.jit(sampler.sample, out_shardings=rep)
+        self.input_batch = InputBatch(max_num_seqs, self.buckets.width)
+        # The token each InputBatch row sampled last, kept on the device: the next step can read it
+        # before the host has (overlap).
+        self.last_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=rep)
+        # Each takes its inputs packed in one int32 array (one transfer), unpacked by `layout`.
+        self._forward = lambda layout: jax.jit(functools.partial(_forward, self.graphdef, rep, layout=layout),
+                                               donate_argnums=(1,), out_shardings=(rep, kv))
+        self._sample = lambda layout: jax.jit(functools.partial(_sample, layout=layout), out_shardings=(rep, rep),
+                                              donate_argnums=(2,))
         self.executable_cache = executable_cache or ExecutableCache(None, "")
         self._executables = {}
         if self._multihost:  # the driver's broadcasts: one executable, compiled now
@@ -213,11 +231,14 @@ class ModelRunner:
     def _jitted_and_args(self, key):
         """The jitted function executable `key` compiles, and its (abstract) arguments."""
         if key[0] == "forward":
-            return self._forward, (self.state, self.kv_cache, self._abstract_inputs(*key[1:]))
+            layout = layout_of(self._abstract_inputs(key[1]))
+            return self._forward(layout), (self.state, self.kv_cache, self._packed(layout), self.last_tokens)
         if key[0] == "sample":
-            _, num_rows, do_penalties = key
+            _, num_rows, full = key
             logits = jax.ShapeDtypeStruct((num_rows, self.vocab_size), jnp.float32, sharding=self._replicated)
-            return self._sample, (logits, self._replicate(self._sampling_metadata([], num_rows, do_penalties)))
+            i32 = jax.ShapeDtypeStruct((num_rows,), jnp.int32)
+            layout = layout_of((self._sampling_metadata([], num_rows, full), i32))
+            return self._sample(layout), (logits, self._packed(layout), self.last_tokens)
         op, num_blocks = key
         blocks = jax.ShapeDtypeStruct((num_blocks,), jnp.int32, sharding=self._replicated)
         if op == "copy_blocks":
@@ -239,76 +260,115 @@ class ModelRunner:
             self._executables[key] = self._compile(key)
         return self._executables[key]
 
-    def _abstract_inputs(self, is_decode: bool, num_tokens: int, num_seqs: int) -> StepInputs:
+    def _abstract_inputs(self, num_tokens: int) -> StepInputs:
+        num_seqs = self.buckets.seqs(num_tokens)
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+        decode = jax.ShapeDtypeStruct((), jnp.bool_) if num_seqs == num_tokens else None
         attn = AttentionMetadata(i32((num_tokens,)), i32((num_seqs, self.buckets.width)), i32((num_seqs,)),
-                                 i32((num_seqs + 1,)), is_decode=is_decode)
-        return self._replicate(StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn,
-                                          i32((self.buckets.sample_rows(num_seqs),))))
+                                 i32((num_seqs + 1,)), decode)
+        return StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn, i32((self.buckets.sample_rows(num_seqs),)),
+                          i32((num_tokens,)))
 
-    def _replicate(self, tree):
-        """Abstract step inputs, replicated on every device."""
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated), tree)
+    def _packed(self, layout: Layout) -> jax.ShapeDtypeStruct:
+        """The abstract packed inputs of `layout`, replicated on every device."""
+        return jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self._replicated)
 
-    def _sampling_metadata(self, rows, num_seqs: int, do_penalties: bool | None) -> sampler.SamplingMetadata:
-        """Fixed widths and logprob count, so the sampler adds only one variant: `do_penalties`, the
-        full sampler (penalties and structured-output masks), taken when any row needs either."""
-        if do_penalties is None:
-            do_penalties = any(r.params.presence_penalty or r.params.frequency_penalty
-                               or r.params.repetition_penalty != 1.0 or r.allowed_bitmask is not None for r in rows)
-        width = self.max_model_len if do_penalties else 0
-        return sampler.SamplingMetadata.from_rows(rows, num_seqs, vocab_size=self.vocab_size, num_logprobs=MAX_LOGPROBS,
-                                                  do_penalties=do_penalties, prompt_width=width, output_width=width,
-                                                  banned_width=MAX_BANNED_TOKENS, do_guided=do_penalties)
+    def _sampling_metadata(self, rows, num_rows: int, full: bool) -> sampler.SamplingMetadata:
+        """Fixed widths and logprob count, so the sampler has two variants: the fast one (no
+        penalties, grammars or logprobs) and `full`, taken when any row needs one of them."""
+        width = self.max_model_len if full else 0
+        return sampler.SamplingMetadata.from_rows(rows, num_rows, vocab_size=self.vocab_size,
+                                                  num_logprobs=MAX_LOGPROBS if full else 0, do_penalties=full,
+                                                  prompt_width=width, output_width=width,
+                                                  banned_width=MAX_BANNED_TOKENS, do_guided=full)
+
+    @staticmethod
+    def _needs_full_sampler(rows) -> bool:
+        return any(r.params.presence_penalty or r.params.frequency_penalty or r.params.repetition_penalty != 1.0
+                   or r.allowed_bitmask is not None or r.params.logprobs is not None or r.params.use_beam_search
+                   or r.target_token_id >= 0 for r in rows)
 
     def execute(self, seqs: list[SeqInput], sampling_rows: list) -> sampler.SamplerOutput:
-        """Run one step. `sampling_rows` are the per-sample rows for the sampler, in the order of
-        the sequences' samples. Returns the sampler's output as numpy arrays."""
-        is_decode = all(len(s.token_ids) == 1 for s in seqs)
-        num_rows = sum(s.num_prompt_rows + s.num_samples for s in seqs)
-        num_tokens_real = sum(len(s.token_ids) for s in seqs)
-        if is_decode:
-            num_seqs = num_tokens = _fit(self.buckets.seqs, max(len(seqs), num_rows))
-        else:  # enough token rows for the sequence rows every sample needs
-            num_tokens = _fit(self.buckets.tokens, max(num_tokens_real, num_rows))
-            num_seqs = self.buckets.mixed_seqs(num_tokens)
-        width = self.buckets.width
+        """Run one step and wait for it: `collect(dispatch(...))`."""
+        return self.collect(self.dispatch(seqs, sampling_rows))
 
-        input_ids = np.zeros(num_tokens, np.int32)
-        positions = np.zeros(num_tokens, np.int32)
-        slot_mapping = np.full(num_tokens, -1, np.int32)
-        block_tables = np.zeros((num_seqs, width), np.int32)
-        context_lens = np.zeros(num_seqs, np.int32)
+    def dispatch(self, seqs: list[SeqInput], sampling_rows: list) -> "StepHandle":
+        """Start one step on the device and return at once. `sampling_rows` are the per-sample rows
+        for the sampler, in the order of the sequences' samples."""
+        n = len(seqs)
+        lens = np.fromiter((len(s.token_ids) for s in seqs), np.int32, n)
+        start_pos = np.fromiter((s.start_pos for s in seqs), np.int32, n)
+        num_samples = np.fromiter((s.num_samples for s in seqs), np.int32, n)
+        num_prompt_rows = np.fromiter((s.num_prompt_rows for s in seqs), np.int32, n)
+        num_rows = int(num_samples.sum() + num_prompt_rows.sum())
+        num_tokens_real = int(lens.sum())
+        # Enough token rows for the sequence rows and the sampling rows (both at most max_num_seqs).
+        num_tokens = _fit(self.buckets.tokens, max(num_tokens_real, n, num_rows))
+        num_seqs = self.buckets.seqs(num_tokens)
+
+        rows = self.input_batch.rows([s.seq_id for s in seqs], [s.block_table for s in seqs])
+        block_tables = np.zeros((num_seqs, self.buckets.width), np.int32)
+        block_tables[:n] = self.input_batch.block_tables[rows]
         query_start_loc = np.full(num_seqs + 1, num_tokens_real, np.int32)
+        query_start_loc[0] = 0
+        np.cumsum(lens, out=query_start_loc[1:n + 1])
+        context_lens = np.zeros(num_seqs, np.int32)
+        context_lens[:n] = start_pos + lens
+        input_ids = np.zeros(num_tokens, np.int32)
+        input_ids[:num_tokens_real] = [t for s in seqs for t in s.token_ids] if num_tokens_real > n \
+            else [s.token_ids[0] for s in seqs]
+        # Pending tokens come from the device: a decode token's sequence row in last_tokens.
+        src_rows = np.full(num_tokens, -1, np.int32)
+        pending = np.flatnonzero(input_ids[:num_tokens_real] == PENDING_TOKEN)
+        src_rows[pending] = rows[np.repeat(np.arange(n, dtype=np.int32), lens)[pending]] if len(pending) else 0
+        # Each token's sequence and position; padding tokens write nowhere (slot -1).
+        seq_of = np.repeat(np.arange(n, dtype=np.int32), lens)
+        pos = start_pos[seq_of] + np.arange(num_tokens_real, dtype=np.int32) - query_start_loc[seq_of]
+        positions = np.zeros(num_tokens, np.int32)
+        positions[:num_tokens_real] = pos
+        slot_mapping = np.full(num_tokens, -1, np.int32)
+        slot_mapping[:num_tokens_real] = (block_tables[seq_of, pos // self.block_size] * self.block_size
+                                          + pos % self.block_size)
+        # Logits rows: each sequence's prompt-logprob rows (its first tokens), then its samples (its last).
         logits_indices = np.zeros(self.buckets.sample_rows(num_seqs), np.int32)
-        start, row = 0, 0
-        for i, s in enumerate(seqs):
-            n = len(s.token_ids)
-            table = np.asarray(s.block_table, np.int32)
-            pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int32)
-            input_ids[start:start + n] = s.token_ids
-            positions[start:start + n] = pos
-            slot_mapping[start:start + n] = table[pos // self.block_size] * self.block_size + pos % self.block_size
-            block_tables[i, :len(table)] = table
-            context_lens[i] = s.start_pos + n
-            query_start_loc[i] = start
-            logits_indices[row:row + s.num_prompt_rows] = start + np.arange(s.num_prompt_rows)
-            row += s.num_prompt_rows
-            logits_indices[row:row + s.num_samples] = start + n - 1
-            start, row = start + n, row + s.num_samples
+        last = query_start_loc[1:n + 1] - 1
+        # A sequence's single sample goes to its row of last_tokens (several: a fork, read by the host).
+        dst_rows = np.full(len(logits_indices), -1, np.int32)
+        if num_prompt_rows.any():
+            row = 0
+            for i in range(n):
+                k = num_prompt_rows[i]
+                logits_indices[row:row + k] = query_start_loc[i] + np.arange(k)
+                logits_indices[row + k:row + k + num_samples[i]] = last[i]
+                if num_samples[i] == 1:
+                    dst_rows[row + k] = rows[i]
+                row += k + num_samples[i]
+        else:
+            logits_indices[:num_rows] = np.repeat(last, num_samples)
+            dst_rows[:num_rows] = np.repeat(np.where(num_samples == 1, rows, -1), num_samples)
 
-        smeta = self._sampling_metadata(sampling_rows, len(logits_indices), None)
-        key = (is_decode, num_tokens, num_seqs, smeta.do_penalties)
-        attn = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, is_decode=is_decode)
-        out = self._dispatch("run_step", key, StepInputs(input_ids, positions, attn, logits_indices), smeta)
+        full = self._needs_full_sampler(sampling_rows)
+        smeta = self._sampling_metadata(sampling_rows, len(logits_indices), full)
+        decode = np.bool_(num_tokens_real == n) if num_seqs == num_tokens else None
+        attn = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, decode)
+        inputs = StepInputs(input_ids, positions, attn, logits_indices, src_rows)
+        out = self._dispatch("run_step", (num_tokens, full), pack(inputs), pack((smeta, dst_rows)))
+        return StepHandle(out, len(logits_indices), smeta.num_logprobs, num_rows)
+
+    @staticmethod
+    def collect(handle: "StepHandle") -> sampler.SamplerOutput:
+        """Wait for a dispatched step: its sampler output as numpy arrays (its real rows)."""
         # Outputs are replicated: any local copy is the whole.
-        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[:num_rows], out)
+        return _unpack_output(np.asarray(handle.out.addressable_data(0)), handle.num_rows, handle.num_logprobs,
+                              handle.num_real_rows)
 
-    def _run_step(self, key, inputs: StepInputs, smeta: sampler.SamplingMetadata):
-        is_decode, num_tokens, num_seqs, do_penalties = key
-        logits, self.kv_cache = self._executable(("forward", is_decode, num_tokens, num_seqs))(
-            self.state, self.kv_cache, inputs)
-        return self._executable(("sample", self.buckets.sample_rows(num_seqs), do_penalties))(logits, smeta)
+    def _run_step(self, key, inputs: np.ndarray, smeta: np.ndarray):
+        num_tokens, full = key
+        logits, self.kv_cache = self._executable(("forward", num_tokens))(self.state, self.kv_cache, inputs,
+                                                                          self.last_tokens)
+        out, self.last_tokens = self._executable(
+            ("sample", self.buckets.sample_rows(self.buckets.seqs(num_tokens)), full))(logits, smeta, self.last_tokens)
+        return out
 
     # ------------------------------------------------------------------ multi-host
     def _dispatch(self, op: str, *args):
@@ -393,14 +453,49 @@ class ModelRunner:
         self.kv_cache = self._executable(("swap_in", len(gpu)))(self.kv_cache, pages, gpu)
 
 
-def _forward(graphdef, logits_sharding, state, kv_cache, inputs: StepInputs):
+def _forward(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *, layout: Layout):
     """The model's part of a step: write the new K/V, attend, and the fp32 logits of the rows to
     sample. They stay on the device for the sampler executable."""
+    inputs: StepInputs = unpack(packed, layout)
+    input_ids = jnp.where(inputs.src_rows >= 0, last_tokens[jnp.maximum(inputs.src_rows, 0)], inputs.input_ids)
+    inputs = dataclasses.replace(inputs, input_ids=input_ids)
     model = nnx.merge(graphdef, state)
     hidden, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache, inputs.attn)
     logits = model.compute_logits(hidden[inputs.logits_indices])
     # Vocabulary-parallel logits are gathered: every device samples the same full rows.
     return jax.lax.with_sharding_constraint(logits, logits_sharding), kv_cache
+
+
+def _sample(logits, packed, last_tokens, *, layout: Layout):
+    """The sampler on packed metadata; its outputs come back packed too: one int32 array of
+    [token_ids, logprobs, target_logprobs, top_ids, top_logprobs], float32s bitcast. Each row's
+    token also goes to its `dst_rows` entry of last_tokens (-1: none), for the next step."""
+    meta, dst_rows = unpack(packed, layout)
+    out = sampler.sample(logits, meta)
+    last_tokens = last_tokens.at[jnp.where(dst_rows < 0, last_tokens.shape[0], dst_rows)].set(out.token_ids,
+                                                                                               mode="drop")
+    as_i32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+    return jnp.concatenate([out.token_ids, as_i32(out.logprobs), as_i32(out.target_logprobs),
+                            out.top_ids.reshape(-1), as_i32(out.top_logprobs).reshape(-1)]), last_tokens
+
+
+class StepHandle(NamedTuple):
+    """A dispatched step: its packed sampler output (a device array, maybe not ready yet)."""
+
+    out: jax.Array
+    num_rows: int  # padded sampling rows
+    num_logprobs: int
+    num_real_rows: int
+
+
+def _unpack_output(packed: np.ndarray, num_rows: int, k: int, num_real: int) -> sampler.SamplerOutput:
+    """`_sample`'s packed output -> its SamplerOutput, the first `num_real` rows."""
+    r = num_rows
+    token_ids, logprobs, target = packed[:r], packed[r:2 * r].view(np.float32), packed[2 * r:3 * r].view(np.float32)
+    top_ids = packed[3 * r:3 * r + r * k].reshape(r, k)
+    top_logprobs = packed[3 * r + r * k:].view(np.float32).reshape(r, k)
+    return sampler.SamplerOutput(token_ids[:num_real], logprobs[:num_real], top_ids[:num_real],
+                                 top_logprobs[:num_real], target[:num_real])
 
 
 def every_layer(blocks, num_layers: int, pages_per_layer: int):

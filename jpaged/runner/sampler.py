@@ -153,28 +153,33 @@ class SamplingMetadata:
             raise ValueError(f"{n} rows do not fit in num_rows_padded={s}")
         rows = [r if isinstance(r, SamplingRow) else SamplingRow(*r) for r in rows]
         params = [r.params for r in rows]
+        if any(r.seed is None for r in rows):
+            raise ValueError("every row needs an int seed (the engine draws one for unseeded requests)")
 
-        def fill(values, dtype, pad):
-            out = np.full(s, pad, dtype=dtype)
-            out[:n] = values
+        # This runs every step for every row: the knobs come from each distinct SamplingParams once
+        # (requests usually share a few), the per-row counters from one pass each.
+        distinct: dict[int, int] = {}
+        which = np.fromiter((distinct.setdefault(id(p), len(distinct)) for p in params), np.int64, n)
+        by_id = {id(p): p for p in params}
+        table = np.array([(0.0, -1, 1.0, 0.0, 0.0, 0.0, 1.0)]  # padding: greedy, every knob off
+                         + [(p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+                             p.repetition_penalty) for p in (by_id[i] for i in distinct)], np.float32)
+        knobs = table[np.concatenate([which + 1, np.zeros(s - n, np.int64)])]
+        temperature, top_p, min_p, presence, frequency, repetition = (
+            np.ascontiguousarray(knobs[:, i]) for i in (0, 2, 3, 4, 5, 6))
+        top_k = knobs[:, 1].astype(np.int32)
+
+        def counter(values, pad, dtype=np.int32):
+            out = np.full(s, pad, dtype)
+            out[:n] = np.fromiter(values, np.int64, n)
             return out
 
-        temperature = fill([p.temperature for p in params], np.float32, 0.0)
-        top_k = fill([p.top_k for p in params], np.int32, -1)
-        top_p = fill([p.top_p for p in params], np.float32, 1.0)
-        min_p = fill([p.min_p for p in params], np.float32, 0.0)
-        presence = fill([p.presence_penalty for p in params], np.float32, 0.0)
-        frequency = fill([p.frequency_penalty for p in params], np.float32, 0.0)
-        repetition = fill([p.repetition_penalty for p in params], np.float32, 1.0)
-        for r in rows:
-            if r.seed is None:
-                raise ValueError("every row needs an int seed (the engine draws one for unseeded requests)")
-        seeds = fill([r.seed % (1 << 32) for r in rows], np.uint32, 0)
-        seq_index = fill([r.seq_index for r in rows], np.int32, 0)
-        sample_index = fill([r.sample_index for r in rows], np.int32, 0)
+        seeds = counter((r.seed % (1 << 32) for r in rows), 0, np.uint32)
+        seq_index = counter((r.seq_index for r in rows), 0)
+        sample_index = counter((r.sample_index for r in rows), 0)
+        target_token_ids = counter((r.target_token_id for r in rows), -1)
 
-        penalised = [i for i in range(n)
-                     if presence[i] != 0.0 or frequency[i] != 0.0 or repetition[i] != 1.0]
+        penalised = np.flatnonzero((presence[:n] != 0.0) | (frequency[:n] != 0.0) | (repetition[:n] != 1.0)).tolist()
         if do_penalties is None:
             do_penalties = bool(penalised)
         if do_penalties:
@@ -185,8 +190,9 @@ class SamplingMetadata:
         else:
             prompt_ids = np.full((s, prompt_width or 0), -1, np.int32)
             output_ids = np.full((s, output_width or 0), -1, np.int32)
-        banned = _fill_tokens([r.banned_token_ids for r in rows], range(n), s, banned_width, 4, "banned_width")
-        target_token_ids = fill([r.target_token_id for r in rows], np.int32, -1)
+        banning = [i for i, r in enumerate(rows) if r.banned_token_ids]
+        banned = _fill_tokens([rows[i].banned_token_ids for i in banning], banning, s, banned_width, 4,
+                              "banned_width")
         if do_guided is None:
             do_guided = any(r.allowed_bitmask is not None for r in rows)
         bias_ids = np.full((s, MAX_LOGIT_BIAS), -1, np.int32)

@@ -1,0 +1,148 @@
+"""Host time per decode step, split into scheduler / input preparation / output processing.
+
+N requests (~30 prompt tokens, EOS ignored) are admitted and prefilled; then `--steps` decode steps
+are timed, each split into
+  scheduler  Scheduler.schedule
+  input      building the step's inputs (the engine's per-group part and the runner's arrays),
+             including the device call's dispatch
+  output     everything else in LLMEngine.step: appending the sampled ids, detokenizing, stop
+             checks, RequestOutputs
+With `--device stub` (the default) the device is replaced by a function that returns random token
+ids at once, so the numbers are the host's alone (the goal: <= 2 ms per step at 256 sequences),
+measured as the Python thread's CPU time so that a busy machine's neighbours count less.
+With `--device real` the model runs (use a micro model: the host dominates) and "input" includes
+waiting for the device; "total" is then the wall time per step.
+
+  JAX_PLATFORMS=cpu python scripts/bench_host.py                      # tiny, stubbed, 1/32/256 seqs
+  JAX_PLATFORMS=cpu python scripts/bench_host.py --device real --model micro
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jpaged  # noqa: E402
+from jpaged.runner.model_runner import MAX_LOGPROBS  # noqa: E402
+
+PROMPT_LEN = 30
+# The host's own CPU time (this thread's): on a shared machine wall time mostly measures the
+# neighbours. --device real measures wall time (the device works in other threads).
+CLOCK = time.thread_time
+
+
+class Timer:
+    """Wraps methods, summing the wall time spent inside them (outermost call only)."""
+
+    def __init__(self):
+        self.totals, self._depth = {}, 0
+
+    def wrap(self, obj, name: str, phase: str):
+        fn = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            if self._depth:
+                return fn(*args, **kwargs)
+            self._depth += 1
+            t = CLOCK()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                self.totals[phase] = self.totals.get(phase, 0.0) + CLOCK() - t
+
+        setattr(obj, name, timed)
+
+
+def stub_device(runner, vocab_size: int):
+    """Replace the device step by random token ids of the right shape, returned at once."""
+    rng = np.random.default_rng(0)
+
+    def run_step(key, inputs, smeta):
+        num_tokens, full = key
+        rows, k = runner.buckets.sample_rows(runner.buckets.seqs(num_tokens)), MAX_LOGPROBS if full else 0
+        packed = np.zeros(rows * (3 + 2 * k), np.int32)
+        packed[:rows] = rng.integers(0, vocab_size, rows)
+        return jax.device_put(packed)  # a device array, as the real step returns
+
+    runner._run_step = run_step
+
+
+def micro_model(work_dir: str) -> str:
+    """hidden 128, 2 layers, vocabulary 384: a Llama small enough that the host dominates."""
+    from bench_throughput import build_random_llama
+
+    path = os.path.join(work_dir, "micro")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        build_random_llama("micro", path, seed=0)
+    return path
+
+
+def measure(llm, num_seqs: int, steps: int, vocab_size: int) -> dict:
+    engine = llm.llm_engine
+    rng = np.random.default_rng(num_seqs)
+    params = jpaged.SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(num_seqs):
+        engine.add_request(f"r{num_seqs}-{i}", rng.integers(0, vocab_size, PROMPT_LEN).tolist(), params)
+    while any(g.is_prefill() for g in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    timer = Timer()
+    timer.wrap(engine.scheduler, "schedule", "scheduler")
+    for name in ("_group_inputs", "_execute", "_prepare"):  # whichever the engine has
+        if hasattr(engine, name):
+            timer.wrap(engine, name, "input")
+    t = CLOCK()
+    for _ in range(steps):
+        engine.step()
+    total = CLOCK() - t
+    for attr in ("schedule", "_group_inputs", "_execute", "_prepare"):  # unwrap
+        for obj in (engine, engine.scheduler):
+            obj.__dict__.pop(attr, None)
+    while engine.has_unfinished_requests():
+        engine.step()
+    ms = {phase: 1e3 * v / steps for phase, v in timer.totals.items()}
+    ms["output"] = 1e3 * total / steps - sum(ms.values())
+    ms["total"] = 1e3 * total / steps
+    return {"num_seqs": num_seqs, **{k: round(v, 3) for k, v in ms.items()}}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help='"tiny", "micro" or a local HF checkpoint dir')
+    p.add_argument("--device", choices=("stub", "real"), default="stub")
+    p.add_argument("--num-seqs", type=int, nargs="+", default=[1, 32, 256])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--work-dir", default="/tmp/jpaged_bench_host")
+    p.add_argument("--output-json")
+    args, engine_args = p.parse_known_args()
+    kwargs = {}
+    for flag, value in zip(engine_args[::2], engine_args[1::2]):  # e.g. --num-scheduler-steps 4
+        kwargs[flag.lstrip("-").replace("-", "_")] = int(value) if value.isdigit() else value
+    model = micro_model(args.work_dir) if args.model == "micro" else args.model
+    max_num_seqs = max(args.num_seqs)
+    llm = jpaged.LLM(model=model, max_num_seqs=max_num_seqs, max_model_len=PROMPT_LEN + args.steps + 16,
+                     enforce_eager=args.device == "stub", **kwargs)
+    vocab_size = llm.llm_engine.hf_config.vocab_size
+    if args.device == "stub":
+        stub_device(llm.llm_engine.runner, vocab_size)
+    else:
+        global CLOCK
+        CLOCK = time.perf_counter
+    results = []
+    for n in args.num_seqs:
+        measure(llm, n, 5, vocab_size)  # warm the Python paths
+        results.append(measure(llm, n, args.steps, vocab_size))
+        print(json.dumps(results[-1]), flush=True)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"model": args.model, "device": args.device, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

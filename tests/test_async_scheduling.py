@@ -1,0 +1,118 @@
+"""Overlapped steps (async_scheduling): the next step is dispatched before the last one's sampled
+ids are read. Outputs must be those of the synchronous engine, stops and limits exact, aborts and
+preemption safe while a step is in flight, and no block leaked."""
+
+import numpy as np
+import pytest
+
+import jpaged
+from test_engine import assert_all_blocks_free, assert_same_greedy
+
+LIMITS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, block_size=16, enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return (jpaged.LLM("tiny", num_gpu_blocks_override=80, **LIMITS),
+            jpaged.LLM("tiny", num_gpu_blocks_override=80, async_scheduling=True, **LIMITS))
+
+
+def generate_counting_overlaps(llm, prompts, params):
+    """llm.generate, stepping by hand: also how many steps left a step in flight."""
+    engine = llm.llm_engine
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, sp)
+    finals, overlapped = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        overlapped += engine._in_flight is not None
+    engine.step()  # a step still in flight only carries tokens of finished requests
+    return [finals[str(i)] for i in range(len(prompts))], overlapped
+
+
+def test_outputs_match_the_synchronous_engine(engines):
+    sync, overlap = engines
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 256, size=rng.integers(2, 40)).tolist() for _ in range(12)]
+    kinds = [
+        dict(temperature=0, max_tokens=int(rng.integers(1, 30)), ignore_eos=True, logprobs=1),
+        dict(temperature=0, max_tokens=40, stop=["e", "a"], min_tokens=int(rng.integers(0, 5)), logprobs=1),
+        dict(temperature=0, max_tokens=40, stop_token_ids=[int(t) for t in rng.integers(32, 120, 6)], logprobs=1),
+        dict(temperature=1.0, seed=int(rng.integers(1 << 30)), max_tokens=25, ignore_eos=True, logprobs=1),
+        dict(temperature=0, max_tokens=30, logprobs=1),  # EOS allowed
+        # Two sequences: one may stop while the other goes on.
+        dict(n=2, temperature=1.0, seed=int(rng.integers(1 << 30)), max_tokens=30, stop=["e"], logprobs=1),
+    ]
+    params = [jpaged.SamplingParams(**kinds[i % len(kinds)]) for i in range(len(prompts))]
+    reference, _ = generate_counting_overlaps(sync, prompts, params)
+    outs, overlapped = generate_counting_overlaps(overlap, prompts, params)
+    assert overlapped > 10  # the overlap did happen
+    assert_same_greedy(reference, outs)
+    for ref, out, sp in zip(reference, outs, params):
+        assert len(out.outputs) == len(ref.outputs)
+        for a, b in zip(ref.outputs, out.outputs):
+            assert len(b.token_ids) <= sp.max_tokens
+            if a.token_ids == b.token_ids:  # (a near-tie may diverge; then the rest is moot)
+                assert (b.text, b.finish_reason, b.stop_reason) == (a.text, a.finish_reason, a.stop_reason)
+                assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-3)
+    # Both sequences of the n=2 requests, in full (sampling is seeded, so it does not depend on the batch).
+    assert_same_greedy([r for r, sp in zip(reference, params) if sp.n == 2],
+                       [o for o, sp in zip(outs, params) if sp.n == 2])
+    assert sorted(len(c.token_ids) for o in outs for c in o.outputs) == \
+        sorted(len(c.token_ids) for o in reference for c in o.outputs)
+    assert_all_blocks_free(overlap)
+
+
+def test_max_tokens_one_and_limits_while_in_flight(engines):
+    _, overlap = engines
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 256, size=int(rng.integers(2, 20))).tolist() for _ in range(6)]
+    # max_tokens 1 and 2 end while a step is in flight; the last request hits max_model_len.
+    max_tokens = [1, 2, 3, 17, 30, 128 - len(prompts[5])]
+    params = [jpaged.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs, _ = generate_counting_overlaps(overlap, prompts, params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == max_tokens
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert_all_blocks_free(overlap)
+
+
+def test_abort_while_a_step_is_in_flight(engines):
+    _, overlap = engines
+    engine = overlap.llm_engine
+    rng = np.random.default_rng()
+    params = jpaged.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"a{i}", rng.integers(0, 256, size=10).tolist(), params)
+    seen = {}
+    while engine._in_flight is None:
+        for out in engine.step():
+            seen[out.request_id] = len(out.outputs[0].token_ids)
+    engine.abort_request("a1")
+    for _ in range(3):
+        for out in engine.step():
+            assert out.request_id != "a1"  # nothing after the abort, not even the step in flight
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id != "a1"
+    engine.step()
+    assert_all_blocks_free(overlap)
+
+
+def test_preemption_and_swaps_with_async_scheduling():
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 256, size=int(rng.integers(20, 60))).tolist() for _ in range(8)]
+    params = jpaged.SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=1)
+    results = []
+    for mode in ("recompute", "swap"):
+        for async_scheduling in (False, True):
+            llm = jpaged.LLM("tiny", num_gpu_blocks_override=14, preemption_mode=mode, swap_space=0.05,
+                             async_scheduling=async_scheduling, **LIMITS)
+            outs, overlapped = generate_counting_overlaps(llm, prompts, [params] * len(prompts))
+            assert llm.stats()["num_preemptions"] > 0
+            assert_all_blocks_free(llm)
+            results.append((outs, overlapped))
+    for (reference, _), (outs, overlapped) in (results[:2], results[2:]):
+        assert overlapped > 0
+        assert_same_greedy(reference, outs)
