@@ -10,6 +10,7 @@ again and rewritten. Compiles here bypass jax's own cache: an executable it load
 without its CPU kernels (jax 0.10: "Function wrapped_iota not found" when run after loading).
 """
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -85,26 +86,35 @@ class ExecutableCache:
             logger.warning("could not load the cached executable %s (%r); compiling it", path, e)
         with jax_config.enable_compilation_cache(False):  # see the module's docstring
             executable = jitted.lower(*args).compile()
+        partial = None
         try:
+            # Its devices too: a step on one of several devices must load onto that one.
+            device_ids = [d.id for d in executable.runtime_executable().local_devices()]
+            data = pickle.dumps((device_ids, serialize_executable.serialize(executable)))
             os.makedirs(self.directory, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.directory, delete=False) as f:
-                # Its devices too: a step on one of several devices must load onto that one.
-                device_ids = [d.id for d in executable.runtime_executable().local_devices()]
-                pickle.dump((device_ids, serialize_executable.serialize(executable)), f)
-            os.replace(f.name, path)  # whole or not at all, also with several processes writing
+                partial = f.name
+                f.write(data)
+            os.replace(partial, path)  # whole or not at all, also with several processes writing
             self._prune()
         except Exception as e:  # a read-only or full disk, a backend that cannot serialize: serve anyway
+            if partial is not None and os.path.exists(partial):
+                os.remove(partial)
             logger.warning("could not keep the executable %s on disk: %r", name, e)
         return executable
 
     def _prune(self):
         """Least recently used executables go once the directory holds more than MAX_CACHE_BYTES
         (each new jpaged version or model adds its own)."""
-        entries = sorted((e.stat().st_mtime, e.stat().st_size, e.path) for e in os.scandir(self.directory)
-                         if e.name.endswith(".bin"))
+        entries = []
+        for entry in os.scandir(self.directory):
+            with contextlib.suppress(FileNotFoundError):  # another process may prune at the same time
+                if entry.name.endswith(".bin"):
+                    entries.append((entry.stat().st_mtime, entry.stat().st_size, entry.path))
         excess = sum(size for _, size, _ in entries) - MAX_CACHE_BYTES
-        for _, size, path in entries:
+        for _, size, path in sorted(entries):
             if excess <= 0:
                 break
-            os.remove(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
             excess -= size
