@@ -152,8 +152,10 @@ class LLMEngine:
 
     def _model_fingerprint(self, loaded) -> str:
         """What shapes the compiled steps besides their arguments' shapes and jpaged's source: the
-        model's config (constants such as rope_theta and eps are baked in), dtype and kernels."""
-        return "\n".join([loaded.hf_config.to_json_string(), loaded.dtype.name, self.config.attention_backend])
+        model's config (constants such as rope_theta and eps are baked in), dtype, the engine's
+        options and the derived max_model_len (LongRoPE picks its factors by it)."""
+        return "\n".join([loaded.hf_config.to_json_string(), loaded.dtype.name, repr(self.config),
+                          str(self.max_model_len)])
 
     def _num_gpu_blocks(self, bytes_per_block: int) -> int:
         if self.config.num_gpu_blocks_override:
