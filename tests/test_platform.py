@@ -56,7 +56,7 @@ def test_startup_log_names_backend_device_kernels_and_pool(caplog):
 def _dot_lines(dtype: str) -> list[str]:
     llm = jpaged.LLM("tiny", dtype=dtype, attention_backend="xla", **ENGINE)
     runner = llm.llm_engine.runner
-    text = runner._lower(("forward", False, 16, 2)).as_text()
+    text = runner._lower(("forward", 16)).as_text()
     return [line for line in text.splitlines() if "dot_general" in line]
 
 
