@@ -122,7 +122,8 @@ def test_hf_parity(case, backend, tmp_path):
     ours = prompt_logits(llm, ids)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy()
-    assert np.abs(ours - ref).max() <= 1e-4
+    # fp32 on both sides: rounding grows with the logits' size (LongRoPE's attention factor scales them).
+    assert np.abs(ours - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
 
     out = llm.generate([ids], jpaged.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(hf, ids, 16)
