@@ -13,6 +13,7 @@ from flax import nnx
 
 from jpaged.models.layers import (Attention, AttentionOps, Embedding, GatedMLP, HFWeights, LayerStack, Linear,
                                   RMSNorm, RopeConfig, sliding_windows)
+from jpaged.models.llama import LlamaForCausalLM
 
 
 class GemmaDecoderLayer(nnx.Module):
@@ -73,11 +74,6 @@ class GemmaForCausalLM(nnx.Module):
             logits = cap * jnp.tanh(logits / cap)
         return logits
 
-    def hf_weights(self) -> HFWeights:
-        specs = {**self.embed_tokens.hf_weights("model.embed_tokens.weight"), **self.norm.hf_weights("model.norm"),
-                 **self.layers.hf_weights(lambda i: f"model.layers.{i}")}
-        if self.lm_head is not None:
-            specs.update(self.lm_head.hf_weights("lm_head"))
-        return specs
-
-    ignored_hf_weights = (r".*rotary_emb\.inv_freq", r"lm_head\.weight")
+    # Llama's checkpoint layout: the same tensor names.
+    hf_weights = LlamaForCausalLM.hf_weights
+    ignored_hf_weights = LlamaForCausalLM.ignored_hf_weights
