@@ -42,6 +42,8 @@ class EngineConfig:
                                   "(quick experiments; serving should leave it off)")
     async_scheduling: bool = _option(False, "schedule and dispatch the next decode step before reading the last "
                                      "one's sampled ids, so host and device overlap (outputs come a step later)")
+    num_scheduler_steps: int = _option(1, "multi-step decode: when every running request decodes, run this many "
+                                       "steps in one device call, sampling on the device (1: off)")
     revision: str | None = _option(None, "hub revision (branch, tag or commit) of the model")
     tokenizer: str | None = _option(None, "tokenizer directory or hub id, when not the model's")
     # Multi-host (jax.distributed): the same command on every host; unset -> JAX_COORDINATOR_ADDRESS,
@@ -64,6 +66,8 @@ class EngineConfig:
         check("max_num_seqs", self.max_num_seqs >= 1, ">= 1")
         check("max_num_batched_tokens", self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
               "None or >= 1")
+        check("num_scheduler_steps", isinstance(self.num_scheduler_steps, int) and self.num_scheduler_steps >= 1,
+              "an integer >= 1")
         check("max_model_len", self.max_model_len is None or self.max_model_len >= 1, "None or >= 1")
         check("preemption_mode", self.preemption_mode in (None, "swap", "recompute"), "None, 'swap' or 'recompute'")
         check("kv_allocation", self.kv_allocation in KV_ALLOCATIONS, f"one of {KV_ALLOCATIONS}")

@@ -8,7 +8,8 @@ shared block is copied before a sharer writes into it.
 
 Growth is on demand: a sequence gets a new block only when its last one is full. Admission
 (allocate) covers every token the sequence has, so a prompt prefilled in chunks needs no more
-blocks until it decodes; append_slots covers the token sampled in the last step.
+blocks until it decodes; append_slots covers the token sampled in the last step (and, for
+multi-step decode, the lookahead slots of the tokens the next steps sample on the device).
 
 Automatic prefix caching (enable_caching, vLLM v1's design): a full, computed block is found by
 a hash chained over the previous block's hash and its own token ids, so equal hashes mean equal
@@ -360,44 +361,58 @@ class BlockManager:
 
     # Decoding.
 
-    def _num_blocks_to_append(self, seqs: list[Sequence], tables: dict[int, list[int]], pool: BlockPool) -> int:
+    def _blocks_to_write(self, seq: Sequence, table: list[int], num_lookahead_slots: int) -> range:
+        """Table indices of the blocks the sequence's next computed token and the lookahead
+        slots after it (multi-step decode) write into, that the table already has."""
+        first = (seq.get_len() - 1) // self.block_size
+        return range(first, min(len(table), self._num_blocks(seq.get_len() + num_lookahead_slots)))
+
+    def _num_blocks_to_append(self, seqs: list[Sequence], tables: dict[int, list[int]], pool: BlockPool,
+                              num_lookahead_slots: int = 0) -> int:
         """Exactly how many new blocks append_slots takes for these sequences (wherever their
         tables are now: swapping keeps the sharing)."""
         num_required = 0
-        sharers = collections.Counter()  # shared last block -> how many of these sequences write into it
+        sharers = collections.Counter()  # shared block to write -> how many of these sequences write into it
         for seq in seqs:
             table = tables[seq.seq_id]
-            missing = self._num_blocks(seq.get_len()) - len(table)  # < 0: slots reserved ahead
-            if missing > 0:
-                num_required += missing
-            elif pool.ref_cnt(table[-1]) > 1:
-                sharers[table[-1]] += 1
+            # < 0: slots reserved ahead
+            num_required += max(self._num_blocks(seq.get_len() + num_lookahead_slots) - len(table), 0)
+            for i in self._blocks_to_write(seq, table, num_lookahead_slots):
+                if pool.ref_cnt(table[i]) > 1:
+                    sharers[table[i]] += 1
         # The last sharer of a block to write keeps it, unless someone else holds it too.
         return num_required + sum(min(k, pool.ref_cnt(b) - 1) for b, k in sharers.items())
 
-    def can_append_slots(self, seq_group: SequenceGroup) -> bool:
+    def num_blocks_to_append(self, seqs: list[Sequence], num_lookahead_slots: int = 0) -> int:
+        """New device blocks append_slots takes for these running sequences."""
+        return self._num_blocks_to_append(seqs, self.gpu_tables, self.gpu_pool, num_lookahead_slots)
+
+    def can_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> bool:
         """Whether append_slots can run for every running sequence of the group."""
         seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
-        return self._num_blocks_to_append(seqs, self.gpu_tables, self.gpu_pool) <= self.get_num_free_gpu_blocks()
+        return self.num_blocks_to_append(seqs, num_lookahead_slots) <= self.get_num_free_gpu_blocks()
 
-    def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
+    def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0) -> list[tuple[int, int]]:
         """Make room for the sequence's tokens after it grew (normally by the token sampled last
-        step). Returns the (src, dst) block copies to make first: a shared block is copied
-        before this sequence writes into it (copy-on-write)."""
+        step), and for `num_lookahead_slots` more tokens after them (multi-step decode writes
+        them before the host has seen them). Returns the (src, dst) block copies to make first:
+        a shared block is copied before this sequence writes into it (copy-on-write)."""
         table = self.gpu_tables[seq.seq_id]
-        missing = self._num_blocks(seq.get_len()) - len(table)
+        copies = []
+        for i in self._blocks_to_write(seq, table, num_lookahead_slots):
+            shared = table[i]
+            if self.gpu_pool.ref_cnt(shared) > 1:
+                if not self.get_num_free_gpu_blocks():
+                    raise NoFreeBlocksError(f"{seq} needs a block to copy block {shared} into; none is free")
+                table[i] = self.gpu_pool.allocate()
+                self.gpu_pool.free(shared)
+                copies.append((shared, table[i]))
+        missing = self._num_blocks(seq.get_len() + num_lookahead_slots) - len(table)
         if missing > 0:
             if missing > self.get_num_free_gpu_blocks():
                 raise NoFreeBlocksError(f"{seq} needs {missing} blocks, {self.get_num_free_gpu_blocks()} are free")
             table.extend(self.gpu_pool.allocate() for _ in range(missing))
-            return []
-        # Only the last block can be shared and still be written (see _allocation_plan).
-        last = table[-1]
-        if self.gpu_pool.ref_cnt(last) == 1:
-            return []
-        table[-1] = self.gpu_pool.allocate()
-        self.gpu_pool.free(last)
-        return [(last, table[-1])]
+        return copies
 
     def fork(self, parent: Sequence, child: Sequence):
         """The child shares all of the parent's blocks."""

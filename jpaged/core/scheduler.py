@@ -106,11 +106,13 @@ class Scheduler:
         """Drop finished groups from the running queue; call once per step, after the outputs."""
         self.running = collections.deque(g for g in self.running if not g.is_finished())
 
-    def schedule(self) -> SchedulerOutputs:
+    def schedule(self, num_lookahead_slots: int = 0) -> SchedulerOutputs:
+        """The next step's plan. `num_lookahead_slots`: each decoding sequence also gets slots for
+        that many more tokens (multi-step decode samples them on the device)."""
         out = SchedulerOutputs()
         budget = _Budget(self.max_num_batched_tokens,
                          self.max_num_seqs - sum(g.get_max_num_running_seqs() for g in self.running))
-        prefilling = self._schedule_running(out, budget)
+        prefilling = self._schedule_running(out, budget, num_lookahead_slots)
         # Decodes came first; prompts already being prefilled take their next chunk.
         for seq_group in prefilling:
             chunk = self._chunk_size(seq_group, budget)
@@ -128,7 +130,8 @@ class Scheduler:
         decodes, nobody joins it until all of it has finished."""
         return self.block_manager.kv_allocation == "static" and any(not g.is_prefill() for g in self.running)
 
-    def _schedule_running(self, out: SchedulerOutputs, budget: _Budget) -> list[SequenceGroup]:
+    def _schedule_running(self, out: SchedulerOutputs, budget: _Budget,
+                          num_lookahead_slots: int) -> list[SequenceGroup]:
         """Give each decoding group its slots, preempting the latest groups when blocks run out.
         Returns the groups still prefilling (they need no new blocks), in order."""
         queue, self.running = self.running, collections.deque()
@@ -139,13 +142,13 @@ class Scheduler:
                 prefilling.append(seq_group)
                 self.running.append(seq_group)
                 continue
-            while not self.block_manager.can_append_slots(seq_group):
+            while not self.block_manager.can_append_slots(seq_group, num_lookahead_slots):
                 victim = queue.pop() if queue else seq_group
                 self._preempt(victim, out, swapped_out)
                 if victim is seq_group:
                     break
             else:
-                self._append_slots(seq_group, out)
+                self._append_slots(seq_group, out, num_lookahead_slots)
                 self.running.append(seq_group)
                 self._add(out, budget, seq_group, 1)
         # Victims were taken latest first; keep the swapped queue in arrival order.
@@ -226,9 +229,9 @@ class Scheduler:
         budget.num_tokens -= num_tokens
         budget.num_seqs -= self._prompt_rows(seq_group, chunk)
 
-    def _append_slots(self, seq_group: SequenceGroup, out: SchedulerOutputs):
+    def _append_slots(self, seq_group: SequenceGroup, out: SchedulerOutputs, num_lookahead_slots: int = 0):
         for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
-            out.blocks_to_copy.extend(self.block_manager.append_slots(seq))
+            out.blocks_to_copy.extend(self.block_manager.append_slots(seq, num_lookahead_slots))
 
     def _preempt(self, seq_group: SequenceGroup, out: SchedulerOutputs, swapped_out: list):
         running = seq_group.get_seqs(SequenceStatus.RUNNING)

@@ -136,6 +136,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded, block_size=config.block_size, num_gpu_blocks=num_gpu_blocks,
                                   num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
+                                  num_scheduler_steps=config.num_scheduler_steps,
                                   executable_cache=ExecutableCache(executable_cache_dir(), self._model_fingerprint(loaded)))
         if not config.enforce_eager:
             self.runner.warm_up()
@@ -274,13 +275,18 @@ class LLMEngine:
         (every group decoding, nothing waiting, blocks to spare) stays in flight: the next call
         schedules and dispatches the next step, whose inputs take those ids on the device, and
         only then reads and processes the previous one, so the host works while the device
-        runs. Outputs then come one call later."""
+        runs. Outputs then come one call later.
+
+        With num_scheduler_steps = K > 1, a step where every running sequence decodes with the
+        fast sampler (see _can_multi_step) runs K decode steps in one device call: K tokens per
+        sequence come back at once, and those after a sequence's stop are dropped."""
         previous, self._in_flight = self._in_flight, None
         if previous is not None and not self._can_overlap(previous):
             return self._complete(previous)
-        plan = self.scheduler.schedule()
+        multi_step = previous is None and self._can_multi_step()
+        plan = self.scheduler.schedule(self.config.num_scheduler_steps - 1 if multi_step else 0)
         try:
-            current = self._dispatch(plan)
+            current = self._dispatch(plan, multi_step)
         except Exception as e:  # the block copies, or a lone request's device step: fail the step's requests
             outputs = self._complete(previous) if previous is not None else []
             failed = [s.seq_group for s in plan.scheduled_seq_groups]
@@ -288,7 +294,7 @@ class LLMEngine:
             if not self.runner.is_alive():
                 raise
             raise StepFailedError([g.request_id for g in failed], e, outputs) from e
-        if previous is None and not self._can_overlap(current):
+        if previous is None and (multi_step or not self._can_overlap(current)):
             return self._complete(current)
         self._in_flight = current
         return self._complete(previous) if previous is not None else []
@@ -317,7 +323,31 @@ class LLMEngine:
                 num_seqs += 1
         return num_seqs > 0 and self.block_manager.get_num_free_gpu_blocks() >= num_seqs
 
-    def _dispatch(self, plan: SchedulerOutputs) -> _Dispatched:
+    def _can_multi_step(self) -> bool:
+        """Whether the next step can be a multi-step decode: K > 1, nothing waits or is swapped
+        out, every running sequence decodes (its tokens but the last computed) with what the fast
+        sampler does on the device alone (no penalties, logprobs, grammar, beam search or
+        min_tokens ban), has room for K more positions, and the device blocks for every
+        sequence's lookahead slots are free (no preemption)."""
+        num_steps = self.config.num_scheduler_steps
+        if num_steps == 1 or self.scheduler.waiting or self.scheduler.swapped or not self.scheduler.running:
+            return False
+        seqs = []
+        for group in self.scheduler.running:
+            sp = group.sampling_params
+            if (group.is_prefill() or sp.use_beam_search or sp.guided or sp.logprobs is not None
+                    or sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0):
+                return False
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                if (seq.num_pending_tokens or seq.get_num_uncomputed_tokens() != 1
+                        or seq.get_output_len() < sp.min_tokens or seq.get_len() + num_steps - 1 > self.max_model_len
+                        or (not seq.output_token_ids and (sp.best_of > 1 or sp.prompt_logprobs is not None))):
+                    return False  # (the last prompt token of a chunked prefill may fork or need prompt rows)
+                seqs.append(seq)
+        needed = self.block_manager.num_blocks_to_append(seqs, num_steps - 1)
+        return needed <= self.block_manager.get_num_free_gpu_blocks()
+
+    def _dispatch(self, plan: SchedulerOutputs, multi_step: bool = False) -> _Dispatched:
         """Make the plan's block copies and start its step on the device. Its tokens count as
         computed from now on; each sequence's sampled token is pending until it is read."""
         self.runner.swap_out(plan.blocks_to_swap_out)
@@ -330,7 +360,7 @@ class LLMEngine:
                 steps.append(self._group_inputs(scheduled.seq_group, scheduled.token_chunk_size))
             except Exception as e:
                 failed[id(scheduled.seq_group)] = (scheduled.seq_group, e)
-        results = self._execute(steps, failed)
+        results = self._execute(steps, failed, multi_step)
         for step in steps:
             if id(step.group) in failed:
                 continue
@@ -356,7 +386,12 @@ class LLMEngine:
                 handle, row = dispatched.results[id(group)]
                 if id(handle) not in read:
                     read[id(handle)] = self.runner.collect(handle)
-                self._process(step, read[id(handle)], row)
+                for i, out in enumerate(read[id(handle)]):  # several: a multi-step decode
+                    if i:  # the token appended last was computed by this step
+                        for seq, _ in step.sampled:
+                            if not seq.is_finished():
+                                seq.num_computed_tokens += 1
+                    self._process(step, out, row)
             except Exception as e:
                 if not self.runner.is_alive():
                     raise
@@ -413,7 +448,7 @@ class LLMEngine:
                                             samples, step.prompt_rows))
         return step
 
-    def _execute(self, steps: list["_GroupStep"], failed: dict) -> dict:
+    def _execute(self, steps: list["_GroupStep"], failed: dict, multi_step: bool) -> dict:
         """Start the step for every group not failed yet: {id(group): (step handle, its first row)}.
         If the batch fails, each group runs alone to find the one(s) at fault, which go to `failed`
         (computing a group's tokens twice rewrites the same K/V into the same slots)."""
@@ -422,14 +457,14 @@ class LLMEngine:
         if not seq_inputs:
             return {}
         try:
-            out = self.runner.dispatch(seq_inputs, [r for s in steps for r in s.rows])
+            out = self.runner.dispatch(seq_inputs, [r for s in steps for r in s.rows], multi_step)
         except Exception:
             if len(steps) == 1 or not self.runner.is_alive():
                 raise
             results = {}
             for s in steps:
                 try:
-                    results[id(s.group)] = (self.runner.dispatch(s.seq_inputs, s.rows), 0)
+                    results[id(s.group)] = (self.runner.dispatch(s.seq_inputs, s.rows, multi_step), 0)
                 except Exception as e:
                     if not self.runner.is_alive():
                         raise

@@ -103,12 +103,14 @@ class Buckets:
     rows: list[int]
     max_num_seqs: int
     width: int
+    num_scheduler_steps: int = 1
 
     @classmethod
-    def create(cls, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int) -> "Buckets":
+    def create(cls, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
+               num_scheduler_steps: int = 1) -> "Buckets":
         # Doubling token ladder: at most 2x padding.
         return cls(_ladder(1, max_num_batched_tokens), _ladder(1, max_num_seqs, factor=8), max_num_seqs,
-                   max_blocks_per_seq)
+                   max_blocks_per_seq, num_scheduler_steps)
 
     def seqs(self, num_tokens: int) -> int:
         """Sequence rows of a step of `num_tokens` (a bucket): each sequence has a token."""
@@ -119,10 +121,15 @@ class Buckets:
 
     def keys(self):
         """Every executable: the model forward per token bucket, the sampler per (rows, full on/off),
-        each block operation per padded size. Compiling the forward and the sampler apart keeps
-        the count additive, not a product."""
+        each block operation per padded size, and with multi-step decode the K-step decode loop
+        per bucket of decode steps (tokens <= max_num_seqs). Compiling the forward and the sampler
+        apart keeps the count additive, not a product."""
         for tokens in self.tokens:
             yield ("forward", tokens)
+        if self.num_scheduler_steps > 1:
+            for tokens in self.tokens:
+                if tokens <= self.max_num_seqs:
+                    yield ("multi_step", tokens)
         for rows in self.rows:
             for full in (False, True):
                 yield ("sample", rows, full)
@@ -161,7 +168,7 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, *, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_scheduler_steps: int = 1,
                  executable_cache: ExecutableCache | None = None):
         self.block_size, self.num_gpu_blocks = block_size, num_gpu_blocks
         self.vocab_size = loaded.hf_config.vocab_size
@@ -183,7 +190,8 @@ class ModelRunner:
                         for index in kv.addressable_devices_indices_map(shape).values()}
         # Swapped pages in flight: [layer, k/v, kv_heads, blocks, block_size, head_dim], split on kv heads.
         self._pages_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, None, TP_AXIS))
-        self.buckets = Buckets.create(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size))
+        self.buckets = Buckets.create(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size),
+                                      num_scheduler_steps)
         self.input_batch = InputBatch(max_num_seqs, self.buckets.width)
         # The token each InputBatch row sampled last, kept on the device: the next step can read it
         # before the host has (overlap).
@@ -193,6 +201,9 @@ class ModelRunner:
                                                donate_argnums=(1,), out_shardings=(rep, kv))
         self._sample = lambda layout: jax.jit(functools.partial(_sample, layout=layout), out_shardings=(rep, rep),
                                               donate_argnums=(2,))
+        self._multi_step = lambda layout: jax.jit(
+            functools.partial(_multi_step, self.graphdef, rep, layout=layout, num_steps=num_scheduler_steps),
+            donate_argnums=(1, 3), out_shardings=(rep, kv, rep))
         self.executable_cache = executable_cache or ExecutableCache(None, "")
         self._executables = {}
         if self._multihost:  # the driver's broadcasts: one executable, compiled now
@@ -233,6 +244,9 @@ class ModelRunner:
         if key[0] == "forward":
             layout = layout_of(self._abstract_inputs(key[1]))
             return self._forward(layout), (self.state, self.kv_cache, self._packed(layout), self.last_tokens)
+        if key[0] == "multi_step":
+            layout = layout_of(self._abstract_multi_step_inputs(key[1]))
+            return self._multi_step(layout), (self.state, self.kv_cache, self._packed(layout), self.last_tokens)
         if key[0] == "sample":
             _, num_rows, full = key
             logits = jax.ShapeDtypeStruct((num_rows, self.vocab_size), jnp.float32, sharding=self._replicated)
@@ -269,6 +283,15 @@ class ModelRunner:
         return StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn, i32((self.buckets.sample_rows(num_seqs),)),
                           i32((num_tokens,)))
 
+    def _abstract_multi_step_inputs(self, num_tokens: int):
+        """A K-step decode's inputs: the first step's, its sampler metadata (fast variant) and
+        sampled rows' last_tokens entries, and the slots of the K - 1 later steps' tokens."""
+        inputs = self._abstract_inputs(num_tokens)
+        num_rows = inputs.logits_indices.shape[0]
+        smeta = self._sampling_metadata([], num_rows, False)
+        i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+        return inputs, smeta, i32((num_rows,)), i32((self.buckets.num_scheduler_steps - 1, num_tokens))
+
     def _packed(self, layout: Layout) -> jax.ShapeDtypeStruct:
         """The abstract packed inputs of `layout`, replicated on every device."""
         return jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self._replicated)
@@ -288,13 +311,12 @@ class ModelRunner:
                    or r.allowed_bitmask is not None or r.params.logprobs is not None or r.params.use_beam_search
                    or r.target_token_id >= 0 for r in rows)
 
-    def execute(self, seqs: list[SeqInput], sampling_rows: list) -> sampler.SamplerOutput:
-        """Run one step and wait for it: `collect(dispatch(...))`."""
-        return self.collect(self.dispatch(seqs, sampling_rows))
-
-    def dispatch(self, seqs: list[SeqInput], sampling_rows: list) -> "StepHandle":
+    def dispatch(self, seqs: list[SeqInput], sampling_rows: list, multi_step: bool = False) -> "StepHandle":
         """Start one step on the device and return at once. `sampling_rows` are the per-sample rows
-        for the sampler, in the order of the sequences' samples."""
+        for the sampler, in the order of the sequences' samples. `multi_step`: a decode step (one
+        token and one sample per sequence, fast sampler) run num_scheduler_steps times in one
+        device call, each step's sampled tokens the next one's inputs; the block tables must hold
+        the later tokens' slots (the scheduler's lookahead slots)."""
         n = len(seqs)
         lens = np.fromiter((len(s.token_ids) for s in seqs), np.int32, n)
         start_pos = np.fromiter((s.start_pos for s in seqs), np.int32, n)
@@ -347,20 +369,32 @@ class ModelRunner:
             logits_indices[:num_rows] = np.repeat(last, num_samples)
             dst_rows[:num_rows] = np.repeat(np.where(num_samples == 1, rows, -1), num_samples)
 
-        full = self._needs_full_sampler(sampling_rows)
+        full = not multi_step and self._needs_full_sampler(sampling_rows)
         smeta = self._sampling_metadata(sampling_rows, len(logits_indices), full)
         decode = np.bool_(num_tokens_real == n) if num_seqs == num_tokens else None
         attn = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, decode)
         inputs = StepInputs(input_ids, positions, attn, logits_indices, src_rows)
-        out = self._dispatch("run_step", (num_tokens, full), pack(inputs), pack((smeta, dst_rows)))
-        return StepHandle(out, len(logits_indices), smeta.num_logprobs, num_rows)
+        if not multi_step:
+            out = self._dispatch("run_step", (num_tokens, full), pack(inputs), pack((smeta, dst_rows)))
+            return StepHandle(out, len(logits_indices), smeta.num_logprobs, num_rows)
+        if num_tokens_real != n or num_rows != n or num_seqs != num_tokens:
+            raise ValueError("a multi-step decode takes one token and one sample per sequence")
+        # The slots of the later steps' tokens: positions pos + 1 .. pos + K - 1.
+        num_steps = self.buckets.num_scheduler_steps
+        later = pos[None, :] + np.arange(1, num_steps, dtype=np.int32)[:, None]
+        lookahead_slots = np.full((num_steps - 1, num_tokens), -1, np.int32)
+        lookahead_slots[:, :n] = (block_tables[seq_of[None, :], later // self.block_size] * self.block_size
+                                  + later % self.block_size)
+        out = self._dispatch("run_multi_step", num_tokens, pack((inputs, smeta, dst_rows, lookahead_slots)))
+        return StepHandle(out, len(logits_indices), 0, num_rows, num_steps)
 
     @staticmethod
-    def collect(handle: "StepHandle") -> sampler.SamplerOutput:
-        """Wait for a dispatched step: its sampler output as numpy arrays (its real rows)."""
+    def collect(handle: "StepHandle") -> list[sampler.SamplerOutput]:
+        """Wait for a dispatched step: its sampler output as numpy arrays (its real rows), one per
+        step it ran (several: a multi-step decode)."""
         # Outputs are replicated: any local copy is the whole.
-        return _unpack_output(np.asarray(handle.out.addressable_data(0)), handle.num_rows, handle.num_logprobs,
-                              handle.num_real_rows)
+        packed = np.asarray(handle.out.addressable_data(0)).reshape(handle.num_steps, -1)
+        return [_unpack_output(part, handle.num_rows, handle.num_logprobs, handle.num_real_rows) for part in packed]
 
     def _run_step(self, key, inputs: np.ndarray, smeta: np.ndarray):
         num_tokens, full = key
@@ -368,6 +402,11 @@ class ModelRunner:
                                                                           self.last_tokens)
         out, self.last_tokens = self._executable(
             ("sample", self.buckets.sample_rows(self.buckets.seqs(num_tokens)), full))(logits, smeta, self.last_tokens)
+        return out
+
+    def _run_multi_step(self, num_tokens: int, inputs: np.ndarray):
+        out, self.kv_cache, self.last_tokens = self._executable(("multi_step", num_tokens))(
+            self.state, self.kv_cache, inputs, self.last_tokens)
         return out
 
     # ------------------------------------------------------------------ multi-host
@@ -456,9 +495,17 @@ class ModelRunner:
 def _forward(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *, layout: Layout):
     """The model's part of a step: write the new K/V, attend, and the fp32 logits of the rows to
     sample. They stay on the device for the sampler executable."""
-    inputs: StepInputs = unpack(packed, layout)
+    inputs = _with_pending_tokens(unpack(packed, layout), last_tokens)
+    return _model_logits(graphdef, logits_sharding, state, kv_cache, inputs)
+
+
+def _with_pending_tokens(inputs: StepInputs, last_tokens) -> StepInputs:
+    """The inputs with each pending token (sampled by a step in flight) read from last_tokens."""
     input_ids = jnp.where(inputs.src_rows >= 0, last_tokens[jnp.maximum(inputs.src_rows, 0)], inputs.input_ids)
-    inputs = dataclasses.replace(inputs, input_ids=input_ids)
+    return dataclasses.replace(inputs, input_ids=input_ids)
+
+
+def _model_logits(graphdef, logits_sharding, state, kv_cache, inputs: StepInputs):
     model = nnx.merge(graphdef, state)
     hidden, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache, inputs.attn)
     logits = model.compute_logits(hidden[inputs.logits_indices])
@@ -467,16 +514,48 @@ def _forward(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *,
 
 
 def _sample(logits, packed, last_tokens, *, layout: Layout):
-    """The sampler on packed metadata; its outputs come back packed too: one int32 array of
-    [token_ids, logprobs, target_logprobs, top_ids, top_logprobs], float32s bitcast. Each row's
-    token also goes to its `dst_rows` entry of last_tokens (-1: none), for the next step."""
+    """The sampler on packed metadata; its outputs come back packed too (`_pack_output`). Each
+    row's token also goes to its `dst_rows` entry of last_tokens (-1: none), for the next step."""
     meta, dst_rows = unpack(packed, layout)
     out = sampler.sample(logits, meta)
-    last_tokens = last_tokens.at[jnp.where(dst_rows < 0, last_tokens.shape[0], dst_rows)].set(out.token_ids,
-                                                                                               mode="drop")
+    return _pack_output(out), _keep_last_tokens(last_tokens, dst_rows, out.token_ids)
+
+
+def _multi_step(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *, layout: Layout,
+                num_steps: int):
+    """`num_steps` decode steps (forward + fast sampler) in one call: each step's sampled tokens
+    are the next one's inputs, at the next position, writing into the precomputed lookahead
+    slots. Returns the steps' packed outputs, one after another."""
+    inputs, meta, dst_rows, lookahead_slots = unpack(packed, layout)
+    inputs = _with_pending_tokens(inputs, last_tokens)
+    slots = jnp.concatenate([inputs.attn.slot_mapping[None], lookahead_slots])
+    live = inputs.attn.context_lens > 0  # padding rows stay empty
+    num_tokens = inputs.input_ids.shape[0]
+
+    def one_step(carry, j):
+        kv_cache, token_ids, _ = carry
+        attn = dataclasses.replace(inputs.attn, slot_mapping=slots[j],
+                                   context_lens=jnp.where(live, inputs.attn.context_lens + j, 0))
+        step = dataclasses.replace(inputs, input_ids=token_ids, positions=inputs.positions + j, attn=attn)
+        logits, kv_cache = _model_logits(graphdef, logits_sharding, state, kv_cache, step)
+        out = sampler.sample(logits, dataclasses.replace(meta, sample_index=meta.sample_index + j))
+        return (kv_cache, out.token_ids[:num_tokens], out.token_ids), _pack_output(out)
+
+    num_rows = inputs.logits_indices.shape[0]
+    carry = (kv_cache, inputs.input_ids, jnp.zeros(num_rows, jnp.int32))
+    (kv_cache, _, sampled), outs = jax.lax.scan(one_step, carry, jnp.arange(num_steps))
+    return outs.reshape(-1), kv_cache, _keep_last_tokens(last_tokens, dst_rows, sampled)
+
+
+def _keep_last_tokens(last_tokens, dst_rows, token_ids):
+    return last_tokens.at[jnp.where(dst_rows < 0, last_tokens.shape[0], dst_rows)].set(token_ids, mode="drop")
+
+
+def _pack_output(out: sampler.SamplerOutput) -> jax.Array:
+    """One int32 array of [token_ids, logprobs, target_logprobs, top_ids, top_logprobs], float32s bitcast."""
     as_i32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
     return jnp.concatenate([out.token_ids, as_i32(out.logprobs), as_i32(out.target_logprobs),
-                            out.top_ids.reshape(-1), as_i32(out.top_logprobs).reshape(-1)]), last_tokens
+                            out.top_ids.reshape(-1), as_i32(out.top_logprobs).reshape(-1)])
 
 
 class StepHandle(NamedTuple):
@@ -486,6 +565,7 @@ class StepHandle(NamedTuple):
     num_rows: int  # padded sampling rows
     num_logprobs: int
     num_real_rows: int
+    num_steps: int = 1  # a multi-step decode's steps
 
 
 def _unpack_output(packed: np.ndarray, num_rows: int, k: int, num_real: int) -> sampler.SamplerOutput:
