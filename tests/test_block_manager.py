@@ -346,17 +346,27 @@ def test_random_operations_keep_contents_and_invariants():
             if len(group.seqs) < 4:
                 fork(bm, group, rng.choice(group.seqs))
         elif op < 0.7 and running:
+            # A decode step; with lookahead slots, a multi-step decode: the device computes the
+            # sampled token and the `lookahead` tokens it samples next, into slots taken now.
             group = rng.choice(running)
+            lookahead = rng.choice([0, 0, 1, 2, 5])
             for seq in group.seqs:
                 seq.append_token_id(rng.randrange(1000), 0.0)
-            if not bm.can_append_slots(group):
+            if not bm.can_append_slots(group, lookahead):
                 for seq in group.seqs:
                     seq.output_token_ids.pop()
                 continue
+            free = bm.get_num_free_gpu_blocks()
+            needed = bm.num_blocks_to_append(group.seqs, lookahead)
             for seq in group.seqs:
-                for src, dst in bm.append_slots(seq):
+                for src, dst in bm.append_slots(seq, lookahead):
                     gpu[dst] = list(gpu[src])
                 write(seq, seq.get_len() - 1)
+            assert free - bm.get_num_free_gpu_blocks() == needed
+            for _ in range(lookahead):  # each step writes what the one before sampled
+                for seq in group.seqs:
+                    seq.append_token_id(rng.randrange(1000), 0.0)
+                    write(seq, seq.get_len() - 1)
         elif op < 0.8 and running:
             group = running.pop(rng.randrange(len(running)))
             if bm.can_swap_out(group):

@@ -13,9 +13,10 @@ BS = 16
 
 @pytest.fixture(scope="module")
 def llm():
-    # A small pool (8 sequences of 128 tokens would need 64 blocks) so that the workload preempts.
+    # A small pool (8 sequences of 128 tokens would need 64 blocks) so that the workload preempts;
+    # multi-step decode when every running request allows it.
     return jpaged.LLM(model="tiny", max_num_seqs=8, max_model_len=128, max_num_batched_tokens=128,
-                      num_gpu_blocks_override=24, swap_space=0.01, enable_prefix_caching=True)
+                      num_gpu_blocks_override=24, swap_space=0.01, enable_prefix_caching=True, num_scheduler_steps=4)
 
 
 class CompileRecorder:
@@ -62,7 +63,9 @@ def test_nothing_compiles_after_warm_up(llm):
     with CompileRecorder() as recorder:
         outs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.stats()
-    assert all(o.finished for o in outs)
+        # and multi-step decodes
+        multi = llm.generate(prompts[:8], [greedy] * 8, use_tqdm=False) + llm.generate(prompts[:1], greedy)
+    assert all(o.finished for o in outs + multi)
     # The workload did exercise every path: both kinds of preemption, swaps, copies and prefix hits.
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert recorder.events == [], f"compiled after warm-up: {recorder.events}"
@@ -81,12 +84,12 @@ def test_step_updates_the_pool_in_place():
     """The scanned forward (and each block operation) aliases the donated KV pool to its output,
     needs scratch memory far below the pool's size and copies no pool-sized array."""
     llm = jpaged.LLM(model="tiny", max_num_seqs=8, max_model_len=128, max_num_batched_tokens=128,
-                     num_gpu_blocks_override=512, enforce_eager=True)
+                     num_gpu_blocks_override=512, enforce_eager=True, num_scheduler_steps=4)
     runner = llm.llm_engine.runner
     k_pages = runner.kv_cache[0]
     pool_bytes = k_pages.nbytes
     pool_type = f"{k_pages.dtype.name.replace('float', 'f')}[{','.join(map(str, k_pages.shape))}]"
-    for key in (("forward", 8), ("forward", 128), ("copy_blocks", BLOCK_OP_SIZES[-1]),
+    for key in (("forward", 8), ("forward", 128), ("multi_step", 8), ("copy_blocks", BLOCK_OP_SIZES[-1]),
                 ("swap_in", BLOCK_OP_SIZES[-1])):
         compiled = runner._lower(key).compile()
         memory = compiled.memory_analysis()
