@@ -1,7 +1,7 @@
 """Host time per decode step, split into scheduler / input preparation / output processing.
 
-N requests (~30 prompt tokens, EOS ignored) are admitted and prefilled; then `--steps` decode steps
-are timed, each split into
+N requests (~30 prompt tokens, EOS ignored) are admitted and prefilled; then `--steps` engine steps
+are timed, per decode step (with --num-scheduler-steps K, an engine step is K decode steps), split into
   scheduler  Scheduler.schedule
   input      building the step's inputs (the engine's per-group part and the runner's arrays),
              including the device call's dispatch
@@ -71,7 +71,14 @@ def stub_device(runner, vocab_size: int):
         packed[:rows] = rng.integers(0, vocab_size, rows)
         return jax.device_put(packed)  # a device array, as the real step returns
 
+    def run_multi_step(num_tokens, inputs):
+        rows, num_steps = runner.buckets.sample_rows(num_tokens), runner.buckets.num_scheduler_steps
+        packed = np.zeros((num_steps, rows * 3), np.int32)
+        packed[:, :rows] = rng.integers(0, vocab_size, (num_steps, rows))
+        return jax.device_put(packed.reshape(-1))
+
     runner._run_step = run_step
+    runner._run_multi_step = run_multi_step
 
 
 def micro_model(work_dir: str) -> str:
@@ -87,7 +94,8 @@ def micro_model(work_dir: str) -> str:
 def measure(llm, num_seqs: int, steps: int, vocab_size: int) -> dict:
     engine = llm.llm_engine
     rng = np.random.default_rng(num_seqs)
-    params = jpaged.SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    num_steps = engine.config.num_scheduler_steps
+    params = jpaged.SamplingParams(temperature=0, max_tokens=steps * num_steps + 8, ignore_eos=True)
     for i in range(num_seqs):
         engine.add_request(f"r{num_seqs}-{i}", rng.integers(0, vocab_size, PROMPT_LEN).tolist(), params)
     while any(g.is_prefill() for g in engine.scheduler.running) or engine.scheduler.waiting:
@@ -97,18 +105,22 @@ def measure(llm, num_seqs: int, steps: int, vocab_size: int) -> dict:
     for name in ("_group_inputs", "_execute", "_prepare"):  # whichever the engine has
         if hasattr(engine, name):
             timer.wrap(engine, name, "input")
+    seqs = [seq for group in engine.scheduler.running for seq in group.seqs]
+    generated = -sum(seq.get_output_len() for seq in seqs)
     t = CLOCK()
     for _ in range(steps):
         engine.step()
     total = CLOCK() - t
+    # Per decode step (a multi-step decode's call counts as its K steps).
+    decode_steps = (generated + sum(seq.get_output_len() for seq in seqs)) / num_seqs
     for attr in ("schedule", "_group_inputs", "_execute", "_prepare"):  # unwrap
         for obj in (engine, engine.scheduler):
             obj.__dict__.pop(attr, None)
     while engine.has_unfinished_requests():
         engine.step()
-    ms = {phase: 1e3 * v / steps for phase, v in timer.totals.items()}
-    ms["output"] = 1e3 * total / steps - sum(ms.values())
-    ms["total"] = 1e3 * total / steps
+    ms = {phase: 1e3 * v / decode_steps for phase, v in timer.totals.items()}
+    ms["output"] = 1e3 * total / decode_steps - sum(ms.values())
+    ms["total"] = 1e3 * total / decode_steps
     return {"num_seqs": num_seqs, **{k: round(v, 3) for k, v in ms.items()}}
 
 
@@ -126,7 +138,8 @@ def main():
         kwargs[flag.lstrip("-").replace("-", "_")] = int(value) if value.isdigit() else value
     model = micro_model(args.work_dir) if args.model == "micro" else args.model
     max_num_seqs = max(args.num_seqs)
-    llm = jpaged.LLM(model=model, max_num_seqs=max_num_seqs, max_model_len=PROMPT_LEN + args.steps + 16,
+    max_model_len = PROMPT_LEN + args.steps * kwargs.get("num_scheduler_steps", 1) + 16
+    llm = jpaged.LLM(model=model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                      enforce_eager=args.device == "stub", **kwargs)
     vocab_size = llm.llm_engine.hf_config.vocab_size
     if args.device == "stub":

@@ -311,7 +311,8 @@ class AttentionMetadata:
     query_start_loc: int32[seqs + 1], where each sequence's new tokens start in the token axis.
     decode: bool[] or None: every sequence has exactly one new token (traced, so decode and mixed
       steps share one executable); given only when the token and sequence axes have the same
-      length, where the Pallas decode kernel can take the step.
+      length, where the Pallas decode kernel can take the step. Python's True: the step is known
+      to be a decode when tracing (multi-step decode), and every backend takes its decode path.
     layer: int32 scalar, the decoder layer being run (set by the layer stack's scan), for the
       layers that differ by layer (Gemma's alternating local and global attention).
     """
@@ -363,21 +364,21 @@ class AttentionOps:
     def _attend(self, q, k, v, kv_cache, meta: AttentionMetadata, sliding_window, scale: float, logits_soft_cap):
         k_pages, v_pages = pallas_kernels.write_kv(*kv_cache, k, v, meta.slot_mapping)
         args = (q, k_pages, v_pages, meta.block_tables, meta.context_lens)
-        if pallas_kernels.kernel_family(self.backend) == "xla":
-            # XLA's ragged path is as fast as its decode path on decode steps (tile 1): one branch.
-            return pallas_kernels.ragged_paged_attention_xla(
-                *args, meta.query_start_loc, scale=scale, sliding_window=sliding_window,
-                logits_soft_cap=logits_soft_cap), (k_pages, v_pages)
-
         # pallas_kernels picks the kernels (interpret mode for Pallas ones off-GPU).
         opts = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, backend=self.backend)
+
+        def decode():
+            return pallas_kernels.paged_attention(*args, **opts)
 
         def ragged():
             return pallas_kernels.ragged_paged_attention(*args, meta.query_start_loc, **opts)
 
-        if meta.decode is None:
+        if meta.decode is True:  # known when tracing: a multi-step decode's steps
+            return decode(), (k_pages, v_pages)
+        # XLA's ragged path is nearly as fast as its decode path on decode steps (tile 1): one
+        # branch, less to compile.
+        if meta.decode is None or pallas_kernels.kernel_family(self.backend) == "xla":
             return ragged(), (k_pages, v_pages)
-        decode = functools.partial(pallas_kernels.paged_attention, *args, **opts)
         return jax.lax.cond(meta.decode, decode, ragged), (k_pages, v_pages)
 
 

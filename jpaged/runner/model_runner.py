@@ -61,6 +61,9 @@ MAX_BANNED_TOKENS = 32
 # chunks of the largest, so each operation has one executable per size, compiled at warm-up.
 BLOCK_OP_SIZES = (32,)
 BLOCK_OPS = ("copy_blocks", "swap_out", "swap_in")
+# Token histories uploaded to the device at once (more: several calls), for penalised sequences
+# whose row does not hold their tokens yet.
+HISTORY_UPLOAD_ROWS = 16
 
 
 def kv_cache_layout(model: nnx.Module) -> tuple[int, int, int]:
@@ -136,6 +139,7 @@ class Buckets:
         for op in BLOCK_OPS:
             for num_blocks in BLOCK_OP_SIZES:
                 yield (op, num_blocks)
+        yield ("write_history", HISTORY_UPLOAD_ROWS)
 
 
 @dataclasses.dataclass
@@ -153,6 +157,18 @@ class SeqInput:
     block_table: list[int]
     num_samples: int
     num_prompt_rows: int = 0
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["rows", "prompt_lens", "lens", "dst_rows"], meta_fields=[])
+@dataclasses.dataclass
+class HistoryInputs:
+    """Where each sampling row's penalty tokens are in the device's token history (full sampler)."""
+
+    rows: np.ndarray  # int32[sampling rows]: the history row of the row's sequence (-1: no penalties)
+    prompt_lens: np.ndarray  # int32[sampling rows]: its first tokens are the prompt's ...
+    lens: np.ndarray  # int32[sampling rows]: ... and the rest, up to here, the outputs so far
+    dst_rows: np.ndarray  # int32[sampling rows]: append the sampled token to this history row (-1: no)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -196,11 +212,17 @@ class ModelRunner:
         # The token each InputBatch row sampled last, kept on the device: the next step can read it
         # before the host has (overlap).
         self.last_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=rep)
+        # Penalties' tokens, kept on the device per InputBatch row (prompt, then outputs; the
+        # full sampler appends each sampled token): sent once per sequence, not every step.
+        # `_history` says what each row holds: (seq_id, tokens).
+        self.token_history = jnp.full((max_num_seqs, max_model_len), -1, jnp.int32, device=rep)
+        self._history: dict[int, tuple[int, int]] = {}
         # Each takes its inputs packed in one int32 array (one transfer), unpacked by `layout`.
         self._forward = lambda layout: jax.jit(functools.partial(_forward, self.graphdef, rep, layout=layout),
                                                donate_argnums=(1,), out_shardings=(rep, kv))
-        self._sample = lambda layout: jax.jit(functools.partial(_sample, layout=layout), out_shardings=(rep, rep),
-                                              donate_argnums=(2,))
+        self._sample = lambda layout: jax.jit(functools.partial(_sample, layout=layout),
+                                              out_shardings=(rep, rep, rep), donate_argnums=(2, 3))
+        self._history_writer = jax.jit(_write_history, out_shardings=rep, donate_argnums=(0,))
         self._multi_step = lambda layout: jax.jit(
             functools.partial(_multi_step, self.graphdef, rep, layout=layout, num_steps=num_scheduler_steps),
             donate_argnums=(1, 3), out_shardings=(rep, kv, rep))
@@ -251,8 +273,13 @@ class ModelRunner:
             _, num_rows, full = key
             logits = jax.ShapeDtypeStruct((num_rows, self.vocab_size), jnp.float32, sharding=self._replicated)
             i32 = jax.ShapeDtypeStruct((num_rows,), jnp.int32)
-            layout = layout_of((self._sampling_metadata([], num_rows, full), i32))
-            return self._sample(layout), (logits, self._packed(layout), self.last_tokens)
+            history = HistoryInputs(i32, i32, i32, i32) if full else None
+            layout = layout_of((self._sampling_metadata([], num_rows, full), i32, history))
+            return self._sample(layout), (logits, self._packed(layout), self.last_tokens, self.token_history)
+        if key[0] == "write_history":
+            rows = jax.ShapeDtypeStruct((key[1],), jnp.int32, sharding=self._replicated)
+            tokens = jax.ShapeDtypeStruct((key[1], self.max_model_len), jnp.int32, sharding=self._replicated)
+            return self._history_writer, (self.token_history, rows, tokens)
         op, num_blocks = key
         blocks = jax.ShapeDtypeStruct((num_blocks,), jnp.int32, sharding=self._replicated)
         if op == "copy_blocks":
@@ -298,12 +325,49 @@ class ModelRunner:
 
     def _sampling_metadata(self, rows, num_rows: int, full: bool) -> sampler.SamplingMetadata:
         """Fixed widths and logprob count, so the sampler has two variants: the fast one (no
-        penalties, grammars or logprobs) and `full`, taken when any row needs one of them."""
-        width = self.max_model_len if full else 0
+        penalties, grammars or logprobs) and `full`, taken when any row needs one of them. The
+        penalties' tokens are not sent: the full sampler reads them from the token history."""
+        rows = [r._replace(prompt_token_ids=(), output_token_ids=()) if r.output_token_ids or r.prompt_token_ids
+                else r for r in rows] if full else rows
         return sampler.SamplingMetadata.from_rows(rows, num_rows, vocab_size=self.vocab_size,
                                                   num_logprobs=MAX_LOGPROBS if full else 0, do_penalties=full,
-                                                  prompt_width=width, output_width=width,
+                                                  prompt_width=0, output_width=0,
                                                   banned_width=MAX_BANNED_TOKENS, do_guided=full)
+
+    def _history_inputs(self, seqs: list[SeqInput], rows: np.ndarray, sampling_rows: list,
+                        num_rows: int) -> HistoryInputs:
+        """The full sampler's history rows; first uploads the tokens of penalised sequences whose
+        row does not hold them (a new row, or tokens the sampler did not append: forks, beams)."""
+        history = HistoryInputs(*(np.full(num_rows, fill, np.int32) for fill in (-1, 0, 0, -1)))
+        uploads, k = {}, 0
+        for seq, row in zip(seqs, rows):
+            k += seq.num_prompt_rows
+            for i in range(k, k + seq.num_samples):
+                r = sampling_rows[i]
+                p = r.params
+                if not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0):
+                    continue
+                prompt_len, length = len(r.prompt_token_ids), len(r.prompt_token_ids) + len(r.output_token_ids)
+                if self._history.get(row) != (seq.seq_id, length):
+                    uploads[int(row)] = list(r.prompt_token_ids) + list(r.output_token_ids)
+                history.rows[i], history.prompt_lens[i], history.lens[i] = row, prompt_len, length
+                # The sampler appends a lone sample's token (a beam may take another token).
+                if seq.num_samples == 1 and not p.use_beam_search:
+                    history.dst_rows[i] = row
+                    self._history[int(row)] = (seq.seq_id, length + 1)
+                else:
+                    self._history.pop(int(row), None)
+            k += seq.num_samples
+        items = list(uploads.items())
+        for start in range(0, len(items), HISTORY_UPLOAD_ROWS):
+            chunk = items[start:start + HISTORY_UPLOAD_ROWS]
+            upload_rows = np.full(HISTORY_UPLOAD_ROWS, -1, np.int32)
+            tokens = np.full((HISTORY_UPLOAD_ROWS, self.max_model_len), -1, np.int32)
+            for j, (row, ids) in enumerate(chunk):
+                upload_rows[j] = row
+                tokens[j, :len(ids)] = ids
+            self._dispatch("write_history", upload_rows, tokens)
+        return history
 
     @staticmethod
     def _needs_full_sampler(rows) -> bool:
@@ -375,7 +439,8 @@ class ModelRunner:
         attn = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, decode)
         inputs = StepInputs(input_ids, positions, attn, logits_indices, src_rows)
         if not multi_step:
-            out = self._dispatch("run_step", (num_tokens, full), pack(inputs), pack((smeta, dst_rows)))
+            history = self._history_inputs(seqs, rows, sampling_rows, len(logits_indices)) if full else None
+            out = self._dispatch("run_step", (num_tokens, full), pack(inputs), pack((smeta, dst_rows, history)))
             return StepHandle(out, len(logits_indices), smeta.num_logprobs, num_rows)
         if num_tokens_real != n or num_rows != n or num_seqs != num_tokens:
             raise ValueError("a multi-step decode takes one token and one sample per sequence")
@@ -400,9 +465,13 @@ class ModelRunner:
         num_tokens, full = key
         logits, self.kv_cache = self._executable(("forward", num_tokens))(self.state, self.kv_cache, inputs,
                                                                           self.last_tokens)
-        out, self.last_tokens = self._executable(
-            ("sample", self.buckets.sample_rows(self.buckets.seqs(num_tokens)), full))(logits, smeta, self.last_tokens)
+        out, self.last_tokens, self.token_history = self._executable(
+            ("sample", self.buckets.sample_rows(self.buckets.seqs(num_tokens)), full))(
+            logits, smeta, self.last_tokens, self.token_history)
         return out
+
+    def _write_history(self, rows: np.ndarray, tokens: np.ndarray):
+        self.token_history = self._executable(("write_history", len(rows)))(self.token_history, rows, tokens)
 
     def _run_multi_step(self, num_tokens: int, inputs: np.ndarray):
         out, self.kv_cache, self.last_tokens = self._executable(("multi_step", num_tokens))(
@@ -513,12 +582,29 @@ def _model_logits(graphdef, logits_sharding, state, kv_cache, inputs: StepInputs
     return jax.lax.with_sharding_constraint(logits, logits_sharding), kv_cache
 
 
-def _sample(logits, packed, last_tokens, *, layout: Layout):
+def _sample(logits, packed, last_tokens, token_history, *, layout: Layout):
     """The sampler on packed metadata; its outputs come back packed too (`_pack_output`). Each
-    row's token also goes to its `dst_rows` entry of last_tokens (-1: none), for the next step."""
-    meta, dst_rows = unpack(packed, layout)
+    row's token also goes to its `dst_rows` entry of last_tokens (-1: none), for the next step.
+    The full sampler takes the penalties' tokens from the token history and appends to it."""
+    meta, dst_rows, history = unpack(packed, layout)
+    if history is not None:
+        tokens = token_history[jnp.maximum(history.rows, 0)]  # [rows, max_model_len]
+        pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        used = (history.rows >= 0)[:, None]
+        in_prompt = used & (pos < history.prompt_lens[:, None])
+        in_output = used & ~in_prompt & (pos < history.lens[:, None])
+        meta = dataclasses.replace(meta, prompt_token_ids=jnp.where(in_prompt, tokens, -1),
+                                   output_token_ids=jnp.where(in_output, tokens, -1))
     out = sampler.sample(logits, meta)
-    return _pack_output(out), _keep_last_tokens(last_tokens, dst_rows, out.token_ids)
+    if history is not None:
+        dst = jnp.where(history.dst_rows < 0, token_history.shape[0], history.dst_rows)
+        token_history = token_history.at[dst, history.lens].set(out.token_ids, mode="drop")
+    return _pack_output(out), _keep_last_tokens(last_tokens, dst_rows, out.token_ids), token_history
+
+
+def _write_history(token_history, rows, tokens):
+    """Rows' whole token histories (-1 padded); row -1: skipped."""
+    return token_history.at[jnp.where(rows < 0, token_history.shape[0], rows)].set(tokens, mode="drop")
 
 
 def _multi_step(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *, layout: Layout,
@@ -534,7 +620,7 @@ def _multi_step(graphdef, logits_sharding, state, kv_cache, packed, last_tokens,
 
     def one_step(carry, j):
         kv_cache, token_ids, _ = carry
-        attn = dataclasses.replace(inputs.attn, slot_mapping=slots[j],
+        attn = dataclasses.replace(inputs.attn, slot_mapping=slots[j], decode=True,
                                    context_lens=jnp.where(live, inputs.attn.context_lens + j, 0))
         step = dataclasses.replace(inputs, input_ids=token_ids, positions=inputs.positions + j, attn=attn)
         logits, kv_cache = _model_logits(graphdef, logits_sharding, state, kv_cache, step)

@@ -1,0 +1,54 @@
+"""Penalties through the engine, whose sampler keeps each sequence's tokens on the device (a row
+of the token history, uploaded once and appended to by every step): greedy outputs must equal
+HF transformers' model with vLLM's penalties applied in float64, while sequences join, leave,
+change rows and are preempted (their history uploaded again)."""
+
+import numpy as np
+import pytest
+import torch
+
+import jpaged
+from test_engine import assert_all_blocks_free
+from test_models import VOCAB, make_checkpoint
+
+
+def hf_greedy_penalised(model, ids: list[int], steps: int, sp: jpaged.SamplingParams) -> list[int]:
+    """HF's logits (whole sequence recomputed each step), vLLM's penalties in float64, argmax."""
+    tokens = list(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([tokens])).logits[0, -1].double().numpy()
+            output = tokens[len(ids):]
+            counts = np.bincount(output, minlength=len(logits)).astype(np.float64)
+            seen = counts > 0
+            seen[ids] = True
+            r = sp.repetition_penalty
+            logits = np.where(seen, np.where(logits > 0, logits / r, logits * r), logits)
+            logits = logits - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0)
+            tokens.append(int(np.argmax(logits)))
+    return tokens[len(ids):]
+
+
+@pytest.mark.parametrize("pool", [None, 12])  # 12 blocks of 8 tokens: preemption (recompute)
+def test_penalties_match_hf(tmp_path, pool):
+    hf = make_checkpoint(tmp_path, "llama3-gqa-rope-scaling")
+    llm = jpaged.LLM(str(tmp_path), dtype="float32", block_size=8, enforce_eager=True, max_model_len=128,
+                     max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=pool,
+                     preemption_mode="recompute")
+    rng = np.random.default_rng()
+    prompts, params = [], []
+    for i in range(10):
+        # Repeated tokens in the prompt, so the repetition penalty has something to bite on.
+        prompts.append(rng.integers(0, VOCAB // 4, size=int(rng.integers(16, 30))).tolist())
+        penalised = i % 3 != 2  # and unpenalised requests in the same batches
+        params.append(jpaged.SamplingParams(
+            temperature=0, max_tokens=int(rng.integers(10, 25)), ignore_eos=True,
+            repetition_penalty=float(rng.choice([1.0, 1.4, 0.7])) if penalised else 1.0,
+            presence_penalty=float(rng.choice([0.0, 0.8, -0.5])) if penalised else 0.0,
+            frequency_penalty=float(rng.choice([0.0, 0.6])) if penalised else 0.0))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if pool is not None:
+        assert llm.stats()["num_preemptions"] > 0
+    for prompt, sp, out in zip(prompts, params, outs):
+        assert out.outputs[0].token_ids == hf_greedy_penalised(hf, prompt, sp.max_tokens, sp), sp
+    assert_all_blocks_free(llm)
