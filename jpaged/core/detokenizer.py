@@ -97,6 +97,9 @@ class Detokenizer:
         self._is_fast = backend is not None
         self._decoder = backend.decoder if backend is not None else None
         self._vocab_size = len(tokenizer)
+        # Every id's token string, looked up once (a per-token tokenizer call costs a microsecond
+        # per sampled token, at every step).
+        self._id_tokens = tokenizer.convert_ids_to_tokens(list(range(self._vocab_size)))
         # The ids that tokenizer.decode(..., skip_special_tokens=True) drops. Fast tokenizers drop
         # the added tokens flagged special in the backend; slow ones drop all_special_ids.
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
@@ -164,8 +167,7 @@ class Detokenizer:
         token_id = int(token_id)
         if (skip_special_tokens and token_id in self._special_ids) or not 0 <= token_id < self._vocab_size:
             return ""
-        token = self.tokenizer.convert_ids_to_tokens(token_id)
-        return token if token else ""
+        return self._id_tokens[token_id] or ""
 
     def _to_string(self, tokens: list[str]) -> str:
         tokens = [t for t in tokens if t]

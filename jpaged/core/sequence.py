@@ -22,6 +22,10 @@ class SequenceStatus(enum.Enum):
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()  # could never be scheduled (too long for the model or the KV pool)
 
+    # Members are singletons compared by identity: hash them so too (Enum's own hash is Python
+    # code, and statuses are looked up several times per sampled token).
+    __hash__ = object.__hash__
+
     @property
     def is_finished(self) -> bool:
         return self in _FINISH_REASONS

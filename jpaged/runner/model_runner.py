@@ -660,7 +660,8 @@ def _unpack_output(packed: np.ndarray, num_rows: int, k: int, num_real: int) -> 
     token_ids, logprobs, target = packed[:r], packed[r:2 * r].view(np.float32), packed[2 * r:3 * r].view(np.float32)
     top_ids = packed[3 * r:3 * r + r * k].reshape(r, k)
     top_logprobs = packed[3 * r + r * k:].view(np.float32).reshape(r, k)
-    return sampler.SamplerOutput(token_ids[:num_real], logprobs[:num_real], top_ids[:num_real],
+    # Sampled ids and their logprobs as Python lists: the host reads them one by one.
+    return sampler.SamplerOutput(token_ids[:num_real].tolist(), logprobs[:num_real].tolist(), top_ids[:num_real],
                                  top_logprobs[:num_real], target[:num_real])
 
 
