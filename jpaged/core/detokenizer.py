@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings (vLLM v0 semantics), plain Python.
+"""Incremental detokenization and stop strings (vLLM semantics).
 
 Detokenizing token by token
 ---------------------------
@@ -27,6 +27,13 @@ State on the Sequence (jpaged/core/sequence.py):
   seq.output_text    concatenation of all deltas (then truncated by a stop string, if any).
 Nothing else is needed: a forked sequence (deepcopy) carries its own copy. Never reset
 seq.tokens to None on a live sequence: the next call would detokenize every output token again.
+
+Fast (Rust-backed) tokenizers take the same steps inside the tokenizers library instead
+(`tokenizers.decoders.DecodeStream`, as vLLM v1 does): one call per token instead of two
+Python-side decodes, about 1 us instead of 4-5. The stream is primed with the same prompt tail
+(without leading tokens that start inside a character) and kept in `seq.decode_stream`;
+`seq.read_offset` then counts the output tokens fed to it. It holds back an unfinished character
+the same way.
 
 What the deltas add up to. For the prompt ids P and output ids O, with D = tokenizer.decode
 (same skip_special_tokens), the concatenation of the deltas is D(P + O)[len(D(P)):] -- the text the
@@ -77,6 +84,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence as SequenceType
 
+from tokenizers.decoders import DecodeStream
+
 REPLACEMENT_CHAR = "\ufffd"
 # Tokens of context kept before the first new token (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
 INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5
@@ -95,7 +104,7 @@ class Detokenizer:
         self.tokenizer = tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
         self._is_fast = backend is not None
-        self._decoder = backend.decoder if backend is not None else None
+        self._backend = backend
         self._vocab_size = len(tokenizer)
         # Every id's token string, looked up once (a per-token tokenizer call costs a microsecond
         # per sampled token, at every step).
@@ -120,17 +129,14 @@ class Detokenizer:
         this step; several are fine) and returns the new text, also appended to seq.output_text.
         Updates seq.tokens / prefix_offset / read_offset. Returns "" while a character is
         unfinished; the held text comes out with the token that completes it."""
-        if seq.tokens is None:
-            self._init_from_prompt(seq, skip_special_tokens)
-        prompt_len = len(seq.prompt_token_ids)
-        done = max(prompt_len - PROMPT_TAIL_TOKENS, 0) + len(seq.tokens)
-        pending = seq.output_token_ids[done - prompt_len:]
-        if not pending:
-            delta = ""
-        elif len(pending) == 1:
-            delta = self._step(seq, pending[0], skip_special_tokens)
+        if self._is_fast:
+            delta = self._stream(seq, skip_special_tokens)
         else:
-            delta = "".join([self._step(seq, t, skip_special_tokens) for t in pending])
+            if seq.tokens is None:
+                self._init_from_prompt(seq, skip_special_tokens)
+            prompt_len = len(seq.prompt_token_ids)
+            done = max(prompt_len - PROMPT_TAIL_TOKENS, 0) + len(seq.tokens)
+            delta = "".join([self._step(seq, t, skip_special_tokens) for t in seq.output_token_ids[done - prompt_len:]])
         if delta:
             seq.output_text += delta
         setattr(seq, _NEW_CHARS_ATTR, len(delta))
@@ -150,6 +156,31 @@ class Detokenizer:
         remove_last_delta(seq, new_char_count)
 
     # ------------------------------------------------------------------ internals
+    def _stream(self, seq: Any, skip_special_tokens: bool) -> str:
+        """Fast tokenizers: the new output tokens through the sequence's DecodeStream."""
+        if seq.decode_stream is None:
+            tail = [t for t in seq.prompt_token_ids[-PROMPT_TAIL_TOKENS:] if 0 <= t < self._vocab_size]
+            # The context must not start inside a character (see _init_from_prompt).
+            while tail and self.tokenizer.decode(tail, skip_special_tokens=skip_special_tokens).startswith(
+                    REPLACEMENT_CHAR):
+                tail = tail[1:]
+            seq.decode_stream = DecodeStream(ids=tail, skip_special_tokens=skip_special_tokens)
+            seq.read_offset, seq.output_text = 0, ""
+        pending = seq.output_token_ids[seq.read_offset:]
+        seq.read_offset += len(pending)
+        pieces = []
+        for token_id in pending:
+            if not 0 <= token_id < self._vocab_size:
+                continue  # an id the tokenizer does not know (a padded vocabulary): no text
+            try:
+                piece = seq.decode_stream.step(self._backend, token_id)
+            except Exception:  # a prefix the library cannot extend: go on without the context
+                seq.decode_stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+                piece = seq.decode_stream.step(self._backend, token_id)
+            if piece:
+                pieces.append(piece)
+        return "".join(pieces)
+
     def _init_from_prompt(self, seq: Any, skip_special_tokens: bool):
         tail = seq.prompt_token_ids[-PROMPT_TAIL_TOKENS:]
         tokens = [self._token(t, skip_special_tokens) for t in tail]
@@ -173,10 +204,9 @@ class Detokenizer:
         tokens = [t for t in tokens if t]
         if not tokens:
             return ""
-        if self._is_fast:
-            return self._decoder.decode(tokens) if self._decoder is not None else " ".join(tokens)
-        # Slow tokenizers may not know their added tokens (sentencepiece): convert the runs of
-        # regular tokens and keep added tokens as they are (vLLM does the same).
+        # Slow tokenizers (fast ones decode through a DecodeStream) may not know their added tokens
+        # (sentencepiece): convert the runs of regular tokens and keep added tokens as they are
+        # (vLLM does the same).
         if not self._added_tokens:
             return self.tokenizer.convert_tokens_to_string(tokens)
         parts, run = [], []

@@ -67,6 +67,7 @@ class Sequence:
         self.tokens: list[str] | None = None
         self.prefix_offset = 0
         self.read_offset = 0
+        self.decode_stream = None  # fast tokenizers' tokenizers.decoders.DecodeStream
 
     def get_len(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens

@@ -386,12 +386,11 @@ class LLMEngine:
                 handle, row = dispatched.results[id(group)]
                 if id(handle) not in read:
                     read[id(handle)] = self.runner.collect(handle)
-                for i, out in enumerate(read[id(handle)]):  # several: a multi-step decode
-                    if i:  # the token appended last was computed by this step
-                        for seq, _ in step.sampled:
-                            if not seq.is_finished():
-                                seq.num_computed_tokens += 1
-                    self._process(step, out, row)
+                outs = read[id(handle)]
+                if len(outs) == 1:
+                    self._process(step, outs[0], row)
+                else:
+                    self._process_multi_step(step, outs, row)
             except Exception as e:
                 if not self.runner.is_alive():
                     raise
@@ -498,6 +497,18 @@ class LLMEngine:
                 self._append(group, s, out, row)
                 row += 1
 
+    def _process_multi_step(self, step: "_GroupStep", outs: list, row: int):
+        """A multi-step decode's K tokens per sequence (one sampling row each, no forks or
+        beams): appended in order up to the sequence's stop; the rest are dropped."""
+        for seq, _ in step.sampled:
+            for i, out in enumerate(outs):
+                if i:  # the token appended last was computed by this step
+                    seq.num_computed_tokens += 1
+                self._append(step.group, seq, out, row)
+                if seq.is_finished():
+                    break
+            row += 1
+
     def _sampling_row(self, group: SequenceGroup, seq: Sequence, index: int) -> SamplingRow:
         sp = group.sampling_params
         # Unseeded requests draw from the engine seed and the sequence id; seeded ones only from
@@ -521,7 +532,7 @@ class LLMEngine:
 
     def _append(self, group: SequenceGroup, seq: Sequence, out, row: int):
         sp = group.sampling_params
-        self._append_token(sp, seq, int(out.token_ids[row]), float(out.logprobs[row]), self._top_logprobs(sp, out, row))
+        self._append_token(sp, seq, out.token_ids[row], out.logprobs[row], self._top_logprobs(sp, out, row))
         if seq.is_finished():
             self.scheduler.free_seq(seq)
 
