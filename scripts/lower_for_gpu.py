@@ -116,12 +116,12 @@ def kernel_cases():
 
 def forward_cases():
     """The engine's forward (tiny model in bf16, tensor parallelism off) per kernel family, for a
-    decode bucket and a mixed (prefill) bucket, lowered with the KV pool donated as the engine
-    does. Returns (label, lowered-or-exception thunk, backend)."""
+    decode bucket and a mixed (prefill) bucket, and its 4-step decode loop (multi-step), lowered
+    with the KV pool donated as the engine does. Returns (label, lowered-or-exception thunk, backend)."""
     strip = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731 (shapes only: no CPU placement)
     for backend in ("pallas", "mosaic"):
         llm = jpaged.LLM("tiny", dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8,
-                         num_gpu_blocks_override=64, attention_backend=backend)
+                         num_gpu_blocks_override=64, attention_backend=backend, num_scheduler_steps=4)
         runner = llm.llm_engine.runner
         # The engine's model, its attention's shard_map on the abstract mesh instead of the CPU's.
         model = nnx.merge(runner.graphdef, runner.state)
@@ -141,6 +141,13 @@ def forward_cases():
             label = f"forward {backend} {'decode or mixed' if tokens == 8 else 'mixed'} tokens={tokens}"
             yield label, (lambda f=forward, a=(state, kv_cache, packed, last_tokens):
                           lower_for_cuda(f, *a, donate_argnums=(1,))), backend
+        layout = layout_of(runner._abstract_multi_step_inputs(8))
+        multi_step = functools.partial(model_runner._multi_step, graphdef, PartitionSpec(), layout=layout,
+                                       num_steps=4)
+        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
+        yield f"multi-step decode {backend} tokens=8 steps=4", (
+            lambda f=multi_step, a=(state, kv_cache, packed, last_tokens):
+            lower_for_cuda(f, *a, donate_argnums=(1, 3))), backend
 
 
 def main() -> int:

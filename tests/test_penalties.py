@@ -4,7 +4,6 @@ HF transformers' model with vLLM's penalties applied in float64, while sequences
 change rows and are preempted (their history uploaded again)."""
 
 import numpy as np
-import pytest
 import torch
 
 import jpaged
@@ -29,11 +28,11 @@ def hf_greedy_penalised(model, ids: list[int], steps: int, sp: jpaged.SamplingPa
     return tokens[len(ids):]
 
 
-@pytest.mark.parametrize("pool", [None, 12])  # 12 blocks of 8 tokens: preemption (recompute)
-def test_penalties_match_hf(tmp_path, pool):
+def test_penalties_match_hf(tmp_path):
     hf = make_checkpoint(tmp_path, "llama3-gqa-rope-scaling")
+    # 12 blocks of 8 tokens for 4 rows of up to 55 tokens: preemption (recompute).
     llm = jpaged.LLM(str(tmp_path), dtype="float32", block_size=8, enforce_eager=True, max_model_len=128,
-                     max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=pool,
+                     max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=12,
                      preemption_mode="recompute")
     rng = np.random.default_rng()
     prompts, params = [], []
@@ -47,8 +46,7 @@ def test_penalties_match_hf(tmp_path, pool):
             presence_penalty=float(rng.choice([0.0, 0.8, -0.5])) if penalised else 0.0,
             frequency_penalty=float(rng.choice([0.0, 0.6])) if penalised else 0.0))
     outs = llm.generate(prompts, params, use_tqdm=False)
-    if pool is not None:
-        assert llm.stats()["num_preemptions"] > 0
+    assert llm.stats()["num_preemptions"] > 0
     for prompt, sp, out in zip(prompts, params, outs):
         assert out.outputs[0].token_ids == hf_greedy_penalised(hf, prompt, sp.max_tokens, sp), sp
     assert_all_blocks_free(llm)

@@ -312,7 +312,8 @@ class AttentionMetadata:
     decode: bool[] or None: every sequence has exactly one new token (traced, so decode and mixed
       steps share one executable); given only when the token and sequence axes have the same
       length, where the Pallas decode kernel can take the step. Python's True: the step is known
-      to be a decode when tracing (multi-step decode), and every backend takes its decode path.
+      to be a decode when tracing (multi-step decode): the Pallas backends run their decode
+      kernel alone, with no cond.
     layer: int32 scalar, the decoder layer being run (set by the layer stack's scan), for the
       layers that differ by layer (Gemma's alternating local and global attention).
     """
@@ -352,7 +353,11 @@ class AttentionOps:
     def __call__(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window=None,
                  logits_soft_cap: float | None = None):
         """`sliding_window`: None (full attention), an int, or a traced int32 scalar (per layer)."""
-        attend = functools.partial(self._attend, scale=scale, logits_soft_cap=logits_soft_cap)
+        # A step known to be a decode when tracing: static, so it does not travel into shard_map.
+        decode_only = meta.decode is True
+        if decode_only:
+            meta = dataclasses.replace(meta, decode=None)
+        attend = functools.partial(self._attend, scale=scale, logits_soft_cap=logits_soft_cap, decode_only=decode_only)
         if self.mesh is None:
             return attend(q, k, v, kv_cache, meta, sliding_window)
         heads, pages = P(None, TP_AXIS, None), kv_cache_sharding(self.mesh).spec
@@ -361,7 +366,8 @@ class AttentionOps:
                              out_specs=(heads, (pages, pages)), check_vma=False)(
             q, k, v, kv_cache, meta, sliding_window)
 
-    def _attend(self, q, k, v, kv_cache, meta: AttentionMetadata, sliding_window, scale: float, logits_soft_cap):
+    def _attend(self, q, k, v, kv_cache, meta: AttentionMetadata, sliding_window, scale: float, logits_soft_cap,
+                decode_only: bool):
         k_pages, v_pages = pallas_kernels.write_kv(*kv_cache, k, v, meta.slot_mapping)
         args = (q, k_pages, v_pages, meta.block_tables, meta.context_lens)
         # pallas_kernels picks the kernels (interpret mode for Pallas ones off-GPU).
@@ -373,12 +379,12 @@ class AttentionOps:
         def ragged():
             return pallas_kernels.ragged_paged_attention(*args, meta.query_start_loc, **opts)
 
-        if meta.decode is True:  # known when tracing: a multi-step decode's steps
-            return decode(), (k_pages, v_pages)
-        # XLA's ragged path is nearly as fast as its decode path on decode steps (tile 1): one
-        # branch, less to compile.
+        # XLA's ragged path is as fast as its decode path on decode steps (tile 1; measured faster
+        # inside the multi-step decode on a CPU): one branch, less to compile.
         if meta.decode is None or pallas_kernels.kernel_family(self.backend) == "xla":
             return ragged(), (k_pages, v_pages)
+        if decode_only:  # a multi-step decode's steps: the decode kernel alone
+            return decode(), (k_pages, v_pages)
         return jax.lax.cond(meta.decode, decode, ragged), (k_pages, v_pages)
 
 
