@@ -1,9 +1,9 @@
 """jpaged: PagedAttention LLM serving in JAX/Pallas, with vLLM's API."""
 
 from jpaged.outputs import CompletionOutput, RequestOutput
-from jpaged.sampling_params import SamplingParams
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "generate", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "generate", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 

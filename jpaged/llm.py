@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 from jpaged.config import EngineConfig
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.outputs import RequestOutput
-from jpaged.sampling_params import SamplingParams
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -38,6 +38,10 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        # Only the final outputs are kept: the engine builds no others (vLLM does the same).
+        final_only = {}
+        params = [final_only.setdefault(id(sp), dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY))
+                  if isinstance(sp, SamplingParams) else sp for sp in params]
         engine = self.llm_engine
         order = {}
         try:

@@ -20,6 +20,14 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_LOGIT_BIAS = 64
 
 
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # every step: the whole completion so far
+    DELTA = 1  # every step: only what is new since the last output (tokens, text, logprobs)
+    FINAL_ONLY = 2  # nothing until the request finishes, then the whole completion
+
+
 class SamplingType(enum.Enum):
     GREEDY = enum.auto()
     RANDOM = enum.auto()
@@ -58,6 +66,7 @@ class SamplingParams:
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     prompt_logprobs: int | None = None  # top logprobs of every prompt token after the first (its own is added)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         if self.best_of is None:
@@ -130,6 +139,11 @@ class SamplingParams:
         if len(guides) > 1:
             raise ValueError(f"{guides[1]}={getattr(self, guides[1])!r:.80}; expected at most one of {guides}")
         check("use_beam_search", isinstance(self.use_beam_search, bool), "a bool")
+        check("output_kind", isinstance(self.output_kind, RequestOutputKind), "a RequestOutputKind")
+        # Deltas of completions that are picked only at the end (the best n of best_of, the best
+        # beams) would send text that may never be returned.
+        check("output_kind", self.output_kind is not RequestOutputKind.DELTA
+              or (self.best_of == self.n and not self.use_beam_search), "not DELTA with best_of > n or beam search")
         if self.use_beam_search:
             check("temperature", self.temperature < _GREEDY_TEMPERATURE, "0 with use_beam_search")
             check("top_p", self.top_p == 1, "1 with use_beam_search")

@@ -157,3 +157,51 @@ def test_no_compilation_after_warm_up(roomy):
     assert all(o.finished for o in outs)
     assert roomy.stats()["num_compilations"] == compiled
     assert_all_blocks_free(roomy)
+
+
+def assert_close_logprobs(ours, reference):
+    assert len(ours) == len(reference)
+    for a, b in zip(ours, reference):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+
+def test_output_kinds(roomy):
+    """DELTA outputs add up to the CUMULATIVE ones (tokens, logprobs, text never later cut by a
+    stop string); FINAL_ONLY sends only the finished request; LLM.generate needs no others."""
+    rng = np.random.default_rng()
+    engine = roomy.llm_engine
+    prompts = [rng.integers(0, 256, size=int(rng.integers(2, 30))).tolist() for _ in range(6)]
+    base = [dict(temperature=0, max_tokens=30, stop=["e", " a"], logprobs=1),
+            dict(n=2, temperature=1.0, seed=int(rng.integers(1 << 30)), max_tokens=25, ignore_eos=True),
+            dict(temperature=0, max_tokens=12, prompt_logprobs=1, ignore_eos=True)]
+    streams = {}
+    for kind in jpaged.RequestOutputKind:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{kind.name}-{i}", prompt, jpaged.SamplingParams(**base[i % 3], output_kind=kind))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streams.setdefault(out.request_id, []).append(out)
+    for i in range(len(prompts)):
+        final = streams[f"CUMULATIVE-{i}"][-1]
+        assert final.finished
+        only = streams[f"FINAL_ONLY-{i}"]
+        assert len(only) == 1 and only[0].finished
+        # (The same request in other batch rows: logprobs may differ in the last bits.)
+        assert [(c.token_ids, c.text, c.finish_reason) for c in only[0].outputs] == \
+            [(c.token_ids, c.text, c.finish_reason) for c in final.outputs]
+        deltas = streams[f"DELTA-{i}"]
+        assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+        for k, c in enumerate(final.outputs):
+            parts = [d.outputs[k] for d in deltas]
+            assert sum((p.token_ids for p in parts), []) == c.token_ids
+            assert "".join(p.text for p in parts) == c.text
+            assert (parts[-1].finish_reason, parts[-1].stop_reason) == (c.finish_reason, c.stop_reason)
+            if c.logprobs is not None:
+                assert_close_logprobs(sum((p.logprobs for p in parts), []), c.logprobs)
+        if final.prompt_logprobs is not None:
+            assert_close_logprobs(sum((d.prompt_logprobs for d in deltas), []), final.prompt_logprobs)
+    with pytest.raises(ValueError, match="output_kind"):
+        jpaged.SamplingParams(n=1, best_of=2, temperature=1.0, output_kind=jpaged.RequestOutputKind.DELTA)
+    assert_all_blocks_free(roomy)

@@ -10,7 +10,7 @@ def test_defaults_and_field_order():
     assert names == ["n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
                      "stop", "stop_token_ids", "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "use_beam_search", "length_penalty", "early_stopping", "logit_bias",
-                     "guided_json", "guided_regex", "guided_choice", "prompt_logprobs"]
+                     "guided_json", "guided_regex", "guided_choice", "prompt_logprobs", "output_kind"]
     sp = SamplingParams()
     assert (sp.n, sp.best_of, sp.max_tokens, sp.stop, sp.stop_token_ids, sp.top_k) == (1, 1, 16, [], [], -1)
     assert sp.sampling_type is SamplingType.RANDOM
@@ -27,7 +27,7 @@ def test_defaults_and_field_order():
     ("min_tokens", -1), ("min_tokens", 17),  # above max_tokens=16
     ("stop", ""), ("stop", ["ok", 3]),
     ("stop_token_ids", [1, "2"]), ("stop_token_ids", [-1]),
-    ("logprobs", -1), ("prompt_logprobs", -1), ("prompt_logprobs", 1.5),
+    ("logprobs", -1), ("prompt_logprobs", -1), ("prompt_logprobs", 1.5), ("output_kind", "delta"),
     ("logit_bias", {1: 101}), ("logit_bias", {"1": 1}), ("guided_choice", []), ("guided_regex", 5),
     ("presence_penalty", 2.5), ("presence_penalty", -2.1),
     ("frequency_penalty", 2.01), ("frequency_penalty", -3),

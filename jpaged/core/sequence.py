@@ -68,6 +68,9 @@ class Sequence:
         self.prefix_offset = 0
         self.read_offset = 0
         self.decode_stream = None  # fast tokenizers' tokenizers.decoders.DecodeStream
+        # Output tokens and characters already sent (RequestOutputKind.DELTA).
+        self.num_sent_tokens = 0
+        self.num_sent_chars = 0
 
     def get_len(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
@@ -142,6 +145,7 @@ class SequenceGroup:
         # filled as the prompt is computed (a recompute after that does not collect them again).
         self.prompt_logprobs: list[dict[int, float] | None] | None = \
             [None] if sampling_params.prompt_logprobs is not None else None
+        self.num_sent_prompt_logprobs = 0  # RequestOutputKind.DELTA: entries already sent
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -18,7 +18,7 @@ import jax
 from jpaged import devices
 from jpaged.config import EngineConfig
 from jpaged.core.block_manager import BlockManager
-from jpaged.core.detokenizer import Detokenizer
+from jpaged.core.detokenizer import Detokenizer, streamable_text
 from jpaged.core.kv_allocation import KVUsage, kv_usage
 from jpaged.core.kv_map import KVMap
 from jpaged.core.scheduler import Scheduler, SchedulerOutputs
@@ -31,7 +31,7 @@ from jpaged.parallel import distributed
 from jpaged.runner.executable_cache import ExecutableCache
 from jpaged.runner.model_runner import MAX_BANNED_TOKENS, MAX_LOGPROBS, ModelRunner, SeqInput, kv_cache_layout
 from jpaged.runner.sampler import SamplingRow, beam_search_candidates
-from jpaged.sampling_params import SamplingParams
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -396,7 +396,9 @@ class LLMEngine:
                     raise
                 failed[id(group)] = (group, e)
                 continue
-            outputs.append(self._request_output(group))
+            output = self._request_output(group)
+            if output is not None:
+                outputs.append(output)
         for group in dispatched.plan.ignored_seq_groups:  # check_request keeps these out; a warning if one slips by
             logger.warning("request %s can never be scheduled: it ends with what it has", group.request_id)
             outputs.append(self._request_output(group))
@@ -654,10 +656,15 @@ class LLMEngine:
         if output_len >= sp.max_tokens or seq.get_prompt_len() + output_len >= self.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
 
-    def _request_output(self, group: SequenceGroup) -> RequestOutput:
+    def _request_output(self, group: SequenceGroup) -> RequestOutput | None:
+        """The group's output after a step, as its output_kind asks (None: nothing to send)."""
         sp = group.sampling_params
         seqs = group.get_seqs()
         finished = group.is_finished()
+        if sp.output_kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if sp.output_kind is RequestOutputKind.DELTA:
+            return self._delta_output(group, seqs, finished)
         if sp.use_beam_search:  # the n best beams (all finished ones once the search is over)
             seqs = sorted(seqs, key=lambda s: self._beam_score(sp, s), reverse=True)[:sp.n]
         elif finished and len(seqs) > sp.n:  # best_of: keep the n most likely
@@ -668,6 +675,27 @@ class LLMEngine:
             finish_reason=s.status.finish_reason, stop_reason=s.stop_reason)
             for i, s in enumerate(seqs)]
         prompt_logprobs = list(group.prompt_logprobs) if group.prompt_logprobs is not None else None
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished,
+                             prompt_logprobs)
+
+    @staticmethod
+    def _delta_output(group: SequenceGroup, seqs: list[Sequence], finished: bool) -> RequestOutput:
+        """What is new since the group's last output: tokens, their logprobs, and the text that can
+        no longer turn into a stop string (all of it once the sequence is finished)."""
+        sp = group.sampling_params
+        completions = []
+        for i, s in enumerate(seqs):
+            text = s.output_text if s.is_finished() else streamable_text(s, sp.stop)
+            completions.append(CompletionOutput(
+                index=i, text=text[s.num_sent_chars:], token_ids=s.output_token_ids[s.num_sent_tokens:],
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=s.output_logprobs[s.num_sent_tokens:] if sp.logprobs is not None else None,
+                finish_reason=s.status.finish_reason, stop_reason=s.stop_reason))
+            s.num_sent_tokens, s.num_sent_chars = len(s.output_token_ids), len(text)
+        prompt_logprobs = None
+        if group.prompt_logprobs is not None:
+            prompt_logprobs = group.prompt_logprobs[group.num_sent_prompt_logprobs:]
+            group.num_sent_prompt_logprobs = len(group.prompt_logprobs)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished,
                              prompt_logprobs)
 
