@@ -9,6 +9,9 @@ import jpaged
 from test_engine import assert_all_blocks_free
 
 LIMITS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, block_size=16, enforce_eager=True)
+# Exact equality across differently compiled steps: a near-tie could flip on rounding, so the
+# random workloads are seeded (deterministic, as XLA's CPU results are for the same shapes).
+SEED = 20261123
 
 
 def generate_counting_multi_steps(llm, prompts, params):
@@ -56,7 +59,7 @@ def random_workload(rng, num_requests):
 
 @pytest.mark.parametrize("num_steps", [3, 8])
 def test_outputs_match_single_steps(num_steps):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED + 0)
     prompts, params = random_workload(rng, 14)
     single = jpaged.LLM("tiny", num_gpu_blocks_override=80, **LIMITS)
     multi = jpaged.LLM("tiny", num_gpu_blocks_override=80, num_scheduler_steps=num_steps, **LIMITS)
@@ -72,7 +75,7 @@ def test_outputs_match_single_steps(num_steps):
 def test_prefix_caching_and_preemption():
     """A small pool: multi-step takes lookahead blocks only when they are free, else the step is
     a single one (which may preempt); cached prefixes are found as with single steps."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED + 1)
     shared = rng.integers(0, 256, size=40).tolist()
     prompts = [shared + rng.integers(0, 256, size=rng.integers(1, 30)).tolist() for _ in range(10)]
     params = jpaged.SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
@@ -94,7 +97,7 @@ def test_prefix_caching_and_preemption():
 def test_abort_between_multi_steps():
     llm = jpaged.LLM("tiny", num_gpu_blocks_override=80, num_scheduler_steps=4, **LIMITS)
     engine = llm.llm_engine
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED + 2)
     params = jpaged.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"a{i}", rng.integers(0, 256, size=10).tolist(), params)

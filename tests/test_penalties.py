@@ -34,7 +34,7 @@ def test_penalties_match_hf(tmp_path):
     llm = jpaged.LLM(str(tmp_path), dtype="float32", block_size=8, enforce_eager=True, max_model_len=128,
                      max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=12,
                      preemption_mode="recompute")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(20261123)  # greedy equality across implementations: no luck with near-ties
     prompts, params = [], []
     for i in range(10):
         # Repeated tokens in the prompt, so the repetition penalty has something to bite on.
