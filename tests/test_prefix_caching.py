@@ -61,8 +61,8 @@ class Poisoner:
                 self.evicted.append(next(iter(pool.free_queue)))
             return allocate()
 
-        def tracking_schedule():
-            self.plan = schedule()
+        def tracking_schedule(*args):
+            self.plan = schedule(*args)
             return self.plan
 
         def copy_then_poison(pairs):  # the last thing before the forward pass
