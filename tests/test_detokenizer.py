@@ -236,6 +236,18 @@ def test_tiny_output_equals_decode_of_output_ids(tiny):
         assert seq.output_text == tiny.decode(output, skip_special_tokens=True), ctx(trial=trial)
 
 
+def test_tiny_prompt_ending_in_broken_bytes_stays_out_of_the_output(tiny):
+    """A prompt of random bytes (its tail may be invalid UTF-8 or a cut character): the output
+    text is that of the output ids alone, never the prompt's bytes."""
+    rng = make_rng("tiny-broken-prompt")
+    detok = Detokenizer(tiny)
+    for trial in range(100):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(1, 12))]
+        output = list(random_utf8_text(rng, rng.randint(1, 12)).encode())
+        seq, _ = stream(detok, prompt, output)
+        assert seq.output_text == tiny.decode(output), ctx(trial=trial, prompt=prompt, text=seq.output_text)
+
+
 # ---------------------------------------------------------------------- trained tokenizers
 @pytest.mark.parametrize("chunked", [False, True])
 def test_encoded_sentences_match_full_decode(any_tok, chunked):

@@ -160,10 +160,15 @@ class Detokenizer:
         """Fast tokenizers: the new output tokens through the sequence's DecodeStream."""
         if seq.decode_stream is None:
             tail = [t for t in seq.prompt_token_ids[-PROMPT_TAIL_TOKENS:] if 0 <= t < self._vocab_size]
-            # The context must not start inside a character (see _init_from_prompt).
+            # The context must neither start inside a character (see _init_from_prompt) nor end
+            # in bytes that do not make one: a stream primed with those takes them as unread and
+            # emits them with the first output token.
             while tail and self.tokenizer.decode(tail, skip_special_tokens=skip_special_tokens).startswith(
                     REPLACEMENT_CHAR):
                 tail = tail[1:]
+            while tail and self.tokenizer.decode(tail, skip_special_tokens=skip_special_tokens).endswith(
+                    REPLACEMENT_CHAR):
+                tail = tail[:-1]
             seq.decode_stream = DecodeStream(ids=tail, skip_special_tokens=skip_special_tokens)
             seq.read_offset, seq.output_text = 0, ""
         pending = seq.output_token_ids[seq.read_offset:]
