@@ -167,7 +167,9 @@ def test_hf_parity_tp2_under_recompute_preemption(case, tmp_path):
         tokens, logprobs = hf_greedy(hf, ids, 40, with_logprobs=True)
         assert out.outputs[0].token_ids == tokens
         ours = [lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)]
-        np.testing.assert_allclose(ours, logprobs, rtol=0, atol=1e-4)
+        # fp32 against float64-softmaxed fp32 logits: LongRoPE's scaled logits round coarser
+        # (a CI run saw 1.3e-4 on a logprob of -1.44).
+        np.testing.assert_allclose(ours, logprobs, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("case", ["mixtral", "qwen3-moe"])
@@ -194,4 +196,5 @@ def test_moe_routing_equals_hf(case, tmp_path):
     np.testing.assert_array_equal(ours, theirs)
     np.testing.assert_allclose(np.sort(np.asarray(weights), -1)[clear], np.sort(hf_weights.numpy(), -1)[clear],
                                atol=1e-6)
-    np.testing.assert_allclose(np.asarray(layer0.mlp(jnp.asarray(x)))[clear], hf_out[clear], rtol=1e-5, atol=1e-5)
+    # Sums of experts' fp32 outputs: a CI run saw 1.1e-5 off on a value of 0.002 among 3200.
+    np.testing.assert_allclose(np.asarray(layer0.mlp(jnp.asarray(x)))[clear], hf_out[clear], rtol=1e-5, atol=3e-5)
