@@ -159,7 +159,9 @@ def test_hf_parity_tp2_under_recompute_preemption(case, tmp_path):
     llm = jpaged.LLM(str(tmp_path), dtype="float32", block_size=8, attention_backend="xla", enforce_eager=True,
                      max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, tensor_parallel_size=2,
                      num_gpu_blocks_override=10, preemption_mode="recompute")
-    prompts = [np.random.randint(0, VOCAB, size=np.random.randint(5, 9)).tolist() for _ in range(4)]
+    # Equal lengths keep the windows in phase: all four hold their most blocks at once (with
+    # lengths drawn from 5-8, a CI run's windows took turns and fit the pool: no preemption).
+    prompts = [np.random.randint(0, VOCAB, size=8).tolist() for _ in range(4)]
     outs = llm.generate(prompts, jpaged.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1),
                         use_tqdm=False)
     assert llm.stats()["num_preemptions"] > 0
