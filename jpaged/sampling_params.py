@@ -161,6 +161,10 @@ class SamplingParams:
             check("best_of", self.best_of == 1, f"1 with greedy sampling (temperature={self.temperature})")
 
     @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
     def guided(self) -> bool:
         return self.guided_json is not None or self.guided_regex is not None or self.guided_choice is not None
 

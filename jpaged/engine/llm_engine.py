@@ -312,8 +312,7 @@ class LLMEngine:
         caching, num_seqs = self.block_manager.enable_caching, 0
         for group in self.scheduler.running:
             sp = group.sampling_params
-            if (id(group) not in groups or sp.use_beam_search or sp.guided or sp.presence_penalty
-                    or sp.frequency_penalty or sp.repetition_penalty != 1.0):
+            if id(group) not in groups or sp.use_beam_search or sp.guided or sp.has_penalties:
                 return False
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 if (seq.num_pending_tokens != 1 or seq.get_output_len() >= sp.max_tokens
@@ -335,8 +334,7 @@ class LLMEngine:
         seqs = []
         for group in self.scheduler.running:
             sp = group.sampling_params
-            if (group.is_prefill() or sp.use_beam_search or sp.guided or sp.logprobs is not None
-                    or sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0):
+            if group.is_prefill() or sp.use_beam_search or sp.guided or sp.logprobs is not None or sp.has_penalties:
                 return False
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 if (seq.num_pending_tokens or seq.get_num_uncomputed_tokens() != 1

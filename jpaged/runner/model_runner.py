@@ -345,7 +345,7 @@ class ModelRunner:
             for i in range(k, k + seq.num_samples):
                 r = sampling_rows[i]
                 p = r.params
-                if not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0):
+                if not p.has_penalties:
                     continue
                 prompt_len, length = len(r.prompt_token_ids), len(r.prompt_token_ids) + len(r.output_token_ids)
                 if self._history.get(row) != (seq.seq_id, length):
@@ -371,7 +371,7 @@ class ModelRunner:
 
     @staticmethod
     def _needs_full_sampler(rows) -> bool:
-        return any(r.params.presence_penalty or r.params.frequency_penalty or r.params.repetition_penalty != 1.0
+        return any(r.params.has_penalties
                    or r.allowed_bitmask is not None or r.params.logprobs is not None or r.params.use_beam_search
                    or r.target_token_id >= 0 for r in rows)
 
