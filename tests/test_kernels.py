@@ -278,19 +278,26 @@ def test_ragged_paged_attention_mosaic(case):
 @needs_mosaic
 def test_engine_with_mosaic_kernels_matches_xla():
     """attention_backend="mosaic" end to end (prefill, then decode steps through the engine's
-    scanned layers): the same greedy tokens and logprobs as the XLA twins, in bf16."""
+    scanned layers) against the XLA twins, both in bf16. Two bf16 implementations round
+    differently (each is ~0.15 nats from float32 over four tokens on this model), so greedy paths
+    may part at a near-tie: compared as vLLM's check_logprobs_close does. Up to the first
+    differing token the logprobs must agree to bf16 noise; at it, each side's token must be in
+    the other's top 5. A wrong page, mask or position shifts logprobs by whole nats."""
     import jpaged
 
-    prompts = [rng.integers(0, 256, n).tolist() for n in (5, int(rng.integers(20, 60)))]
-    sp = jpaged.SamplingParams(temperature=0, max_tokens=4, logprobs=1)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (5, *rng.integers(20, 60, 3))]
+    sp = jpaged.SamplingParams(temperature=0, max_tokens=6, logprobs=5)
     results = {}
     for backend in ("xla", "mosaic"):
         llm = jpaged.LLM("tiny", dtype="bfloat16", attention_backend=backend, enforce_eager=True, max_model_len=128,
-                         max_num_seqs=2, num_gpu_blocks_override=32)
+                         max_num_seqs=4, num_gpu_blocks_override=32)
         results[backend] = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
     for ours, ref in zip(results["mosaic"], results["xla"]):
-        assert ours.token_ids == ref.token_ids, prompts
-        assert abs(ours.cumulative_logprob - ref.cumulative_logprob) < 2e-2
+        for token, expected, top, ref_top in zip(ours.token_ids, ref.token_ids, ours.logprobs, ref.logprobs):
+            if token != expected:
+                assert token in ref_top and expected in top, (prompts, ours, ref)
+                break
+            assert abs(top[token] - ref_top[token]) < 0.15, (prompts, ours, ref)
 
 
 def test_mosaic_rejects_what_it_cannot_take():
