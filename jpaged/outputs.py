@@ -27,3 +27,25 @@ class RequestOutput:
     # Per prompt token: None for the first, then {token id: logprob} (its own and the top ones),
     # when SamplingParams.prompt_logprobs asked for them (vLLM's field); else None.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    def add(self, delta: "RequestOutput"):
+        """Merge the request's next RequestOutputKind.DELTA output into this one (vLLM's
+        RequestOutput.add, aggregating): text, tokens and logprobs grow; reasons and the
+        cumulative logprob are the newest. Extends this output's own lists in place."""
+        self.finished = delta.finished
+        if delta.prompt_logprobs is not None:
+            if self.prompt_logprobs is None:
+                self.prompt_logprobs = []
+            self.prompt_logprobs.extend(delta.prompt_logprobs)
+        mine = {c.index: c for c in self.outputs}
+        for new in delta.outputs:
+            c = mine.get(new.index)
+            if c is None:
+                c = CompletionOutput(new.index, "", [], None, None if new.logprobs is None else [])
+                self.outputs.append(c)
+            c.text += new.text
+            c.token_ids.extend(new.token_ids)
+            if new.logprobs is not None:
+                c.logprobs.extend(new.logprobs)
+            c.cumulative_logprob, c.finish_reason, c.stop_reason = \
+                new.cumulative_logprob, new.finish_reason, new.stop_reason

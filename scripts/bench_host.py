@@ -91,11 +91,12 @@ def micro_model(work_dir: str) -> str:
     return path
 
 
-def measure(llm, num_seqs: int, steps: int, vocab_size: int) -> dict:
+def measure(llm, num_seqs: int, steps: int, vocab_size: int, output_kind: str) -> dict:
     engine = llm.llm_engine
     rng = np.random.default_rng(num_seqs)
     num_steps = engine.config.num_scheduler_steps
-    params = jpaged.SamplingParams(temperature=0, max_tokens=steps * num_steps + 8, ignore_eos=True)
+    params = jpaged.SamplingParams(temperature=0, max_tokens=steps * num_steps + 8, ignore_eos=True,
+                                   output_kind=jpaged.RequestOutputKind[output_kind])
     for i in range(num_seqs):
         engine.add_request(f"r{num_seqs}-{i}", rng.integers(0, vocab_size, PROMPT_LEN).tolist(), params)
     while any(g.is_prefill() for g in engine.scheduler.running) or engine.scheduler.waiting:
@@ -130,6 +131,8 @@ def main():
     p.add_argument("--device", choices=("stub", "real"), default="stub")
     p.add_argument("--num-seqs", type=int, nargs="+", default=[1, 32, 256])
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--output-kind", choices=[k.name for k in jpaged.RequestOutputKind], default="CUMULATIVE",
+                   help="what each step's RequestOutputs carry (the server asks for DELTA)")
     p.add_argument("--work-dir", default="/tmp/jpaged_bench_host")
     p.add_argument("--output-json")
     args, engine_args = p.parse_known_args()
@@ -149,8 +152,8 @@ def main():
         CLOCK = time.perf_counter
     results = []
     for n in args.num_seqs:
-        measure(llm, n, 5, vocab_size)  # warm the Python paths
-        results.append(measure(llm, n, args.steps, vocab_size))
+        measure(llm, n, 5, vocab_size, args.output_kind)  # warm the Python paths
+        results.append(measure(llm, n, args.steps, vocab_size, args.output_kind))
         print(json.dumps(results[-1]), flush=True)
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -26,7 +26,7 @@ from http import HTTPStatus
 from aiohttp import web, web_protocol
 
 from jpaged.config import EngineConfig
-from jpaged.core.detokenizer import held_back_chars, token_bytes_fn
+from jpaged.core.detokenizer import token_bytes_fn
 from jpaged.engine.llm_engine import LLMEngine, StepFailedError
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.sampling_params import SamplingParams
@@ -50,25 +50,20 @@ json_dumps = functools.partial(json.dumps, allow_nan=False)  # NaN / Infinity ar
 
 @dataclasses.dataclass
 class ChoiceState:
-    """What one streamed choice has sent so far."""
+    """Whether one streamed choice has ended."""
 
-    text_sent: int = 0
-    tokens_sent: int = 0
     done: bool = False
 
-    def advance(self, c: CompletionOutput, stop: list[str], with_tokens: bool) -> tuple[str, range] | None:
-        """The new text and new token positions of `c` since the last call; None when there is
-        nothing to send (no new text, no new tokens whose logprobs are wanted, not finished).
-        Unfinished text keeps back a tail that might still become a stop string."""
+    def advance(self, c: CompletionOutput, with_tokens: bool) -> tuple[str, range] | None:
+        """The text and token positions of the DELTA output `c` to send; None when there is
+        nothing to send (no new text, no new tokens whose logprobs are wanted, not finished, or
+        finished before). The engine holds back text that might still become a stop string."""
         if self.done:
             return None
-        text = c.text if c.finish_reason else c.text[:len(c.text) - held_back_chars(c.text, stop)]
-        delta, tokens = text[self.text_sent:], range(self.tokens_sent, len(c.token_ids))
         self.done = c.finish_reason is not None
-        if not delta and not (with_tokens and tokens) and not self.done:
+        if not c.text and not (with_tokens and c.token_ids) and not self.done:
             return None
-        self.text_sent, self.tokens_sent = len(text), len(c.token_ids)
-        return delta, tokens
+        return c.text, range(len(c.token_ids))
 
 
 class OpenAIServer:
@@ -206,7 +201,7 @@ class OpenAIServer:
             if stream.stream:
                 return await self._stream_completions(request, request_id, streams, params, echoes,
                                                       stream.include_usage, prompt_only)
-            finals = await asyncio.gather(*(_last(s) for s in streams))
+            finals = await asyncio.gather(*(s.final() for s in streams))
         finally:
             for s in streams:
                 s.abort()
@@ -302,7 +297,7 @@ class OpenAIServer:
                 return await self._stream(request, request_id, "chat.completion.chunk", streams, params, states,
                                           chunk, stream.include_usage,
                                           first_delta={"role": "assistant", "content": ""})
-            final = await _last(streams[0])
+            final = await streams[0].final()
         finally:
             streams[0].abort()
         choices = []
@@ -413,16 +408,14 @@ class OpenAIServer:
         if first_delta is not None:
             await send([{"index": i, "delta": first_delta, "logprobs": None, "finish_reason": None}
                         for i in range(params.n)])
-        finals: list[RequestOutput | None] = [None] * len(streams)
         try:
-            async for i, out in _merge(streams):
-                finals[i] = out
+            async for i, out in _merge(streams):  # DELTA outputs; the stream's total has the prompt's logprobs
                 for c in out.outputs:
-                    new = states[i][c.index].advance(c, params.stop, params.logprobs is not None)
-                    if new is not None and (choice := chunk(i, out, c, *new)) is not None:
+                    new = states[i][c.index].advance(c, params.logprobs is not None)
+                    if new is not None and (choice := chunk(i, streams[i].total, c, *new)) is not None:
                         await send([choice])
             if include_usage:
-                await send([], usage=_usage(finals))
+                await send([], usage=_usage([s.total for s in streams]))
         except Exception as e:  # the engine failed this request (or died): the stream says so and ends
             if not isinstance(e, (EngineDeadError, StepFailedError)):
                 logger.exception("stream %s failed", request_id)
@@ -555,13 +548,6 @@ def _check_strings(value):
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
-
-
-async def _last(stream: RequestStream) -> RequestOutput:
-    out = None
-    async for out in stream:
-        pass
-    return out
 
 
 async def _merge(streams: list[RequestStream]):

@@ -16,7 +16,7 @@ import time
 
 from jpaged.engine.llm_engine import LLMEngine, StepFailedError
 from jpaged.outputs import CompletionOutput, RequestOutput
-from jpaged.sampling_params import SamplingParams
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
 from serving.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -184,14 +184,17 @@ class AsyncLLMEngine:
 
 class RequestStream:
     """One request's outputs in order, ending with a finished one; records latency metrics as they
-    are consumed. abort() ends it early with finish_reason "abort" on the unfinished completions."""
+    are consumed. With RequestOutputKind.DELTA (what the server asks for whenever the engine
+    allows it) each output holds only what is new, and `total` adds them up. abort() ends it early
+    with finish_reason "abort" on the unfinished completions."""
 
     def __init__(self, engine: AsyncLLMEngine, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams):
         self.engine, self.request_id, self.params = engine, request_id, params
-        self.latest = RequestOutput(request_id, None, prompt_token_ids, [
+        self.delta = params.output_kind is RequestOutputKind.DELTA
+        self.total = RequestOutput(request_id, None, prompt_token_ids, [
             CompletionOutput(i, "", [], 0.0, [] if params.logprobs is not None else None) for i in range(params.n)],
-            finished=False)
+            finished=False)  # everything so far, whatever the kind
         self.queue: asyncio.Queue = asyncio.Queue()
         self.closed = False  # nothing more will be put
         self._done = False  # the finished output was consumed
@@ -201,7 +204,10 @@ class RequestStream:
 
     def put(self, item: RequestOutput | BaseException):
         if isinstance(item, RequestOutput):
-            self.latest = item
+            if self.delta:
+                self.total.add(item)
+            else:
+                self.total = item
         self.closed = isinstance(item, BaseException) or item.finished
         self.queue.put_nowait(item)
 
@@ -210,8 +216,19 @@ class RequestStream:
         if not self.closed:
             self._metrics.request_finished("abort")
             self.engine._abort(self.request_id)
-            self.put(dataclasses.replace(self.latest, finished=True, outputs=[
-                dataclasses.replace(c, finish_reason=c.finish_reason or "abort") for c in self.latest.outputs]))
+            last = self.total
+            if self.delta:  # nothing new, only the reasons
+                last = dataclasses.replace(last, prompt_logprobs=None, outputs=[
+                    dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [])
+                    for c in last.outputs])
+            self.put(dataclasses.replace(last, finished=True, outputs=[
+                dataclasses.replace(c, finish_reason=c.finish_reason or "abort") for c in last.outputs]))
+
+    async def final(self) -> RequestOutput:
+        """Consume the stream; the finished request's whole output."""
+        async for _ in self:
+            pass
+        return self.total
 
     def __aiter__(self):
         return self
@@ -230,7 +247,7 @@ class RequestStream:
     def _record(self, out: RequestOutput):
         now, metrics = time.monotonic(), self._metrics
         num_tokens = sum(len(c.token_ids) for c in out.outputs)
-        new = num_tokens - self._num_tokens
+        new = num_tokens if self.delta else num_tokens - self._num_tokens
         if new > 0:
             if self._num_tokens == 0:
                 metrics.prompt_tokens += len(out.prompt_token_ids)
@@ -238,7 +255,7 @@ class RequestStream:
             else:
                 metrics.tpot.observe((now - self._last) / new)
             metrics.generation_tokens += new
-            self._num_tokens, self._last = num_tokens, now
+            self._num_tokens, self._last = self._num_tokens + new, now
         if out.finished and all(c.finish_reason != "abort" for c in out.outputs):  # aborts count in abort()
             metrics.e2e.observe(now - self._arrival)
             for c in out.outputs:

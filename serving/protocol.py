@@ -12,7 +12,7 @@ import logging
 import re
 from typing import Any
 
-from jpaged.sampling_params import SamplingParams
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +249,8 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int | None, best_o
         raise APIError(f"best_of ({params.best_of}) must equal n ({params.n}) when streaming", param="best_of")
     if stream and params.use_beam_search:
         raise APIError("beam search cannot stream: its beams are only ranked at the end", param="stream")
+    if params.best_of == params.n and not params.use_beam_search:  # else only whole outputs rank them
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)  # outputs carry what is new
     return params
 
 

@@ -193,15 +193,20 @@ def test_output_kinds(roomy):
             [(c.token_ids, c.text, c.finish_reason) for c in final.outputs]
         deltas = streams[f"DELTA-{i}"]
         assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
-        for k, c in enumerate(final.outputs):
-            parts = [d.outputs[k] for d in deltas]
-            assert sum((p.token_ids for p in parts), []) == c.token_ids
-            assert "".join(p.text for p in parts) == c.text
-            assert (parts[-1].finish_reason, parts[-1].stop_reason) == (c.finish_reason, c.stop_reason)
+        total = jpaged.RequestOutput(f"DELTA-{i}", None, prompts[i], [], False)  # RequestOutput.add sums them
+        for d in deltas:
+            total.add(d)
+        assert total.finished and len(total.outputs) == len(final.outputs)
+        for ours, c in zip(total.outputs, final.outputs):
+            assert (ours.index, ours.token_ids, ours.text) == (c.index, c.token_ids, c.text)
+            assert (ours.finish_reason, ours.stop_reason) == (c.finish_reason, c.stop_reason)
+            assert (ours.logprobs is None) == (c.logprobs is None)
             if c.logprobs is not None:
-                assert_close_logprobs(sum((p.logprobs for p in parts), []), c.logprobs)
+                assert_close_logprobs(ours.logprobs, c.logprobs)
+            assert abs(ours.cumulative_logprob - c.cumulative_logprob) < 1e-3
+        assert (total.prompt_logprobs is None) == (final.prompt_logprobs is None)
         if final.prompt_logprobs is not None:
-            assert_close_logprobs(sum((d.prompt_logprobs for d in deltas), []), final.prompt_logprobs)
+            assert_close_logprobs(total.prompt_logprobs, final.prompt_logprobs)
     with pytest.raises(ValueError, match="output_kind"):
         jpaged.SamplingParams(n=1, best_of=2, temperature=1.0, output_kind=jpaged.RequestOutputKind.DELTA)
     assert_all_blocks_free(roomy)

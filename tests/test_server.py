@@ -125,6 +125,22 @@ def random_prompt(rng, n_words=4):
 
 
 # ---------------------------------------------------------------------- endpoints
+def test_requests_ask_for_delta_outputs():
+    """The server asks the engine for DELTA outputs (a step's output carries only what is new, not
+    the whole text and token list again) whenever the engine can give them; best_of > n and beam
+    search keep cumulative outputs, which rank the candidates at the end."""
+    from jpaged import RequestOutputKind
+    from serving import protocol
+
+    for stream in (True, False):
+        params = protocol.sampling_params({"n": 2, "temperature": 1}, max_tokens=4, logprobs=1, best_of=None,
+                                          stream=stream)
+        assert params.output_kind is RequestOutputKind.DELTA
+    for body, best_of in (({"n": 1, "temperature": 1}, 3), ({"use_beam_search": True, "n": 2, "temperature": 0}, None)):
+        params = protocol.sampling_params(body, max_tokens=4, logprobs=None, best_of=best_of, stream=False)
+        assert params.output_kind is RequestOutputKind.CUMULATIVE
+
+
 def test_health_models_auth(server):
     assert run(get(server.url, "/health", headers={}))[0] == 200  # no key needed for health
     status, text = run(get(server.url, "/v1/models"))
