@@ -48,9 +48,9 @@ import jax  # noqa: E402
 
 import jpaged  # noqa: E402
 from jpaged.core.block_manager import BlockManager  # noqa: E402
-from jpaged.core.kv_allocation import KV_ALLOCATIONS, kv_usage  # noqa: E402
+from jpaged.core.kv_allocation import KV_ALLOCATIONS, kv_usage, step_without_model  # noqa: E402
 from jpaged.core.scheduler import Scheduler  # noqa: E402
-from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus  # noqa: E402
+from jpaged.core.sequence import Sequence, SequenceGroup  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
     "bench_sharing", os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_sharing.py"))
@@ -216,16 +216,7 @@ def fig2_paper_scale(args) -> dict:
                                                   jpaged.SamplingParams(max_tokens=o, ignore_eos=True), 0.0))
         steps = batched = tokens = reserved = fragmented = 0
         while scheduler.has_unfinished_seqs():
-            for scheduled in scheduler.schedule().scheduled_seq_groups:
-                group = scheduled.seq_group
-                group.update_num_computed_tokens(scheduled.token_chunk_size)
-                for seq in group.get_seqs(SequenceStatus.RUNNING):
-                    if seq.num_computed_tokens == seq.get_len():
-                        seq.append_token_id(0, 0.0)
-                        if seq.get_output_len() >= group.sampling_params.max_tokens:
-                            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-                            scheduler.free_seq(seq)
-            scheduler.free_finished_seq_groups()
+            step_without_model(scheduler, token_id=0)
             usage = kv_usage(bm, scheduler.running, max_len)
             steps += 1
             batched += len(scheduler.running)

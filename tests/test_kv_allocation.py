@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from jpaged.core.block_manager import BlockManager
-from jpaged.core.kv_allocation import KVUsage, kv_usage, reserved_len
+from jpaged.core.kv_allocation import KVUsage, kv_usage, reserved_len, step_without_model
 from jpaged.core.kv_map import KVMap
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -37,17 +37,7 @@ class Driver:
         return group
 
     def step(self):
-        out = self.scheduler.schedule()
-        for scheduled in out.scheduled_seq_groups:
-            group = scheduled.seq_group
-            group.update_num_computed_tokens(scheduled.token_chunk_size)
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                if seq.num_computed_tokens == seq.get_len():
-                    seq.append_token_id(1, 0.0)
-                    if seq.get_output_len() >= group.sampling_params.max_tokens:
-                        seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-                        self.scheduler.free_seq(seq)
-        self.scheduler.free_finished_seq_groups()
+        out = step_without_model(self.scheduler, token_id=1)
         self.bm.check_invariants()
         return out
 

@@ -46,6 +46,24 @@ def reserved_len(policy: str, final: int, max_model_len: int) -> int:
     raise ValueError(f"kv_allocation={policy!r}; expected one of {KV_ALLOCATIONS}")
 
 
+def step_without_model(scheduler, token_id: int):
+    """One scheduler step with no model: each sequence whose prompt is computed gets `token_id`
+    and finishes at max_tokens (benchmarks set ignore_eos). Replays a trace's memory use (the
+    paper's Fig. 2). Returns the scheduler's output."""
+    out = scheduler.schedule()
+    for scheduled in out.scheduled_seq_groups:
+        group = scheduled.seq_group
+        group.update_num_computed_tokens(scheduled.token_chunk_size)
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            if seq.num_computed_tokens == seq.get_len():
+                seq.append_token_id(token_id, 0.0)
+                if seq.get_output_len() >= group.sampling_params.max_tokens:
+                    seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+                    scheduler.free_seq(seq)
+    scheduler.free_finished_seq_groups()
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class KVUsage:
     """Device KV slots (tokens) by what they hold; the four parts add up to `total_slots`."""
