@@ -313,6 +313,24 @@ def test_free_queue_hands_out_least_recently_freed_first():
     assert [pool.allocate() for _ in range(3)] == [b, a, c]
 
 
+def test_blocks_never_used_come_first_and_cost_nothing():
+    """A host pool of 10^8 blocks (swap_space over a small model's blocks) exists only as a count:
+    blocks never handed out come before the freed ones, in id order, free and uncached."""
+    n = 10**8
+    pool = BlockPool(n)
+    a, b = pool.allocate(), pool.allocate()
+    pool.free(a)
+    assert pool.get_num_free_blocks() == n - 1
+    assert [pool.allocate(), pool.allocate()] == [2, 3]
+    assert pool.ref_cnt(n - 1) == 0 and not pool.is_cached(n - 1) and pool.ref_cnt(b) == 1
+    with pytest.raises(ValueError, match="unknown block"):
+        pool.ref_cnt(n)
+    with pytest.raises(ValueError, match="double free"):
+        pool.free(n - 1)
+    with pytest.raises(ValueError, match="is free"):
+        pool.share(n - 1)
+
+
 def test_random_operations_keep_contents_and_invariants():
     """Random admit/fork/decode/swap/free on a small pool, with fake KV pages: every sequence must
     read back exactly its own tokens through its block table."""

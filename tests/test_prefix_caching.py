@@ -56,8 +56,9 @@ class Poisoner:
         self.evicted, self.num_evicted, self.plan = [], 0, None
         allocate, schedule, copy_blocks = pool.allocate, engine.scheduler.schedule, runner.copy_blocks
 
-        def tracking_allocate():
-            if pool.free_queue and next(iter(pool.free_queue.values())).block_hash is not None:
+        def tracking_allocate():  # the next block is the free queue's head once every block was used
+            if len(pool.blocks) == pool.num_blocks and pool.free_queue and \
+                    next(iter(pool.free_queue.values())).block_hash is not None:
                 self.evicted.append(next(iter(pool.free_queue)))
             return allocate()
 
@@ -91,7 +92,7 @@ class Poisoner:
                 if out.finished:
                     outs[out.request_id] = out
             pool = engine.block_manager.gpu_pool
-            self.poison([b.block_id for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is None])
+            self.poison([b for b in range(pool.num_blocks) if pool.ref_cnt(b) == 0 and not pool.is_cached(b)])
         return [outs[f"p{i}"] for i in range(len(prompts))]
 
 

@@ -78,30 +78,33 @@ class BlockPool:
     The free queue hands out the least recently freed block first and can drop any block in
     O(1). That is what automatic prefix caching needs: freed blocks that hold a cached prefix
     stay in the queue (evicted in LRU order) and are pulled out of it again on a cache hit.
+    Blocks never handed out yet come before all freed ones and exist only as a count, so a host
+    pool of millions of small blocks (swap_space over a small model's blocks) costs nothing until
+    it is used.
     """
 
     def __init__(self, num_blocks: int):
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: collections.OrderedDict[int, Block] = collections.OrderedDict(
-            (block.block_id, block) for block in self.blocks)
+        self.num_blocks = num_blocks
+        self.blocks: list[Block] = []  # those handed out at least once: ids 0..len-1, in order
+        self.free_queue: collections.OrderedDict[int, Block] = collections.OrderedDict()  # freed since
         self.cached_blocks: dict[bytes, Block] = {}  # prefix hash -> the block holding it
         self.num_cached_free = 0  # free-queue blocks that keep a cached prefix (kept as it changes)
 
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
     def get_num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return self.num_blocks - len(self.blocks) + len(self.free_queue)
 
     def allocate(self) -> int:
-        if not self.free_queue:
+        if len(self.blocks) < self.num_blocks:  # a block never used yet
+            block = Block(len(self.blocks))
+            self.blocks.append(block)
+        elif self.free_queue:
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:  # evict the least recently used cached prefix
+                del self.cached_blocks[block.block_hash]
+                block.block_hash = None
+                self.num_cached_free -= 1
+        else:
             raise NoFreeBlocksError(f"all {self.num_blocks} blocks are in use")
-        _, block = self.free_queue.popitem(last=False)
-        if block.block_hash is not None:  # evict the least recently used cached prefix
-            del self.cached_blocks[block.block_hash]
-            block.block_hash = None
-            self.num_cached_free -= 1
         block.ref_cnt = 1
         return block.block_id
 
@@ -151,10 +154,15 @@ class BlockPool:
     def ref_cnt(self, block_id: int) -> int:
         return self._get(block_id).ref_cnt
 
+    def is_cached(self, block_id: int) -> bool:
+        """Whether the block keeps a prefix the cache can find."""
+        return self._get(block_id).block_hash is not None
+
     def _get(self, block_id: int) -> Block:
-        if not 0 <= block_id < len(self.blocks):
-            raise ValueError(f"unknown block {block_id} (the pool has {len(self.blocks)})")
-        return self.blocks[block_id]
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"unknown block {block_id} (the pool has {self.num_blocks})")
+        # A block never handed out: free and uncached (a stand-in, never stored).
+        return self.blocks[block_id] if block_id < len(self.blocks) else Block(block_id)
 
 
 class BlockManager:
@@ -506,7 +514,9 @@ class BlockManager:
         maps each hash to the one block carrying it, and free + cached + in use = total."""
         for pool, tables in ((self.gpu_pool, self.gpu_tables), (self.cpu_pool, self.cpu_tables)):
             holders = collections.Counter(block_id for table in tables.values() for block_id in held(table))
-            counts = collections.Counter()  # free / cached / in use
+            if any(block_id >= len(pool.blocks) for block_id in holders):
+                raise AssertionError("a block table holds a block the pool never handed out")
+            counts = collections.Counter(free=pool.num_blocks - len(pool.blocks))  # never handed out
             for block in pool.blocks:
                 if block.ref_cnt != holders[block.block_id]:
                     raise AssertionError(f"block {block.block_id}: ref_cnt {block.ref_cnt}, "
@@ -522,6 +532,6 @@ class BlockManager:
             # What stats report: free + cached (the free queue) + in use = total.
             if pool.num_cached_free != counts["cached"]:
                 raise AssertionError(f"{pool.num_cached_free} cached free blocks counted, {counts['cached']} found")
-            if len(pool.free_queue) != counts["free"] + counts["cached"] or \
-                    pool.num_blocks - len(pool.free_queue) != counts["in use"]:
-                raise AssertionError(f"free queue of {len(pool.free_queue)} blocks, but {dict(counts)}")
+            num_free = pool.get_num_free_blocks()
+            if num_free != counts["free"] + counts["cached"] or pool.num_blocks - num_free != counts["in use"]:
+                raise AssertionError(f"{num_free} free blocks counted, but {dict(counts)}")

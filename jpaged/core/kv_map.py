@@ -42,7 +42,7 @@ class KVMap:
         def state(block_id: int) -> str:
             ref_cnt = pool.ref_cnt(block_id)
             if ref_cnt == 0:
-                return "free" if pool.blocks[block_id].block_hash is None else "cached"
+                return "cached" if pool.is_cached(block_id) else "free"
             return "shared" if ref_cnt > 1 else "in use" if computed.get(block_id) else "reserved"
 
         rows = [(f"request {request_id}", [(b, state(b)) for b in blocks]) for request_id, blocks in owners.items()]
