@@ -67,25 +67,37 @@ class ExecutableCache:
         self.hits = 0
 
     def compile(self, name: str, jitted, args: tuple):
+        """The executable, loaded from disk or compiled now."""
+        executable = self.load(name, args)
+        return executable if executable is not None else self.compile_lowered(name, args, jitted.lower(*args))
+
+    def load(self, name: str, args: tuple):
+        """The executable an earlier run kept for `name` and `args`, or None."""
         if self.directory is None:
-            return jitted.lower(*args).compile()
-        key = hashlib.sha256(f"{self._prefix}\n{name}\n{_abstract(args)}".encode()).hexdigest()
-        path = os.path.join(self.directory, key + ".bin")
+            return None
+        path = self._path(name, args)
         try:
             with open(path, "rb") as f:
                 device_ids, serialized = pickle.load(f)
             devices = {d.id: d for d in jax.devices()}
             executable = serialize_executable.deserialize_and_load(
                 *serialized, execution_devices=[devices[i] for i in device_ids])
-            self.hits += 1
-            os.utime(path)  # recently used: pruned last
-            return executable
         except FileNotFoundError:
-            pass
+            return None
         except Exception as e:  # a truncated or foreign file: compile it again
             logger.warning("could not load the cached executable %s (%r); compiling it", path, e)
+            return None
+        self.hits += 1
+        os.utime(path)  # recently used: pruned last
+        return executable
+
+    def compile_lowered(self, name: str, args: tuple, lowered):
+        """Compile `lowered` (jitted.lower(*args)) and keep the executable on disk. Thread-safe:
+        the warm-up compiles in worker threads while it lowers the next executables."""
         with jax_config.enable_compilation_cache(False):  # see the module's docstring
-            executable = jitted.lower(*args).compile()
+            executable = lowered.compile()
+        if self.directory is None:
+            return executable
         partial = None
         try:
             # Its devices too: a step on one of several devices must load onto that one.
@@ -95,13 +107,17 @@ class ExecutableCache:
             with tempfile.NamedTemporaryFile(dir=self.directory, delete=False) as f:
                 partial = f.name
                 f.write(data)
-            os.replace(partial, path)  # whole or not at all, also with several processes writing
+            os.replace(partial, self._path(name, args))  # whole or not at all, also with several writers
             self._prune()
         except Exception as e:  # a read-only or full disk, a backend that cannot serialize: serve anyway
             if partial is not None and os.path.exists(partial):
                 os.remove(partial)
             logger.warning("could not keep the executable %s on disk: %r", name, e)
         return executable
+
+    def _path(self, name: str, args: tuple) -> str:
+        key = hashlib.sha256(f"{self._prefix}\n{name}\n{_abstract(args)}".encode()).hexdigest()
+        return os.path.join(self.directory, key + ".bin")
 
     def _prune(self):
         """Least recently used executables go once the directory holds more than MAX_CACHE_BYTES
