@@ -75,11 +75,8 @@ def paged_attention_pallas(
     rows = max(16, tiling.next_pow2(group))
     dp = max(16, tiling.next_pow2(head_dim))
     pages_per_iter = max(1, blocks.KEYS_PER_ITER // page_size)
-    width = block_tables.shape[1]
-    splits = num_splits or tiling.auto_num_splits(num_seqs * num_kv_heads, width, pages_per_iter)
-    per_split = tiling.round_up(tiling.cdiv(width, splits), pages_per_iter)
-    tables = tiling.clamp_block_tables(block_tables, num_pages)
-    tables = jnp.pad(tables, ((0, 0), (0, splits * per_split - width)))
+    tables, splits, per_split = tiling.split_tables(block_tables, num_pages, num_seqs * num_kv_heads, pages_per_iter,
+                                                    num_splits)
     qp = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     qp = jnp.pad(qp, ((0, 0), (0, 0), (0, rows - group), (0, dp - head_dim)))
 

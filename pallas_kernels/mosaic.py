@@ -165,11 +165,8 @@ def paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_lens, *, s
     group = num_heads // num_kv_heads
     block = max(MIN_BLOCK_KEYS, page_size)
     pages_per_block = block // page_size
-    width = block_tables.shape[1]
-    splits = num_splits or tiling.auto_num_splits(num_seqs * num_kv_heads, width, pages_per_block)
-    per_split = tiling.round_up(tiling.cdiv(width, splits), pages_per_block)
-    tables = tiling.clamp_block_tables(block_tables, num_pages)
-    tables = jnp.pad(tables, ((0, 0), (0, splits * per_split - width)))
+    tables, splits, per_split = tiling.split_tables(block_tables, num_pages, num_seqs * num_kv_heads, pages_per_block,
+                                                    num_splits)
     qp = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     qp = jnp.pad(qp, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
     scale = default_scale(scale, head_dim)
@@ -216,19 +213,13 @@ def ragged_paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_len
     check_supported(q, k_pages)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
-    num_seqs, width = block_tables.shape
     group = num_heads // num_kv_heads
     gp = tiling.next_pow2(group)
     tile = ROWS // gp
     block = max(MIN_BLOCK_KEYS, page_size)
-    padded_width = tiling.round_up(width, block // page_size)
-    tables = tiling.clamp_block_tables(block_tables, num_pages)
-    tables = jnp.pad(tables, ((0, 0), (0, padded_width - width)))
-    seq, tok0, pos0, n_rows = tiling.ragged_tiles(query_start_loc, context_lens, num_tokens, tile)
+    tables, (seq, tok0, pos0, n_rows), num_keys = tiling.ragged_plan(
+        block_tables, num_pages, page_size, block // page_size, query_start_loc, context_lens, num_tokens, tile)
     num_tiles = seq.shape[0]
-    # Keys the tile's last real token sees; 0 for empty tiles.
-    num_keys = jnp.minimum(context_lens[seq].astype(jnp.int32), pos0 + n_rows)
-    num_keys = jnp.where(n_rows > 0, jnp.clip(num_keys, 0, padded_width * page_size), 0)
     qt = tiling.gather_query_tiles(q, tok0, n_rows, tile)
     qt = qt.reshape(num_tiles, tile, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
     qt = jnp.pad(qt, ((0, 0), (0, 0), (0, gp - group), (0, 0), (0, 0))).reshape(num_tiles, num_kv_heads, ROWS, head_dim)

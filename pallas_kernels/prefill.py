@@ -81,22 +81,16 @@ def ragged_paged_attention_pallas(
     """q_tile overrides the tokens per tile (tests use it to cross tiles)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
-    num_seqs, width = block_tables.shape
+    num_seqs = block_tables.shape[0]
     group = num_heads // num_kv_heads
     gp = tiling.next_pow2(group)
     dp = max(16, tiling.next_pow2(head_dim))
     tile = max(q_tile or query_tile(num_tokens, num_seqs, gp), 16 // gp, 1)
     rows = gp * tile
     pages_per_iter = max(1, blocks.KEYS_PER_ITER // page_size)
-    padded_width = tiling.round_up(width, pages_per_iter)
-    tables = tiling.clamp_block_tables(block_tables, num_pages)
-    tables = jnp.pad(tables, ((0, 0), (0, padded_width - width)))
-
-    seq, tok0, pos0, n_rows = tiling.ragged_tiles(query_start_loc, context_lens, num_tokens, tile)
+    tables, (seq, tok0, pos0, n_rows), num_keys = tiling.ragged_plan(
+        block_tables, num_pages, page_size, pages_per_iter, query_start_loc, context_lens, num_tokens, tile)
     num_tiles = seq.shape[0]
-    # Keys the tile's last real token sees; 0 for empty tiles.
-    num_keys = jnp.minimum(context_lens[seq].astype(jnp.int32), pos0 + n_rows)
-    num_keys = jnp.where(n_rows > 0, jnp.clip(num_keys, 0, padded_width * page_size), 0)
 
     qt = tiling.gather_query_tiles(q, tok0, n_rows, tile)
     qt = qt.reshape(num_tiles, tile, num_kv_heads, group, head_dim)
@@ -124,7 +118,7 @@ def ragged_paged_attention_pallas(
             scalar_spec,
             scalar_spec,
             pl.BlockSpec((1,), lambda j, h: (0,)),
-            pl.BlockSpec((num_seqs, padded_width), lambda j, h: (0, 0)),
+            pl.BlockSpec(tables.shape, lambda j, h: (0, 0)),
             row_spec,
             page_spec,
             page_spec,

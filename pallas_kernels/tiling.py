@@ -48,6 +48,30 @@ def clamp_block_tables(block_tables, num_pages):
     return jnp.clip(block_tables, 0, num_pages - 1).astype(jnp.int32)
 
 
+def split_tables(block_tables, num_pages: int, num_programs: int, pages_per_iter: int, num_splits=None):
+    """The decode kernels' split-K plan: (tables, splits, pages per split). Tables are clamped and
+    padded so every split covers whole iterations of `pages_per_iter` pages."""
+    width = block_tables.shape[1]
+    splits = num_splits or auto_num_splits(num_programs, width, pages_per_iter)
+    per_split = round_up(cdiv(width, splits), pages_per_iter)
+    tables = jnp.pad(clamp_block_tables(block_tables, num_pages), ((0, 0), (0, splits * per_split - width)))
+    return tables, splits, per_split
+
+
+def ragged_plan(block_tables, num_pages: int, page_size: int, pages_per_iter: int, query_start_loc, context_lens,
+                num_tokens: int, tile: int):
+    """The ragged prefill kernels' plan: tables clamped and padded to whole iterations of
+    `pages_per_iter` pages, the query tiles (ragged_tiles), and the keys each tile's last real
+    token sees (0 for empty tiles). Returns (tables, (seq, tok0, pos0, rows), num_keys)."""
+    width = block_tables.shape[1]
+    padded_width = round_up(width, pages_per_iter)
+    tables = jnp.pad(clamp_block_tables(block_tables, num_pages), ((0, 0), (0, padded_width - width)))
+    seq, tok0, pos0, rows = ragged_tiles(query_start_loc, context_lens, num_tokens, tile)
+    num_keys = jnp.minimum(context_lens[seq].astype(jnp.int32), pos0 + rows)
+    num_keys = jnp.where(rows > 0, jnp.clip(num_keys, 0, padded_width * page_size), 0)
+    return tables, (seq, tok0, pos0, rows), num_keys
+
+
 def num_ragged_tiles(num_tokens: int, num_seqs: int, tile: int) -> int:
     m = min(num_seqs, num_tokens)
     return max(1, (num_tokens - m) // tile + m)
