@@ -114,6 +114,8 @@ class OpenAIServer:
             error = APIError(e.reason, status=e.status)
         except (EngineDeadError, StepFailedError) as e:
             error = APIError(str(e), status=500)
+        except ConnectionResetError:  # the client left (a stream's headers found the socket closing)
+            return web.Response(status=499)  # nginx's "client closed request", for the access log only
         except Exception as e:  # a bug: say so in the same shape, keep serving
             logger.exception("%s %s failed", request.method, request.path)
             error = APIError(f"internal error: {e!r}", status=500)
@@ -416,6 +418,8 @@ class OpenAIServer:
                         await send([choice])
             if include_usage:
                 await send([], usage=_usage([s.total for s in streams]))
+        except ConnectionResetError:  # the client left: the caller aborts its requests
+            raise
         except Exception as e:  # the engine failed this request (or died): the stream says so and ends
             if not isinstance(e, (EngineDeadError, StepFailedError)):
                 logger.exception("stream %s failed", request_id)

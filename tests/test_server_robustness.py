@@ -6,9 +6,11 @@ KV block stays held."""
 
 import asyncio
 import json
+import logging
 import math
 import socket
 import time
+import types
 import zlib
 
 import aiohttp
@@ -206,6 +208,27 @@ def test_half_sent_requests_time_out(server):
     assert head.startswith(b"HTTP/1.1 408"), received
     assert_openai_error(408, strict_json(body.decode()), 408)
     assert waited < TIMEOUT * 4
+
+
+def test_a_client_that_left_is_not_a_server_error(caplog):
+    """Writing a stream to a client that closed its socket raises ConnectionResetError (the stress
+    script saw it at the stream's headers and mid-stream). That is the client's doing: an access
+    log status of 499 (nginx's "client closed request"), not a 500 with a traceback."""
+    from serving.api_server import OpenAIServer
+
+    async def handler(request):
+        raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+
+    async def bug(request):
+        raise KeyError("a bug")
+
+    request = types.SimpleNamespace(method="POST", path="/v1/completions")
+    with caplog.at_level(logging.INFO):
+        response = asyncio.run(OpenAIServer._errors(None, request, handler))
+    assert response.status == 499 and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    with caplog.at_level(logging.INFO):  # what anything else still gets
+        response = asyncio.run(OpenAIServer._errors(None, request, bug))
+    assert response.status == 500 and any(r.levelno == logging.ERROR for r in caplog.records)
 
 
 # ---------------------------------------------------------------------- property-based fuzz
