@@ -93,7 +93,7 @@ class ExecutableCache:
 
     def compile_lowered(self, name: str, args: tuple, lowered):
         """Compile `lowered` (jitted.lower(*args)) and keep the executable on disk. Thread-safe:
-        the warm-up compiles in worker threads while it lowers the next executables."""
+        the warm-up compiles in a worker thread while it lowers the next executables."""
         with jax_config.enable_compilation_cache(False):  # see the module's docstring
             executable = lowered.compile()
         if self.directory is None:
