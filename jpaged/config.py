@@ -15,6 +15,10 @@ def _option(default, help: str, **metadata):
     return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 
+# Options that change nothing a compiled step computes: left out of the executable cache's key.
+HOST_ONLY_OPTIONS = ("executable_cache", "grammar_compile_timeout", "grammar_compile_memory")
+
+
 @dataclasses.dataclass
 class EngineConfig:
     model: str = _option("tiny", "the built-in 'tiny' model, a local Hugging Face directory or a hub id")
@@ -44,6 +48,13 @@ class EngineConfig:
                                      "one's sampled ids, so host and device overlap (outputs come a step later)")
     num_scheduler_steps: int = _option(1, "multi-step decode: when every running request decodes, run this many "
                                        "steps in one device call, sampling on the device (1: off)")
+    executable_cache: bool = _option(True, "keep compiled steps on disk ($JPAGED_CACHE_DIR, else "
+                                     "~/.cache/jpaged/xla) and load them at the next start, each file verified "
+                                     "first (--no-executable-cache: compile every step, read and write nothing)")
+    grammar_compile_timeout: float = _option(10.0, "seconds a structured-output grammar (JSON schema, regex, "
+                                             "choice) may take to compile; longer: the request is refused")
+    grammar_compile_memory: int = _option(2048, "MiB of memory a grammar's compile may use; more: the request "
+                                          "is refused")
     revision: str | None = _option(None, "hub revision (branch, tag or commit) of the model")
     tokenizer: str | None = _option(None, "tokenizer directory or hub id, when not the model's")
     # Multi-host (jax.distributed): the same command on every host; unset -> JAX_COORDINATOR_ADDRESS,
@@ -79,3 +90,5 @@ class EngineConfig:
         check("process_id", self.process_id is None or self.process_id >= 0, "None or >= 0")
         check("attention_backend", self.attention_backend in ATTENTION_BACKENDS, f"one of {ATTENTION_BACKENDS}")
         check("device", self.device in (None,) + DEVICES, f"None or one of {DEVICES}")
+        check("grammar_compile_timeout", self.grammar_compile_timeout > 0, "> 0 (seconds)")
+        check("grammar_compile_memory", self.grammar_compile_memory >= 64, ">= 64 (MiB)")

@@ -16,7 +16,7 @@ import time
 import jax
 
 from jpaged import devices
-from jpaged.config import EngineConfig
+from jpaged.config import HOST_ONLY_OPTIONS, EngineConfig
 from jpaged.core.block_manager import BlockManager
 from jpaged.core.detokenizer import Detokenizer, streamable_text
 from jpaged.core.kv_allocation import KVUsage, kv_usage
@@ -137,9 +137,11 @@ class LLMEngine:
                                   num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                   num_scheduler_steps=config.num_scheduler_steps,
-                                  executable_cache=ExecutableCache(executable_cache_dir(), self._model_fingerprint(loaded)))
+                                  executable_cache=ExecutableCache(
+                                      executable_cache_dir() if config.executable_cache else None,
+                                      self._model_fingerprint(loaded)))
         if not config.enforce_eager:
-            self.runner.warm_up()
+            self._warm_up()
         # The heap built so far (jax, the model, the tokenizer) lives as long as the engine: keep
         # it out of the cyclic collector's full passes, which otherwise cost milliseconds in the
         # middle of steps (measured: 5 ms per step at 256 sequences with async scheduling; vLLM
@@ -151,11 +153,27 @@ class LLMEngine:
         self._groups: dict[str, SequenceGroup] = {}
         self._in_flight: _Dispatched | None = None  # async_scheduling: a step not read yet
 
+    def _warm_up(self):
+        """Compile (or load) every step; a warm-up that fails after loading cached executables is
+        retried once with the cache bypassed (it verifies every file, but XLA is the last judge)."""
+        try:
+            self.runner.warm_up()
+        except Exception as e:
+            cache = self.runner.executable_cache
+            if cache.hits == 0:
+                raise
+            logger.warning("start-up failed after loading %d cached executables (%r); retrying once with the "
+                           "executable cache bypassed", cache.hits, e)
+            self.runner.bypass_executable_cache()
+            self.runner.warm_up()
+
     def _model_fingerprint(self, loaded) -> str:
         """What shapes the compiled steps besides their arguments' shapes and jpaged's source: the
         model's config (constants such as rope_theta and eps are baked in), dtype, the engine's
         options and the derived max_model_len (LongRoPE picks its factors by it)."""
-        return "\n".join([loaded.hf_config.to_json_string(), loaded.dtype.name, repr(self.config),
+        options = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)
+                   if f.name not in HOST_ONLY_OPTIONS}
+        return "\n".join([loaded.hf_config.to_json_string(), loaded.dtype.name, repr(options),
                           str(self.max_model_len)])
 
     def _num_gpu_blocks(self, bytes_per_block: int) -> int:

@@ -5,9 +5,17 @@ each step to find its cache key, about a second per step for a 30-layer model on
 under a key made of everything that determines it: the jax and jaxlib versions, the backend and its
 devices, XLA's flags, the source of jpaged and its kernels, the model's fingerprint (its config and dtype), the
 executable's name, and its abstract arguments (shapes, dtypes, shardings, tree structure). Any
-change makes a new key, so a stale executable is never loaded; one that fails to load is compiled
-again and rewritten. Compiles here bypass jax's own cache: an executable it loaded serializes
-without its CPU kernels (jax 0.10: "Function wrapped_iota not found" when run after loading).
+change makes a new key, so a stale executable is never loaded. Compiles here bypass jax's own cache:
+an executable it loaded serializes without its CPU kernels (jax 0.10: "Function wrapped_iota not
+found" when run after loading).
+
+Nothing read from the directory reaches pickle or XLA unverified: a damaged executable can abort
+the process inside XLA (one flipped bit: "LLVM ERROR: Unable to allocate section memory", SIGABRT,
+on every restart). Each file holds its full key and a SHA-256 of its payload; a file that is not a
+regular file, is too large, names another key or fails its checksum is a miss: a warning, the
+executable compiled again and the file rewritten. A process that dies while loading leaves a
+marker behind, and the next start on that host loads nothing (crash loops end after one restart).
+A read-only directory is only read.
 """
 
 import contextlib
@@ -16,6 +24,9 @@ import hashlib
 import logging
 import os
 import pickle
+import socket
+import stat
+import struct
 import tempfile
 
 import jax
@@ -27,6 +38,11 @@ logger = logging.getLogger(__name__)
 
 _PACKAGES = ("jpaged", "pallas_kernels")
 MAX_CACHE_BYTES = 4 * 2**30
+# A cache file: MAGIC, then the key's and the payload's lengths (two u64), the key (UTF-8), the
+# payload's SHA-256 and the payload (a pickle of the devices and the serialized executable).
+MAGIC = b"jpaged-executable-v2\n"
+_LENGTHS = struct.Struct(">QQ")
+_LOADING_MARKER = ".loading"  # .loading.<host>.<pid>: a start-up of that process is loading files
 
 
 @functools.cache
@@ -65,6 +81,9 @@ class ExecutableCache:
                                   str(jax.config.jax_enable_x64), str(jax.config.jax_default_matmul_precision),
                                   source_fingerprint(), model_fingerprint])
         self.hits = 0
+        self.rejected = 0  # files found damaged or under another key
+        self._loading_depth = 0
+        self.skip_loads = self.directory is not None and self._earlier_start_died()
 
     def compile(self, name: str, jitted, args: tuple):
         """The executable, loaded from disk or compiled now."""
@@ -73,23 +92,102 @@ class ExecutableCache:
 
     def load(self, name: str, args: tuple):
         """The executable an earlier run kept for `name` and `args`, or None."""
-        if self.directory is None:
+        if self.directory is None or self.skip_loads:
             return None
-        path = self._path(name, args)
+        key = self._key(name, args)
+        path = self._path(key)
         try:
-            with open(path, "rb") as f:
-                device_ids, serialized = pickle.load(f)
-            devices = {d.id: d for d in jax.devices()}
-            executable = serialize_executable.deserialize_and_load(
-                *serialized, execution_devices=[devices[i] for i in device_ids])
+            payload = self._read_verified(path, key)
         except FileNotFoundError:
             return None
-        except Exception as e:  # a truncated or foreign file: compile it again
+        except _Rejected as e:
+            self.rejected += 1
+            logger.warning("cached executable %s rejected (%s); compiling it again", path, e)
+            return None
+        except OSError as e:  # unreadable: permissions, I/O errors
+            logger.warning("could not read the cached executable %s (%r); compiling it", path, e)
+            return None
+        try:
+            with self.loading():
+                device_ids, serialized = pickle.loads(payload)
+                devices = {d.id: d for d in jax.devices()}
+                executable = serialize_executable.deserialize_and_load(
+                    *serialized, execution_devices=[devices[i] for i in device_ids])
+        except Exception as e:  # written by this key but not loadable here: compile it again
             logger.warning("could not load the cached executable %s (%r); compiling it", path, e)
             return None
         self.hits += 1
-        os.utime(path)  # recently used: pruned last
+        with contextlib.suppress(OSError):  # recently used: pruned last (a read-only cache: not)
+            os.utime(path)
         return executable
+
+    @staticmethod
+    def _read_verified(path: str, key: str) -> bytes:
+        """The payload of the file at `path` if it holds `key` and its checksum matches, else
+        _Rejected. Opened without blocking (a FIFO would never answer) and checked to be a regular
+        file of a sane size before anything is read."""
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise _Rejected("not a regular file")
+            if info.st_size > MAX_CACHE_BYTES:
+                raise _Rejected(f"{info.st_size} bytes")
+            data = f.read()
+        header = len(MAGIC) + _LENGTHS.size
+        if not data.startswith(MAGIC) or len(data) < header:
+            raise _Rejected("not a jpaged cache file of this version")
+        key_len, payload_len = _LENGTHS.unpack_from(data, len(MAGIC))
+        if len(data) != header + key_len + 32 + payload_len:
+            raise _Rejected(f"{len(data)} bytes, the header says {header + key_len + 32 + payload_len}")
+        if data[header:header + key_len] != key.encode():
+            raise _Rejected("it holds another executable's key")
+        digest, payload = data[header + key_len:header + key_len + 32], data[header + key_len + 32:]
+        if hashlib.sha256(payload).digest() != digest:
+            raise _Rejected("checksum mismatch")
+        return payload
+
+    @contextlib.contextmanager
+    def loading(self):
+        """Mark the directory while this process loads from it: a process that dies inside XLA
+        leaves the marker, and the next start-up on this host loads nothing (_earlier_start_died).
+        Reentrant: load() marks alone unless the warm-up marks all its loads at once."""
+        self._loading_depth += 1
+        marker = None
+        if self._loading_depth == 1 and self.directory is not None and not self.skip_loads:
+            with contextlib.suppress(OSError):  # a read-only directory: no marker, nothing to lose
+                os.makedirs(self.directory, exist_ok=True)
+                marker = os.path.join(self.directory, f"{_LOADING_MARKER}.{socket.gethostname()}.{os.getpid()}")
+                with open(marker, "w") as f:
+                    f.write(_start_time(os.getpid()))
+        try:
+            yield
+        finally:
+            self._loading_depth -= 1
+            if marker is not None:
+                with contextlib.suppress(OSError):
+                    os.remove(marker)
+
+    def _earlier_start_died(self) -> bool:
+        """True when a process on this host died while loading executables from the directory
+        (its marker is left and the process is gone); the marker is removed."""
+        prefix = f"{_LOADING_MARKER}.{socket.gethostname()}."
+        died = False
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.directory):
+                if not entry.name.startswith(prefix):
+                    continue
+                pid = entry.name[len(prefix):]
+                with contextlib.suppress(OSError, ValueError):
+                    with open(entry.path) as f:
+                        started = f.read(64)
+                    if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid), started):
+                        continue  # that process is loading now
+                    logger.warning("an earlier start-up (pid %s) died while loading cached executables from %s: "
+                                   "loading none this time, compiling every executable again", pid, self.directory)
+                    died = True
+                    os.remove(entry.path)
+        return died
 
     def compile_lowered(self, name: str, args: tuple, lowered):
         """Compile `lowered` (jitted.lower(*args)) and keep the executable on disk. Thread-safe:
@@ -102,12 +200,14 @@ class ExecutableCache:
         try:
             # Its devices too: a step on one of several devices must load onto that one.
             device_ids = [d.id for d in executable.runtime_executable().local_devices()]
-            data = pickle.dumps((device_ids, serialize_executable.serialize(executable)))
+            payload = pickle.dumps((device_ids, serialize_executable.serialize(executable)))
+            key = self._key(name, args).encode()
             os.makedirs(self.directory, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self.directory, delete=False) as f:
+            with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".tmp", delete=False) as f:
                 partial = f.name
-                f.write(data)
-            os.replace(partial, self._path(name, args))  # whole or not at all, also with several writers
+                f.write(MAGIC + _LENGTHS.pack(len(key), len(payload)) + key)
+                f.write(hashlib.sha256(payload).digest() + payload)
+            os.replace(partial, self._path(self._key(name, args)))  # whole or not at all, also with several writers
             self._prune()
         except Exception as e:  # a read-only or full disk, a backend that cannot serialize: serve anyway
             if partial is not None and os.path.exists(partial):
@@ -115,9 +215,12 @@ class ExecutableCache:
             logger.warning("could not keep the executable %s on disk: %r", name, e)
         return executable
 
-    def _path(self, name: str, args: tuple) -> str:
-        key = hashlib.sha256(f"{self._prefix}\n{name}\n{_abstract(args)}".encode()).hexdigest()
-        return os.path.join(self.directory, key + ".bin")
+    def _key(self, name: str, args: tuple) -> str:
+        """Everything that determines the executable, as text: kept whole in its file."""
+        return f"{self._prefix}\n{name}\n{_abstract(args)}"
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.directory, hashlib.sha256(key.encode()).hexdigest() + ".bin")
 
     def _prune(self):
         """Least recently used executables go once the directory holds more than MAX_CACHE_BYTES
@@ -125,7 +228,7 @@ class ExecutableCache:
         entries = []
         for entry in os.scandir(self.directory):
             with contextlib.suppress(FileNotFoundError):  # another process may prune at the same time
-                if entry.name.endswith(".bin"):
+                if entry.name.endswith(".bin") and entry.is_file(follow_symlinks=False):
                     entries.append((entry.stat().st_mtime, entry.stat().st_size, entry.path))
         excess = sum(size for _, size, _ in entries) - MAX_CACHE_BYTES
         for _, size, path in sorted(entries):
@@ -134,3 +237,28 @@ class ExecutableCache:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
             excess -= size
+
+
+class _Rejected(Exception):
+    """A cache file that must not be loaded (damaged, foreign, or not a regular file)."""
+
+
+def _alive(pid: int, started: str) -> bool:
+    """Process `pid` exists and started when the marker says (not a later process given its pid)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        pass
+    return started == _start_time(pid)
+
+
+def _start_time(pid: int) -> str:
+    """When process `pid` started (Linux: field 22 of /proc/PID/stat), so that a pid reused after a
+    restart (a container's pid 1) is not taken for the process that left a marker; '' elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""

@@ -257,20 +257,28 @@ class ModelRunner:
         cache = self.executable_cache
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jpaged-compile") as pool, \
                 tqdm(total=len(keys), desc="Compiling step buckets", unit="shape") as progress:
-            pending = {}
-            for key in keys:
-                jitted, args = self._jitted_and_args(key)
-                executable = cache.load(repr(key), args)
-                if executable is not None:
-                    self._executables[key] = executable
-                    progress.update()
-                    continue
+            pending, missing = {}, []
+            with cache.loading():  # loads first, under one marker (a crash in XLA is seen next start)
+                for key in keys:
+                    jitted, args = self._jitted_and_args(key)
+                    executable = cache.load(repr(key), args)
+                    if executable is not None:
+                        self._executables[key] = executable
+                        progress.update()
+                    else:
+                        missing.append((key, jitted, args))
+            for key, jitted, args in missing:
                 future = pool.submit(cache.compile_lowered, repr(key), args, jitted.lower(*args))
                 future.add_done_callback(lambda _: progress.update())
                 pending[key] = future
             for key, future in pending.items():
                 self._executables[key] = future.result()
         self._warm = True
+
+    def bypass_executable_cache(self):
+        """Forget what warm_up loaded and load nothing more from disk (compiles still write)."""
+        self._executables.clear()
+        self.executable_cache.skip_loads = True
 
     def _compile(self, key):
         return self.executable_cache.compile(repr(key), *self._jitted_and_args(key))
