@@ -2,6 +2,7 @@
 model (tiny's random weights never would by themselves), with parallel samples, under preemption,
 beside unguided requests; logit_bias moves the sampled tokens; bad grammars are ValueErrors."""
 
+import functools
 import json
 import re
 
@@ -70,3 +71,129 @@ def test_logit_bias_and_bad_grammars():
         with pytest.raises(ValueError, match=rf"^{field}="):
             llm.generate([[1, 2]], jpaged.SamplingParams(**kwargs), use_tqdm=False)
     assert llm.stats()["num_waiting"] == 0
+
+
+# ------------------------------------------------------------------ hostile grammars
+def _all_of(letters: int) -> dict:
+    """A 100-byte-per-letter schema llguidance takes exponential time on (21 letters: 87 s, 1 GB)."""
+    return {"type": "string", "allOf": [{"pattern": f".*{chr(97 + i)}.*"} for i in range(letters)]}
+
+
+REF_CYCLE = {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                                                  "required": ["x"]}}}
+REFUSED = [  # (kwargs, field, what the message must say)
+    (dict(guided_json=_all_of(21)), "guided_json", "grammar_compile_timeout=2 s"),
+    (dict(guided_choice=[str(i) for i in range(100_000)]), "guided_choice", "MAX_ALTERNATIVES"),
+    (dict(guided_json={"enum": list(range(100_000))}), "guided_json", "MAX_ALTERNATIVES"),
+    (dict(guided_json={"anyOf": [{"const": i} for i in range(2000)]}), "guided_json", "MAX_ALTERNATIVES"),
+    (dict(guided_json={"type": "object", "patternProperties": {f"^k{i}[a-z]*$": {} for i in range(1000)}}),
+     "guided_json", "MAX_PATTERNS"),
+    (dict(guided_json={"type": "string", "description": "x" * 200_000}), "guided_json", "MAX_GRAMMAR_BYTES"),
+    (dict(guided_regex="a" * 200_000), "guided_regex", "MAX_GRAMMAR_BYTES"),
+    (dict(guided_json='{"items":' * 5000 + "{}" + "}" * 5000), "guided_json", "MAX_SCHEMA_DEPTH"),
+    (dict(guided_json=functools.reduce(lambda inner, _: {"items": inner}, range(100), {})), "guided_json",
+     "MAX_SCHEMA_DEPTH"),
+    (dict(guided_json={"type": "integer", "maximum": 10**20}), "guided_json", "64-bit"),
+    (dict(guided_json={"type": "integer", "minimum": -(2**64), "maximum": 0}), "guided_json", "64-bit"),
+    (dict(guided_json={"type": "object", "properties": {"n": {"type": "integer", "exclusiveMinimum": 1e300}}}),
+     "guided_json", "64-bit"),
+    (dict(guided_json=REF_CYCLE), "guided_json", "no finite value"),
+    (dict(guided_json={"type": "array", "items": {"$ref": "#"}, "minItems": 1}), "guided_json", "no finite value"),
+    (dict(guided_regex=r"[^\x00-\U0010FFFF]"), "guided_regex", "not a valid grammar"),  # matches nothing
+    (dict(guided_regex=""), "guided_regex", "only an empty completion"),
+    (dict(guided_regex="a(?!b)"), "guided_regex", "look-around"),
+]
+
+
+def test_hostile_grammars_are_refused_naming_the_field_and_the_limit():
+    """Each grammar that froze the server, or came back silently wrong, is a ValueError naming the
+    field and the limit, within the compile budget; the worker that was killed comes back, and a
+    sane grammar still works."""
+    import time
+
+    llm = jpaged.LLM("tiny", num_gpu_blocks_override=32, grammar_compile_timeout=2, **LIMITS)
+    for kwargs, field, reason in REFUSED:
+        start = time.monotonic()
+        with pytest.raises(ValueError) as e:
+            llm.generate([[1, 2]], jpaged.SamplingParams(max_tokens=4, **kwargs), use_tqdm=False)
+        message = str(e.value)
+        print(f"{time.monotonic() - start:.2f} s: {message[:160]}")
+        assert message.startswith(f"{field}=") and reason in message, message
+        assert "<state>" not in message and "backtrace" not in message and len(message) < 600
+        assert time.monotonic() - start < 30
+    out = llm.generate([[1, 2]], jpaged.SamplingParams(temperature=1.0, max_tokens=10, guided_regex="[0-9]{4}"),
+                       use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch("[0-9]{4}", out.text) and out.finish_reason == "stop"
+    assert llm.stats()["num_free_gpu_blocks"] == llm.stats()["num_gpu_blocks"]
+
+
+def test_grammar_compile_memory_bound():
+    """A grammar whose compile grows past grammar_compile_memory is refused as such (the worker is
+    killed by its address-space limit, not the serving process), then the next grammar compiles."""
+    llm = jpaged.LLM("tiny", num_gpu_blocks_override=32, grammar_compile_timeout=120, grammar_compile_memory=128,
+                     **LIMITS)
+    with pytest.raises(ValueError, match=r"^guided_json=.*grammar_compile_memory=128 MiB"):
+        llm.generate([[1, 2]], jpaged.SamplingParams(max_tokens=4, guided_json=_all_of(19)), use_tqdm=False)
+    out = llm.generate([[1, 2]], jpaged.SamplingParams(temperature=1.0, max_tokens=10, guided_choice=["ab", "cd"]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text in ("ab", "cd")
+
+
+def test_grammar_engine_error_during_generation_ends_with_an_error():
+    """`a{1000}{1000}` compiles, then the grammar engine gives up at the first token (its lexer
+    builds too many expressions): every sample ends with finish_reason "error" and the engine's
+    message, and no text the grammar did not vouch for ("a" with "stop" before)."""
+    llm = jpaged.LLM("tiny", num_gpu_blocks_override=32, **LIMITS)
+    outs = llm.generate([[1, 2], [3, 4, 5]], [jpaged.SamplingParams(temperature=1.0, n=2, max_tokens=8,
+                                                                    guided_regex="a{1000}{1000}"),
+                                              jpaged.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)],
+                        use_tqdm=False)
+    for c in outs[0].outputs:
+        assert c.finish_reason == "error" and "lexer" in c.stop_reason and "<" not in c.stop_reason, c
+        assert set(c.text) <= {"a"}
+    assert len(outs[1].outputs[0].token_ids) == 8 and outs[1].outputs[0].finish_reason == "length"
+    assert llm.llm_engine.structured_output._matchers == {} and llm.llm_engine.structured_output._errors == {}
+    assert llm.stats()["num_free_gpu_blocks"] == llm.stats()["num_gpu_blocks"]
+
+
+@pytest.mark.parametrize("schema, finite", [
+    (REF_CYCLE, False),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}}}}, True),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"anyOf": [{"type": "null"}, {"type": "array", "items": {"$ref": "#/$defs/a"},
+                                                                         "minItems": 1}]}}}, True),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"type": "array", "items": {"$ref": "#/$defs/b"}, "minItems": 2},
+                                     "b": {"type": "object", "properties": {"y": {"$ref": "#/$defs/a"}},
+                                           "required": ["y"]}}}, False),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"type": "array", "items": {"$ref": "#/$defs/a"}}}}, True),
+    ({"type": "object", "properties": {"self": {"$ref": "#"}}, "required": ["self"]}, False),
+    ({"type": ["object", "null"], "properties": {"self": {"$ref": "#"}}, "required": ["self"]}, True),
+    ({"definitions": {"t": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/definitions/t"}}},
+                            "required": ["c"]}}, "$ref": "#/definitions/t"}, True),
+    ({"$ref": "https://example.com/schema.json"}, True),
+])
+def test_finite_instance_check(schema, finite):
+    from jpaged.core.structured_output import _has_finite_instance
+
+    assert _has_finite_instance(schema) is finite
+
+
+def test_compiled_grammars_are_bounded_by_bytes(monkeypatch):
+    """The compiled-grammar cache holds at most MAX_CACHED_GRAMMAR_BYTES, by what each compile
+    took, least recently used out first; an evicted grammar compiles again when used."""
+    from jpaged.core import structured_output
+
+    llm = jpaged.LLM("tiny", num_gpu_blocks_override=32, **LIMITS)
+    manager = llm.llm_engine.structured_output
+    for i in (1, 2):
+        manager.prepare(jpaged.SamplingParams(guided_regex=f"[0-9]{{{i}}}"))
+    cost = min(c for _, c in manager._compiled.values())
+    assert cost > 0 and manager._compiled_bytes == sum(c for _, c in manager._compiled.values())
+    monkeypatch.setattr(structured_output, "MAX_CACHED_GRAMMAR_BYTES", 3 * cost)
+    for i in range(3, 13):
+        manager.prepare(jpaged.SamplingParams(guided_regex=f"[0-9]{{{i}}}"))
+        assert manager._compiled_bytes <= 3 * cost or len(manager._compiled) == 1
+    assert len(manager._compiled) < 12 and ("guided_regex", "[0-9]{1}") not in manager._compiled
+    assert ("guided_regex", "[0-9]{12}") in manager._compiled
+    out = llm.generate([[1]], jpaged.SamplingParams(temperature=1.0, max_tokens=4, guided_regex="[0-9]{1}"),
+                       use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch("[0-9]", out.text)

@@ -21,6 +21,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens or max_model_len
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()  # could never be scheduled (too long for the model or the KV pool)
+    FINISHED_ERROR = enum.auto()  # its grammar engine failed (stop_reason: the message), vLLM's ERROR
 
     # Members are singletons compared by identity: hash them so too (Enum's own hash is Python
     # code, and statuses are looked up several times per sampled token).
@@ -40,6 +41,7 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
     SequenceStatus.FINISHED_IGNORED: "length",
+    SequenceStatus.FINISHED_ERROR: "error",
 }
 
 

@@ -5,40 +5,212 @@ Each guided sequence has a matcher that knows which tokens may come next; before
 engine asks for the row's allowed-token bitmask (the sampler masks the others inside the jitted
 step), after it, the matcher consumes the sampled token. A grammar is compiled once and cached;
 each sequence starts from a copy of the compiled matcher, and forks copy their parent's.
+
+A grammar is checked before it is compiled, in three stages, each a ValueError naming the field
+(a 400 over HTTP): fixed limits on its size (MAX_GRAMMAR_BYTES, MAX_ALTERNATIVES, MAX_PATTERNS,
+MAX_SCHEMA_DEPTH, as the prompt length is checked); what llguidance would silently get wrong
+(integer bounds past 64 bits, which it clamps; a `$ref` cycle with no way out, which has no finite
+instance; a grammar only the empty completion satisfies); then a compile in a worker process
+under a time budget and a memory bound (grammar_worker.py). `prepare` does all that, and blocks:
+the server calls it in a thread, so the event loop and the engine thread never wait on a grammar.
+A grammar that errors during generation ends its sequence with finish_reason "error" and the
+message as stop_reason, never with text that breaks the grammar.
 """
 
 import collections
 import json
 import math
+import threading
 
 import numpy as np
 
+from jpaged.core.grammar_worker import clean_error
 from jpaged.sampling_params import SamplingParams
 
-MAX_CACHED_GRAMMARS = 256
+MAX_GRAMMAR_BYTES = 128 * 1024  # a JSON schema's text, a regex, or all choices together (OpenAI: ~120k)
+MAX_ALTERNATIVES = 1024  # choices, enum values and anyOf/oneOf branches in one grammar
+MAX_PATTERNS = 32  # regexes inside one JSON schema (pattern, patternProperties keys)
+MAX_SCHEMA_DEPTH = 64  # nesting of a JSON schema's objects and arrays
+MAX_CACHED_GRAMMAR_BYTES = 512 * 2**20  # compiled grammars kept, by the memory their compile took
+_INT64 = (-2**63, 2**63 - 1)
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
-def grammar_of(sp: SamplingParams) -> tuple[str, str] | None:
-    """(the field that asked for it, the llguidance grammar) of a guided request, else None."""
-    import llguidance
-
+def guide_of(sp: SamplingParams) -> tuple[str, object] | None:
+    """(the field that asked for it, its value as the worker compiles it) of a guided request:
+    a JSON schema as compact text, strict (below); a regex; a list of choices."""
     if sp.guided_json is not None:
-        schema = _strict(json.loads(sp.guided_json) if isinstance(sp.guided_json, str) else sp.guided_json)
+        schema = sp.guided_json
+        if isinstance(schema, str):
+            _check_size("guided_json", schema, len(schema.encode()))
+            try:
+                schema = json.loads(schema)
+            except RecursionError:
+                raise GuideError("guided_json", sp.guided_json, f"nests deeper than MAX_SCHEMA_DEPTH="
+                                 f"{MAX_SCHEMA_DEPTH}") from None
+            except ValueError as e:
+                raise GuideError("guided_json", sp.guided_json, f"not valid JSON: {str(e)[:100]}") from None
+        _check_schema(sp.guided_json, schema)
+        schema = _strict(schema)
         if isinstance(schema, dict) and "x-guidance" not in schema:
             # Compact JSON: with free whitespace a model can pad forever instead of closing the object.
             schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
-        return "guided_json", llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+        text = json.dumps(schema, sort_keys=True)
+        _check_size("guided_json", sp.guided_json, len(text))
+        return "guided_json", text
     if sp.guided_regex is not None:
-        return "guided_regex", llguidance.LLMatcher.grammar_from_regex(sp.guided_regex)
-    if sp.guided_choice is not None:  # one of the strings, as a Lark grammar of JSON-quoted literals
-        return "guided_choice", llguidance.grammar_from("lark", "start: " + " | ".join(
-            json.dumps(choice) for choice in sp.guided_choice))
+        _check_size("guided_regex", sp.guided_regex, len(sp.guided_regex.encode()))
+        return "guided_regex", sp.guided_regex
+    if sp.guided_choice is not None:
+        if len(sp.guided_choice) > MAX_ALTERNATIVES:
+            raise GuideError("guided_choice", sp.guided_choice, f"{len(sp.guided_choice)} choices; at most "
+                             f"MAX_ALTERNATIVES={MAX_ALTERNATIVES}")
+        _check_size("guided_choice", sp.guided_choice, sum(len(c.encode()) for c in sp.guided_choice))
+        return "guided_choice", tuple(sp.guided_choice)
     return None
+
+
+class GuideError(ValueError):
+    """A grammar refused: the message names the field, shows the start of its value, says why."""
+
+    def __init__(self, field: str, value, reason: str):
+        super().__init__(f"{field}={_short(value)}; {reason}")
+
+
+def _short(value) -> str:
+    try:
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+    except (RecursionError, ValueError):  # nested past Python's stack: the depth check says so
+        text = "..."
+    return repr(text if len(text) <= 80 else text[:77] + "...")
+
+
+def _check_size(field: str, value, size: int):
+    if size > MAX_GRAMMAR_BYTES:
+        raise GuideError(field, value, f"{size} bytes; at most MAX_GRAMMAR_BYTES={MAX_GRAMMAR_BYTES}")
+
+
+def _check_schema(value, schema):
+    """The fixed limits and the bounds llguidance would clamp, in one pass without recursion."""
+    patterns = alternatives = 0
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise GuideError("guided_json", "...", f"nests deeper than MAX_SCHEMA_DEPTH={MAX_SCHEMA_DEPTH}")
+        if isinstance(node, list):
+            stack.extend((item, depth + 1) for item in node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        patterns += isinstance(node.get("pattern"), str)
+        if isinstance(node.get("patternProperties"), dict):
+            patterns += len(node["patternProperties"])
+        for key in ("enum", "anyOf", "oneOf"):
+            if isinstance(node.get(key), list):
+                alternatives += len(node[key])
+        if patterns > MAX_PATTERNS:
+            raise GuideError("guided_json", value, f"more than MAX_PATTERNS={MAX_PATTERNS} regex patterns")
+        if alternatives > MAX_ALTERNATIVES:
+            raise GuideError("guided_json", value, f"more than MAX_ALTERNATIVES={MAX_ALTERNATIVES} enum values "
+                             "and anyOf/oneOf branches")
+        if _types(node) == {"integer"}:
+            for key in _BOUNDS:
+                bound = node.get(key)
+                if isinstance(bound, (int, float)) and not isinstance(bound, bool) and \
+                        not (math.isfinite(bound) and _INT64[0] <= bound <= _INT64[1]):
+                    raise GuideError("guided_json", value, f"integer bound {key}={bound!r} is outside the "
+                                     "64-bit range the grammar engine supports")
+        stack.extend((value, depth + 1) for value in node.values() if isinstance(value, (dict, list)))
+    if not _has_finite_instance(schema):
+        raise GuideError("guided_json", value, "no finite value matches: its $ref recursion has no way out "
+                         "(each branch requires itself again)")
+
+
+def _types(node: dict) -> set:
+    kind = node.get("type")
+    return {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+
+
+def _has_finite_instance(root) -> bool:
+    """False when every value the schema allows would nest forever through `$ref`s (an object
+    that requires itself, an array of at least one of itself): llguidance compiles those, and
+    generation can never finish. Only clear cases count as infinite: a schema without a type,
+    an unresolvable or external $ref, any keyword not understood here counts as finite."""
+    if not isinstance(root, dict) or not _mentions_ref(root):
+        return True
+
+    def target(ref):
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            return None
+        node = root
+        for part in ref[1:].split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return node
+
+    finite: dict[int, bool] = {}  # id(ref target) -> known finite; unknown targets: not yet
+
+    def check(node, depth=0) -> bool:
+        if depth > MAX_SCHEMA_DEPTH or not isinstance(node, dict):
+            return node is not False
+        if "$ref" in node:
+            goal = target(node["$ref"])
+            if goal is not None and not finite.get(id(goal), False):
+                return False
+        if isinstance(node.get("allOf"), list) and not all(check(s, depth + 1) for s in node["allOf"]):
+            return False
+        for key in ("anyOf", "oneOf"):
+            if isinstance(node.get(key), list) and node[key] and not any(check(s, depth + 1) for s in node[key]):
+                return False
+        types = _types(node)
+        if not types or types - {"object", "array"}:
+            return True  # some type with no children (or any type) satisfies it
+        ok = False
+        if "object" in types:
+            properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            required = node.get("required") if isinstance(node.get("required"), list) else []
+            ok = all(check(properties.get(name, True), depth + 1) for name in required if isinstance(name, str))
+        if "array" in types and not ok:
+            items = node.get("items", True)
+            min_items = node.get("minItems", 0)
+            prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+            needed = prefix[:min_items] if isinstance(min_items, int) else prefix
+            ok = all(check(s, depth + 1) for s in needed) and \
+                (not isinstance(min_items, int) or min_items <= len(prefix) or check(items, depth + 1))
+        return ok
+
+    # Least fixpoint: a target is finite once its schema is, given the targets known finite so far.
+    targets = []
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            goal = target(node.get("$ref"))
+            if goal is not None and all(goal is not t for t in targets):
+                targets.append(goal)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    changed = True
+    while changed:
+        changed = False
+        for goal in targets:
+            if not finite.get(id(goal)) and check(goal):
+                finite[id(goal)] = changed = True
+    return check(root)
+
+
+def _mentions_ref(node) -> bool:
+    return '"$ref"' in json.dumps(node)
 
 
 def _strict(schema):
     """Objects with listed properties take no others unless the schema says so (xgrammar's strict
-    mode, vLLM's default): a model is not free to invent keys that the caller cannot parse."""
+    mode, vLLM's default): a model is not free to invent keys that the caller cannot parse.
+    Recursion is safe: _check_schema bounded the depth."""
     if isinstance(schema, list):
         return [_strict(item) for item in schema]
     if not isinstance(schema, dict):
@@ -50,67 +222,128 @@ def _strict(schema):
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, compile_timeout: float = 10.0, compile_memory_mib: int = 2048):
         self._hf_tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.compile_timeout, self.compile_memory_mib = compile_timeout, compile_memory_mib
         self._tokenizer = None  # llguidance's view of the vocabulary, built on first use
-        self._compiled: collections.OrderedDict = collections.OrderedDict()  # grammar -> matcher, LRU
+        self._worker = None
+        self._lock = threading.RLock()  # prepare runs in the server's threads, the rest in the engine's
+        # guide -> (matcher, bytes its compile took), least recently used first; bounded in bytes.
+        self._compiled: collections.OrderedDict = collections.OrderedDict()
+        self._compiled_bytes = 0
         self._matchers: dict[int, object] = {}  # seq_id -> its matcher
+        self._errors: dict[int, str] = {}  # seq_id -> the grammar engine's error that ended it
         self.bitmask_words = math.ceil(vocab_size / 32)
+
+    def _tokenizer_args(self) -> tuple:
+        """(tokenizer.json text, vocabulary size, EOS) for llguidance.LLTokenizer, as llguidance.hf
+        builds them, so the worker needs no transformers."""
+        import copy
+
+        if not hasattr(self._hf_tokenizer, "backend_tokenizer"):
+            raise ValueError("structured output needs a fast (Rust) tokenizer")
+        backend = copy.copy(self._hf_tokenizer.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        return backend.to_str(), self.vocab_size, self._hf_tokenizer.eos_token_id
 
     def _ll_tokenizer(self):
         if self._tokenizer is None:
-            import llguidance.hf
+            import llguidance
 
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
+            text, n_vocab, eos = self._tokenizer_args()
+            self._tokenizer = llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos)
         return self._tokenizer
 
-    def _compile(self, grammar: str):
+    def prepare(self, sp: SamplingParams) -> tuple[str, str]:
+        """Check and compile the request's grammar (ValueError naming the field when it is not
+        acceptable), so the engine finds it compiled. Blocks up to the compile budget: call it
+        off the event loop."""
+        from jpaged.core.grammar_worker import GrammarWorker
+
+        if self._hf_tokenizer is None:
+            raise ValueError(f"{_guided_field(sp)}: structured output needs a tokenizer")
+        key = guide_of(sp)
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return key
+            if self._worker is None:
+                self._worker = GrammarWorker(self._tokenizer_args(), self.compile_timeout, self.compile_memory_mib)
+        try:  # outside the lock: may take the whole budget
+            grammar, cost, only_empty = self._worker.check(*key)
+        except ValueError as e:
+            raise GuideError(key[0], _guide(sp), str(e)) from None
+        if only_empty:
+            raise GuideError(key[0], _guide(sp), "the grammar allows only an empty completion")
+        self._add(key, grammar, cost)
+        return key
+
+    def _add(self, key, grammar: str, cost: int):
         import llguidance
 
-        matcher = self._compiled.pop(grammar, None)
-        if matcher is None:
-            matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar)
-        self._compiled[grammar] = matcher
-        while len(self._compiled) > MAX_CACHED_GRAMMARS:
-            self._compiled.popitem(last=False)
-        return matcher
-
-    def validate(self, sp: SamplingParams):
-        """ValueError naming the field when the grammar cannot be compiled."""
-        if self._hf_tokenizer is None:
-            raise ValueError("structured output needs a tokenizer")
-        try:
-            field, grammar = grammar_of(sp)
-        except Exception as e:  # llguidance rejects the schema or the regex while translating it
-            raise ValueError(f"{_guided_field(sp)}={_guide(sp)!r:.80}; not a valid grammar: {e}") from None
-        matcher = self._compile(grammar)
-        if matcher.is_error():
-            self._compiled.pop(grammar, None)
-            raise ValueError(f"{field}={_guide(sp)!r:.80}; not a valid grammar: {matcher.get_error()}")
+        # Known to compile within the budget (the worker just did); drops the GIL while it runs.
+        matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0,
+                                       limits=llguidance.LLParserLimits(verbose_errors=False))
+        if matcher.is_error():  # the worker compiled the same grammar: not expected
+            raise GuideError(key[0], key[1], f"not a valid grammar: {clean_error(matcher.get_error())}")
+        with self._lock:
+            if key not in self._compiled:
+                self._compiled[key] = (matcher, cost)
+                self._compiled_bytes += cost
+            while self._compiled_bytes > MAX_CACHED_GRAMMAR_BYTES and len(self._compiled) > 1:
+                _, (_, freed) = self._compiled.popitem(last=False)
+                self._compiled_bytes -= freed
 
     def bitmask(self, seq_id: int, sp: SamplingParams) -> np.ndarray:
-        """i32[bitmask_words]: the tokens the sequence may sample next (bit t % 32 of word t // 32)."""
+        """i32[bitmask_words]: the tokens the sequence may sample next (bit t % 32 of word t // 32).
+        A matcher in error allows only EOS (or token 0): `accept` then ends the sequence."""
         import llguidance.numpy
 
         matcher = self._matchers.get(seq_id)
         if matcher is None:
-            matcher = self._matchers[seq_id] = self._compile(grammar_of(sp)[1]).deep_copy()
+            key = self.prepare(sp)  # compiled when the request was added; again if evicted since
+            with self._lock:
+                matcher = self._matchers[seq_id] = self._compiled[key][0].deep_copy()
         row = np.zeros((1, self.bitmask_words), np.int32)
-        llguidance.numpy.fill_next_token_bitmask(matcher, row, 0)
+        if not matcher.is_error():
+            llguidance.numpy.fill_next_token_bitmask(matcher, row, 0)
+        if matcher.is_error() or not row.any():
+            self._errors.setdefault(seq_id, clean_error(matcher.get_error()) if matcher.is_error()
+                                    else "the grammar allows no next token")
+            row[:] = 0
+            eos = self._hf_tokenizer.eos_token_id or 0
+            row.view(np.uint32)[0, eos // 32] = 1 << (eos % 32)
         return row[0]
 
     def fork(self, parent_id: int, child_id: int):
         if parent_id in self._matchers:
             self._matchers[child_id] = self._matchers[parent_id].deep_copy()
+        if parent_id in self._errors:
+            self._errors[child_id] = self._errors[parent_id]
 
-    def accept(self, seq_id: int, token_id: int) -> bool:
-        """Advance the sequence's matcher by its new token; True once the grammar is complete."""
+    def accept(self, seq_id: int, token_id: int) -> str | None:
+        """Advance the sequence's matcher by its new token: None while the grammar goes on, "stop"
+        once it is complete, "error" when the grammar engine failed (see `error`)."""
         matcher = self._matchers[seq_id]
-        matcher.consume_token(token_id)
-        return matcher.is_stopped() or matcher.is_error()
+        if seq_id not in self._errors:
+            matcher.consume_token(token_id)
+            if matcher.is_error():
+                self._errors[seq_id] = clean_error(matcher.get_error())
+        if seq_id in self._errors:
+            return "error"
+        return "stop" if matcher.is_stopped() else None
+
+    def error(self, seq_id: int) -> str | None:
+        return self._errors.get(seq_id)
 
     def free(self, seq_id: int):
         self._matchers.pop(seq_id, None)
+        self._errors.pop(seq_id, None)
+
+    def close(self):
+        if self._worker is not None:
+            self._worker.close()
 
 
 def _guided_field(sp: SamplingParams) -> str:

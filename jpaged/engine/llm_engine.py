@@ -23,7 +23,7 @@ from jpaged.core.kv_allocation import KVUsage, kv_usage
 from jpaged.core.kv_map import KVMap
 from jpaged.core.scheduler import Scheduler, SchedulerOutputs
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from jpaged.core.structured_output import StructuredOutputManager
+from jpaged.core.structured_output import StructuredOutputManager, guide_of
 from jpaged.models.layers import common_sliding_window
 from jpaged.models.loader import load_model
 from jpaged.outputs import CompletionOutput, RequestOutput
@@ -107,7 +107,8 @@ class LLMEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
-        self.structured_output = StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size)
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size,
+                                                         config.grammar_compile_timeout, config.grammar_compile_memory)
         self.max_model_len = derive_max_model_len(loaded.hf_config, config.max_model_len)
         max_num_batched_tokens = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
         if max_num_batched_tokens < config.max_num_seqs:
@@ -213,6 +214,8 @@ class LLMEngine:
         else:
             raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         self.check_request(ids, sampling_params)
+        if sampling_params.guided:  # compiled now unless the server already did (off its event loop)
+            self.structured_output.prepare(sampling_params)
         group = SequenceGroup(request_id, [Sequence(next(self._seq_ids), ids)], sampling_params,
                               arrival_time if arrival_time is not None else time.monotonic(), prompt=text)
         self._groups[request_id] = group
@@ -236,8 +239,8 @@ class LLMEngine:
         bad = next((t for t in sp.logit_bias or () if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"logit_bias={sp.logit_bias!r:.80}; token id {bad} is outside the vocabulary [0, {vocab})")
-        if sp.guided:
-            self.structured_output.validate(sp)
+        if sp.guided:  # the grammar's fixed limits; add_request compiles it
+            guide_of(sp)
         if sp.top_k > vocab:
             raise ValueError(f"top_k={sp.top_k}; expected -1 (disabled) or at most the vocabulary size {vocab}")
         if sp.best_of > self.config.max_num_seqs:
@@ -569,8 +572,8 @@ class LLMEngine:
         seq.append_token_id(token, logprob, top)
         if self.detokenizer is not None:
             self.detokenizer.decode_sequence_incrementally(seq)
-        grammar_done = sp.guided and self.structured_output.accept(seq.seq_id, token)
-        self._check_stop(sp, seq, token, grammar_done)
+        grammar = self.structured_output.accept(seq.seq_id, token) if sp.guided else None
+        self._check_stop(sp, seq, token, grammar)
 
     # ------------------------------------------------------------------ beam search
     def _beam_score(self, sp: SamplingParams, seq: Sequence) -> float:
@@ -650,8 +653,13 @@ class LLMEngine:
             best = best_running.get_beam_search_score(sp.length_penalty, longest, self.eos_token_id)
         return self._beam_score(sp, worst_finished) >= best
 
-    def _check_stop(self, sp: SamplingParams, seq: Sequence, token: int, grammar_done: bool = False):
-        if grammar_done:  # structured output complete: the grammar allows nothing more
+    def _check_stop(self, sp: SamplingParams, seq: Sequence, token: int, grammar: str | None = None):
+        if grammar == "error":  # the grammar engine failed: its message, and no token it did not vouch for
+            if self.detokenizer is not None:
+                self.detokenizer.remove_last_delta(seq)
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_ERROR, self.structured_output.error(seq.seq_id)
+            return
+        if grammar == "stop":  # structured output complete: the grammar allows nothing more
             if token == self.eos_token_id and self.detokenizer is not None:
                 self.detokenizer.remove_last_delta(seq)
             seq.status = SequenceStatus.FINISHED_STOPPED
