@@ -1,7 +1,8 @@
 """Hostile load against a running `jpaged serve`: disconnect storms, random and hostile request
-bodies, huge requests, all at once, while /health is polled. Prints what a supervisor would want
-to know: status counts (any 5xx is a bug), the slowest /health answer (event-loop stalls), and
-whether the engine ended alive and idle (no request running or waiting, no KV block held).
+bodies, malformed fields (each must get a 4xx), huge requests, all at once, while /health is
+polled. Prints what a supervisor would want to know: status counts (any 5xx is a bug), the slowest
+/health answer (event-loop stalls), and whether the engine ended alive and idle (no request
+running or waiting, no KV block held).
 
     python scripts/stress_server.py --url http://127.0.0.1:8000 --requests 2000 --disconnects 400
 """
@@ -25,6 +26,43 @@ FIELDS = {  # field: plausible values
     "frequency_penalty": [0.5], "repetition_penalty": [1e-300, 0.5, 1.2], "use_beam_search": [True],
     "length_penalty": [-1000, 0.5, 1000], "early_stopping": [True, "never"], "stream": [True, False],
 }
+
+
+CHAT_HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def _history(arguments: str) -> list:
+    return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
+
+
+JSON = {"Content-Type": "application/json"}
+# Malformed fields (issue 30), each once a 500 or a RecursionError: every one must get a 4xx.
+MALFORMED = [(path, json.dumps(body).encode(), JSON) for path, body in [
+    ("/v1/chat/completions", {**CHAT_HI, "response_format": {"type": "json_schema", "json_schema": "s"}}),
+    ("/v1/chat/completions", {**CHAT_HI, "response_format": {"type": "json_schema", "json_schema": {"schema": 1}}}),
+    ("/v1/chat/completions", {**CHAT_HI, "response_format": {"type": "json_schema"}}),
+    ("/v1/chat/completions", {**CHAT_HI, "tools": TOOLS, "tool_choice": {"type": "function", "function": "f"}}),
+    ("/v1/chat/completions", {**CHAT_HI, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": ["f"]}}}),
+    ("/v1/chat/completions", {**CHAT_HI, "tools": TOOLS, "tool_choice": ["auto"]}),
+    ("/v1/chat/completions", {**CHAT_HI, "tool_choice": {"type": "function", "function": "f"}}),
+    ("/v1/chat/completions", {**CHAT_HI, "tools": [{"type": "function", "function": {"name": "f", "parameters": "s"}}],
+                              "tool_choice": "required"}),
+    ("/v1/chat/completions", {**CHAT_HI, "messages": _history(deep(1000))}),
+    ("/v1/completions", {"prompt": "hi", "guided_json": deep(5000)}),
+]] + [
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2}', {"Content-Type": f"application/json; charset={charset}"})
+    for charset in ("undefined", "punycode", "rot13", "nope")
+] + [
+    ("/v1/completions", deep(1000).encode(), JSON),
+    ("/v1/chat/completions", b'{"messages": ' + deep(200000).encode() + b"}", JSON),
+]
 
 
 def random_body(rng: random.Random) -> tuple[str, dict]:
@@ -64,6 +102,17 @@ async def main(args):
             except aiohttp.ClientError as e:
                 statuses[type(e).__name__] += 1
 
+        async def refused(path, data, headers):
+            """A malformed request: a 4xx in OpenAI's shape, or a failure."""
+            try:
+                async with session.post(args.url + path, data=data, headers=headers) as r:
+                    text = await r.text()
+                    statuses[f"malformed {r.status}"] += 1
+                    if not 400 <= r.status < 500 or '"error"' not in text:
+                        failures.append((r.status, data[:120], text[:300]))
+            except aiohttp.ClientError as e:
+                statuses[type(e).__name__] += 1
+
         async def leave_early(i):
             body = {"prompt": f"storm {i}", "max_tokens": 64, "ignore_eos": True, "stream": i % 2 == 0}
             try:
@@ -83,6 +132,7 @@ async def main(args):
 
         jobs = [limited(leave_early(i)) for i in range(args.disconnects)]
         jobs += [limited(one(*random_body(rng))) for _ in range(args.requests)]
+        jobs += [limited(refused(*rng.choice(MALFORMED))) for _ in range(args.malformed)]
         rng.shuffle(jobs)
         await asyncio.gather(*jobs)
         await long_request
@@ -104,8 +154,8 @@ async def main(args):
             healthy = r.status == 200
 
     five_xx = sum(v for k, v in statuses.items() if isinstance(k, int) and k >= 500)
-    print(f"{args.requests} random bodies + {args.disconnects} disconnecting clients + 1 long request "
-          f"in {elapsed:.1f} s")
+    print(f"{args.requests} random bodies + {args.malformed} malformed fields + {args.disconnects} disconnecting "
+          f"clients + 1 long request in {elapsed:.1f} s")
     print("statuses:", dict(sorted(statuses.items(), key=str)))
     print(f"5xx or error events: {five_xx + len(failures)}; /health answers: {len(latencies)}, "
           f"slowest {max(latencies) * 1e3:.0f} ms, p99 {sorted(latencies)[int(0.99 * (len(latencies) - 1))] * 1e3:.0f} ms")
@@ -119,6 +169,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--requests", type=int, default=2000, help="random (often hostile) request bodies")
+    parser.add_argument("--malformed", type=int, default=200,
+                        help="requests with a malformed field (MALFORMED), each of which must get a 4xx")
     parser.add_argument("--disconnects", type=int, default=400, help="clients that leave within 100 ms")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--long-tokens", type=int, default=200, help="tokens of the one long request")

@@ -8,7 +8,9 @@ context length with both numbers), and abort their requests in `finally`: a clie
 """
 
 import asyncio
+import codecs
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -18,6 +20,8 @@ import math
 import os
 import signal
 import ssl
+import sys
+import threading
 import time
 import uuid
 import zlib
@@ -438,9 +442,26 @@ class OpenAIServer:
             offsets.append(offset)
             offset += len(text)
         return {"tokens": texts, "token_logprobs": [_json_logprob(c.logprobs[t][c.token_ids[t]]) for t in tokens],
-                "top_logprobs": [{self._token_text(k): _json_logprob(v) for k, v in c.logprobs[t].items()}
-                                 for t in tokens],
+                "top_logprobs": [self._top_logprobs(c.logprobs[t], c.token_ids[t]) for t in tokens],
                 "text_offset": offsets}
+
+    def _top_logprobs(self, logprobs: dict[int, float], chosen: int, top: int | None = None) -> dict[str, float]:
+        """A completions `top_logprobs` entry, {token text: logprob}: the `top` likeliest of
+        `logprobs` (None: all) and the `chosen` token, likeliest first. Distinct tokens can decode
+        to the same text (each byte of a multi-byte character decodes alone to "\ufffd"); a text
+        already taken keys its token as "token_id:N" (vLLM's --return-tokens-as-token-ids form),
+        so no entry is lost and the chosen token keeps its own text, the one in `tokens`."""
+        ranked = sorted(logprobs.items(), key=lambda kv: kv[1], reverse=True)[:top]
+        if chosen not in dict(ranked):
+            ranked.append((chosen, logprobs[chosen]))
+        keys = {chosen: self._token_text(chosen)}
+        taken = set(keys.values())
+        for token_id, _ in ranked:
+            if token_id not in keys:
+                text = self._token_text(token_id)
+                keys[token_id] = text if text not in taken else f"token_id:{token_id}"
+                taken.add(keys[token_id])
+        return {keys[token_id]: _json_logprob(logprob) for token_id, logprob in ranked}
 
     def _prompt_logprobs(self, out: RequestOutput, top: int) -> dict:
         """OpenAI's completion logprobs of the prompt's tokens (echo): the first has none."""
@@ -449,9 +470,8 @@ class OpenAIServer:
         entries = out.prompt_logprobs or [None] * len(texts)
         return {"tokens": texts,
                 "token_logprobs": [None if e is None else _json_logprob(e[t]) for e, t in zip(entries, out.prompt_token_ids)],
-                "top_logprobs": [None if e is None else {self._token_text(k): _json_logprob(v) for k, v in sorted(
-                    e.items(), key=lambda kv: -kv[1])[:max(top, 1)]} | {texts[i]: _json_logprob(e[t])}
-                    for i, (e, t) in enumerate(zip(entries, out.prompt_token_ids))],
+                "top_logprobs": [None if e is None else self._top_logprobs(e, t, max(top, 1))
+                                 for e, t in zip(entries, out.prompt_token_ids)],
                 "text_offset": offsets}
 
     def _chat_logprobs(self, c: CompletionOutput, tokens: range, top: int) -> dict:
@@ -489,15 +509,38 @@ async def _json_body(request, timeout: float) -> dict:
     except Exception as e:  # a corrupt compressed body, a broken transfer encoding
         raise APIError(f"the request body could not be read: {e}", code="invalid_body") from None
     raw = _decompress(raw, request.headers.get("Content-Encoding"))
+    charset = _body_charset(request.charset)
     try:
-        text = raw.decode(request.charset or "utf-8")
-    except (LookupError, UnicodeDecodeError) as e:
-        raise APIError(f"the request body could not be decoded: {e}", code="invalid_body") from None
+        text = raw.decode(charset)
+    except UnicodeError as e:
+        raise APIError(f"the request body could not be decoded as {charset}: {e}", code="invalid_body") from None
     # Parsing up to MAX_BODY_BYTES takes a while: in a thread, so the event loop keeps answering.
     body = await asyncio.to_thread(_parse_json, text)
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object", code="invalid_json")
     return body
+
+
+# Charsets a body may declare (JSON is UTF-8, RFC 8259; the rest are its Unicode siblings and
+# ASCII's supersets). Not every Python codec: "undefined" fails on any input, "rot13" or "base64"
+# are not text encodings, and "punycode" takes quadratic time (a 16 MiB body: hours).
+BODY_CHARSETS = frozenset({"utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le",
+                           "utf-32-be", "ascii", "iso8859-1", "cp1252"})  # codecs.lookup(...).name
+
+
+def _body_charset(declared: str | None) -> str:
+    """The codec for a body's `Content-Type: ...; charset=X` (none: UTF-8); a 400 naming X for a
+    charset that is unknown or not one of BODY_CHARSETS."""
+    if declared is None:
+        return "utf-8"
+    try:
+        name = codecs.lookup(declared).name
+    except (LookupError, ValueError):  # ValueError: a name with a NUL in it
+        name = None
+    if name not in BODY_CHARSETS:
+        raise APIError(f"the request body's charset {declared!r:.80} is not supported; send JSON as UTF-8",
+                       param="Content-Type", code="unsupported_charset")
+    return name
 
 
 def _decompress(raw: bytes, encoding: str | None) -> bytes:
@@ -524,6 +567,7 @@ def _decompress(raw: bytes, encoding: str | None) -> bytes:
 
 
 def _parse_json(text: str):
+    protocol.check_json_depth(text, None, "the request body")  # before json.loads recurses
     try:
         body = json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
@@ -682,8 +726,11 @@ def _cors(allowed_origins: str):
 async def serve(engine: LLMEngine, options: ServerOptions) -> int:
     """Serve until SIGTERM or SIGINT (then stop accepting, abort in-flight requests and return 0)
     or until the engine dies (then return 1, so that a supervisor restarts the server)."""
-    async_engine = AsyncLLMEngine(engine, Metrics(options.served_model_name))
     stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # first thing: they replace run_server's start-up handler
+        loop.add_signal_handler(sig, stop.set)
+    async_engine = AsyncLLMEngine(engine, Metrics(options.served_model_name))
     async_engine.on_dead = stop.set
     async_engine.start()
     app = OpenAIServer(async_engine, options).build_app()
@@ -706,10 +753,7 @@ async def serve(engine: LLMEngine, options: ServerOptions) -> int:
     print(f"jpaged: serving {options.served_model_name!r} at {scheme}://{bound_host}:{bound_port}/v1 "
           "(OpenAI API; also /health, /metrics, /kv, /tokenize, /detokenize)", flush=True)
     stats_task = asyncio.create_task(_log_stats(async_engine)) if options.log_stats else None
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await stop.wait()  # already set by a signal during the set-up: shut down at once
     if async_engine.dead is not None:
         print(f"jpaged: the engine failed ({async_engine.dead!r}); exiting", flush=True)
     else:
@@ -722,8 +766,39 @@ async def serve(engine: LLMEngine, options: ServerOptions) -> int:
     return 0 if async_engine.dead is None else 1
 
 
+# After SIGTERM / SIGINT during start-up, how long the start-up may take to unwind (the compiles
+# already queued finish) before the process exits without waiting for them.
+START_UP_EXIT_GRACE_S = 10
+
+
+def _exit_now(*_):
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
+
+
+def _exit_during_start_up(signum, frame):
+    """SIGTERM or SIGINT while the engine loads and compiles (before the server listens): exit 0,
+    as after serving, not killed by the signal (-15) or with a KeyboardInterrupt traceback.
+    SystemExit unwinds the start-up in the main thread (the executable cache removes its loading
+    marker, so the next start still loads from it); a second signal, or START_UP_EXIT_GRACE_S
+    later, exits at once."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_now)
+    timer = threading.Timer(START_UP_EXIT_GRACE_S, _exit_now)
+    timer.daemon = True
+    timer.start()
+    print(f"jpaged: {signal.Signals(signum).name} during start-up; exiting", flush=True)
+    raise SystemExit(0)
+
+
 def run_server(config: EngineConfig, options: ServerOptions) -> int:
-    """Serve; returns the process exit status (0 after SIGTERM / SIGINT, 1 if the engine died)."""
+    """Serve; returns the process exit status (0 after SIGTERM / SIGINT, also during start-up; 1
+    if the engine died)."""
+    if threading.current_thread() is threading.main_thread():  # serve() installs its own once it runs
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _exit_during_start_up)
     engine = LLMEngine(config)  # loads the weights and compiles every step shape before we listen
     # Multi-host: process 0 serves HTTP; the other processes run its device steps until it stops.
     return engine.runner.lead(lambda: asyncio.run(serve(engine, options)))

@@ -12,6 +12,8 @@ import logging
 import re
 from typing import Any
 
+import numpy as np
+
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -25,6 +27,64 @@ class APIError(Exception):
     def to_json(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+# Arrays and objects nested deeper than this are refused before any JSON parser recurses into them:
+# the request body, tool-call arguments in the history, a guided_json schema given as text (a 400
+# naming the field), and a tool call the model generated (read as content, not as a call).
+# Python's json recurses once per level and fails near 1000 (RecursionError); jpaged's own readers
+# of what it parsed (schemas, templates) recurse too. 128 is serde_json's default limit, and far
+# beyond what any real request nests (OpenAI allows JSON schemas 10 levels deep).
+MAX_JSON_DEPTH = 128
+_QUOTE, _BACKSLASH, _OPEN, _CLOSE = ord('"'), ord("\\"), ord("{"), ord("}")  # "[" | 0x20 == "{", "]" | 0x20 == "}"
+
+
+def json_depth(text: str, *, first_value: bool = False) -> int:
+    """How deep arrays and objects nest in the JSON `text` (0: none), brackets inside strings not
+    counted; `first_value`: only up to where the first array or object closes. Found without
+    parsing, in linear time (numpy: 16 MB of "[" in 0.5 s), so that a recursive parser is only
+    given text whose depth is known. For any text, at least the depth a JSON parser reaches
+    before it finishes or fails: both read strings the same way up to the first error."""
+    if "[" not in text and "{" not in text:
+        return 0
+    # Bytes: every byte of a multi-byte UTF-8 character is >= 0x80, so none is a bracket or quote.
+    data = np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8)
+    quotes = np.flatnonzero(data == _QUOTE)
+    backslashes = np.flatnonzero(data == _BACKSLASH)
+    if quotes.size and backslashes.size:  # a quote after an odd run of backslashes is escaped
+        last = np.flatnonzero(np.diff(backslashes) != 1)  # where runs of consecutive backslashes end
+        run_ends = backslashes[np.append(last, backslashes.size - 1)]
+        run_starts = backslashes[np.insert(last + 1, 0, 0)]
+        run = np.minimum(np.searchsorted(run_ends, quotes - 1), run_ends.size - 1)
+        escaped = (run_ends[run] == quotes - 1) & ((run_ends[run] - run_starts[run]) % 2 == 0)
+        quotes = quotes[~escaped]
+    folded = data | 0x20
+    steps = (folded == _OPEN).view(np.int8) - (folded == _CLOSE).view(np.int8)  # +1 opens, -1 closes
+    if quotes.size:  # inside a string: after an odd number of quotes (parity survives uint8 wrapping)
+        marks = np.zeros(data.size, np.uint8)
+        marks[quotes] = 1
+        steps *= (np.cumsum(marks, dtype=np.uint8) & 1 ^ 1).view(np.int8)
+    if first_value:
+        first = np.flatnonzero(steps)
+        if not first.size or steps[first[0]] < 0:
+            return 0
+        steps = steps[first[0]:]
+    depth = np.cumsum(steps, dtype=np.int32)
+    if first_value:
+        closed = np.flatnonzero(depth <= 0)
+        if closed.size:
+            depth = depth[:closed[0]]
+    return int(depth.max(initial=0))
+
+
+def check_json_depth(text: str, param: str | None, what: str):
+    """A 400 naming `param` when `text` (JSON) nests arrays and objects deeper than MAX_JSON_DEPTH."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:  # cheap: it cannot be deeper
+        return
+    # A prefix nests no deeper than the whole: a hostile body is usually told by its first 64 KiB.
+    if json_depth(text[:2**16]) > MAX_JSON_DEPTH or json_depth(text) > MAX_JSON_DEPTH:
+        raise APIError(f"{what} nests arrays and objects more than {MAX_JSON_DEPTH} levels deep", param=param,
+                       code="invalid_json")
 
 
 def _type_name(value) -> str:
@@ -131,15 +191,17 @@ def parse_messages(body: dict, *, max_messages: int) -> list[dict]:
                            f"{_type_name(content)}", param=f"messages[{i}].content", code="invalid_type")
         parsed.append({**m, "content": content or ""})
         if isinstance(m.get("tool_calls"), list):  # earlier calls: templates expect arguments as objects
-            parsed[-1]["tool_calls"] = [_arguments_as_object(c) for c in m["tool_calls"]]
+            parsed[-1]["tool_calls"] = [_arguments_as_object(c, f"messages[{i}].tool_calls[{j}].function.arguments")
+                                        for j, c in enumerate(m["tool_calls"])]
     return parsed
 
 
-def _arguments_as_object(call):
+def _arguments_as_object(call, param: str):
     """A call from the history, its `function.arguments` JSON text read as an object (as vLLM does)."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
         return call
+    check_json_depth(function["arguments"], param, f"'{param}'")
     try:
         return {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
     except ValueError:
@@ -206,22 +268,39 @@ def parse_logit_bias(body: dict) -> dict[int, float] | None:
         raise APIError("'logit_bias' keys must be token ids", param="logit_bias") from None
 
 
-def parse_response_format(body: dict) -> dict | str | None:
-    """The JSON schema `response_format` asks the completion to follow (None: plain text)."""
+def parse_response_format(body: dict) -> dict | None:
+    """The JSON schema `response_format` asks the completion to follow (None: plain text). Its
+    shape is OpenAI's: {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema":
+    {"name": str, "schema": {...}, "strict": bool}} (the schema is required here: it is the point)."""
     response_format = field(body, "response_format", "object")
-    kind = (response_format or {}).get("type", "text")
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
         return {"type": "object"}
-    if kind == "json_schema":
-        schema = field(response_format.get("json_schema") or {}, "schema", "object")
-        if schema is None:
-            raise APIError("response_format json_schema needs 'json_schema': {'schema': {...}}",
-                           param="response_format")
-        return schema
-    raise APIError(f"response_format type {kind!r}; expected 'text', 'json_object' or 'json_schema'",
-                   param="response_format")
+    if kind != "json_schema":
+        raise APIError(f"'response_format.type' is {kind!r:.80}; expected 'text', 'json_object' or 'json_schema'",
+                       param="response_format", code="invalid_value")
+    json_schema = response_format.get("json_schema")
+    if not isinstance(json_schema, dict):
+        raise APIError("'response_format.json_schema' must be an object {'name': ..., 'schema': {...}} (type "
+                       f"'json_schema'), got {_type_name(json_schema)}: {json_schema!r:.80}",
+                       param="response_format.json_schema",
+                       code="invalid_type")
+    for name, kind_name in (("name", "string"), ("strict", "boolean"), ("description", "string")):
+        value = json_schema.get(name)
+        if value is not None and not _KINDS[kind_name][0](value):
+            raise APIError(f"'response_format.json_schema.{name}' must be {_KINDS[kind_name][1]}, got "
+                           f"{_type_name(value)}: {value!r:.80}", param=f"response_format.json_schema.{name}",
+                           code="invalid_type")
+    schema = json_schema.get("schema")
+    if not isinstance(schema, dict):
+        raise APIError("'response_format.json_schema.schema' must be a JSON schema object, got "
+                       f"{_type_name(schema)}: {schema!r:.80}", param="response_format.json_schema.schema",
+                       code="invalid_type" if schema is not None else "missing_required_parameter")
+    return schema
 
 
 def sampling_params(body: dict, *, max_tokens: int, logprobs: int | None, best_of: int | None,
@@ -234,8 +313,10 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int | None, best_o
     kwargs["stop"] = field(body, "stop", "string or array of strings")
     kwargs["logit_bias"] = parse_logit_bias(body)
     field(body, "user", "string")  # accepted and unused, as in vLLM
-    schemas = [s for s in (field(body, "guided_json", "object or string"), parse_response_format(body), guided_json)
-               if s is not None]
+    guided = field(body, "guided_json", "object or string")
+    if isinstance(guided, str):  # a schema as JSON text: parsed later, so bounded now
+        check_json_depth(guided, "guided_json", "'guided_json'")
+    schemas = [s for s in (guided, parse_response_format(body), guided_json) if s is not None]
     if len(schemas) > 1:
         raise APIError("ask for one structured output at a time (guided_json, response_format or tools)",
                        param="response_format")

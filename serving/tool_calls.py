@@ -15,7 +15,7 @@ import dataclasses
 import json
 import uuid
 
-from serving.protocol import APIError
+from serving.protocol import MAX_JSON_DEPTH, APIError, json_depth
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -35,17 +35,26 @@ class ToolCalling:
 
 def parse_tools(body: dict, auto_parser: str | None) -> ToolCalling | None:
     """`tools` + `tool_choice` (None: the completion is plain text). OpenAI's default with tools is
-    "auto", which needs the server's tool-call parser: without one it is a 400, as in vLLM."""
+    "auto", which needs the server's tool-call parser: without one it is a 400, as in vLLM. A
+    null tool_choice is the default. Any other shape than OpenAI's is a 400 naming the field."""
     tools, choice = body.get("tools"), body.get("tool_choice")
+    _check_choice_shape(choice)
+    if tools is not None and not isinstance(tools, list):
+        raise APIError(f"'tools' must be an array of {_TOOL_SHAPE}, got {type(tools).__name__}: {tools!r:.80}",
+                       param="tools", code="invalid_type")
     if not tools:
         if choice not in (None, "none", "auto"):
             raise APIError("'tool_choice' needs 'tools'", param="tool_choice")
         return None
-    if not isinstance(tools, list) or not all(
-            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str) for t in tools):
-        raise APIError("'tools' must be an array of {'type': 'function', 'function': {'name', 'parameters'}}",
-                       param="tools", code="invalid_type")
+    for i, t in enumerate(tools):
+        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+                and isinstance(t["function"].get("name"), str)):
+            raise APIError(f"tools[{i}] must be {_TOOL_SHAPE}, got {t!r:.80}", param=f"tools[{i}]",
+                           code="invalid_type")
+        parameters = t["function"].get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise APIError(f"tools[{i}].function.parameters must be a JSON schema object, got {parameters!r:.80}",
+                           param=f"tools[{i}].function.parameters", code="invalid_type")
     functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "properties": {}}
                  for t in tools}
     if choice == "none":
@@ -61,11 +70,35 @@ def parse_tools(body: dict, auto_parser: str | None) -> ToolCalling | None:
             {"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
              "required": ["name", "parameters"], "additionalProperties": False}
             for name, parameters in functions.items()]}})
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    name = choice["function"]["name"]  # _check_choice_shape: a named function
     if name not in functions:
-        raise APIError(f"tool_choice {choice!r:.80}; expected 'none', 'auto', 'required' or "
-                       "{'type': 'function', 'function': {'name': <one of the tools>}}", param="tool_choice")
+        raise APIError(f"tool_choice names the function {name!r:.80}, which is not in 'tools' "
+                       f"({', '.join(map(repr, functions))})"[:300], param="tool_choice")
     return ToolCalling(functions[name], function=name)
+
+
+_TOOL_SHAPE = "{'type': 'function', 'function': {'name': str, 'parameters': {...}}}"
+_CHOICE_SHAPE = "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': str}}"
+
+
+def _check_choice_shape(choice):
+    """A 400 unless `tool_choice` has one of OpenAI's shapes (null: the default)."""
+    if choice is None or (isinstance(choice, str) and choice in ("none", "auto", "required")):
+        return
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if choice.get("type", "function") != "function":
+            raise APIError(f"'tool_choice.type' is {choice.get('type')!r:.80}; expected 'function'",
+                           param="tool_choice.type", code="invalid_value")
+        if not isinstance(function, dict):
+            raise APIError(f"'tool_choice.function' must be an object {{'name': str}}, got {function!r:.80}",
+                           param="tool_choice.function", code="invalid_type")
+        if not isinstance(function.get("name"), str):
+            raise APIError(f"'tool_choice.function.name' must be a string, got {function.get('name')!r:.80}",
+                           param="tool_choice.function.name", code="invalid_type")
+        return
+    raise APIError(f"'tool_choice' must be {_CHOICE_SHAPE}, got {choice!r:.80}", param="tool_choice",
+                   code="invalid_value" if isinstance(choice, str) else "invalid_type")
 
 
 @dataclasses.dataclass
@@ -99,10 +132,7 @@ def _split_hermes(text: str, final: bool) -> Split:
     calls, after = [], start  # `after`: the end of the last whole call
     while (pos := text.find(_HERMES_OPEN, after)) >= 0:
         end = text.find(_HERMES_CLOSE, pos)
-        try:
-            call = _named(json.loads(text[pos + len(_HERMES_OPEN):end])) if end >= 0 else None
-        except ValueError:
-            call = None
+        call = _named(_loads(text[pos + len(_HERMES_OPEN):end])) if end >= 0 else None
         if call is None:
             break
         calls.append(call)
@@ -129,6 +159,8 @@ def _calls(text: str, pos: int, separator: str) -> tuple[list[tuple[str, str]], 
     while True:
         while pos < len(text) and (text[pos].isspace() or text[pos] == separator):
             pos += 1
+        if json_depth(text[pos:], first_value=True) > MAX_JSON_DEPTH:  # never given to a recursive parser
+            return calls, pos
         try:
             value, after = _decoder.raw_decode(text, pos)
         except ValueError:
@@ -138,6 +170,17 @@ def _calls(text: str, pos: int, separator: str) -> tuple[list[tuple[str, str]], 
             return calls, pos
         calls.append(call)
         pos = after
+
+
+def _loads(text: str):
+    """The JSON value of `text`; None when it is not JSON, or nests too deeply to be a call (a
+    model can write a thousand "[": json.loads would raise RecursionError)."""
+    if json_depth(text) > MAX_JSON_DEPTH:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _named(value) -> tuple[str, str] | None:

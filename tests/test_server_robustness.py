@@ -8,7 +8,13 @@ import asyncio
 import json
 import logging
 import math
+import os
+import random
+import re
+import signal
 import socket
+import subprocess
+import sys
 import time
 import types
 import zlib
@@ -18,6 +24,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from serving.api_server import START_UP_EXIT_GRACE_S
+from serving.protocol import MAX_JSON_DEPTH, APIError, check_json_depth, json_depth
 from test_server import Server, get, metrics, post, run
 
 MAX_MODEL_LEN = 128
@@ -229,6 +237,243 @@ def test_a_client_that_left_is_not_a_server_error(caplog):
     with caplog.at_level(logging.INFO):  # what anything else still gets
         response = asyncio.run(OpenAIServer._errors(None, request, bug))
     assert response.status == 500 and any(r.levelno == logging.ERROR for r in caplog.records)
+
+
+# ---------------------------------------------------------------------- malformed fields (issue 30)
+CHAT = "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def nested(depth: int, rng) -> str:
+    """JSON text nesting arrays and objects `depth` deep, in a random mix, with brackets and escaped
+    quotes inside its strings (they must not count)."""
+    opens, closes = [], []
+    for _ in range(depth):
+        if rng.random() < 0.5:
+            opens.append("[")
+            closes.append("]")
+        else:
+            opens.append('{"k[\\"{": ')
+            closes.append("}")
+    return "".join(opens) + '"[{\\\\"' + "".join(reversed(closes))
+
+
+def malformed_fields(rng):
+    """(path, raw body, headers, param): each once a 500 or a RecursionError, now a 400 naming the field."""
+    deep = rng.randint(MAX_JSON_DEPTH + 1, 3000)
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                   "name": "f", "arguments": "[" * deep + "]" * deep}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
+    cases = [(CHAT, {"messages": HI, "response_format": rf}, param) for rf, param in [
+        ({"type": "json_schema", "json_schema": "s"}, "response_format.json_schema"),
+        ({"type": "json_schema", "json_schema": ["s"]}, "response_format.json_schema"),
+        ({"type": "json_schema"}, "response_format.json_schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema"),
+        ({"type": "json_schema", "json_schema": {"schema": "s"}}, "response_format.json_schema.schema"),
+        ({"type": "json_schema", "json_schema": {"schema": [1]}}, "response_format.json_schema.schema"),
+        ({"type": "json_schema", "json_schema": {"name": 5, "schema": {}}}, "response_format.json_schema.name"),
+        ({"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}, "response_format.json_schema.strict"),
+        ({}, "response_format"), ({"type": ["text"]}, "response_format"), ("json", "response_format")]]
+    cases += [(CHAT, {"messages": HI, "tools": TOOLS, "tool_choice": choice}, param) for choice, param in [
+        ({"type": "function", "function": "f"}, "tool_choice.function"),
+        ({"type": "function", "function": ["f"]}, "tool_choice.function"),
+        ({"type": "function"}, "tool_choice.function"),
+        ({"type": "function", "function": {"name": ["f"]}}, "tool_choice.function.name"),
+        ({"type": "function", "function": {"name": {"f": 1}}}, "tool_choice.function.name"),
+        ({"type": "tool", "function": {"name": "f"}}, "tool_choice.type"),
+        ({"type": "function", "function": {"name": "g"}}, "tool_choice"),
+        (["auto"], "tool_choice"), ([], "tool_choice"), (5, "tool_choice"), (True, "tool_choice"),
+        ("sometimes", "tool_choice"), (None, "tool_choice")]]  # null: the default, "auto", needs a parser
+    cases += [(CHAT, {"messages": HI, "tool_choice": ["auto"]}, "tool_choice"),
+              (CHAT, {"messages": HI, "tool_choice": {"type": "function", "function": "f"}}, "tool_choice.function"),
+              (CHAT, {"messages": HI, "tools": {"f": 1}}, "tools"),
+              (CHAT, {"messages": HI, "tools": [TOOLS[0], "f"]}, "tools[1]"),
+              (CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": "f", "parameters": "s"}}],
+                      "tool_choice": "required"}, "tools[0].function.parameters"),
+              (CHAT, {"messages": history, "max_tokens": 1}, "messages[1].tool_calls[0].function.arguments"),
+              ("/v1/completions", {"prompt": "hi", "guided_json": nested(deep, rng)}, "guided_json")]
+    cases = [(path, json.dumps(body).encode(), JSON, param) for path, body, param in cases]
+    for charset in ("undefined", "punycode", "rot13", "base64", "utf-7", "no-such-charset"):
+        cases.append(("/v1/completions", b'{"prompt": "hi", "max_tokens": 1}',
+                      {"Content-Type": f"application/json; charset={charset}"}, "Content-Type"))
+    for path in ("/v1/completions", CHAT, "/tokenize"):  # the body itself: refused before json.loads recurses
+        cases.append((path, nested(deep, rng).encode(), JSON, None))
+        cases.append((path, b'{"prompt": "hi", "x": ' + nested(MAX_JSON_DEPTH, rng).encode() + b"}", JSON, None))
+    return cases
+
+
+def test_json_depth_is_the_parsed_depth():
+    """json_depth, found without parsing, is the depth json.loads finds, whatever the strings hold
+    (brackets, quotes, runs of backslashes, multi-byte characters); check_json_depth refuses one
+    level past MAX_JSON_DEPTH, in a 400 naming the field."""
+    seed = random.randrange(2**32)
+    print("seed", seed)
+    rng = random.Random(seed)
+
+    def value(depth):
+        if depth == 0 or rng.random() < 0.3:
+            return rng.choice([1, None, True, "".join(rng.choices('[]{}"\\ aé🙂', k=rng.randint(0, 6)))])
+        if rng.random() < 0.5:
+            return [value(depth - 1) for _ in range(rng.randint(0, 3))]
+        return {"".join(rng.choices('[{"\\k', k=3)): value(depth - 1) for _ in range(rng.randint(0, 3))}
+
+    def depth_of(v):
+        children = v if isinstance(v, list) else v.values() if isinstance(v, dict) else None
+        return 0 if children is None else 1 + max(map(depth_of, children), default=0)
+
+    for _ in range(2000):
+        v = value(rng.randint(0, 8))
+        text = json.dumps(v, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 1]))
+        assert json_depth(text) == depth_of(v), text
+        if isinstance(v, (list, dict)):  # first_value: the first array or object
+            tail = " ; " + "[" * rng.randint(0, 50)
+            assert json_depth(text + tail, first_value=True) == depth_of(v), text + tail
+    for depth in (MAX_JSON_DEPTH, MAX_JSON_DEPTH + 1, 10**5):
+        text = nested(depth, rng)
+        assert json_depth(text) == depth
+        if depth <= MAX_JSON_DEPTH:
+            check_json_depth(text, "x", "'x'")
+        else:
+            with pytest.raises(APIError) as e:
+                check_json_depth(text, "x", "'x'")
+            assert e.value.status == 400 and e.value.param == "x" and "'x'" in e.value.message
+
+
+def test_malformed_fields_get_400s_naming_them(server):
+    """Malformed response_format, tool_choice and tools, charsets Python cannot (or must not) decode
+    with, and JSON nested deeper than MAX_JSON_DEPTH (the body, tool-call arguments in the history,
+    a guided_json schema as text): a 400 naming the field, never a 500 or a RecursionError."""
+    seed = random.randrange(2**32)
+    print("seed", seed)
+    cases = malformed_fields(random.Random(seed))
+
+    async def send_all():
+        return [await raw_post(server.url, path, data, headers) for path, data, headers, _ in cases]
+
+    for (path, data, _, param), (status, got) in zip(cases, run(send_all())):
+        assert_openai_error(status, got, 400, param)
+        assert param is None or param in got["error"]["message"] or "charset" in got["error"]["message"], got
+    # What is allowed still is: a declared UTF-8 or Latin-1 charset, MAX_JSON_DEPTH levels, brackets in strings.
+    rng = random.Random(seed)
+    fine = [("/v1/completions", b'{"prompt": "hi", "max_tokens": 1}', {"Content-Type": f"application/json; charset={c}"})
+            for c in ("utf-8", "UTF8", "latin-1", "us-ascii")]
+    fine.append(("/v1/completions", b'{"prompt": "hi", "max_tokens": 1, "x": ' +
+                 nested(MAX_JSON_DEPTH - 1, rng).encode() + b"}", JSON))
+    fine.append(("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 1, "user": "[{" * 5000}).encode(), JSON))
+    fine.append((CHAT, json.dumps({"messages": HI, "max_tokens": 1, "tool_choice": None}).encode(), JSON))
+    fine.append((CHAT, json.dumps({"messages": HI, "max_tokens": 1, "tools": [], "tool_choice": "none"}).encode(), JSON))
+
+    async def send_fine():
+        return [await raw_post(server.url, path, data, headers) for path, data, headers in fine]
+
+    for (_, data, headers), (status, got) in zip(fine, run(send_fine())):
+        assert status == 200 and got["usage"]["completion_tokens"] == 1, (data[:80], headers, got)
+    assert_healthy_and_idle(server.url)
+
+
+def test_completion_top_logprobs_has_every_token_asked_for(server):
+    """Tokens that decode to the same text (tiny's bytes 0x80-0xff each decode to "\\ufffd") are
+    all in `top_logprobs`: the chosen token under its text, the others under "token_id:N" when
+    their text is taken. logit_bias pushes those bytes to the top, so every step has such ties."""
+    seed = random.randrange(2**32)
+    print("seed", seed)
+    rng = random.Random(seed)
+    logprobs = rng.randint(2, 5)
+    bias = {str(t): 30 for t in rng.sample(range(0x80, 0x100), 12)}
+    prompt = [rng.randrange(0x80, 0x100) for _ in range(rng.randint(4, 12))]
+    for echo in (False, True):
+        status, got = run(post(server.url, "/v1/completions", {
+            "prompt": prompt, "max_tokens": 6, "logprobs": logprobs, "logit_bias": bias, "echo": echo,
+            "temperature": 1.0, "seed": rng.randrange(2**31), "ignore_eos": True}, headers={}))
+        assert status == 200, got
+        lp = got["choices"][0]["logprobs"]
+        entries = list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
+        assert len(entries) == 6 + (len(prompt) if echo else 0)
+        for i, (token, logprob, top) in enumerate(entries):
+            if top is None:  # the prompt's first token has none
+                assert echo and i == 0
+                continue
+            assert len(top) in (logprobs, logprobs + 1), (i, top)  # the chosen token may be outside the top
+            assert top[token] == logprob, (i, token, top)
+            assert all(0 <= int(k[len("token_id:"):]) < 259 for k in top if k.startswith("token_id:"))
+        generated = [top for _, _, top in entries[-6:]]
+        assert sum(k.startswith("token_id:") for top in generated for k in top) >= 6  # the ties were kept apart
+
+
+def test_a_deep_generated_tool_call_is_content():
+    """A model that writes a tool call nested ~1000 deep (json.loads: RecursionError) gets it back
+    as content with its finish_reason, whole and streamed; the server serves on."""
+    s = Server("--max-num-seqs", "2", "--max-model-len", "1100", "--enforce-eager", "--disable-log-requests",
+               "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
+    try:
+        seed = random.randrange(2**32)
+        print("seed", seed)
+        rng = random.Random(seed)
+        prefix = '{"name": "f", "parameters": '
+        max_tokens = rng.randint(990, 1050)
+        # The regex writes the call's start, then "[" as long as the model likes; logit_bias makes it like that.
+        body = {"messages": HI, "tools": TOOLS, "guided_regex": re.escape(prefix) + r"\[+", "logit_bias": {"91": 100},
+                "max_tokens": max_tokens, "temperature": rng.choice([0, 1.0]), "seed": rng.randrange(2**31)}
+
+        async def both():
+            return await asyncio.gather(post(s.url, CHAT, body, headers={}), _stream_text(s.url, CHAT, body))
+
+        (status, whole), events = run(both())
+        assert status == 200, whole
+        choice = whole["choices"][0]
+        assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"], choice["finish_reason"]
+        assert choice["message"]["content"] == prefix + "[" * (max_tokens - len(prefix)), choice["message"]["content"][:80]
+        assert all("error" not in e for e in events), [e for e in events if "error" in e]
+        finished = [c for e in events for c in e["choices"] if c.get("finish_reason")]
+        assert [c["finish_reason"] for c in finished] == ["length"]
+        assert "".join(c["delta"].get("content") or "" for e in events for c in e["choices"]) == \
+            choice["message"]["content"]
+        assert not any(c["delta"].get("tool_calls") for e in events for c in e["choices"])
+        status, got = run(post(s.url, CHAT, {"messages": HI, "max_tokens": 3, "ignore_eos": True}, headers={}))
+        assert status == 200 and got["usage"]["completion_tokens"] == 3
+    finally:
+        assert s.stop() == 0, "".join(s.log[-30:])
+
+
+async def _stream_text(url, path, body):
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + path, json={**body, "stream": True}) as r:
+            assert r.status == 200, await r.text()
+            text = await r.text()
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", text[-300:]
+    return [strict_json(e) for e in events[:-1]]
+
+
+def test_sigterm_during_warm_up_exits_0(tmp_path):
+    """SIGTERM while `jpaged serve` compiles its step buckets (a fresh executable cache: it
+    compiles for a while) ends the process with status 0, as SIGTERM while serving does."""
+    seed = random.randrange(2**32)
+    print("seed", seed)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JPAGED_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", "--model", "tiny", "--port", "0",
+                             "--max-num-seqs", "4", "--max-model-len", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    output = b""
+    try:
+        deadline = time.monotonic() + 300
+        while b"Compiling step buckets" not in output:  # tqdm's bar, on stderr
+            assert time.monotonic() < deadline and proc.poll() is None, output.decode()[-2000:]
+            output += os.read(proc.stdout.fileno(), 4096)
+        time.sleep(random.Random(seed).uniform(0, 1.5))  # somewhere in the warm-up
+        assert proc.poll() is None, output.decode()[-2000:]
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        output += proc.communicate(timeout=60)[0]
+        waited = time.monotonic() - sent
+    finally:
+        proc.kill()
+    text = output.decode(errors="replace")
+    assert proc.returncode == 0, text[-2000:]
+    assert "jpaged: serving" not in text and "SIGTERM during start-up" in text and "Traceback" not in text, text[-2000:]
+    assert waited < START_UP_EXIT_GRACE_S + 20, waited
 
 
 # ---------------------------------------------------------------------- property-based fuzz

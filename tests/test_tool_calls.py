@@ -8,7 +8,7 @@ import string
 
 import pytest
 
-from serving.protocol import APIError
+from serving.protocol import MAX_JSON_DEPTH, APIError
 from serving.tool_calls import StreamedCalls, ToolCalling, message, parse_tools
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -130,3 +130,72 @@ def test_history_tool_call_arguments_reach_the_template_as_objects():
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == arguments
     assert messages[1]["tool_calls"][1]["function"]["arguments"] == "not json"  # left as it came
     assert messages[2] == {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", None])
+def test_a_call_nested_too_deep_is_content(parser):
+    """A model can write a call nested a thousand deep (json.loads: RecursionError): whole or
+    streamed, it is content with the finish reason it had, never an exception. Calls before it
+    still count; a call MAX_JSON_DEPTH deep is still a call."""
+    seed = random.randrange(2**32)
+    print("seed", seed)
+    rng = random.Random(seed)
+    tools = ToolCalling(None, parser=parser) if parser else ToolCalling({"type": "array"})
+    for _ in range(5):
+        depth = rng.randint(MAX_JSON_DEPTH + 1, 3000)  # the call's object is one level: its arguments the rest
+        closed = rng.random() < 0.5  # finished, or cut short inside the arguments
+        args = "[" * (depth - 1) + ("]" * (depth - 1) if closed else "")
+        call = {"hermes": f'<tool_call>{{"name": "f", "arguments": {args}}}</tool_call>',
+                "llama3_json": f'{{"name": "f", "parameters": {args}}}', None: f'[{{"name": "f", "parameters": {args}}}]'}
+        text = call[parser] if closed else call[parser][:call[parser].index(args) + len(args)]
+        for reason in ("stop", "length"):
+            msg, got_reason = message(text, tools, reason)
+            assert "tool_calls" not in msg and got_reason == reason, str(msg)[:200]
+            assert msg["content"] == text if parser else text.startswith("[" + msg["content"])
+            content, calls, got_reason = stream(text, tools, rng, reason)
+            assert calls == [] and got_reason == reason and content == msg["content"]
+    ok = [[]]
+    for _ in range(MAX_JSON_DEPTH - 5):  # MAX_JSON_DEPTH - 3 deep: with "required"'s array, the call and its
+        ok = [ok]                         # arguments' objects, MAX_JSON_DEPTH
+    text = write([("f", {"a": 1}), ("g", {"deep": ok})], parser)
+    msg, reason = message(text, tools, "stop")
+    assert reason == "tool_calls" and [c["function"]["name"] for c in msg["tool_calls"]] == ["f", "g"]
+    if parser == "llama3_json":  # a call, then one too deep: the first is a call, the rest content
+        text = write([("f", {"a": 1})], parser) + "; " + '{"name": "g", "parameters": ' + "[" * 2000
+        msg, reason = message(text, tools, "length")
+        assert [c["function"]["name"] for c in msg["tool_calls"]] == ["f"] and msg["content"].endswith("[" * 2000)
+
+
+@pytest.mark.parametrize("choice, param", [
+    ({"type": "function", "function": "get_weather"}, "tool_choice.function"),
+    ({"type": "function"}, "tool_choice.function"),
+    ({"type": "function", "function": {"name": ["get_weather"]}}, "tool_choice.function.name"),
+    ({"type": "function", "function": {}}, "tool_choice.function.name"),
+    ({"type": "other", "function": {"name": "get_weather"}}, "tool_choice.type"),
+    ({"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+    (["auto"], "tool_choice"), ([], "tool_choice"), (0, "tool_choice"), (False, "tool_choice"),
+    ("any", "tool_choice"),
+])
+def test_parse_tools_refuses_malformed_tool_choice(choice, param):
+    for tools in (TOOLS, None):
+        with pytest.raises(APIError) as e:
+            parse_tools({"tools": tools, "tool_choice": choice}, "hermes")
+        assert e.value.status == 400 and e.value.param in (param, "tool_choice"), (tools, e.value.message)
+        assert e.value.param in e.value.message
+    # null is the default: "auto" with tools (and a parser), nothing without
+    assert parse_tools({"tools": TOOLS, "tool_choice": None}, "hermes") == ToolCalling(None, parser="hermes")
+    assert parse_tools({"tool_choice": None}, None) is None
+    # a named function without "type" is what vLLM accepts too
+    assert parse_tools({"tools": TOOLS, "tool_choice": {"function": {"name": "get_weather"}}}, None).function == \
+        "get_weather"
+
+
+@pytest.mark.parametrize("tools, param", [
+    ({"get_weather": {}}, "tools"), ("get_weather", "tools"), (5, "tools"), ([5], "tools[0]"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], "tools[0].function.parameters"),
+    ([TOOLS[0], {"type": "function", "function": "f"}], "tools[1]"),
+])
+def test_parse_tools_refuses_malformed_tools(tools, param):
+    with pytest.raises(APIError) as e:
+        parse_tools({"tools": tools, "tool_choice": "required"}, None)
+    assert e.value.status == 400 and e.value.param == param and param in e.value.message
