@@ -211,6 +211,7 @@ class OpenAIServer:
         finally:
             for s in streams:
                 s.abort()
+        _raise_generation_errors(finals, params)
         if prompt_only:
             finals = [dataclasses.replace(out, outputs=[dataclasses.replace(c, text="", token_ids=[], logprobs=[])
                                                         for c in out.outputs]) for out in finals]
@@ -306,6 +307,7 @@ class OpenAIServer:
             final = await streams[0].final()
         finally:
             streams[0].abort()
+        _raise_generation_errors([final], params)
         choices = []
         for c in final.outputs:
             message, finish_reason = ({"role": "assistant", "content": c.text}, c.finish_reason) if tools is None \
@@ -388,6 +390,8 @@ class OpenAIServer:
                                f"retry in {RETRY_AFTER_S} s", status=503, code="queue_full")
         streams = []
         try:
+            if params.guided:  # compiled here, in a thread, under its budget: the loop and the engine never wait
+                await asyncio.to_thread(self.engine.engine.structured_output.prepare, params)
             for i, ids in enumerate(prompts):
                 streams.append(await self.engine.add_request(f"{request_id}-{i}", ids, params))
         except ValueError as e:
@@ -415,11 +419,16 @@ class OpenAIServer:
             await send([{"index": i, "delta": first_delta, "logprobs": None, "finish_reason": None}
                         for i in range(params.n)])
         try:
+            errors = []
             async for i, out in _merge(streams):  # DELTA outputs; the stream's total has the prompt's logprobs
                 for c in out.outputs:
                     new = states[i][c.index].advance(c, params.logprobs is not None)
                     if new is not None and (choice := chunk(i, streams[i].total, c, *new)) is not None:
                         await send([choice])
+                    if c.finish_reason == "error":
+                        errors.append(_generation_error(params, c))
+            for error in errors:  # after the choice's last chunk (finish_reason "error"): why it ended
+                await response.write(f"data: {json_dumps(error.to_json())}\n\n".encode())
             if include_usage:
                 await send([], usage=_usage([s.total for s in streams]))
         except ConnectionResetError:  # the client left: the caller aborts its requests
@@ -485,6 +494,24 @@ class OpenAIServer:
             content.append({**entry(c.token_ids[t], c.logprobs[t][c.token_ids[t]]),
                             "top_logprobs": [entry(k, v) for k, v in ranked]})
         return {"content": content}
+
+
+def _generation_error(params: SamplingParams, c: CompletionOutput) -> APIError:
+    """A completion that ended with finish_reason "error": its grammar engine failed mid-way (the
+    only cause today), so the request's grammar is named."""
+    guide = next((name for name in ("guided_json", "guided_regex", "guided_choice")
+                  if getattr(params, name) is not None), None)
+    return APIError(f"structured output ({guide}) failed during generation of choice {c.index}: {c.stop_reason}",
+                    param=guide, code="generation_error")
+
+
+def _raise_generation_errors(finals: list[RequestOutput], params: SamplingParams):
+    """A whole response with a completion that ended in error is a 400, not a 200 with text that
+    breaks its grammar."""
+    for out in finals:
+        for c in out.outputs:
+            if c.finish_reason == "error":
+                raise _generation_error(params, c)
 
 
 def _json_logprob(logprob: float) -> float:
