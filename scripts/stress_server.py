@@ -1,5 +1,5 @@
 """Hostile load against a running `jpaged serve`: disconnect storms, random and hostile request
-bodies, malformed fields (each must get a 4xx), huge requests, all at once, while /health is
+bodies, malformed fields and hostile grammars (each must get a 4xx), huge requests, all at once, while /health is
 polled. Prints what a supervisor would want to know: status counts (any 5xx is a bug), the slowest
 /health answer (event-loop stalls), and whether the engine ended alive and idle (no request
 running or waiting, no KV block held).
@@ -63,6 +63,27 @@ MALFORMED = [(path, json.dumps(body).encode(), JSON) for path, body in [
     ("/v1/completions", deep(1000).encode(), JSON),
     ("/v1/chat/completions", b'{"messages": ' + deep(200000).encode() + b"}", JSON),
 ]
+
+# Grammars (issue 30) that froze the server (compiled on the event loop for up to minutes) or came
+# back silently wrong (a 200 "stop" with text breaking the grammar): each must get a 4xx, within
+# --grammar-compile-timeout, while /health keeps answering.
+_REF_CYCLE = {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                                                   "required": ["x"]}}}
+GRAMMARS = [(path, json.dumps({"max_tokens": 4, **body}).encode(), JSON) for path, body in [
+    ("/v1/completions", {"prompt": "a", "guided_json": {"type": "string", "allOf": [
+        {"pattern": f".*{chr(97 + i)}.*"} for i in range(21)]}}),
+    ("/v1/completions", {"prompt": "a", "guided_json": {"type": "object", "patternProperties": {
+        f"^k{i}[a-z]*$": {} for i in range(1000)}}}),
+    ("/v1/completions", {"prompt": "a", "guided_choice": [str(i) for i in range(100_000)]}),
+    ("/v1/completions", {"prompt": "a", "guided_json": {"enum": list(range(100_000))}}),
+    ("/v1/completions", {"prompt": "a", "guided_json": {"anyOf": [{"const": i} for i in range(2000)]}}),
+    ("/v1/completions", {"prompt": "a", "guided_regex": "a{1000}{1000}"}),
+    ("/v1/completions", {"prompt": "a", "guided_regex": ""}),
+    ("/v1/completions", {"prompt": "a", "guided_json": _REF_CYCLE}),
+    ("/v1/completions", {"prompt": "a", "guided_json": {"type": "integer", "minimum": 10**30}}),
+    ("/v1/chat/completions", {**CHAT_HI, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(1000)]}),
+]]
 
 
 def random_body(rng: random.Random) -> tuple[str, dict]:
@@ -133,6 +154,7 @@ async def main(args):
         jobs = [limited(leave_early(i)) for i in range(args.disconnects)]
         jobs += [limited(one(*random_body(rng))) for _ in range(args.requests)]
         jobs += [limited(refused(*rng.choice(MALFORMED))) for _ in range(args.malformed)]
+        jobs += [limited(refused(*rng.choice(GRAMMARS))) for _ in range(args.grammars)]
         rng.shuffle(jobs)
         await asyncio.gather(*jobs)
         await long_request
@@ -154,8 +176,8 @@ async def main(args):
             healthy = r.status == 200
 
     five_xx = sum(v for k, v in statuses.items() if isinstance(k, int) and k >= 500)
-    print(f"{args.requests} random bodies + {args.malformed} malformed fields + {args.disconnects} disconnecting "
-          f"clients + 1 long request in {elapsed:.1f} s")
+    print(f"{args.requests} random bodies + {args.malformed} malformed fields + {args.grammars} hostile grammars + "
+          f"{args.disconnects} disconnecting clients + 1 long request in {elapsed:.1f} s")
     print("statuses:", dict(sorted(statuses.items(), key=str)))
     print(f"5xx or error events: {five_xx + len(failures)}; /health answers: {len(latencies)}, "
           f"slowest {max(latencies) * 1e3:.0f} ms, p99 {sorted(latencies)[int(0.99 * (len(latencies) - 1))] * 1e3:.0f} ms")
@@ -171,6 +193,8 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=2000, help="random (often hostile) request bodies")
     parser.add_argument("--malformed", type=int, default=200,
                         help="requests with a malformed field (MALFORMED), each of which must get a 4xx")
+    parser.add_argument("--grammars", type=int, default=20,
+                        help="requests with a hostile grammar (GRAMMARS), each of which must get a 4xx")
     parser.add_argument("--disconnects", type=int, default=400, help="clients that leave within 100 ms")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--long-tokens", type=int, default=200, help="tokens of the one long request")

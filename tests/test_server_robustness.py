@@ -474,6 +474,8 @@ def test_sigterm_during_warm_up_exits_0(tmp_path):
     assert proc.returncode == 0, text[-2000:]
     assert "jpaged: serving" not in text and "SIGTERM during start-up" in text and "Traceback" not in text, text[-2000:]
     assert waited < START_UP_EXIT_GRACE_S + 20, waited
+    # No loading marker left behind: the next start would take it for a crash and load nothing.
+    assert not any(p.name.startswith(".loading") for p in tmp_path.iterdir())
 
 
 # ---------------------------------------------------------------------- property-based fuzz

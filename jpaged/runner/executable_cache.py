@@ -154,13 +154,13 @@ class ExecutableCache:
         Reentrant: load() marks alone unless the warm-up marks all its loads at once."""
         self._loading_depth += 1
         marker = None
-        if self._loading_depth == 1 and self.directory is not None and not self.skip_loads:
-            with contextlib.suppress(OSError):  # a read-only directory: no marker, nothing to lose
-                os.makedirs(self.directory, exist_ok=True)
+        try:  # from before the marker exists: a signal landing while it is written still removes it
+            if self._loading_depth == 1 and self.directory is not None and not self.skip_loads:
                 marker = os.path.join(self.directory, f"{_LOADING_MARKER}.{socket.gethostname()}.{os.getpid()}")
-                with open(marker, "w") as f:
-                    f.write(_start_time(os.getpid()))
-        try:
+                with contextlib.suppress(OSError):  # a read-only directory: no marker, nothing to lose
+                    os.makedirs(self.directory, exist_ok=True)
+                    with open(marker, "w") as f:
+                        f.write(_start_time(os.getpid()))
             yield
         finally:
             self._loading_depth -= 1

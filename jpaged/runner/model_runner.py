@@ -267,12 +267,16 @@ class ModelRunner:
                         progress.update()
                     else:
                         missing.append((key, jitted, args))
-            for key, jitted, args in missing:
-                future = pool.submit(cache.compile_lowered, repr(key), args, jitted.lower(*args))
-                future.add_done_callback(lambda _: progress.update())
-                pending[key] = future
-            for key, future in pending.items():
-                self._executables[key] = future.result()
+            try:
+                for key, jitted, args in missing:
+                    future = pool.submit(cache.compile_lowered, repr(key), args, jitted.lower(*args))
+                    future.add_done_callback(lambda _: progress.update())
+                    pending[key] = future
+                for key, future in pending.items():
+                    self._executables[key] = future.result()
+            except BaseException:  # SIGTERM during the warm-up: wait for the running compile only
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
         self._warm = True
 
     def bypass_executable_cache(self):
