@@ -18,20 +18,22 @@ import jax
 from jpaged import devices
 from jpaged.config import HOST_ONLY_OPTIONS, EngineConfig
 from jpaged.core.block_manager import BlockManager
-from jpaged.core.detokenizer import Detokenizer, streamable_text
+from jpaged.core.detokenizer import Detokenizer
 from jpaged.core.kv_allocation import KVUsage, kv_usage
 from jpaged.core.kv_map import KVMap
+from jpaged.core.output_processor import GroupStep, OutputProcessor
 from jpaged.core.scheduler import Scheduler, SchedulerOutputs
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from jpaged.core.structured_output import StructuredOutputManager, guide_of
+from jpaged.core.structured_output import StructuredOutputManager
+from jpaged.engine.request_validator import RequestValidator
 from jpaged.models.layers import common_sliding_window
 from jpaged.models.loader import load_model
-from jpaged.outputs import CompletionOutput, RequestOutput
+from jpaged.outputs import RequestOutput
 from jpaged.parallel import distributed
 from jpaged.runner.executable_cache import ExecutableCache
-from jpaged.runner.model_runner import MAX_BANNED_TOKENS, MAX_LOGPROBS, ModelRunner, SeqInput, kv_cache_layout
-from jpaged.runner.sampler import SamplingRow, beam_search_candidates
-from jpaged.sampling_params import RequestOutputKind, SamplingParams
+from jpaged.runner.model_runner import ModelRunner, SeqInput, kv_cache_layout
+from jpaged.runner.sampler import SamplingRow
+from jpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -66,23 +68,11 @@ class StepFailedError(RuntimeError):
 
 
 @dataclasses.dataclass
-class _GroupStep:
-    """One sequence group's part of a step."""
-
-    group: SequenceGroup
-    chunk: int  # tokens each running sequence computes
-    seq_inputs: list[SeqInput] = dataclasses.field(default_factory=list)
-    rows: list[SamplingRow] = dataclasses.field(default_factory=list)  # sampling rows, in order
-    sampled: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)  # (sequence, rows it samples)
-    prompt_rows: int = 0  # prompt-logprob rows, before the sampling rows (a fresh group's one sequence)
-
-
-@dataclasses.dataclass
 class _Dispatched:
     """A step on its way through the device; the host has not read its sampled ids yet."""
 
     plan: SchedulerOutputs
-    steps: list[_GroupStep]
+    steps: list[GroupStep]
     results: dict  # id(group) -> (StepHandle, the group's first row)
     failed: dict  # id(group) -> (group, exception): groups whose inputs could not be built
 
@@ -105,7 +95,6 @@ class LLMEngine:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
-        self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.structured_output = StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size,
                                                          config.grammar_compile_timeout, config.grammar_compile_memory)
@@ -134,6 +123,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                    preemption_mode=config.preemption_mode)
+        self._seq_ids = itertools.count()
+        self.request_validator = RequestValidator(self.hf_config.vocab_size, self.max_model_len, config,
+                                                  self.block_manager)
+        self.output_processor = OutputProcessor(self.scheduler, self.structured_output, self.detokenizer,
+                                                getattr(self.tokenizer, "eos_token_id", None), self.max_model_len,
+                                                self._seq_ids)
         self.runner = ModelRunner(loaded, block_size=config.block_size, num_gpu_blocks=num_gpu_blocks,
                                   num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
@@ -150,9 +145,17 @@ class LLMEngine:
         gc.unfreeze()
         gc.collect()
         gc.freeze()
-        self._seq_ids = itertools.count()
         self._groups: dict[str, SequenceGroup] = {}
         self._in_flight: _Dispatched | None = None  # async_scheduling: a step not read yet
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The stop checks' EOS (owned by the output processor; tests point it at a frequent token)."""
+        return self.output_processor.eos_token_id
+
+    @eos_token_id.setter
+    def eos_token_id(self, token_id: int | None):
+        self.output_processor.eos_token_id = token_id
 
     def _warm_up(self):
         """Compile (or load) every step; a warm-up that fails after loading cached executables is
@@ -222,54 +225,9 @@ class LLMEngine:
         self.scheduler.add_seq_group(group)
 
     def check_request(self, prompt_token_ids: list[int], sp: SamplingParams):
-        """ValueError (naming the field and the limit) unless the request can run to completion
-        here: ids in the vocabulary, within max_model_len, and all its sequences at full length
-        fitting in the KV pool, so it is never cut short. Cheap, reads only fixed limits: the
-        server calls it before it builds anything for the request."""
-        vocab = self.hf_config.vocab_size
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        bad = next((t for t in sp.stop_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"stop_token_ids={sp.stop_token_ids!r:.80}; token id {bad} is outside the vocabulary "
-                             f"[0, {vocab})")
-        bad = next((t for t in sp.logit_bias or () if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias={sp.logit_bias!r:.80}; token id {bad} is outside the vocabulary [0, {vocab})")
-        if sp.guided:  # the grammar's fixed limits; add_request compiles it
-            guide_of(sp)
-        if sp.top_k > vocab:
-            raise ValueError(f"top_k={sp.top_k}; expected -1 (disabled) or at most the vocabulary size {vocab}")
-        if sp.best_of > self.config.max_num_seqs:
-            # The group's sequences run together: more than max_num_seqs could never be scheduled.
-            field = "n" if sp.best_of == sp.n else "best_of"
-            raise ValueError(f"{field}={getattr(sp, field)}; a request's sequences run together, so best_of "
-                             f"({sp.best_of}) must not exceed max_num_seqs={self.config.max_num_seqs}")
-        if sp.best_of > 1 and self.config.kv_allocation != "paged":
-            raise ValueError(f"best_of={sp.best_of}; kv_allocation={self.config.kv_allocation!r} (a baseline "
-                             "without block sharing) runs one sequence per request")
-        if sp.use_beam_search and 2 * sp.best_of > MAX_LOGPROBS:
-            # Each beam's candidates are its 2 * best_of most likely tokens, from the step's top logprobs.
-            raise ValueError(f"best_of={sp.best_of}; beam search supports at most {MAX_LOGPROBS // 2} beams")
-        for field in ("logprobs", "prompt_logprobs"):
-            if (getattr(sp, field) or 0) > MAX_LOGPROBS:
-                raise ValueError(f"{field}={getattr(sp, field)}; at most {MAX_LOGPROBS} are supported")
-        if len(sp.stop_token_ids) >= MAX_BANNED_TOKENS:
-            raise ValueError(f"stop_token_ids has {len(sp.stop_token_ids)} entries; "
-                             f"at most {MAX_BANNED_TOKENS - 1} are supported")
-        prompt_len = len(prompt_token_ids)
-        if prompt_len + sp.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) = "
-                             f"{prompt_len + sp.max_tokens} exceeds max_model_len={self.max_model_len}")
-        bm = self.block_manager
-        needed = bm.max_blocks_needed(prompt_len, prompt_len + sp.max_tokens, sp.best_of)
-        if needed > bm.max_blocks_per_group:
-            raise ValueError(f"max_tokens={sp.max_tokens}; the request's {sp.best_of} sequence(s) of up to "
-                             f"{prompt_len} + {sp.max_tokens} tokens need up to {needed} KV blocks, but the pool "
-                             f"holds {bm.max_blocks_per_group}: lower max_tokens, n or best_of")
+        """ValueError naming the field and the limit unless the request can run to completion here
+        (request_validator.py). Cheap: the server calls it before it builds anything."""
+        self.request_validator.check(prompt_token_ids, sp)
 
     def abort_request(self, request_id: str):
         if request_id in self._groups:
@@ -381,13 +339,8 @@ class LLMEngine:
                 failed[id(scheduled.seq_group)] = (scheduled.seq_group, e)
         results = self._execute(steps, failed, multi_step)
         for step in steps:
-            if id(step.group) in failed:
-                continue
-            step.group.update_num_computed_tokens(step.chunk)
-            if not step.group.sampling_params.use_beam_search:
-                for seq, samples in step.sampled:
-                    if samples == 1:
-                        seq.num_pending_tokens += 1
+            if id(step.group) not in failed:
+                self.output_processor.on_dispatched(step)
         return _Dispatched(plan, steps, results, failed)
 
     def _complete(self, dispatched: _Dispatched) -> list[RequestOutput]:
@@ -407,20 +360,20 @@ class LLMEngine:
                     read[id(handle)] = self.runner.collect(handle)
                 outs = read[id(handle)]
                 if len(outs) == 1:
-                    self._process(step, outs[0], row)
+                    self.output_processor.process(step, outs[0], row)
                 else:
-                    self._process_multi_step(step, outs, row)
+                    self.output_processor.process_multi_step(step, outs, row)
             except Exception as e:
                 if not self.runner.is_alive():
                     raise
                 failed[id(group)] = (group, e)
                 continue
-            output = self._request_output(group)
+            output = self.output_processor.request_output(group)
             if output is not None:
                 outputs.append(output)
         for group in dispatched.plan.ignored_seq_groups:  # check_request keeps these out; a warning if one slips by
             logger.warning("request %s can never be scheduled: it ends with what it has", group.request_id)
-            outputs.append(self._request_output(group))
+            outputs.append(self.output_processor.request_output(group))
         cause = next(iter(failed.values()))[1] if failed else None
         if failed:
             self._fail([group for group, _ in failed.values()], cause)
@@ -440,9 +393,9 @@ class LLMEngine:
         for group in groups:
             self.abort_request(group.request_id)
 
-    def _group_inputs(self, group: SequenceGroup, chunk: int) -> "_GroupStep":
+    def _group_inputs(self, group: SequenceGroup, chunk: int) -> GroupStep:
         """The group's sequences' share of the step: tokens to compute and rows to sample."""
-        step = _GroupStep(group, chunk)
+        step = GroupStep(group, chunk)
         sp = group.sampling_params
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             start = seq.num_computed_tokens
@@ -468,7 +421,7 @@ class LLMEngine:
                                             samples, step.prompt_rows))
         return step
 
-    def _execute(self, steps: list["_GroupStep"], failed: dict, multi_step: bool) -> dict:
+    def _execute(self, steps: list[GroupStep], failed: dict, multi_step: bool) -> dict:
         """Start the step for every group not failed yet: {id(group): (step handle, its first row)}.
         If the batch fails, each group runs alone to find the one(s) at fault, which go to `failed`
         (computing a group's tokens twice rewrites the same K/V into the same slots)."""
@@ -496,40 +449,6 @@ class LLMEngine:
             row += len(s.rows)
         return results
 
-    def _process(self, step: "_GroupStep", out, row: int):
-        """Append each sampled sequence's new token (forking a fresh prompt into its best_of
-        sequences), or advance the group's beam search."""
-        group, sp = step.group, step.group.sampling_params
-        for r in range(row, row + step.prompt_rows):  # rows of a prompt chunk come first
-            target = group.prompt_token_ids[len(group.prompt_logprobs)]
-            top = {int(t): float(lp) for t, lp in zip(out.top_ids[r, :sp.prompt_logprobs],
-                                                      out.top_logprobs[r, :sp.prompt_logprobs])}
-            group.prompt_logprobs.append({**top, target: float(out.target_logprobs[r])})
-        row += step.prompt_rows
-        if group.sampling_params.use_beam_search:
-            if step.sampled:
-                self._process_beam_search(group, [(seq, row + i) for i, (seq, _) in enumerate(step.sampled)], out)
-            return
-        for seq, samples in step.sampled:
-            if seq.is_finished():  # stopped by its previous token, read after this step was dispatched
-                row += samples
-                continue
-            for s in [seq] + [self._fork(group, seq) for _ in range(samples - 1)]:
-                self._append(group, s, out, row)
-                row += 1
-
-    def _process_multi_step(self, step: "_GroupStep", outs: list, row: int):
-        """A multi-step decode's K tokens per sequence (one sampling row each, no forks or
-        beams): appended in order up to the sequence's stop; the rest are dropped."""
-        for seq, _ in step.sampled:
-            for i, out in enumerate(outs):
-                if i:  # the token appended last was computed by this step
-                    seq.num_computed_tokens += 1
-                self._append(step.group, seq, out, row)
-                if seq.is_finished():
-                    break
-            row += 1
-
     def _sampling_row(self, group: SequenceGroup, seq: Sequence, index: int) -> SamplingRow:
         sp = group.sampling_params
         # Unseeded requests draw from the engine seed and the sequence id; seeded ones only from
@@ -542,186 +461,6 @@ class LLMEngine:
             banned = list(sp.stop_token_ids) + ([self.eos_token_id] if self.eos_token_id is not None else [])
         return SamplingRow(sp, seed, index, seq.get_output_len(), seq.prompt_token_ids, seq.output_token_ids, banned,
                            sp.logit_bias, allowed)
-
-    def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
-        child = parent.fork(next(self._seq_ids))
-        group.add(child)
-        self.scheduler.fork_seq(parent, child)
-        if group.sampling_params.guided:  # before the parent takes its own token
-            self.structured_output.fork(parent.seq_id, child.seq_id)
-        return child
-
-    def _append(self, group: SequenceGroup, seq: Sequence, out, row: int):
-        sp = group.sampling_params
-        self._append_token(sp, seq, out.token_ids[row], out.logprobs[row], self._top_logprobs(sp, out, row))
-        if seq.is_finished():
-            self.scheduler.free_seq(seq)
-
-    @staticmethod
-    def _top_logprobs(sp: SamplingParams, out, row: int) -> dict[int, float] | None:
-        if sp.logprobs is None:
-            return None
-        return {int(t): float(lp) for t, lp in zip(out.top_ids[row, :sp.logprobs], out.top_logprobs[row, :sp.logprobs])}
-
-    def _append_token(self, sp: SamplingParams, seq: Sequence, token: int, logprob: float,
-                      top: dict[int, float] | None):
-        """Append a sampled token (with the top logprobs of its row, when asked for) and check
-        whether the sequence stops there. The caller frees a finished sequence's blocks."""
-        if top is not None:
-            top[token] = logprob
-        seq.append_token_id(token, logprob, top)
-        if self.detokenizer is not None:
-            self.detokenizer.decode_sequence_incrementally(seq)
-        grammar = self.structured_output.accept(seq.seq_id, token) if sp.guided else None
-        self._check_stop(sp, seq, token, grammar)
-
-    # ------------------------------------------------------------------ beam search
-    def _beam_score(self, sp: SamplingParams, seq: Sequence) -> float:
-        return seq.get_beam_search_score(sp.length_penalty, eos_token_id=self.eos_token_id)
-
-    def _process_beam_search(self, group: SequenceGroup, beams: list[tuple[Sequence, int]], out):
-        """One beam search step (vLLM v0.4's _process_sequence_group_outputs). The 2 * best_of
-        best (beam, token) candidates become children of their beams; the best best_of finished
-        ones are kept aside and the best best_of live ones continue. A parent continues as its own
-        last child; other children fork it (sharing its blocks) and dropped beams free theirs."""
-        sp, width = group.sampling_params, group.sampling_params.best_of
-        existing_finished = [seq for seq in group.seqs if seq.is_finished()]
-        rows = [row for _, row in beams]
-        candidates = beam_search_candidates([seq.cumulative_logprob for seq, _ in beams], out.top_ids[rows],
-                                            out.top_logprobs[rows], 2 * width)
-        children: list[tuple[Sequence, Sequence]] = []  # (child, parent)
-        for i, (parent, row) in enumerate(beams):
-            tokens = [(token, logprob) for beam, token, logprob in candidates if beam == i]
-            if not tokens:  # no candidate: the beam ends here
-                parent.status = SequenceStatus.FINISHED_ABORTED
-                group.remove(parent)
-                self.scheduler.free_seq(parent)
-                continue
-            top = self._top_logprobs(sp, out, row)  # the row's; each child adds its own token to a copy
-            for token, logprob in tokens[:-1]:
-                child = parent.fork(next(self._seq_ids))
-                self._append_token(sp, child, token, logprob, dict(top) if top is not None else None)
-                children.append((child, parent))
-            self._append_token(sp, parent, *tokens[-1], top)
-            children.append((parent, parent))
-
-        def by_score(pairs):
-            return sorted(pairs, key=lambda pair: self._beam_score(sp, pair[0]), reverse=True)
-
-        # The best `width` finished beams so far stay (parent None: finished before this step).
-        finished = by_score([(seq, None) for seq in existing_finished]
-                            + [(seq, parent) for seq, parent in children if seq.is_finished()])
-        selected = [pair for pair in finished[:width] if pair[1] is not None]
-        dropped = [pair for pair in finished[width:] if pair[1] is not None]
-        for seq, parent in finished[width:]:
-            if parent is None:
-                group.remove(seq)
-        running = by_score([pair for pair in children if not pair[0].is_finished()])
-        if not running:
-            stop = True
-        elif len(finished) < width:
-            stop = False
-        else:
-            stop = self._beam_search_done(sp, running[0][0], finished[width - 1][0])
-        selected += [] if stop else running[:width]
-        dropped += running if stop else running[width:]
-
-        # Fork the new children before any parent lets go of the blocks they share.
-        for seq, parent in selected:
-            if seq is not parent:
-                group.add(seq)
-                if not seq.is_finished():
-                    self.scheduler.fork_seq(parent, seq)
-        for seq, parent in selected:
-            if seq is parent and seq.is_finished():
-                self.scheduler.free_seq(seq)
-        for seq, parent in dropped:
-            if seq is parent:
-                group.remove(seq)
-                self.scheduler.free_seq(seq)
-
-    def _beam_search_done(self, sp: SamplingParams, best_running: Sequence, worst_finished: Sequence) -> bool:
-        """With best_of beams finished: can no live beam beat the worst of them (vLLM v0.4's
-        _check_beam_search_early_stopping)?"""
-        if sp.early_stopping is True:
-            return True
-        best = self._beam_score(sp, best_running)
-        if sp.early_stopping == "never" and sp.length_penalty > 0:
-            # Longer is better: score the best live beam at the longest length it could reach
-            # (vLLM takes the larger of prompt + max_tokens and max_model_len).
-            longest = max(best_running.get_prompt_len() + sp.max_tokens, self.max_model_len)
-            best = best_running.get_beam_search_score(sp.length_penalty, longest, self.eos_token_id)
-        return self._beam_score(sp, worst_finished) >= best
-
-    def _check_stop(self, sp: SamplingParams, seq: Sequence, token: int, grammar: str | None = None):
-        if grammar == "error":  # the grammar engine failed: its message, and no token it did not vouch for
-            if self.detokenizer is not None:
-                self.detokenizer.remove_last_delta(seq)
-            seq.status, seq.stop_reason = SequenceStatus.FINISHED_ERROR, self.structured_output.error(seq.seq_id)
-            return
-        if grammar == "stop":  # structured output complete: the grammar allows nothing more
-            if token == self.eos_token_id and self.detokenizer is not None:
-                self.detokenizer.remove_last_delta(seq)
-            seq.status = SequenceStatus.FINISHED_STOPPED
-            return
-        # Real tokens only: a token of a step still in flight is not the sequence's yet.
-        output_len = len(seq.output_token_ids)
-        if output_len >= sp.min_tokens:
-            if (not sp.ignore_eos and token == self.eos_token_id) or token in sp.stop_token_ids:
-                if self.detokenizer is not None:  # the stop token's own text is not output
-                    self.detokenizer.remove_last_delta(seq)
-                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-                return
-            if sp.stop and self.detokenizer is not None:
-                matched = self.detokenizer.check_stop_strings(seq, sp.stop)
-                if matched is not None:
-                    seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, matched
-                    return
-        if output_len >= sp.max_tokens or seq.get_prompt_len() + output_len >= self.max_model_len:
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-
-    def _request_output(self, group: SequenceGroup) -> RequestOutput | None:
-        """The group's output after a step, as its output_kind asks (None: nothing to send)."""
-        sp = group.sampling_params
-        seqs = group.get_seqs()
-        finished = group.is_finished()
-        if sp.output_kind is RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        if sp.output_kind is RequestOutputKind.DELTA:
-            return self._delta_output(group, seqs, finished)
-        if sp.use_beam_search:  # the n best beams (all finished ones once the search is over)
-            seqs = sorted(seqs, key=lambda s: self._beam_score(sp, s), reverse=True)[:sp.n]
-        elif finished and len(seqs) > sp.n:  # best_of: keep the n most likely
-            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:sp.n]
-        completions = [CompletionOutput(
-            index=i, text=s.output_text, token_ids=list(s.output_token_ids), cumulative_logprob=s.cumulative_logprob,
-            logprobs=list(s.output_logprobs) if sp.logprobs is not None else None,
-            finish_reason=s.status.finish_reason, stop_reason=s.stop_reason)
-            for i, s in enumerate(seqs)]
-        prompt_logprobs = list(group.prompt_logprobs) if group.prompt_logprobs is not None else None
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished,
-                             prompt_logprobs)
-
-    @staticmethod
-    def _delta_output(group: SequenceGroup, seqs: list[Sequence], finished: bool) -> RequestOutput:
-        """What is new since the group's last output: tokens, their logprobs, and the text that can
-        no longer turn into a stop string (all of it once the sequence is finished)."""
-        sp = group.sampling_params
-        completions = []
-        for i, s in enumerate(seqs):
-            text = s.output_text if s.is_finished() else streamable_text(s, sp.stop)
-            completions.append(CompletionOutput(
-                index=i, text=text[s.num_sent_chars:], token_ids=s.output_token_ids[s.num_sent_tokens:],
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=s.output_logprobs[s.num_sent_tokens:] if sp.logprobs is not None else None,
-                finish_reason=s.status.finish_reason, stop_reason=s.stop_reason))
-            s.num_sent_tokens, s.num_sent_chars = len(s.output_token_ids), len(text)
-        prompt_logprobs = None
-        if group.prompt_logprobs is not None:
-            prompt_logprobs = group.prompt_logprobs[group.num_sent_prompt_logprobs:]
-            group.num_sent_prompt_logprobs = len(group.prompt_logprobs)
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished,
-                             prompt_logprobs)
 
     # ------------------------------------------------------------------ stats
     def kv_usage(self) -> KVUsage:
