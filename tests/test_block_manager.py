@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from jpaged.core.block_manager import AllocStatus, BlockManager, BlockPool, NoFreeBlocksError
+from jpaged.core.block_manager import AllocStatus, BlockManager, NoFreeBlocksError
+from jpaged.core.block_pool import BlockPool
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from jpaged.sampling_params import SamplingParams
 

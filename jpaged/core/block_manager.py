@@ -20,7 +20,11 @@ A sequence frees its blocks tail first, so of blocks freed together the longest 
 Full blocks are never written again, which is what makes them safe to share this way.
 
 For benchmarks, kv_allocation picks one of the paper's baselines instead of on-demand growth
-(see kv_allocation.py): admission then takes the request's whole reservation at once.
+(a KVAllocation strategy from kv_allocation.py, chosen at construction): admission then takes the
+request's whole reservation at once.
+
+The physical blocks themselves (reference counts, free queue, prefix-cache map) are the
+BlockPool's (block_pool.py); this module keeps the tables and decides what the pools do.
 
 Sliding window (sliding_window set: every layer of the model is windowed): a sequence's blocks
 that hold only keys before the window of the next token it computes go back to the pool, as in
@@ -31,9 +35,9 @@ import array
 import collections
 import enum
 import hashlib
-import math
 
-from jpaged.core.kv_allocation import final_len, reserved_len
+from jpaged.core.block_pool import BlockPool, NoFreeBlocksError
+from jpaged.core.kv_allocation import kv_allocation_policy
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -43,10 +47,6 @@ FREED_BLOCK = -1  # a table entry whose block fell out of the sliding window and
 def held(table: list[int]) -> list[int]:
     """The blocks a table holds (without the entries freed out of the window)."""
     return [block_id for block_id in table if block_id != FREED_BLOCK]
-
-
-class NoFreeBlocksError(RuntimeError):
-    """A pool ran out of blocks: the caller skipped the matching can_* check."""
 
 
 class AllocStatus(enum.Enum):
@@ -63,108 +63,6 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
     return digest.digest()
 
 
-class Block:
-    __slots__ = ("block_id", "ref_cnt", "block_hash")
-
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: bytes | None = None  # set while the block is in the prefix cache
-
-
-class BlockPool:
-    """Physical blocks 0..num_blocks-1 with reference counts and a queue of the free ones.
-
-    The free queue hands out the least recently freed block first and can drop any block in
-    O(1). That is what automatic prefix caching needs: freed blocks that hold a cached prefix
-    stay in the queue (evicted in LRU order) and are pulled out of it again on a cache hit.
-    Blocks never handed out yet come before all freed ones and exist only as a count, so a host
-    pool of millions of small blocks (swap_space over a small model's blocks) costs nothing until
-    it is used.
-    """
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self.blocks: list[Block] = []  # those handed out at least once: ids 0..len-1, in order
-        self.free_queue: collections.OrderedDict[int, Block] = collections.OrderedDict()  # freed since
-        self.cached_blocks: dict[bytes, Block] = {}  # prefix hash -> the block holding it
-        self.num_cached_free = 0  # free-queue blocks that keep a cached prefix (kept as it changes)
-
-    def get_num_free_blocks(self) -> int:
-        return self.num_blocks - len(self.blocks) + len(self.free_queue)
-
-    def allocate(self) -> int:
-        if len(self.blocks) < self.num_blocks:  # a block never used yet
-            block = Block(len(self.blocks))
-            self.blocks.append(block)
-        elif self.free_queue:
-            _, block = self.free_queue.popitem(last=False)
-            if block.block_hash is not None:  # evict the least recently used cached prefix
-                del self.cached_blocks[block.block_hash]
-                block.block_hash = None
-                self.num_cached_free -= 1
-        else:
-            raise NoFreeBlocksError(f"all {self.num_blocks} blocks are in use")
-        block.ref_cnt = 1
-        return block.block_id
-
-    def get_cached_block(self, block_hash: bytes) -> int | None:
-        block = self.cached_blocks.get(block_hash)
-        return None if block is None else block.block_id
-
-    def touch(self, block_id: int):
-        """A prefix cache hit: one more reference, taking the block out of the free queue if nobody
-        held it."""
-        block = self._get(block_id)
-        if block.block_hash is None:
-            raise ValueError(f"block {block_id} is not cached")
-        if block.ref_cnt == 0:
-            del self.free_queue[block_id]
-            self.num_cached_free -= 1
-        block.ref_cnt += 1
-
-    def cache(self, block_id: int, block_hash: bytes):
-        """Make a full, computed block findable by its prefix hash. The first block to hold a prefix
-        stays its only cached copy; a later duplicate is an ordinary block."""
-        block = self._get(block_id)
-        if block.block_hash is None and block_hash not in self.cached_blocks:
-            block.block_hash = block_hash
-            self.cached_blocks[block_hash] = block
-
-    def get_num_cached_blocks(self) -> int:
-        """Blocks nobody holds that keep a cached prefix (counted as free: evicted when needed)."""
-        return self.num_cached_free
-
-    def share(self, block_id: int):
-        block = self._get(block_id)
-        if block.ref_cnt == 0:
-            raise ValueError(f"block {block_id} is free: it cannot be shared")
-        block.ref_cnt += 1
-
-    def free(self, block_id: int):
-        """Drop one reference; the block returns to the free queue with its last one."""
-        block = self._get(block_id)
-        if block.ref_cnt == 0:
-            raise ValueError(f"double free of block {block_id}")
-        block.ref_cnt -= 1
-        if block.ref_cnt == 0:
-            self.free_queue[block_id] = block
-            self.num_cached_free += block.block_hash is not None
-
-    def ref_cnt(self, block_id: int) -> int:
-        return self._get(block_id).ref_cnt
-
-    def is_cached(self, block_id: int) -> bool:
-        """Whether the block keeps a prefix the cache can find."""
-        return self._get(block_id).block_hash is not None
-
-    def _get(self, block_id: int) -> Block:
-        if not 0 <= block_id < self.num_blocks:
-            raise ValueError(f"unknown block {block_id} (the pool has {self.num_blocks})")
-        # A block never handed out: free and uncached (a stand-in, never stored).
-        return self.blocks[block_id] if block_id < len(self.blocks) else Block(block_id)
-
-
 class BlockManager:
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, watermark: float = 0.01,
                  enable_caching: bool = False, kv_allocation: str = "paged", max_model_len: int | None = None,
@@ -172,12 +70,9 @@ class BlockManager:
         if block_size < 1 or num_gpu_blocks < 1 or num_cpu_blocks < 0 or not 0 <= watermark < 1:
             raise ValueError(f"bad block manager sizes: block_size={block_size}, num_gpu_blocks={num_gpu_blocks}, "
                              f"num_cpu_blocks={num_cpu_blocks}, watermark={watermark}")
-        if kv_allocation != "paged" and (max_model_len is None or enable_caching):
-            raise ValueError(f"kv_allocation={kv_allocation!r} needs max_model_len and no prefix caching")
-        reserved_len(kv_allocation, 1, 1)  # a ValueError for an unknown policy
+        self.allocation = kv_allocation_policy(kv_allocation, max_model_len, enable_caching)
+        self.kv_allocation = kv_allocation  # the policy's name: the scheduler batches per request for "static"
         self.block_size = block_size
-        self.kv_allocation = kv_allocation
-        self.max_model_len = max_model_len
         self.gpu_pool = BlockPool(num_gpu_blocks)
         self.cpu_pool = BlockPool(num_cpu_blocks)
         # Admissions leave this many device blocks free, so the sequences already running can
@@ -226,8 +121,7 @@ class BlockManager:
         """Blocks a group of `num_seqs` sequences needs at worst once each is `max_len` tokens long:
         they share only their prompt's full blocks (what they share again after a recompute)."""
         shared = prompt_len // self.block_size if num_seqs > 1 else 0
-        reserved = reserved_len(self.kv_allocation, max_len, self.max_model_len or max_len)
-        return shared + num_seqs * (self._num_blocks(reserved) - shared)
+        return shared + num_seqs * (self._num_blocks(self.allocation.held_len(max_len)) - shared)
 
     def get_block_table(self, seq: Sequence) -> list[int]:
         """The sequence's device blocks (the manager's own list: read it, don't change it)."""
@@ -236,14 +130,11 @@ class BlockManager:
         return self.gpu_tables[seq.seq_id]
 
     def _num_blocks(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.block_size)
+        return -(-num_tokens // self.block_size)  # ceil in integers
 
-    def _admission_len(self, seq_group: SequenceGroup, seq: Sequence) -> int:
-        """Token slots the sequence takes at admission: those it has, or its whole reservation."""
-        if self.kv_allocation == "paged":
-            return seq.get_len()
-        final = final_len(seq.get_prompt_len(), seq_group.sampling_params.max_tokens, self.max_model_len)
-        return max(seq.get_len(), reserved_len(self.kv_allocation, final, self.max_model_len))
+    def _admission_blocks(self, seq_group: SequenceGroup, seq: Sequence) -> int:
+        """Blocks the sequence holds once admitted: for its tokens, or its whole reservation."""
+        return self._num_blocks(self.allocation.admission_len(seq, seq_group.sampling_params.max_tokens))
 
     # Admission.
 
@@ -303,8 +194,7 @@ class BlockManager:
         cached = self._cached_prefix(seq_group, seqs)
         num_cached = len(cached[0])
         first_own = max(num_shared, num_cached)
-        num_new = first_own - num_cached + sum(self._num_blocks(self._admission_len(seq_group, seq)) - first_own
-                                                for seq in seqs)
+        num_new = first_own - num_cached + sum(self._admission_blocks(seq_group, seq) - first_own for seq in seqs)
         # Hits on blocks nobody holds take them out of the free queue.
         hit_blocks = {block_id for blocks in cached for block_id in blocks}
         num_free = self.get_num_free_gpu_blocks() - sum(1 for b in hit_blocks if self.gpu_pool.ref_cnt(b) == 0)
@@ -343,8 +233,7 @@ class BlockManager:
             if i > 0:
                 for block_id in shared:
                     self.gpu_pool.share(block_id)
-            own = [self.gpu_pool.allocate() for _ in range(self._num_blocks(self._admission_len(seq_group, seq))
-                                                                   - first_own)]
+            own = [self.gpu_pool.allocate() for _ in range(self._admission_blocks(seq_group, seq) - first_own)]
             self.gpu_tables[seq.seq_id] = hits + shared + own
             self._num_hashed_blocks[seq.seq_id] = num_cached
             if self.enable_caching:
@@ -369,25 +258,30 @@ class BlockManager:
 
     # Decoding.
 
-    def _blocks_to_write(self, seq: Sequence, table: list[int], num_lookahead_slots: int) -> range:
-        """Table indices of the blocks the sequence's next computed token and the lookahead
-        slots after it (multi-step decode) write into, that the table already has."""
-        first = (seq.get_len() - 1) // self.block_size
-        return range(first, min(len(table), self._num_blocks(seq.get_len() + num_lookahead_slots)))
+    def _write_span(self, seq: Sequence, num_lookahead_slots: int) -> tuple[int, int]:
+        """Table indices [first, end) of the blocks the sequence's next computed token and the
+        lookahead slots after it (multi-step decode) write into; the table may not reach `end` yet.
+        Computed once per call: this runs for every running sequence every step."""
+        seq_len, size = seq.get_len(), self.block_size
+        return (seq_len - 1) // size, -(-(seq_len + num_lookahead_slots) // size)
 
     def _num_blocks_to_append(self, seqs: list[Sequence], tables: dict[int, list[int]], pool: BlockPool,
                               num_lookahead_slots: int = 0) -> int:
         """Exactly how many new blocks append_slots takes for these sequences (wherever their
         tables are now: swapping keeps the sharing)."""
         num_required = 0
-        sharers = collections.Counter()  # shared block to write -> how many of these sequences write into it
+        # Shared block to write -> how many of these sequences write into it (a dict, not a
+        # Counter: one is made per running group every step).
+        sharers: dict[int, int] = {}
         for seq in seqs:
             table = tables[seq.seq_id]
-            # < 0: slots reserved ahead
-            num_required += max(self._num_blocks(seq.get_len() + num_lookahead_slots) - len(table), 0)
-            for i in self._blocks_to_write(seq, table, num_lookahead_slots):
+            first, end = self._write_span(seq, num_lookahead_slots)
+            num_required += max(end - len(table), 0)  # < 0: slots reserved ahead
+            for i in range(first, min(len(table), end)):
                 if pool.ref_cnt(table[i]) > 1:
-                    sharers[table[i]] += 1
+                    sharers[table[i]] = sharers.get(table[i], 0) + 1
+        if not sharers:
+            return num_required
         # The last sharer of a block to write keeps it, unless someone else holds it too.
         return num_required + sum(min(k, pool.ref_cnt(b) - 1) for b, k in sharers.items())
 
@@ -406,8 +300,9 @@ class BlockManager:
         them before the host has seen them). Returns the (src, dst) block copies to make first:
         a shared block is copied before this sequence writes into it (copy-on-write)."""
         table = self.gpu_tables[seq.seq_id]
+        first, end = self._write_span(seq, num_lookahead_slots)
         copies = []
-        for i in self._blocks_to_write(seq, table, num_lookahead_slots):
+        for i in range(first, min(len(table), end)):
             shared = table[i]
             if self.gpu_pool.ref_cnt(shared) > 1:
                 if not self.get_num_free_gpu_blocks():
@@ -415,7 +310,7 @@ class BlockManager:
                 table[i] = self.gpu_pool.allocate()
                 self.gpu_pool.free(shared)
                 copies.append((shared, table[i]))
-        missing = self._num_blocks(seq.get_len() + num_lookahead_slots) - len(table)
+        missing = end - len(table)
         if missing > 0:
             if missing > self.get_num_free_gpu_blocks():
                 raise NoFreeBlocksError(f"{seq} needs {missing} blocks, {self.get_num_free_gpu_blocks()} are free")
@@ -509,29 +404,7 @@ class BlockManager:
         return list(mapping.items())
 
     def check_invariants(self):
-        """Raise AssertionError unless every block's reference count equals the number of block
-        tables holding it, exactly the blocks nobody holds are in the free queue, the prefix cache
-        maps each hash to the one block carrying it, and free + cached + in use = total."""
+        """Raise AssertionError unless each pool agrees with the block tables holding its blocks
+        (BlockPool.check_invariants lists what is checked)."""
         for pool, tables in ((self.gpu_pool, self.gpu_tables), (self.cpu_pool, self.cpu_tables)):
-            holders = collections.Counter(block_id for table in tables.values() for block_id in held(table))
-            if any(block_id >= len(pool.blocks) for block_id in holders):
-                raise AssertionError("a block table holds a block the pool never handed out")
-            counts = collections.Counter(free=pool.num_blocks - len(pool.blocks))  # never handed out
-            for block in pool.blocks:
-                if block.ref_cnt != holders[block.block_id]:
-                    raise AssertionError(f"block {block.block_id}: ref_cnt {block.ref_cnt}, "
-                                         f"held by {holders[block.block_id]} tables")
-                if (block.ref_cnt == 0) != (block.block_id in pool.free_queue):
-                    raise AssertionError(f"block {block.block_id}: ref_cnt {block.ref_cnt} but "
-                                         f"{'' if block.block_id in pool.free_queue else 'not '}in the free queue")
-                if block.block_hash is not None and pool.cached_blocks.get(block.block_hash) is not block:
-                    raise AssertionError(f"block {block.block_id} has a hash the prefix cache does not map to it")
-                counts["in use" if block.ref_cnt else "cached" if block.block_hash is not None else "free"] += 1
-            if any(block.block_hash != block_hash for block_hash, block in pool.cached_blocks.items()):
-                raise AssertionError("the prefix cache maps a hash to a block that lost it")
-            # What stats report: free + cached (the free queue) + in use = total.
-            if pool.num_cached_free != counts["cached"]:
-                raise AssertionError(f"{pool.num_cached_free} cached free blocks counted, {counts['cached']} found")
-            num_free = pool.get_num_free_blocks()
-            if num_free != counts["free"] + counts["cached"] or pool.num_blocks - num_free != counts["in use"]:
-                raise AssertionError(f"{num_free} free blocks counted, but {dict(counts)}")
+            pool.check_invariants(collections.Counter(block_id for table in tables.values() for block_id in held(table)))

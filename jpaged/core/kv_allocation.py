@@ -16,6 +16,9 @@ fragmentation (the paper's "external fragmentation & others" is not modelled). T
 length" is max_tokens: benchmarks set ignore_eos, so every request produces exactly that many.
 The baselines run one sequence per request (n = best_of = 1): Orca does not share blocks.
 
+The block manager takes its policy as a KVAllocation strategy (kv_allocation_policy), chosen once
+when it is built: PagedAllocation or a ReservingAllocation. Only admission differs between them.
+
 Accounting (the paper's Fig. 2) splits every device slot into: holding a computed token's K/V,
 reserved (allocated, to be filled before the sequence reaches its final length), internal
 fragmentation (allocated, never to be filled) and free. A block shared by several sequences
@@ -24,7 +27,7 @@ counts once.
 
 import dataclasses
 
-from jpaged.core.sequence import SequenceGroup, SequenceStatus
+from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 KV_ALLOCATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle", "static")
 
@@ -44,6 +47,55 @@ def reserved_len(policy: str, final: int, max_model_len: int) -> int:
     if policy in ("orca-oracle", "paged"):
         return final
     raise ValueError(f"kv_allocation={policy!r}; expected one of {KV_ALLOCATIONS}")
+
+
+class KVAllocation:
+    """How many token slots a sequence takes at admission. After it every policy grows the same
+    way: a block when the last one is full."""
+
+    name: str  # one of KV_ALLOCATIONS
+
+    def admission_len(self, seq: Sequence, max_tokens: int) -> int:
+        """Token slots the sequence takes at admission."""
+        raise NotImplementedError
+
+    def held_len(self, final: int) -> int:
+        """Token slots a sequence that reaches `final` tokens holds at its end."""
+        raise NotImplementedError
+
+
+class PagedAllocation(KVAllocation):
+    """jpaged's own policy: a sequence takes slots for the tokens it has and grows on demand."""
+
+    name = "paged"
+
+    def admission_len(self, seq: Sequence, max_tokens: int) -> int:
+        return seq.get_len()
+
+    def held_len(self, final: int) -> int:
+        return final
+
+
+class ReservingAllocation(KVAllocation):
+    """One of the paper's baselines: admission takes the request's whole reservation at once."""
+
+    def __init__(self, name: str, max_model_len: int):
+        self.name, self.max_model_len = name, max_model_len
+
+    def admission_len(self, seq: Sequence, max_tokens: int) -> int:
+        final = final_len(seq.get_prompt_len(), max_tokens, self.max_model_len)
+        return max(seq.get_len(), self.held_len(final))
+
+    def held_len(self, final: int) -> int:
+        return reserved_len(self.name, final, self.max_model_len)
+
+
+def kv_allocation_policy(policy: str, max_model_len: int | None, enable_caching: bool) -> KVAllocation:
+    """The strategy for `policy` (one of KV_ALLOCATIONS); a ValueError for one it can't run."""
+    if policy != "paged" and (max_model_len is None or enable_caching):
+        raise ValueError(f"kv_allocation={policy!r} needs max_model_len and no prefix caching")
+    reserved_len(policy, 1, 1)  # a ValueError for an unknown policy
+    return PagedAllocation() if policy == "paged" else ReservingAllocation(policy, max_model_len)
 
 
 def step_without_model(scheduler, token_id: int):
