@@ -17,8 +17,11 @@ executable is compiled ahead of time at warm-up, so serving never compiles; `num
 counts them all. Compiled executables are kept on disk whole (executable_cache.py): a restart
 loads them without tracing. The forward and the sampler compile apart: the sampler's shapes
 depend only on its row bucket and its full/fast switch, so the warm-up compiles forwards +
-samplers, not their
-product.
+samplers, not their product.
+
+The runner orchestrates; the parts live beside it: the step shapes and executable keys in
+buckets.py, the jitted device functions in step_functions.py, the host-side padding of a step's
+inputs in prepare_inputs.py, block copies and swaps' device functions in kv_transfer.py.
 
 Tensor parallelism: weights and KV pages live on the loader's mesh (jpaged/parallel); the runner
 only gives every jitted function its shardings. Step inputs are replicated, the KV pages split
@@ -28,43 +31,37 @@ processes before running it; they run the same operation in `follow` (see `lead`
 """
 
 import concurrent.futures
-import dataclasses
 import functools
 import logging
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import pallas_kernels
 from tqdm.auto import tqdm
 
 from jpaged.models.layers import Attention, AttentionMetadata, LayerStack
 from jpaged.models.loader import LoadedModel
 from jpaged.parallel import distributed
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, replicated, tp_size
-from jpaged.runner import sampler
+from jpaged.runner import kv_transfer, sampler, step_functions
+from jpaged.runner.buckets import BLOCK_OP_SIZES, BLOCK_OPS, HISTORY_UPLOAD_ROWS, Buckets  # noqa: F401 (re-exported)
 from jpaged.runner.executable_cache import ExecutableCache
-from jpaged.runner.input_batch import InputBatch, Layout, layout_of, pack, unpack
+from jpaged.runner.input_batch import InputBatch, Layout, layout_of, pack
+from jpaged.runner.kv_transfer import every_layer  # noqa: F401 (re-exported)
+from jpaged.runner.prepare_inputs import PENDING_TOKEN, SeqInput, prepare_inputs  # noqa: F401 (re-exported)
+from jpaged.runner.step_functions import HistoryInputs, StepHandle, StepInputs, unpack_output
+# The jitted step functions under their old names (scripts/lower_for_gpu.py lowers them).
+from jpaged.runner.step_functions import forward as _forward, multi_step as _multi_step  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
 # Top logprobs computed every step (OpenAI's and vLLM's maximum); requests slice their own.
 MAX_LOGPROBS = 20
-# A token the previous step sampled and the host has not read yet (overlapped steps).
-PENDING_TOKEN = -1
 # Tokens a row can forbid in one step (EOS and stop_token_ids while min_tokens is not reached).
 MAX_BANNED_TOKENS = 32
-# Block copies and swaps are padded to one of these sizes (-1: skip), longer lists split into
-# chunks of the largest, so each operation has one executable per size, compiled at warm-up.
-BLOCK_OP_SIZES = (32,)
-BLOCK_OPS = ("copy_blocks", "swap_out", "swap_in")
-# Token histories uploaded to the device at once (more: several calls), for penalised sequences
-# whose row does not hold their tokens yet.
-HISTORY_UPLOAD_ROWS = 16
 
 
 def kv_cache_layout(model: nnx.Module) -> tuple[int, int, int]:
@@ -74,113 +71,6 @@ def kv_cache_layout(model: nnx.Module) -> tuple[int, int, int]:
     stack = next(node for node in nodes if isinstance(node, LayerStack))
     num_kv_heads, head_dim = next(node for node in nodes if isinstance(node, Attention)).k_proj.out_shape
     return stack.num_layers, num_kv_heads, head_dim
-
-
-def _ladder(smallest: int, largest: int, factor: int = 2) -> list[int]:
-    """smallest, smallest * factor, ... below `largest`, then `largest` itself."""
-    sizes, n = [], smallest
-    while n < largest:
-        sizes.append(n)
-        n *= factor
-    return sizes + [largest]
-
-
-def _fit(buckets: list[int], n: int) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Buckets:
-    """The fixed set of step shapes: one step family keyed by its token bucket (vLLM v1's ragged
-    layout: decode and mixed prefill + decode steps alike). A step of `tokens` rows has
-    `seqs(tokens)` = min(tokens, max_num_seqs) sequence rows, so a lone prompt or a small decode
-    batch does not pay for max_num_seqs rows. Block tables always have the full `width`: the
-    attention's cost follows the real contexts (pallas_kernels/xla.py, and the Pallas kernels loop
-    to each context's end). The LM head and the sampler take `sample_rows(seqs)` rows: a coarser
-    ladder, because the sampler compiles slowly (its sorts over the vocabulary) and costs little
-    per row."""
-
-    tokens: list[int]
-    rows: list[int]
-    max_num_seqs: int
-    width: int
-    num_scheduler_steps: int = 1
-
-    @classmethod
-    def create(cls, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
-               num_scheduler_steps: int = 1) -> "Buckets":
-        # Doubling token ladder: at most 2x padding.
-        return cls(_ladder(1, max_num_batched_tokens), _ladder(1, max_num_seqs, factor=8), max_num_seqs,
-                   max_blocks_per_seq, num_scheduler_steps)
-
-    def seqs(self, num_tokens: int) -> int:
-        """Sequence rows of a step of `num_tokens` (a bucket): each sequence has a token."""
-        return min(num_tokens, self.max_num_seqs)
-
-    def sample_rows(self, num_seqs: int) -> int:
-        return _fit(self.rows, num_seqs)
-
-    def keys(self):
-        """Every executable: the model forward per token bucket, the sampler per (rows, full on/off),
-        each block operation per padded size, and with multi-step decode the K-step decode loop
-        per bucket of decode steps (tokens <= max_num_seqs). Compiling the forward and the sampler
-        apart keeps the count additive, not a product."""
-        for tokens in self.tokens:
-            yield ("forward", tokens)
-        if self.num_scheduler_steps > 1:
-            for tokens in self.tokens:
-                if tokens <= self.max_num_seqs:
-                    yield ("multi_step", tokens)
-        for rows in self.rows:
-            for full in (False, True):
-                yield ("sample", rows, full)
-        for op in BLOCK_OPS:
-            for num_blocks in BLOCK_OP_SIZES:
-                yield (op, num_blocks)
-        yield ("write_history", HISTORY_UPLOAD_ROWS)
-
-
-@dataclasses.dataclass
-class SeqInput:
-    """One sequence's share of a step: compute `token_ids` at positions start_pos.. through
-    `block_table`, and sample `num_samples` tokens after the last one (0: a prefill chunk). Prompt
-    logprobs: the first `num_prompt_rows` tokens also get a logits row each (before the samples').
-    `block_table` is the block manager's own list (read only); `seq_id` keys the sequence's row
-    in the InputBatch. A token id -1 (PENDING_TOKEN) is the one the previous step sampled for this
-    sequence: it is still on the device and is taken from there."""
-
-    seq_id: int
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]
-    num_samples: int
-    num_prompt_rows: int = 0
-
-
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["rows", "prompt_lens", "lens", "dst_rows"], meta_fields=[])
-@dataclasses.dataclass
-class HistoryInputs:
-    """Where each sampling row's penalty tokens are in the device's token history (full sampler)."""
-
-    rows: np.ndarray  # int32[sampling rows]: the history row of the row's sequence (-1: no penalties)
-    prompt_lens: np.ndarray  # int32[sampling rows]: its first tokens are the prompt's ...
-    lens: np.ndarray  # int32[sampling rows]: ... and the rest, up to here, the outputs so far
-    dst_rows: np.ndarray  # int32[sampling rows]: append the sampled token to this history row (-1: no)
-
-
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["input_ids", "positions", "attn", "logits_indices", "src_rows"], meta_fields=[])
-@dataclasses.dataclass
-class StepInputs:
-    input_ids: jax.Array  # int32[tokens]
-    positions: jax.Array  # int32[tokens]
-    attn: AttentionMetadata
-    logits_indices: jax.Array  # int32[rows]: token row whose logits each sampling row uses
-    src_rows: jax.Array  # int32[tokens]: >= 0: the token is last_tokens[row] (sampled by a step in flight)
 
 
 class ModelRunner:
@@ -219,24 +109,26 @@ class ModelRunner:
         self.token_history = jnp.full((max_num_seqs, max_model_len), -1, jnp.int32, device=rep)
         self._history: dict[int, tuple[int, int]] = {}
         # Each takes its inputs packed in one int32 array (one transfer), unpacked by `layout`.
-        self._forward = lambda layout: jax.jit(functools.partial(_forward, self.graphdef, rep, layout=layout),
-                                               donate_argnums=(1,), out_shardings=(rep, kv))
-        self._sample = lambda layout: jax.jit(functools.partial(_sample, layout=layout),
+        self._forward = lambda layout: jax.jit(
+            functools.partial(step_functions.forward, self.graphdef, rep, layout=layout),
+            donate_argnums=(1,), out_shardings=(rep, kv))
+        self._sample = lambda layout: jax.jit(functools.partial(step_functions.sample, layout=layout),
                                               out_shardings=(rep, rep, rep), donate_argnums=(2, 3))
-        self._history_writer = jax.jit(_write_history, out_shardings=rep, donate_argnums=(0,))
+        self._history_writer = jax.jit(step_functions.write_history, out_shardings=rep, donate_argnums=(0,))
         self._multi_step = lambda layout: jax.jit(
-            functools.partial(_multi_step, self.graphdef, rep, layout=layout, num_steps=num_scheduler_steps),
+            functools.partial(step_functions.multi_step, self.graphdef, rep, layout=layout,
+                              num_steps=num_scheduler_steps),
             donate_argnums=(1, 3), out_shardings=(rep, kv, rep))
         self.executable_cache = executable_cache or ExecutableCache(None, "")
         self._executables = {}
         if self._multihost:  # the driver's broadcasts: one executable, compiled now
             self._executables[("broadcast", distributed.BROADCAST_CHUNK)] = distributed.broadcast_executable()[0]
         self._warm = False
-        self._copy = jax.jit(functools.partial(_copy_blocks, num_layers), in_shardings=(kv, rep, rep),
+        self._copy = jax.jit(functools.partial(kv_transfer.copy_blocks, num_layers), in_shardings=(kv, rep, rep),
                              out_shardings=kv, donate_argnums=(0,))
-        self._gather = jax.jit(functools.partial(_gather_blocks, num_layers), in_shardings=(kv, rep),
+        self._gather = jax.jit(functools.partial(kv_transfer.gather_blocks, num_layers), in_shardings=(kv, rep),
                                out_shardings=self._pages_sharding)
-        self._scatter = jax.jit(functools.partial(_scatter_blocks, num_layers),
+        self._scatter = jax.jit(functools.partial(kv_transfer.scatter_blocks, num_layers),
                                 in_shardings=(kv, self._pages_sharding, rep), out_shardings=kv, donate_argnums=(0,))
 
     @property
@@ -411,77 +303,18 @@ class ModelRunner:
         token and one sample per sequence, fast sampler) run num_scheduler_steps times in one
         device call, each step's sampled tokens the next one's inputs; the block tables must hold
         the later tokens' slots (the scheduler's lookahead slots)."""
-        n = len(seqs)
-        lens = np.fromiter((len(s.token_ids) for s in seqs), np.int32, n)
-        start_pos = np.fromiter((s.start_pos for s in seqs), np.int32, n)
-        num_samples = np.fromiter((s.num_samples for s in seqs), np.int32, n)
-        num_prompt_rows = np.fromiter((s.num_prompt_rows for s in seqs), np.int32, n)
-        num_rows = int(num_samples.sum() + num_prompt_rows.sum())
-        num_tokens_real = int(lens.sum())
-        # Enough token rows for the sequence rows and the sampling rows (both at most max_num_seqs).
-        num_tokens = _fit(self.buckets.tokens, max(num_tokens_real, n, num_rows))
-        num_seqs = self.buckets.seqs(num_tokens)
-
-        rows = self.input_batch.rows([s.seq_id for s in seqs], [s.block_table for s in seqs])
-        block_tables = np.zeros((num_seqs, self.buckets.width), np.int32)
-        block_tables[:n] = self.input_batch.block_tables[rows]
-        query_start_loc = np.full(num_seqs + 1, num_tokens_real, np.int32)
-        query_start_loc[0] = 0
-        np.cumsum(lens, out=query_start_loc[1:n + 1])
-        context_lens = np.zeros(num_seqs, np.int32)
-        context_lens[:n] = start_pos + lens
-        input_ids = np.zeros(num_tokens, np.int32)
-        input_ids[:num_tokens_real] = [t for s in seqs for t in s.token_ids] if num_tokens_real > n \
-            else [s.token_ids[0] for s in seqs]
-        # Pending tokens come from the device: a decode token's sequence row in last_tokens.
-        src_rows = np.full(num_tokens, -1, np.int32)
-        pending = np.flatnonzero(input_ids[:num_tokens_real] == PENDING_TOKEN)
-        src_rows[pending] = rows[np.repeat(np.arange(n, dtype=np.int32), lens)[pending]] if len(pending) else 0
-        # Each token's sequence and position; padding tokens write nowhere (slot -1).
-        seq_of = np.repeat(np.arange(n, dtype=np.int32), lens)
-        pos = start_pos[seq_of] + np.arange(num_tokens_real, dtype=np.int32) - query_start_loc[seq_of]
-        positions = np.zeros(num_tokens, np.int32)
-        positions[:num_tokens_real] = pos
-        slot_mapping = np.full(num_tokens, -1, np.int32)
-        slot_mapping[:num_tokens_real] = (block_tables[seq_of, pos // self.block_size] * self.block_size
-                                          + pos % self.block_size)
-        # Logits rows: each sequence's prompt-logprob rows (its first tokens), then its samples (its last).
-        logits_indices = np.zeros(self.buckets.sample_rows(num_seqs), np.int32)
-        last = query_start_loc[1:n + 1] - 1
-        # A sequence's single sample goes to its row of last_tokens (several: a fork, read by the host).
-        dst_rows = np.full(len(logits_indices), -1, np.int32)
-        if num_prompt_rows.any():
-            row = 0
-            for i in range(n):
-                k = num_prompt_rows[i]
-                logits_indices[row:row + k] = query_start_loc[i] + np.arange(k)
-                logits_indices[row + k:row + k + num_samples[i]] = last[i]
-                if num_samples[i] == 1:
-                    dst_rows[row + k] = rows[i]
-                row += k + num_samples[i]
-        else:
-            logits_indices[:num_rows] = np.repeat(last, num_samples)
-            dst_rows[:num_rows] = np.repeat(np.where(num_samples == 1, rows, -1), num_samples)
-
+        step = prepare_inputs(seqs, self.input_batch, self.buckets, self.block_size, multi_step)
+        inputs, num_sample_rows = step.inputs, len(step.inputs.logits_indices)
         full = not multi_step and self._needs_full_sampler(sampling_rows)
-        smeta = self._sampling_metadata(sampling_rows, len(logits_indices), full)
-        decode = np.bool_(num_tokens_real == n) if num_seqs == num_tokens else None
-        attn = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, decode)
-        inputs = StepInputs(input_ids, positions, attn, logits_indices, src_rows)
+        smeta = self._sampling_metadata(sampling_rows, num_sample_rows, full)
         if not multi_step:
-            history = self._history_inputs(seqs, rows, sampling_rows, len(logits_indices)) if full else None
-            out = self._dispatch("run_step", (num_tokens, full), pack(inputs), pack((smeta, dst_rows, history)))
-            return StepHandle(out, len(logits_indices), smeta.num_logprobs, num_rows)
-        if num_tokens_real != n or num_rows != n or num_seqs != num_tokens:
-            raise ValueError("a multi-step decode takes one token and one sample per sequence")
-        # The slots of the later steps' tokens: positions pos + 1 .. pos + K - 1.
-        num_steps = self.buckets.num_scheduler_steps
-        later = pos[None, :] + np.arange(1, num_steps, dtype=np.int32)[:, None]
-        lookahead_slots = np.full((num_steps - 1, num_tokens), -1, np.int32)
-        lookahead_slots[:, :n] = (block_tables[seq_of[None, :], later // self.block_size] * self.block_size
-                                  + later % self.block_size)
-        out = self._dispatch("run_multi_step", num_tokens, pack((inputs, smeta, dst_rows, lookahead_slots)))
-        return StepHandle(out, len(logits_indices), 0, num_rows, num_steps)
+            history = self._history_inputs(seqs, step.rows, sampling_rows, num_sample_rows) if full else None
+            out = self._dispatch("run_step", (step.num_tokens, full), pack(inputs),
+                                 pack((smeta, step.dst_rows, history)))
+            return StepHandle(out, num_sample_rows, smeta.num_logprobs, step.num_rows)
+        out = self._dispatch("run_multi_step", step.num_tokens,
+                             pack((inputs, smeta, step.dst_rows, step.lookahead_slots)))
+        return StepHandle(out, num_sample_rows, 0, step.num_rows, self.buckets.num_scheduler_steps)
 
     @staticmethod
     def collect(handle: "StepHandle") -> list[sampler.SamplerOutput]:
@@ -489,7 +322,7 @@ class ModelRunner:
         step it ran (several: a multi-step decode)."""
         # Outputs are replicated: any local copy is the whole.
         packed = np.asarray(handle.out.addressable_data(0)).reshape(handle.num_steps, -1)
-        return [_unpack_output(part, handle.num_rows, handle.num_logprobs, handle.num_real_rows) for part in packed]
+        return [unpack_output(part, handle.num_rows, handle.num_logprobs, handle.num_real_rows) for part in packed]
 
     def _run_step(self, key, inputs: np.ndarray, smeta: np.ndarray):
         num_tokens, full = key
@@ -514,7 +347,15 @@ class ModelRunner:
         sends it to the other processes, which run it in `follow`."""
         if self._multihost:
             distributed.broadcast_object((op, args))
-        return getattr(self, "_" + op)(*args)
+        return self._run_op(op, args)
+
+    def _run_op(self, op: str, args: tuple):
+        """Device operation `op` (a name: a multi-host driver sends it) on host inputs `args`. The
+        table is built per call, so methods replaced on the instance count (scripts/bench_host.py
+        stubs the steps)."""
+        ops = {"run_step": self._run_step, "run_multi_step": self._run_multi_step, "write_history": self._write_history,
+               "copy_blocks": self._copy_blocks, "swap_out": self._swap_out, "swap_in": self._swap_in}
+        return ops[op](*args)
 
     def follow(self):
         """On a process other than 0: run the driver's device operations until its `lead` ends,
@@ -526,7 +367,7 @@ class ModelRunner:
                 if error is not None:
                     raise error
                 return result
-            getattr(self, "_" + op)(*args)
+            self._run_op(op, args)
 
     def lead(self, drive):
         """Run `drive()` (anything that steps the engine: a generate call, a server) on process 0
@@ -544,20 +385,9 @@ class ModelRunner:
         return result
 
     # ------------------------------------------------------------------ block copies
-    @staticmethod
-    def _padded_chunks(pairs):
-        """Index pairs as chunks of at most BLOCK_OP_SIZES[-1], each padded to a size of
-        BLOCK_OP_SIZES (-1: skip): (first indices, second indices, real length) per chunk."""
-        largest = BLOCK_OP_SIZES[-1]
-        for start in range(0, len(pairs), largest):
-            chunk = pairs[start:start + largest]
-            arr = np.full((_fit(BLOCK_OP_SIZES, len(chunk)), 2), -1, np.int32)
-            arr[:len(chunk)] = chunk
-            yield arr[:, 0], arr[:, 1], len(chunk)
-
     def copy_blocks(self, pairs: list[tuple[int, int]]):
         # Chunks may run one after another: copy-on-write never chains copies within a step.
-        for src, dst, _ in self._padded_chunks(pairs):
+        for src, dst, _ in kv_transfer.padded_chunks(pairs):
             self._dispatch("copy_blocks", src, dst)
 
     def _copy_blocks(self, src, dst):
@@ -565,7 +395,7 @@ class ModelRunner:
 
     def swap_out(self, pairs: list[tuple[int, int]]):
         """Device pages -> host pool, for (gpu_block, cpu_block) pairs."""
-        for gpu, cpu, n in self._padded_chunks(pairs):
+        for gpu, cpu, n in kv_transfer.padded_chunks(pairs):
             self._dispatch("swap_out", gpu, cpu[:n])
 
     def _swap_out(self, gpu, cpu):
@@ -575,7 +405,7 @@ class ModelRunner:
 
     def swap_in(self, pairs: list[tuple[int, int]]):
         """Host pool -> device pages, for (cpu_block, gpu_block) pairs."""
-        for cpu, gpu, n in self._padded_chunks(pairs):
+        for cpu, gpu, n in kv_transfer.padded_chunks(pairs):
             self._dispatch("swap_in", cpu[:n], gpu)
 
     def _swap_in(self, cpu, gpu):
@@ -590,141 +420,3 @@ class ModelRunner:
                                              local_pages)
         self.kv_cache = self._executable(("swap_in", len(gpu)))(self.kv_cache, pages, gpu)
 
-
-def _forward(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *, layout: Layout):
-    """The model's part of a step: write the new K/V, attend, and the fp32 logits of the rows to
-    sample. They stay on the device for the sampler executable."""
-    inputs = _with_pending_tokens(unpack(packed, layout), last_tokens)
-    return _model_logits(graphdef, logits_sharding, state, kv_cache, inputs)
-
-
-def _with_pending_tokens(inputs: StepInputs, last_tokens) -> StepInputs:
-    """The inputs with each pending token (sampled by a step in flight) read from last_tokens."""
-    input_ids = jnp.where(inputs.src_rows >= 0, last_tokens[jnp.maximum(inputs.src_rows, 0)], inputs.input_ids)
-    return dataclasses.replace(inputs, input_ids=input_ids)
-
-
-def _model_logits(graphdef, logits_sharding, state, kv_cache, inputs: StepInputs):
-    model = nnx.merge(graphdef, state)
-    hidden, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache, inputs.attn)
-    logits = model.compute_logits(hidden[inputs.logits_indices])
-    # Vocabulary-parallel logits are gathered: every device samples the same full rows.
-    return jax.lax.with_sharding_constraint(logits, logits_sharding), kv_cache
-
-
-def _sample(logits, packed, last_tokens, token_history, *, layout: Layout):
-    """The sampler on packed metadata; its outputs come back packed too (`_pack_output`). Each
-    row's token also goes to its `dst_rows` entry of last_tokens (-1: none), for the next step.
-    The full sampler takes the penalties' tokens from the token history and appends to it."""
-    meta, dst_rows, history = unpack(packed, layout)
-    if history is not None:
-        tokens = token_history[jnp.maximum(history.rows, 0)]  # [rows, max_model_len]
-        pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-        used = (history.rows >= 0)[:, None]
-        in_prompt = used & (pos < history.prompt_lens[:, None])
-        in_output = used & ~in_prompt & (pos < history.lens[:, None])
-        meta = dataclasses.replace(meta, prompt_token_ids=jnp.where(in_prompt, tokens, -1),
-                                   output_token_ids=jnp.where(in_output, tokens, -1))
-    out = sampler.sample(logits, meta)
-    if history is not None:
-        dst = jnp.where(history.dst_rows < 0, token_history.shape[0], history.dst_rows)
-        token_history = token_history.at[dst, history.lens].set(out.token_ids, mode="drop")
-    return _pack_output(out), _keep_last_tokens(last_tokens, dst_rows, out.token_ids), token_history
-
-
-def _write_history(token_history, rows, tokens):
-    """Rows' whole token histories (-1 padded); row -1: skipped."""
-    return token_history.at[jnp.where(rows < 0, token_history.shape[0], rows)].set(tokens, mode="drop")
-
-
-def _multi_step(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *, layout: Layout,
-                num_steps: int):
-    """`num_steps` decode steps (forward + fast sampler) in one call: each step's sampled tokens
-    are the next one's inputs, at the next position, writing into the precomputed lookahead
-    slots. Returns the steps' packed outputs, one after another."""
-    inputs, meta, dst_rows, lookahead_slots = unpack(packed, layout)
-    inputs = _with_pending_tokens(inputs, last_tokens)
-    slots = jnp.concatenate([inputs.attn.slot_mapping[None], lookahead_slots])
-    live = inputs.attn.context_lens > 0  # padding rows stay empty
-    num_tokens = inputs.input_ids.shape[0]
-
-    def one_step(carry, j):
-        kv_cache, token_ids, _ = carry
-        attn = dataclasses.replace(inputs.attn, slot_mapping=slots[j], decode=True,
-                                   context_lens=jnp.where(live, inputs.attn.context_lens + j, 0))
-        step = dataclasses.replace(inputs, input_ids=token_ids, positions=inputs.positions + j, attn=attn)
-        logits, kv_cache = _model_logits(graphdef, logits_sharding, state, kv_cache, step)
-        out = sampler.sample(logits, dataclasses.replace(meta, sample_index=meta.sample_index + j))
-        return (kv_cache, out.token_ids[:num_tokens], out.token_ids), _pack_output(out)
-
-    num_rows = inputs.logits_indices.shape[0]
-    carry = (kv_cache, inputs.input_ids, jnp.zeros(num_rows, jnp.int32))
-    (kv_cache, _, sampled), outs = jax.lax.scan(one_step, carry, jnp.arange(num_steps))
-    return outs.reshape(-1), kv_cache, _keep_last_tokens(last_tokens, dst_rows, sampled)
-
-
-def _keep_last_tokens(last_tokens, dst_rows, token_ids):
-    return last_tokens.at[jnp.where(dst_rows < 0, last_tokens.shape[0], dst_rows)].set(token_ids, mode="drop")
-
-
-def _pack_output(out: sampler.SamplerOutput) -> jax.Array:
-    """One int32 array of [token_ids, logprobs, target_logprobs, top_ids, top_logprobs], float32s bitcast."""
-    as_i32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
-    return jnp.concatenate([out.token_ids, as_i32(out.logprobs), as_i32(out.target_logprobs),
-                            out.top_ids.reshape(-1), as_i32(out.top_logprobs).reshape(-1)])
-
-
-class StepHandle(NamedTuple):
-    """A dispatched step: its packed sampler output (a device array, maybe not ready yet)."""
-
-    out: jax.Array
-    num_rows: int  # padded sampling rows
-    num_logprobs: int
-    num_real_rows: int
-    num_steps: int = 1  # a multi-step decode's steps
-
-
-def _unpack_output(packed: np.ndarray, num_rows: int, k: int, num_real: int) -> sampler.SamplerOutput:
-    """`_sample`'s packed output -> its SamplerOutput, the first `num_real` rows."""
-    r = num_rows
-    token_ids, logprobs, target = packed[:r], packed[r:2 * r].view(np.float32), packed[2 * r:3 * r].view(np.float32)
-    top_ids = packed[3 * r:3 * r + r * k].reshape(r, k)
-    top_logprobs = packed[3 * r + r * k:].view(np.float32).reshape(r, k)
-    # Sampled ids and their logprobs as Python lists: the host reads them one by one.
-    return sampler.SamplerOutput(token_ids[:num_real].tolist(), logprobs[:num_real].tolist(), top_ids[:num_real],
-                                 top_logprobs[:num_real], target[:num_real])
-
-
-def every_layer(blocks, num_layers: int, pages_per_layer: int):
-    """Blocks int32[n] -> the pool pages holding them in every layer, int32[num_layers * n] (layer
-    major); padding (-1) stays -1."""
-    pages = blocks[None, :] + pages_per_layer * jnp.arange(num_layers, dtype=blocks.dtype)[:, None]
-    return jnp.where(blocks[None, :] < 0, -1, pages).reshape(-1)
-
-
-def _copy_blocks(num_layers, kv_cache, src, dst):
-    pages_per_layer = kv_cache[0].shape[1] // num_layers
-    return pallas_kernels.copy_blocks(*kv_cache, every_layer(src, num_layers, pages_per_layer),
-                                      every_layer(dst, num_layers, pages_per_layer))
-
-
-def _gather_blocks(num_layers, kv_cache, blocks):
-    """Blocks' pages of every layer: [num_layers, k/v, num_kv_heads, blocks, page_size, head_dim]."""
-    k, v = kv_cache
-    pages = every_layer(blocks, num_layers, k.shape[1] // num_layers)
-    both = jnp.stack([k[:, pages], v[:, pages]])  # [2, kv_heads, layers * blocks, ...]
-    both = both.reshape(both.shape[:2] + (num_layers, len(blocks)) + both.shape[3:])
-    return both.transpose(2, 0, 1, 3, 4, 5)
-
-
-def _scatter_blocks(num_layers, kv_cache, pages, blocks):
-    k, v = kv_cache
-    dst = every_layer(blocks, num_layers, k.shape[1] // num_layers)
-    dst = jnp.where(dst < 0, k.shape[1], dst)  # padding -> dropped
-
-    def layer_major(part):  # [layers, kv_heads, blocks, ...] -> [kv_heads, layers * blocks, ...]
-        part = part.transpose(1, 0, 2, 3, 4)
-        return part.reshape((part.shape[0], -1) + part.shape[3:])
-
-    return (k.at[:, dst].set(layer_major(pages[:, 0]), mode="drop"),
-            v.at[:, dst].set(layer_major(pages[:, 1]), mode="drop"))

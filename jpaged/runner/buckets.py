@@ -1,0 +1,79 @@
+"""The fixed set of step shapes: token and sampling-row ladders, the padded sizes of block
+operations, and every executable's key, all compiled ahead of time at warm-up."""
+
+import dataclasses
+
+# Block copies and swaps are padded to one of these sizes (-1: skip), longer lists split into
+# chunks of the largest, so each operation has one executable per size, compiled at warm-up.
+BLOCK_OP_SIZES = (32,)
+BLOCK_OPS = ("copy_blocks", "swap_out", "swap_in")
+# Token histories uploaded to the device at once (more: several calls), for penalised sequences
+# whose row does not hold their tokens yet.
+HISTORY_UPLOAD_ROWS = 16
+
+
+def ladder(smallest: int, largest: int, factor: int = 2) -> list[int]:
+    """smallest, smallest * factor, ... below `largest`, then `largest` itself."""
+    sizes, n = [], smallest
+    while n < largest:
+        sizes.append(n)
+        n *= factor
+    return sizes + [largest]
+
+
+def fit(buckets: list[int], n: int) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The fixed set of step shapes: one step family keyed by its token bucket (vLLM v1's ragged
+    layout: decode and mixed prefill + decode steps alike). A step of `tokens` rows has
+    `seqs(tokens)` = min(tokens, max_num_seqs) sequence rows, so a lone prompt or a small decode
+    batch does not pay for max_num_seqs rows. Block tables always have the full `width`: the
+    attention's cost follows the real contexts (pallas_kernels/xla.py, and the Pallas kernels loop
+    to each context's end). The LM head and the sampler take `sample_rows(seqs)` rows: a coarser
+    ladder, because the sampler compiles slowly (its sorts over the vocabulary) and costs little
+    per row."""
+
+    tokens: list[int]
+    rows: list[int]
+    max_num_seqs: int
+    width: int
+    num_scheduler_steps: int = 1
+
+    @classmethod
+    def create(cls, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
+               num_scheduler_steps: int = 1) -> "Buckets":
+        # Doubling token ladder: at most 2x padding.
+        return cls(ladder(1, max_num_batched_tokens), ladder(1, max_num_seqs, factor=8), max_num_seqs,
+                   max_blocks_per_seq, num_scheduler_steps)
+
+    def seqs(self, num_tokens: int) -> int:
+        """Sequence rows of a step of `num_tokens` (a bucket): each sequence has a token."""
+        return min(num_tokens, self.max_num_seqs)
+
+    def sample_rows(self, num_seqs: int) -> int:
+        return fit(self.rows, num_seqs)
+
+    def keys(self):
+        """Every executable: the model forward per token bucket, the sampler per (rows, full on/off),
+        each block operation per padded size, and with multi-step decode the K-step decode loop
+        per bucket of decode steps (tokens <= max_num_seqs). Compiling the forward and the sampler
+        apart keeps the count additive, not a product."""
+        for tokens in self.tokens:
+            yield ("forward", tokens)
+        if self.num_scheduler_steps > 1:
+            for tokens in self.tokens:
+                if tokens <= self.max_num_seqs:
+                    yield ("multi_step", tokens)
+        for rows in self.rows:
+            for full in (False, True):
+                yield ("sample", rows, full)
+        for op in BLOCK_OPS:
+            for num_blocks in BLOCK_OP_SIZES:
+                yield (op, num_blocks)
+        yield ("write_history", HISTORY_UPLOAD_ROWS)

@@ -1,0 +1,56 @@
+"""Block copies and swaps of the KV pool: the device functions that copy a block's pages of every
+layer, gather them for a swap-out and scatter them back for a swap-in, and the host-side padding
+of (block, block) pairs into fixed-size chunks."""
+
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+
+from jpaged.runner.buckets import BLOCK_OP_SIZES, fit
+
+
+def padded_chunks(pairs):
+    """Index pairs as chunks of at most BLOCK_OP_SIZES[-1], each padded to a size of
+    BLOCK_OP_SIZES (-1: skip): (first indices, second indices, real length) per chunk."""
+    largest = BLOCK_OP_SIZES[-1]
+    for start in range(0, len(pairs), largest):
+        chunk = pairs[start:start + largest]
+        arr = np.full((fit(BLOCK_OP_SIZES, len(chunk)), 2), -1, np.int32)
+        arr[:len(chunk)] = chunk
+        yield arr[:, 0], arr[:, 1], len(chunk)
+
+
+def every_layer(blocks, num_layers: int, pages_per_layer: int):
+    """Blocks int32[n] -> the pool pages holding them in every layer, int32[num_layers * n] (layer
+    major); padding (-1) stays -1."""
+    pages = blocks[None, :] + pages_per_layer * jnp.arange(num_layers, dtype=blocks.dtype)[:, None]
+    return jnp.where(blocks[None, :] < 0, -1, pages).reshape(-1)
+
+
+def copy_blocks(num_layers, kv_cache, src, dst):
+    pages_per_layer = kv_cache[0].shape[1] // num_layers
+    return pallas_kernels.copy_blocks(*kv_cache, every_layer(src, num_layers, pages_per_layer),
+                                      every_layer(dst, num_layers, pages_per_layer))
+
+
+def gather_blocks(num_layers, kv_cache, blocks):
+    """Blocks' pages of every layer: [num_layers, k/v, num_kv_heads, blocks, page_size, head_dim]."""
+    k, v = kv_cache
+    pages = every_layer(blocks, num_layers, k.shape[1] // num_layers)
+    both = jnp.stack([k[:, pages], v[:, pages]])  # [2, kv_heads, layers * blocks, ...]
+    both = both.reshape(both.shape[:2] + (num_layers, len(blocks)) + both.shape[3:])
+    return both.transpose(2, 0, 1, 3, 4, 5)
+
+
+def scatter_blocks(num_layers, kv_cache, pages, blocks):
+    k, v = kv_cache
+    dst = every_layer(blocks, num_layers, k.shape[1] // num_layers)
+    dst = jnp.where(dst < 0, k.shape[1], dst)  # padding -> dropped
+
+    def layer_major(part):  # [layers, kv_heads, blocks, ...] -> [kv_heads, layers * blocks, ...]
+        part = part.transpose(1, 0, 2, 3, 4)
+        return part.reshape((part.shape[0], -1) + part.shape[3:])
+
+    return (k.at[:, dst].set(layer_major(pages[:, 0]), mode="drop"),
+            v.at[:, dst].set(layer_major(pages[:, 1]), mode="drop"))

@@ -1,0 +1,114 @@
+"""Host-side input preparation (numpy only, no device calls): one step's sequences -> the padded
+arrays of its bucket (token ids, positions, slots, block tables, logits rows, the last_tokens rows
+its samples go to, and a multi-step decode's lookahead slots)."""
+
+import dataclasses
+
+import numpy as np
+
+from jpaged.models.layers import AttentionMetadata
+from jpaged.runner.buckets import Buckets, fit
+from jpaged.runner.input_batch import InputBatch
+from jpaged.runner.step_functions import StepInputs
+
+# A token the previous step sampled and the host has not read yet (overlapped steps).
+PENDING_TOKEN = -1
+
+
+@dataclasses.dataclass
+class SeqInput:
+    """One sequence's share of a step: compute `token_ids` at positions start_pos.. through
+    `block_table`, and sample `num_samples` tokens after the last one (0: a prefill chunk). Prompt
+    logprobs: the first `num_prompt_rows` tokens also get a logits row each (before the samples').
+    `block_table` is the block manager's own list (read only); `seq_id` keys the sequence's row
+    in the InputBatch. A token id -1 (PENDING_TOKEN) is the one the previous step sampled for this
+    sequence: it is still on the device and is taken from there."""
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    num_samples: int
+    num_prompt_rows: int = 0
+
+
+@dataclasses.dataclass
+class PreparedStep:
+    """One step's padded host inputs."""
+
+    num_tokens: int  # the token bucket
+    num_rows: int  # real sampling rows (prompt-logprob rows and samples)
+    rows: np.ndarray  # int32[sequences]: each sequence's InputBatch row
+    inputs: StepInputs  # numpy arrays
+    dst_rows: np.ndarray  # int32[sampling rows]: the last_tokens row of each sample (-1: none)
+    lookahead_slots: np.ndarray | None  # int32[K - 1, tokens]: a multi-step decode's later slots
+
+
+def prepare_inputs(seqs: list[SeqInput], input_batch: InputBatch, buckets: Buckets, block_size: int,
+                   multi_step: bool = False) -> PreparedStep:
+    """Pad `seqs` to their token bucket; `input_batch` gives (and keeps) their block-table rows.
+    `multi_step`: one token and one sample per sequence (else ValueError), and the slots of the
+    later steps' tokens, positions pos + 1 .. pos + K - 1 (K: buckets.num_scheduler_steps)."""
+    n = len(seqs)
+    lens = np.fromiter((len(s.token_ids) for s in seqs), np.int32, n)
+    start_pos = np.fromiter((s.start_pos for s in seqs), np.int32, n)
+    num_samples = np.fromiter((s.num_samples for s in seqs), np.int32, n)
+    num_prompt_rows = np.fromiter((s.num_prompt_rows for s in seqs), np.int32, n)
+    num_rows = int(num_samples.sum() + num_prompt_rows.sum())
+    num_tokens_real = int(lens.sum())
+    # Enough token rows for the sequence rows and the sampling rows (both at most max_num_seqs).
+    num_tokens = fit(buckets.tokens, max(num_tokens_real, n, num_rows))
+    num_seqs = buckets.seqs(num_tokens)
+
+    rows = input_batch.rows([s.seq_id for s in seqs], [s.block_table for s in seqs])
+    block_tables = np.zeros((num_seqs, buckets.width), np.int32)
+    block_tables[:n] = input_batch.block_tables[rows]
+    query_start_loc = np.full(num_seqs + 1, num_tokens_real, np.int32)
+    query_start_loc[0] = 0
+    np.cumsum(lens, out=query_start_loc[1:n + 1])
+    context_lens = np.zeros(num_seqs, np.int32)
+    context_lens[:n] = start_pos + lens
+    input_ids = np.zeros(num_tokens, np.int32)
+    input_ids[:num_tokens_real] = [t for s in seqs for t in s.token_ids] if num_tokens_real > n \
+        else [s.token_ids[0] for s in seqs]
+    # Pending tokens come from the device: a decode token's sequence row in last_tokens.
+    src_rows = np.full(num_tokens, -1, np.int32)
+    pending = np.flatnonzero(input_ids[:num_tokens_real] == PENDING_TOKEN)
+    src_rows[pending] = rows[np.repeat(np.arange(n, dtype=np.int32), lens)[pending]] if len(pending) else 0
+    # Each token's sequence and position; padding tokens write nowhere (slot -1).
+    seq_of = np.repeat(np.arange(n, dtype=np.int32), lens)
+    pos = start_pos[seq_of] + np.arange(num_tokens_real, dtype=np.int32) - query_start_loc[seq_of]
+    positions = np.zeros(num_tokens, np.int32)
+    positions[:num_tokens_real] = pos
+    slot_mapping = np.full(num_tokens, -1, np.int32)
+    slot_mapping[:num_tokens_real] = block_tables[seq_of, pos // block_size] * block_size + pos % block_size
+    # Logits rows: each sequence's prompt-logprob rows (its first tokens), then its samples (its last).
+    logits_indices = np.zeros(buckets.sample_rows(num_seqs), np.int32)
+    last = query_start_loc[1:n + 1] - 1
+    # A sequence's single sample goes to its row of last_tokens (several: a fork, read by the host).
+    dst_rows = np.full(len(logits_indices), -1, np.int32)
+    if num_prompt_rows.any():
+        row = 0
+        for i in range(n):
+            k = num_prompt_rows[i]
+            logits_indices[row:row + k] = query_start_loc[i] + np.arange(k)
+            logits_indices[row + k:row + k + num_samples[i]] = last[i]
+            if num_samples[i] == 1:
+                dst_rows[row + k] = rows[i]
+            row += k + num_samples[i]
+    else:
+        logits_indices[:num_rows] = np.repeat(last, num_samples)
+        dst_rows[:num_rows] = np.repeat(np.where(num_samples == 1, rows, -1), num_samples)
+
+    decode = np.bool_(num_tokens_real == n) if num_seqs == num_tokens else None
+    attn = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, decode)
+    inputs = StepInputs(input_ids, positions, attn, logits_indices, src_rows)
+    lookahead_slots = None
+    if multi_step:
+        if num_tokens_real != n or num_rows != n or num_seqs != num_tokens:
+            raise ValueError("a multi-step decode takes one token and one sample per sequence")
+        num_steps = buckets.num_scheduler_steps
+        later = pos[None, :] + np.arange(1, num_steps, dtype=np.int32)[:, None]
+        lookahead_slots = np.full((num_steps - 1, num_tokens), -1, np.int32)
+        lookahead_slots[:, :n] = block_tables[seq_of[None, :], later // block_size] * block_size + later % block_size
+    return PreparedStep(num_tokens, num_rows, rows, inputs, dst_rows, lookahead_slots)

@@ -1,0 +1,143 @@
+"""The device side of a step, the functions the runner jits: the model forward (new K/V and the
+logits of the rows to sample), the sampler on packed metadata, the multi-step decode loop, the
+token-history upload, and the packing of the sampler's outputs into one int32 array (and back)."""
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jpaged.models.layers import AttentionMetadata
+from jpaged.runner import sampler
+from jpaged.runner.input_batch import Layout, unpack
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["rows", "prompt_lens", "lens", "dst_rows"], meta_fields=[])
+@dataclasses.dataclass
+class HistoryInputs:
+    """Where each sampling row's penalty tokens are in the device's token history (full sampler)."""
+
+    rows: np.ndarray  # int32[sampling rows]: the history row of the row's sequence (-1: no penalties)
+    prompt_lens: np.ndarray  # int32[sampling rows]: its first tokens are the prompt's ...
+    lens: np.ndarray  # int32[sampling rows]: ... and the rest, up to here, the outputs so far
+    dst_rows: np.ndarray  # int32[sampling rows]: append the sampled token to this history row (-1: no)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["input_ids", "positions", "attn", "logits_indices", "src_rows"], meta_fields=[])
+@dataclasses.dataclass
+class StepInputs:
+    input_ids: jax.Array  # int32[tokens]
+    positions: jax.Array  # int32[tokens]
+    attn: AttentionMetadata
+    logits_indices: jax.Array  # int32[rows]: token row whose logits each sampling row uses
+    src_rows: jax.Array  # int32[tokens]: >= 0: the token is last_tokens[row] (sampled by a step in flight)
+
+
+def forward(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *, layout: Layout):
+    """The model's part of a step: write the new K/V, attend, and the fp32 logits of the rows to
+    sample. They stay on the device for the sampler executable."""
+    inputs = _with_pending_tokens(unpack(packed, layout), last_tokens)
+    return _model_logits(graphdef, logits_sharding, state, kv_cache, inputs)
+
+
+def _with_pending_tokens(inputs: StepInputs, last_tokens) -> StepInputs:
+    """The inputs with each pending token (sampled by a step in flight) read from last_tokens."""
+    input_ids = jnp.where(inputs.src_rows >= 0, last_tokens[jnp.maximum(inputs.src_rows, 0)], inputs.input_ids)
+    return dataclasses.replace(inputs, input_ids=input_ids)
+
+
+def _model_logits(graphdef, logits_sharding, state, kv_cache, inputs: StepInputs):
+    model = nnx.merge(graphdef, state)
+    hidden, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache, inputs.attn)
+    logits = model.compute_logits(hidden[inputs.logits_indices])
+    # Vocabulary-parallel logits are gathered: every device samples the same full rows.
+    return jax.lax.with_sharding_constraint(logits, logits_sharding), kv_cache
+
+
+def sample(logits, packed, last_tokens, token_history, *, layout: Layout):
+    """The sampler on packed metadata; its outputs come back packed too (`pack_output`). Each
+    row's token also goes to its `dst_rows` entry of last_tokens (-1: none), for the next step.
+    The full sampler takes the penalties' tokens from the token history and appends to it."""
+    meta, dst_rows, history = unpack(packed, layout)
+    if history is not None:
+        tokens = token_history[jnp.maximum(history.rows, 0)]  # [rows, max_model_len]
+        pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        used = (history.rows >= 0)[:, None]
+        in_prompt = used & (pos < history.prompt_lens[:, None])
+        in_output = used & ~in_prompt & (pos < history.lens[:, None])
+        meta = dataclasses.replace(meta, prompt_token_ids=jnp.where(in_prompt, tokens, -1),
+                                   output_token_ids=jnp.where(in_output, tokens, -1))
+    out = sampler.sample(logits, meta)
+    if history is not None:
+        dst = jnp.where(history.dst_rows < 0, token_history.shape[0], history.dst_rows)
+        token_history = token_history.at[dst, history.lens].set(out.token_ids, mode="drop")
+    return pack_output(out), _keep_last_tokens(last_tokens, dst_rows, out.token_ids), token_history
+
+
+def write_history(token_history, rows, tokens):
+    """Rows' whole token histories (-1 padded); row -1: skipped."""
+    return token_history.at[jnp.where(rows < 0, token_history.shape[0], rows)].set(tokens, mode="drop")
+
+
+def multi_step(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *, layout: Layout,
+                num_steps: int):
+    """`num_steps` decode steps (forward + fast sampler) in one call: each step's sampled tokens
+    are the next one's inputs, at the next position, writing into the precomputed lookahead
+    slots. Returns the steps' packed outputs, one after another."""
+    inputs, meta, dst_rows, lookahead_slots = unpack(packed, layout)
+    inputs = _with_pending_tokens(inputs, last_tokens)
+    slots = jnp.concatenate([inputs.attn.slot_mapping[None], lookahead_slots])
+    live = inputs.attn.context_lens > 0  # padding rows stay empty
+    num_tokens = inputs.input_ids.shape[0]
+
+    def one_step(carry, j):
+        kv_cache, token_ids, _ = carry
+        attn = dataclasses.replace(inputs.attn, slot_mapping=slots[j], decode=True,
+                                   context_lens=jnp.where(live, inputs.attn.context_lens + j, 0))
+        step = dataclasses.replace(inputs, input_ids=token_ids, positions=inputs.positions + j, attn=attn)
+        logits, kv_cache = _model_logits(graphdef, logits_sharding, state, kv_cache, step)
+        out = sampler.sample(logits, dataclasses.replace(meta, sample_index=meta.sample_index + j))
+        return (kv_cache, out.token_ids[:num_tokens], out.token_ids), pack_output(out)
+
+    num_rows = inputs.logits_indices.shape[0]
+    carry = (kv_cache, inputs.input_ids, jnp.zeros(num_rows, jnp.int32))
+    (kv_cache, _, sampled), outs = jax.lax.scan(one_step, carry, jnp.arange(num_steps))
+    return outs.reshape(-1), kv_cache, _keep_last_tokens(last_tokens, dst_rows, sampled)
+
+
+def _keep_last_tokens(last_tokens, dst_rows, token_ids):
+    return last_tokens.at[jnp.where(dst_rows < 0, last_tokens.shape[0], dst_rows)].set(token_ids, mode="drop")
+
+
+def pack_output(out: sampler.SamplerOutput) -> jax.Array:
+    """One int32 array of [token_ids, logprobs, target_logprobs, top_ids, top_logprobs], float32s bitcast."""
+    as_i32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+    return jnp.concatenate([out.token_ids, as_i32(out.logprobs), as_i32(out.target_logprobs),
+                            out.top_ids.reshape(-1), as_i32(out.top_logprobs).reshape(-1)])
+
+
+class StepHandle(NamedTuple):
+    """A dispatched step: its packed sampler output (a device array, maybe not ready yet)."""
+
+    out: jax.Array
+    num_rows: int  # padded sampling rows
+    num_logprobs: int
+    num_real_rows: int
+    num_steps: int = 1  # a multi-step decode's steps
+
+
+def unpack_output(packed: np.ndarray, num_rows: int, k: int, num_real: int) -> sampler.SamplerOutput:
+    """`sample`'s packed output -> its SamplerOutput, the first `num_real` rows."""
+    r = num_rows
+    token_ids, logprobs, target = packed[:r], packed[r:2 * r].view(np.float32), packed[2 * r:3 * r].view(np.float32)
+    top_ids = packed[3 * r:3 * r + r * k].reshape(r, k)
+    top_logprobs = packed[3 * r + r * k:].view(np.float32).reshape(r, k)
+    # Sampled ids and their logprobs as Python lists: the host reads them one by one.
+    return sampler.SamplerOutput(token_ids[:num_real].tolist(), logprobs[:num_real].tolist(), top_ids[:num_real],
+                                 top_logprobs[:num_real], target[:num_real])
