@@ -312,6 +312,26 @@ def test_engine_starts_over_a_damaged_cache(tmp_path, monkeypatch):
     again = jpaged.LLM(**LIMITS)
     assert again.llm_engine.runner.executable_cache.hits == n
     assert _greedy(again, seed) == expected
+    del again
+    # The same cache mounted read-only (a `:ro` volume; start-up used to exit 1 on os.utime), where
+    # this process may mount one: every executable loads, nothing is written.
+    import subprocess
+
+    read_only = tmp_path.parent / f"{tmp_path.name}-ro"
+    read_only.mkdir()
+    if subprocess.run(["mount", "--bind", "-o", "ro", str(tmp_path), str(read_only)],
+                      capture_output=True).returncode != 0:
+        print("no read-only mount here: test_read_only_directory_is_only_read simulates one")
+        return
+    try:
+        before = sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.iterdir())
+        monkeypatch.setenv("JPAGED_CACHE_DIR", str(read_only))
+        engine = jpaged.LLM(**LIMITS)
+        assert engine.llm_engine.runner.executable_cache.hits == n
+        assert _greedy(engine, seed) == expected
+        assert sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.iterdir()) == before
+    finally:
+        subprocess.run(["umount", str(read_only)], check=True)
 
 
 def test_warm_up_failing_after_loads_is_retried_without_the_cache(tmp_path, monkeypatch, caplog):
