@@ -63,10 +63,6 @@ class GrammarWorker:
                                     f"{self.memory_mib} MiB; simplify it")
         raise ValueError(f"not a valid grammar: {clean_error(rest[0])}")
 
-    def close(self):
-        with self._lock:
-            self._kill()
-
     def _start(self):
         self._proc = subprocess.Popen([sys.executable, "-I", __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL, close_fds=True)

@@ -18,6 +18,7 @@ message as stop_reason, never with text that breaks the grammar.
 """
 
 import collections
+import functools
 import json
 import math
 import threading
@@ -38,7 +39,16 @@ _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 def guide_of(sp: SamplingParams) -> tuple[str, object] | None:
     """(the field that asked for it, its value as the worker compiles it) of a guided request:
-    a JSON schema as compact text, strict (below); a regex; a list of choices."""
+    a JSON schema as compact text, strict (below); a regex; a list of choices. Worked out once per
+    SamplingParams (the validator, `prepare` and each new sequence ask; a schema is walked and
+    dumped each time otherwise), kept beside its fields, so dataclasses.replace starts afresh."""
+    guide = sp.__dict__.get("_guide")
+    if guide is None:
+        guide = sp.__dict__["_guide"] = _guide_of(sp)
+    return guide
+
+
+def _guide_of(sp: SamplingParams) -> tuple[str, object] | None:
     if sp.guided_json is not None:
         schema = sp.guided_json
         if isinstance(schema, str):
@@ -93,6 +103,7 @@ def _check_size(field: str, value, size: int):
 def _check_schema(value, schema):
     """The fixed limits and the bounds llguidance would clamp, in one pass without recursion."""
     patterns = alternatives = 0
+    has_ref = False
     stack = [(schema, 1)]
     while stack:
         node, depth = stack.pop()
@@ -103,6 +114,7 @@ def _check_schema(value, schema):
             continue
         if not isinstance(node, dict):
             continue
+        has_ref = has_ref or "$ref" in node
         patterns += isinstance(node.get("pattern"), str)
         if isinstance(node.get("patternProperties"), dict):
             patterns += len(node["patternProperties"])
@@ -121,8 +133,8 @@ def _check_schema(value, schema):
                         not (math.isfinite(bound) and _INT64[0] <= bound <= _INT64[1]):
                     raise GuideError("guided_json", value, f"integer bound {key}={bound!r} is outside the "
                                      "64-bit range the grammar engine supports")
-        stack.extend((value, depth + 1) for value in node.values() if isinstance(value, (dict, list)))
-    if not _has_finite_instance(schema):
+        stack.extend((child, depth + 1) for child in node.values() if isinstance(child, (dict, list)))
+    if has_ref and not _has_finite_instance(schema):
         raise GuideError("guided_json", value, "no finite value matches: its $ref recursion has no way out "
                          "(each branch requires itself again)")
 
@@ -137,7 +149,7 @@ def _has_finite_instance(root) -> bool:
     that requires itself, an array of at least one of itself): llguidance compiles those, and
     generation can never finish. Only clear cases count as infinite: a schema without a type,
     an unresolvable or external $ref, any keyword not understood here counts as finite."""
-    if not isinstance(root, dict) or not _mentions_ref(root):
+    if not isinstance(root, dict):
         return True
 
     def target(ref):
@@ -203,10 +215,6 @@ def _has_finite_instance(root) -> bool:
     return check(root)
 
 
-def _mentions_ref(node) -> bool:
-    return '"$ref"' in json.dumps(node)
-
-
 def _strict(schema):
     """Objects with listed properties take no others unless the schema says so (xgrammar's strict
     mode, vLLM's default): a model is not free to invent keys that the caller cannot parse.
@@ -235,9 +243,11 @@ class StructuredOutputManager:
         self._errors: dict[int, str] = {}  # seq_id -> the grammar engine's error that ended it
         self.bitmask_words = math.ceil(vocab_size / 32)
 
+    @functools.cached_property
     def _tokenizer_args(self) -> tuple:
         """(tokenizer.json text, vocabulary size, EOS) for llguidance.LLTokenizer, as llguidance.hf
-        builds them, so the worker needs no transformers."""
+        builds them, so the worker needs no transformers. Built once (a 150k vocabulary's JSON:
+        megabytes) for the worker and the serving process alike."""
         import copy
 
         if not hasattr(self._hf_tokenizer, "backend_tokenizer"):
@@ -251,7 +261,7 @@ class StructuredOutputManager:
         if self._tokenizer is None:
             import llguidance
 
-            text, n_vocab, eos = self._tokenizer_args()
+            text, n_vocab, eos = self._tokenizer_args
             self._tokenizer = llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos)
         return self._tokenizer
 
@@ -269,7 +279,7 @@ class StructuredOutputManager:
                 self._compiled.move_to_end(key)
                 return key
             if self._worker is None:
-                self._worker = GrammarWorker(self._tokenizer_args(), self.compile_timeout, self.compile_memory_mib)
+                self._worker = GrammarWorker(self._tokenizer_args, self.compile_timeout, self.compile_memory_mib)
         try:  # outside the lock: may take the whole budget
             grammar, cost, only_empty = self._worker.check(*key)
         except ValueError as e:
@@ -345,10 +355,6 @@ class StructuredOutputManager:
     def free(self, seq_id: int):
         self._matchers.pop(seq_id, None)
         self._errors.pop(seq_id, None)
-
-    def close(self):
-        if self._worker is not None:
-            self._worker.close()
 
 
 def _guided_field(sp: SamplingParams) -> str:

@@ -133,9 +133,9 @@ class ExecutableCache:
                 raise _Rejected("not a regular file")
             if info.st_size > MAX_CACHE_BYTES:
                 raise _Rejected(f"{info.st_size} bytes")
-            data = f.read()
+            data = memoryview(f.read())  # slices below copy nothing
         header = len(MAGIC) + _LENGTHS.size
-        if not data.startswith(MAGIC) or len(data) < header:
+        if len(data) < header or data[:len(MAGIC)] != MAGIC:
             raise _Rejected("not a jpaged cache file of this version")
         key_len, payload_len = _LENGTHS.unpack_from(data, len(MAGIC))
         if len(data) != header + key_len + 32 + payload_len:
@@ -201,13 +201,14 @@ class ExecutableCache:
             # Its devices too: a step on one of several devices must load onto that one.
             device_ids = [d.id for d in executable.runtime_executable().local_devices()]
             payload = pickle.dumps((device_ids, serialize_executable.serialize(executable)))
-            key = self._key(name, args).encode()
+            key = self._key(name, args)
+            key_bytes = key.encode()
             os.makedirs(self.directory, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".tmp", delete=False) as f:
                 partial = f.name
-                f.write(MAGIC + _LENGTHS.pack(len(key), len(payload)) + key)
+                f.write(MAGIC + _LENGTHS.pack(len(key_bytes), len(payload)) + key_bytes)
                 f.write(hashlib.sha256(payload).digest() + payload)
-            os.replace(partial, self._path(self._key(name, args)))  # whole or not at all, also with several writers
+            os.replace(partial, self._path(key))  # whole or not at all, also with several writers
             self._prune()
         except Exception as e:  # a read-only or full disk, a backend that cannot serialize: serve anyway
             if partial is not None and os.path.exists(partial):
