@@ -256,19 +256,32 @@ def _exit_now(*_):
     os._exit(0)
 
 
+_start_up_stopped = threading.Event()
+
+
 def _exit_during_start_up(signum, frame):
     """SIGTERM or SIGINT while the engine loads and compiles (before the server listens): exit 0,
     as after serving, not killed by the signal (-15) or with a KeyboardInterrupt traceback.
     SystemExit unwinds the start-up in the main thread (the executable cache removes its loading
-    marker, so the next start still loads from it); a second signal, or START_UP_EXIT_GRACE_S
+    marker, so the next start still loads from it). Where the signal lands in a callback whose
+    exceptions Python drops (the garbage collector's, a __del__), the warm-up sees
+    `_start_up_stopped` at its next shape instead. A second signal, or START_UP_EXIT_GRACE_S
     later, exits at once."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_now)
+    _start_up_stopped.set()
     timer = threading.Timer(START_UP_EXIT_GRACE_S, _exit_now)
     timer.daemon = True
     timer.start()
     print(f"jpaged: {signal.Signals(signum).name} during start-up; exiting", flush=True)
     raise SystemExit(0)
+
+
+def _drop_lost_start_up_exit(unraisable):
+    """The SystemExit a start-up signal raised inside a garbage-collector callback is dropped by
+    Python with a traceback on stderr; it is not an error (the warm-up exits at its next shape)."""
+    if not (isinstance(unraisable.exc_value, SystemExit) and _start_up_stopped.is_set()):
+        sys.__unraisablehook__(unraisable)
 
 
 def run_server(config: EngineConfig, options: ServerOptions) -> int:
@@ -277,6 +290,10 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
     if threading.current_thread() is threading.main_thread():  # serve() installs its own once it runs
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _exit_during_start_up)
-    engine = LLMEngine(config)  # loads the weights and compiles every step shape before we listen
+        sys.unraisablehook = _drop_lost_start_up_exit
+    # Loads the weights and compiles every step shape before we listen.
+    engine = LLMEngine(config, stop_start_up=_start_up_stopped)
+    if _start_up_stopped.is_set():  # the signal came after the last shape, its SystemExit lost
+        return 0
     # Multi-host: process 0 serves HTTP; the other processes run its device steps until it stops.
     return engine.runner.lead(lambda: asyncio.run(serve(engine, options)))

@@ -11,6 +11,7 @@ import itertools
 import logging
 import math
 import os
+import threading
 import time
 
 import jax
@@ -82,7 +83,7 @@ _PROMPT_ROW_PARAMS = SamplingParams(temperature=0)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, stop_start_up: threading.Event | None = None):
         self.config = config
         devices.select(config.device)
         distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
@@ -137,7 +138,7 @@ class LLMEngine:
                                       executable_cache_dir() if config.executable_cache else None,
                                       self._model_fingerprint(loaded)))
         if not config.enforce_eager:
-            self._warm_up()
+            self._warm_up(stop_start_up)
         # The heap built so far (jax, the model, the tokenizer) lives as long as the engine: keep
         # it out of the cyclic collector's full passes, which otherwise cost milliseconds in the
         # middle of steps (measured: 5 ms per step at 256 sequences with async scheduling; vLLM
@@ -157,11 +158,11 @@ class LLMEngine:
     def eos_token_id(self, token_id: int | None):
         self.output_processor.eos_token_id = token_id
 
-    def _warm_up(self):
+    def _warm_up(self, stop: threading.Event | None):
         """Compile (or load) every step; a warm-up that fails after loading cached executables is
         retried once with the cache bypassed (it verifies every file, but XLA is the last judge)."""
         try:
-            self.runner.warm_up()
+            self.runner.warm_up(stop)
         except Exception as e:
             cache = self.runner.executable_cache
             if cache.hits == 0:
@@ -169,7 +170,7 @@ class LLMEngine:
             logger.warning("start-up failed after loading %d cached executables (%r); retrying once with the "
                            "executable cache bypassed", cache.hits, e)
             self.runner.bypass_executable_cache()
-            self.runner.warm_up()
+            self.runner.warm_up(stop)
 
     def _model_fingerprint(self, loaded) -> str:
         """What shapes the compiled steps besides their arguments' shapes and jpaged's source: the

@@ -34,6 +34,7 @@ import concurrent.futures
 import functools
 import logging
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -139,12 +140,18 @@ class ModelRunner:
         """False once the KV pages are gone: a step that failed after donating them."""
         return not any(pages.is_deleted() for pages in jax.tree.leaves(self.kv_cache))
 
-    def warm_up(self):
+    def warm_up(self, stop: threading.Event | None = None):
         """Compile every bucket now, so serving never compiles. A pipeline: this thread traces and
         lowers the next executables (Python) while one worker thread runs XLA's compiles (C++,
         without the GIL), one at a time as before: 26.0 -> 23.6 s for the quick start's 22 on two
         cores. Not several compiles at once: on a GPU they would autotune side by side, and
-        tracing in several threads once hung in CI."""
+        tracing in several threads once hung in CI. `stop` (set by the server's SIGTERM handler)
+        is checked between shapes: the handler's own SystemExit is lost when the signal lands in
+        a garbage-collector callback, and this is where start-up then unwinds instead."""
+        def check_stop():
+            if stop is not None and stop.is_set():
+                raise SystemExit(0)
+
         keys = [k for k in self.buckets.keys() if k not in self._executables]
         cache = self.executable_cache
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jpaged-compile") as pool, \
@@ -152,6 +159,7 @@ class ModelRunner:
             pending, missing = {}, []
             with cache.loading():  # loads first, under one marker (a crash in XLA is seen next start)
                 for key in keys:
+                    check_stop()
                     jitted, args = self._jitted_and_args(key)
                     executable = cache.load(repr(key), args)
                     if executable is not None:
@@ -161,10 +169,13 @@ class ModelRunner:
                         missing.append((key, jitted, args))
             try:
                 for key, jitted, args in missing:
+                    check_stop()
                     future = pool.submit(cache.compile_lowered, repr(key), args, jitted.lower(*args))
                     future.add_done_callback(lambda _: progress.update())
                     pending[key] = future
                 for key, future in pending.items():
+                    while not concurrent.futures.wait([future], timeout=0.25).done:
+                        check_stop()
                     self._executables[key] = future.result()
             except BaseException:  # SIGTERM during the warm-up: wait for the running compile only
                 pool.shutdown(wait=False, cancel_futures=True)
