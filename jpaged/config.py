@@ -2,12 +2,14 @@
 
 import dataclasses
 
+from pallas_kernels import BACKENDS as ATTENTION_BACKENDS  # pallas: Triton kernels; mosaic: Mosaic GPU (sm_90+)
+
 from jpaged.core.kv_allocation import KV_ALLOCATIONS
 
-
-ATTENTION_BACKENDS = ("auto", "pallas", "mosaic", "xla")  # pallas: Triton kernels; mosaic: Mosaic GPU (sm_90+)
 DEVICES = ("cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Top logprobs a request may ask for (OpenAI's and vLLM's maximum): every step computes this many.
+MAX_LOGPROBS = 20
 
 
 def _option(default, help: str, **metadata):
@@ -75,8 +77,8 @@ class EngineConfig:
               "None or >= 1")
         check("swap_space", self.swap_space >= 0, ">= 0 (GiB)")
         check("max_num_seqs", self.max_num_seqs >= 1, ">= 1")
-        check("max_num_batched_tokens", self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
-              "None or >= 1")
+        check("max_num_batched_tokens", self.max_num_batched_tokens is None
+              or self.max_num_batched_tokens >= self.max_num_seqs, f"None or >= max_num_seqs={self.max_num_seqs}")
         check("num_scheduler_steps", isinstance(self.num_scheduler_steps, int) and self.num_scheduler_steps >= 1,
               "an integer >= 1")
         check("max_model_len", self.max_model_len is None or self.max_model_len >= 1, "None or >= 1")
@@ -89,6 +91,7 @@ class EngineConfig:
         check("num_processes", self.num_processes is None or self.num_processes >= 1, "None or >= 1")
         check("process_id", self.process_id is None or self.process_id >= 0, "None or >= 0")
         check("attention_backend", self.attention_backend in ATTENTION_BACKENDS, f"one of {ATTENTION_BACKENDS}")
+        check("dtype", self.dtype in DTYPES, f"one of {DTYPES}")
         check("device", self.device in (None,) + DEVICES, f"None or one of {DEVICES}")
         check("grammar_compile_timeout", self.grammar_compile_timeout > 0, "> 0 (seconds)")
         check("grammar_compile_memory", self.grammar_compile_memory >= 64, ">= 64 (MiB)")

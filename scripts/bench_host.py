@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jpaged  # noqa: E402
-from jpaged.runner.model_runner import MAX_LOGPROBS  # noqa: E402
+from jpaged.config import MAX_LOGPROBS  # noqa: E402
 
 PROMPT_LEN = 30
 # The host's own CPU time (this thread's): on a shared machine wall time mostly measures the

@@ -22,7 +22,7 @@ from http import HTTPStatus
 
 from aiohttp import web, web_protocol
 
-from jpaged.config import EngineConfig
+from jpaged.config import MAX_LOGPROBS, EngineConfig
 from jpaged.engine.llm_engine import LLMEngine, StepFailedError
 from serving import kv_page
 from serving.async_engine import AsyncLLMEngine, EngineDeadError
@@ -121,7 +121,7 @@ class ServerOptions:
     max_queue: int | None = None
     timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S
     chat_template: str | None = None  # a template, or a file holding one
-    max_logprobs: int = 20
+    max_logprobs: int = MAX_LOGPROBS
     enable_auto_tool_choice: bool = False  # tool_choice "auto", read by tool_call_parser
     tool_call_parser: str | None = None  # one of tool_calls.TOOL_CALL_PARSERS
     log_requests: bool = True

@@ -13,7 +13,7 @@ import sys
 import typing
 
 from jpaged import __version__
-from jpaged.config import EngineConfig
+from jpaged.config import MAX_LOGPROBS, EngineConfig
 from serving.tool_calls import TOOL_CALL_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds a connection may idle or take to send a whole request")
     server.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
-    server.add_argument("--max-logprobs", type=int, default=20, choices=range(0, 21), metavar="{0..20}",
+    server.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS, choices=range(0, MAX_LOGPROBS + 1),
+                        metavar=f"{{0..{MAX_LOGPROBS}}}",
                         help="most logprobs / top_logprobs a request may ask for")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="answer tool_choice 'auto' (OpenAI's default with tools); needs --tool-call-parser")

@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 import jpaged
-from jpaged.models.layers import AttentionMetadata
+from jpaged.models.forward_context import AttentionMetadata, ForwardContext, forward_context
+from jpaged.models.kv_cache import KVCache
 
 PAD = 64  # the reference pads every forward pass to this many tokens: one compiled shape
 LIMITS = dict(dtype="float32", block_size=8, max_model_len=PAD, max_num_seqs=16, max_num_batched_tokens=64,
@@ -34,12 +35,13 @@ def reference_logprobs(llm):
     @jax.jit
     def forward(state, ids, n):
         model = nnx.merge(runner.graphdef, state)
-        k = runner.kv_cache[0]  # a fresh pool of PAD // bs pages per layer
-        kv_cache = (jnp.zeros((k.shape[0], runner.num_layers * PAD // bs) + k.shape[2:], k.dtype),) * 2
+        k = runner.kv_cache.k_pages  # a fresh pool of PAD // bs pages per layer
+        kv_cache = KVCache(*(jnp.zeros((k.shape[0], runner.num_layers * PAD // bs) + k.shape[2:], k.dtype),) * 2)
         meta = AttentionMetadata(slot_mapping=jnp.where(pos < n, pos, -1),
                                  block_tables=jnp.arange(PAD // bs, dtype=jnp.int32)[None], context_lens=n[None],
                                  query_start_loc=jnp.stack([jnp.int32(0), n]))
-        hidden, _ = model(ids, pos, kv_cache, meta)
+        with forward_context(ForwardContext(meta)):
+            hidden, _ = model(ids, pos, kv_cache)
         return jax.nn.log_softmax(model.compute_logits(hidden[n - 1][None])[0].astype(jnp.float32))
 
     def logprobs(token_ids):

@@ -86,7 +86,7 @@ def test_step_updates_the_pool_in_place():
     llm = jpaged.LLM(model="tiny", max_num_seqs=8, max_model_len=128, max_num_batched_tokens=128,
                      num_gpu_blocks_override=512, enforce_eager=True, num_scheduler_steps=4)
     runner = llm.llm_engine.runner
-    k_pages = runner.kv_cache[0]
+    k_pages = runner.kv_cache.k_pages
     pool_bytes = k_pages.nbytes
     pool_type = f"{k_pages.dtype.name.replace('float', 'f')}[{','.join(map(str, k_pages.shape))}]"
     for key in (("forward", 8), ("forward", 128), ("multi_step", 8), ("copy_blocks", BLOCK_OP_SIZES[-1]),

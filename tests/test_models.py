@@ -10,7 +10,7 @@ import transformers as tf
 from flax import nnx
 
 import jpaged
-from jpaged.models.layers import AttentionMetadata
+from jpaged.models.forward_context import AttentionMetadata, ForwardContext, forward_context
 from jpaged.models.loader import build_model, iter_safetensors
 
 VOCAB = 160
@@ -92,11 +92,12 @@ def prompt_logits(llm: jpaged.LLM, ids: list[int]) -> np.ndarray:
     runner = llm.llm_engine.runner
     model = nnx.merge(runner.graphdef, runner.state)
     n, bs = len(ids), runner.block_size
-    kv_cache = tuple(jnp.zeros_like(pages) for pages in runner.kv_cache)
+    kv_cache = jax.tree.map(jnp.zeros_like, runner.kv_cache)
     meta = AttentionMetadata(slot_mapping=jnp.arange(n, dtype=jnp.int32),
                              block_tables=jnp.arange(-(-n // bs), dtype=jnp.int32)[None],
                              context_lens=jnp.array([n], jnp.int32), query_start_loc=jnp.array([0, n], jnp.int32))
-    hidden, _ = model(jnp.array(ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), kv_cache, meta)
+    with forward_context(ForwardContext(meta)):
+        hidden, _ = model(jnp.array(ids, jnp.int32), jnp.arange(n, dtype=jnp.int32), kv_cache)
     return np.asarray(model.compute_logits(hidden))
 
 

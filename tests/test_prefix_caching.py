@@ -80,7 +80,8 @@ class Poisoner:
         if block_ids:
             runner = self.engine.runner
             pages = every_layer(jnp.asarray(sorted(block_ids)), runner.num_layers, runner.num_gpu_blocks)
-            runner.kv_cache = tuple(jax.device_put(x.at[:, pages].set(jnp.nan), x.sharding) for x in runner.kv_cache)
+            runner.kv_cache = jax.tree.map(lambda x: jax.device_put(x.at[:, pages].set(jnp.nan), x.sharding),
+                                           runner.kv_cache)
 
     def generate(self, prompts, params):
         engine = self.engine

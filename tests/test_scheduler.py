@@ -1,4 +1,3 @@
-import itertools
 import random
 import zlib
 
@@ -7,6 +6,7 @@ import pytest
 from jpaged.core.block_manager import BlockManager
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from jpaged.runner.sampler import SamplerOutput
 from jpaged.sampling_params import SamplingParams
 
 RUNNING, SWAPPED, WAITING = SequenceStatus.RUNNING, SequenceStatus.SWAPPED, SequenceStatus.WAITING
@@ -40,16 +40,18 @@ class FakeEngine:
         self.cpu = [[None] * block_size for _ in range(num_cpu_blocks)]
         self.max_model_len = max_model_len
         self.stop_every = stop_every
-        self.seq_ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
         self.ignored: set[str] = set()
         self.num_steps = 0
 
     def add(self, request_id: str, prompt_len: int, max_tokens: int, best_of: int = 1, prefix=()) -> SequenceGroup:
-        """A request whose prompt starts with `prefix` (its first tokens), the rest its own."""
+        """A request whose prompt starts with `prefix` (its first tokens), the rest its own. It
+        stops on a sampled multiple of `stop_every` (stop token ids, checked by the scheduler)."""
         prompt = list(prefix[:prompt_len]) + [(_salt(request_id) + i) % 1000 for i in range(len(prefix), prompt_len)]
-        group = SequenceGroup(request_id, [Sequence(next(self.seq_ids), prompt)],
-                              SamplingParams(n=best_of, max_tokens=max_tokens), arrival_time=float(self.num_steps))
+        stop_ids = list(range(0, 1000, self.stop_every)) if self.stop_every else None
+        group = SequenceGroup(request_id, [Sequence(self.scheduler.new_seq_id(), prompt)],
+                              SamplingParams(n=best_of, max_tokens=max_tokens, stop_token_ids=stop_ids),
+                              arrival_time=float(self.num_steps))
         self.groups[request_id] = group
         self.scheduler.add_seq_group(group)
         return group
@@ -73,31 +75,25 @@ class FakeEngine:
         for src, dst in out.blocks_to_copy:
             self.gpu[dst] = list(self.gpu[src])
         for sg in out.scheduled_seq_groups:
+            assert all(seq.num_computed_tokens == sg.start for seq in sg.seq_group.get_seqs(RUNNING))
             for seq in sg.seq_group.get_seqs(RUNNING):
-                self.write(seq, seq.num_computed_tokens, seq.num_computed_tokens + sg.token_chunk_size)
+                self.write(seq, sg.start, sg.start + sg.token_chunk_size)
         contexts = {}
         for sg in out.scheduled_seq_groups:
             for seq in sg.seq_group.get_seqs(RUNNING):
-                end = seq.num_computed_tokens + sg.token_chunk_size
+                end = sg.start + sg.token_chunk_size
                 contexts[seq.seq_id] = self.read(seq, end)
                 assert contexts[seq.seq_id] == seq.get_token_ids()[:end], f"KV pages corrupted for {seq}"
-        # The engine: record progress, sample where the whole sequence has been computed.
+        # The sampler: a token per sampled row, from the context; the scheduler does the rest.
+        results = []
         for sg in out.scheduled_seq_groups:
-            group = sg.seq_group
-            group.update_num_computed_tokens(sg.token_chunk_size)
-            for seq in group.get_seqs(RUNNING):
-                if seq.num_computed_tokens < seq.get_len():
-                    continue  # a prefill chunk, not the last one
-                if not seq.output_token_ids and len(group.seqs) < group.sampling_params.best_of:
-                    for _ in range(group.sampling_params.best_of - 1):
-                        child = seq.fork(next(self.seq_ids))
-                        group.add(child)
-                        sched.fork_seq(seq, child)
-                        contexts[child.seq_id] = contexts[seq.seq_id]
-            for index, seq in enumerate(group.seqs):
-                if seq.status is RUNNING and seq.num_computed_tokens == seq.get_len():
-                    self.sample(group, index, seq, contexts[seq.seq_id])
-        sched.free_finished_seq_groups()
+            sched.on_dispatched(sg)
+            group, tokens = sg.seq_group, []
+            for seq, samples in sg.sampled:  # (a fresh prompt: one row per fork, index = its place)
+                indices = range(samples) if samples > 1 else [group.seqs.index(seq)]
+                tokens += [self.sample(group, index, contexts[seq.seq_id]) for index in indices]
+            results.append((sg, [SamplerOutput.of_tokens(tokens, -1.0)], 0))
+        assert not sched.update_from_output(results)
         self.poison(self.free_blocks())
         self.check_state()
         return out
@@ -110,16 +106,9 @@ class FakeEngine:
         for block_id in block_ids:
             self.gpu[block_id] = [None] * self.block_size
 
-    def sample(self, group, index, seq, context):
-        token = (sum((i + 1) * t for i, t in enumerate(context)) + 31 * index + _salt(group.request_id)) % 1000
-        seq.append_token_id(token, -1.0)
-        if self.stop_every and token % self.stop_every == 0:
-            seq.status = SequenceStatus.FINISHED_STOPPED
-        elif seq.get_output_len() == group.sampling_params.max_tokens or seq.get_len() == self.max_model_len:
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-        else:
-            return
-        self.scheduler.free_seq(seq)
+    @staticmethod
+    def sample(group, index, context):
+        return (sum((i + 1) * t for i, t in enumerate(context)) + 31 * index + _salt(group.request_id)) % 1000
 
     def write(self, seq, start, end):
         table, tokens = self.bm.get_block_table(seq), seq.get_token_ids()

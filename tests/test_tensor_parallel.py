@@ -20,7 +20,7 @@ import transformers as tf
 from flax import nnx
 
 import jpaged
-from jpaged.models.layers import AttentionMetadata
+from jpaged.models.forward_context import AttentionMetadata, ForwardContext, forward_context
 from jpaged.parallel import LOGICAL_AXIS_RULES
 
 LIMITS = dict(dtype="float32", block_size=8, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
@@ -78,7 +78,7 @@ def prompt_logits(llm: jpaged.LLM, ids: list[int], num_tokens: int = 64) -> np.n
     padded to `num_tokens` so that every prompt reuses one compiled forward."""
     runner = llm.llm_engine.runner
     n = len(ids)
-    kv_cache = tuple(jnp.zeros(pages.shape, pages.dtype, device=pages.sharding) for pages in runner.kv_cache)
+    kv_cache = jax.tree.map(lambda pages: jnp.zeros(pages.shape, pages.dtype, device=pages.sharding), runner.kv_cache)
     slots = np.full(num_tokens, -1, np.int32)
     slots[:n] = np.arange(n)
     meta = AttentionMetadata(slot_mapping=slots,
@@ -88,7 +88,8 @@ def prompt_logits(llm: jpaged.LLM, ids: list[int], num_tokens: int = 64) -> np.n
     @jax.jit
     def forward(state, kv_cache, ids, positions, meta):
         model = nnx.merge(runner.graphdef, state)
-        hidden, _ = model(ids, positions, kv_cache, meta)
+        with forward_context(ForwardContext(meta)):
+            hidden, _ = model(ids, positions, kv_cache)
         return model.compute_logits(hidden)
 
     padded = np.zeros(num_tokens, np.int32)
@@ -126,7 +127,7 @@ def assert_sharded(llm: jpaged.LLM, tp: int):
         assert all(shard.data.shape == expected for shard in value.addressable_shards), (param.logical_axes, expected)
         num_split += any(split)
     assert num_split > 0
-    for pages in runner.kv_cache:
+    for pages in jax.tree.leaves(runner.kv_cache):
         shards = pages.addressable_shards
         assert {s.device for s in shards} == devices
         assert all(s.data.shape == (pages.shape[0] // tp,) + pages.shape[1:] for s in shards)

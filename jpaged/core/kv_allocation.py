@@ -99,20 +99,19 @@ def kv_allocation_policy(policy: str, max_model_len: int | None, enable_caching:
 
 
 def step_without_model(scheduler, token_id: int):
-    """One scheduler step with no model: each sequence whose prompt is computed gets `token_id`
-    and finishes at max_tokens (benchmarks set ignore_eos). Replays a trace's memory use (the
-    paper's Fig. 2). Returns the scheduler's output."""
+    """One scheduler step with no model: every sampled row samples `token_id` (benchmarks set
+    ignore_eos, so each request ends at max_tokens). Replays a trace's memory use (the paper's
+    Fig. 2) through the scheduler's own post-step update. Returns the scheduler's output."""
+    from jpaged.runner.sampler import SamplerOutput
+
     out = scheduler.schedule()
+    results = []
     for scheduled in out.scheduled_seq_groups:
-        group = scheduled.seq_group
-        group.update_num_computed_tokens(scheduled.token_chunk_size)
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
-            if seq.num_computed_tokens == seq.get_len():
-                seq.append_token_id(token_id, 0.0)
-                if seq.get_output_len() >= group.sampling_params.max_tokens:
-                    seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-                    scheduler.free_seq(seq)
-    scheduler.free_finished_seq_groups()
+        scheduler.on_dispatched(scheduled)
+        rows = scheduled.prompt_rows + sum(samples for _, samples in scheduled.sampled)
+        results.append((scheduled, [SamplerOutput.of_tokens([token_id] * rows)], 0))
+    for group, error in scheduler.update_from_output(results).values():
+        raise RuntimeError(f"request {group.request_id}: {error!r}") from error
     return out
 
 

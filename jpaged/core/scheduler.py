@@ -13,6 +13,12 @@ Every step it decides which sequence groups compute which tokens:
      prefix caching, an admitted group starts computing at its first uncached token. The
      benchmark baseline kv_allocation="static" admits only while no running group decodes.
 
+After the step, `update_from_output` makes every change its sampled tokens bring: appends (a
+fresh prompt forks into its best_of sequences), beam search, stop checks (StopChecker), and
+frees the blocks of what finished. `on_dispatched` records, as the step starts, that its tokens
+are computed. The engine, the tests' fake engine and the model-free paper replay all go through
+these two: no other code writes a sequence's state after a step.
+
 Preemption by recompute frees a group's blocks and puts it back at the front of the waiting
 queue: its prompt and outputs so far are prefilled again. Preemption by swap moves its blocks
 to host memory. With preemption_mode=None a group with one running sequence is recomputed and
@@ -22,15 +28,25 @@ recompute instead of failing the step.
 
 import collections
 import dataclasses
+import itertools
 
+from jpaged.core.beam_search import beam_search_step, top_logprobs
 from jpaged.core.block_manager import AllocStatus, BlockManager
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from jpaged.core.stop_checker import StopChecker
 
 
 @dataclasses.dataclass
 class ScheduledSequenceGroup:
+    """A group's share of a step: its running sequences compute positions [start, start + chunk);
+    then `prompt_rows` logits rows for prompt logprobs come first, and each sequence in `sampled`
+    samples that many rows after them (a fresh prompt best_of at once: one per fork)."""
+
     seq_group: SequenceGroup
     token_chunk_size: int  # tokens each running sequence of the group computes this step
+    start: int = 0  # the running sequences' computed tokens before the step (they are in lockstep)
+    prompt_rows: int = 0
+    sampled: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)  # (sequence, rows)
 
 
 @dataclasses.dataclass
@@ -59,7 +75,8 @@ class _Budget:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, preemption_mode: str | None = None):
+                 max_model_len: int, preemption_mode: str | None = None, stop_checker: StopChecker | None = None,
+                 seq_ids: itertools.count | None = None):
         # Every running sequence decodes one token per step: they must all fit in one step.
         if not 1 <= max_num_seqs <= max_num_batched_tokens:
             raise ValueError(f"need 1 <= max_num_seqs ({max_num_seqs}) <= max_num_batched_tokens "
@@ -75,6 +92,11 @@ class Scheduler:
         self.running: collections.deque[SequenceGroup] = collections.deque()
         self.swapped: collections.deque[SequenceGroup] = collections.deque()
         self.num_preemptions = 0
+        self.stop_checker = stop_checker or StopChecker(max_model_len)
+        self.seq_ids = seq_ids or itertools.count()  # new sequences' ids: requests' and forks'
+
+    def new_seq_id(self) -> int:
+        return next(self.seq_ids)
 
     def add_seq_group(self, seq_group: SequenceGroup):
         self.waiting.append(seq_group)
@@ -103,8 +125,90 @@ class Scheduler:
         self.block_manager.free(seq)
 
     def free_finished_seq_groups(self):
-        """Drop finished groups from the running queue; call once per step, after the outputs."""
+        """Drop finished groups from the running queue (update_from_output does, after a step)."""
         self.running = collections.deque(g for g in self.running if not g.is_finished())
+
+    # ------------------------------------------------------------------ after the step
+    def on_dispatched(self, scheduled: ScheduledSequenceGroup):
+        """The group's step is on the device: its tokens count as computed from now on, and each
+        sequence's sampled token is pending until it is read (a beam or a fork: read at once)."""
+        group = scheduled.seq_group
+        group.update_num_computed_tokens(scheduled.token_chunk_size)
+        if not group.sampling_params.use_beam_search:
+            for seq, samples in scheduled.sampled:
+                if samples == 1:
+                    seq.num_pending_tokens += 1
+
+    def update_from_output(self, results) -> dict[int, tuple[SequenceGroup, Exception]]:
+        """Every sequence-state change a step's sampled rows make. `results`: for each group
+        read, (its ScheduledSequenceGroup, the step's SamplerOutputs: one, or K for a multi-step
+        decode, the group's first row in them). Groups that finished or were aborted while the
+        step ran drop its tokens. Returns the groups whose update raised, {id(group): (group,
+        error)}: the caller aborts them; the others are updated."""
+        failed = {}
+        for scheduled, outs, row in results:
+            group = scheduled.seq_group
+            if group.is_finished():
+                continue
+            try:
+                if len(outs) == 1:
+                    self._process(scheduled, outs[0], row)
+                else:
+                    self._process_multi_step(scheduled, outs, row)
+            except Exception as e:
+                failed[id(group)] = (group, e)
+        self.free_finished_seq_groups()
+        return failed
+
+    def _process(self, scheduled: ScheduledSequenceGroup, out, row: int):
+        """Prompt logprobs, then append each sampled sequence's new token (forking a fresh prompt
+        into its best_of sequences), or advance the group's beam search."""
+        group, sp = scheduled.seq_group, scheduled.seq_group.sampling_params
+        for r in range(row, row + scheduled.prompt_rows):  # rows of a prompt chunk come first
+            target = group.prompt_token_ids[len(group.prompt_logprobs)]
+            top = {int(t): float(lp) for t, lp in zip(out.top_ids[r, :sp.prompt_logprobs],
+                                                      out.top_logprobs[r, :sp.prompt_logprobs])}
+            group.prompt_logprobs.append({**top, target: float(out.target_logprobs[r])})
+        row += scheduled.prompt_rows
+        if sp.use_beam_search:
+            if scheduled.sampled:
+                beam_search_step(self, group, [(seq, row + i) for i, (seq, _) in enumerate(scheduled.sampled)], out)
+            return
+        for seq, samples in scheduled.sampled:
+            if seq.is_finished():  # stopped by its previous token, read after this step was dispatched
+                row += samples
+                continue
+            for s in [seq] + [self._fork(group, seq) for _ in range(samples - 1)]:
+                self._append(group, s, out, row)
+                row += 1
+
+    def _process_multi_step(self, scheduled: ScheduledSequenceGroup, outs: list, row: int):
+        """A multi-step decode's K tokens per sequence (one sampling row each, no forks or
+        beams): appended in order up to the sequence's stop; the rest are dropped."""
+        for seq, _ in scheduled.sampled:
+            for i, out in enumerate(outs):
+                if i:  # the token appended last was computed by this step
+                    seq.num_computed_tokens += 1
+                self._append(scheduled.seq_group, seq, out, row)
+                if seq.is_finished():
+                    break
+            row += 1
+
+    def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+        child = parent.fork(self.new_seq_id())
+        group.add(child)
+        self.fork_seq(parent, child)
+        self.stop_checker.fork(group.sampling_params, parent, child)
+        return child
+
+    def _append(self, group: SequenceGroup, seq: Sequence, out, row: int):
+        sp = group.sampling_params
+        self.stop_checker.append_token(sp, seq, int(out.token_ids[row]), float(out.logprobs[row]),
+                                       top_logprobs(sp, out, row))
+        if seq.is_finished():
+            self.free_seq(seq)
+
+    # ------------------------------------------------------------------ the plan
 
     def schedule(self, num_lookahead_slots: int = 0) -> SchedulerOutputs:
         """The next step's plan. `num_lookahead_slots`: each decoding sequence also gets slots for
@@ -224,10 +328,24 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + chunk)
             self.block_manager.free_out_of_window(seq)
         num_tokens = chunk * len(running)
-        out.scheduled_seq_groups.append(ScheduledSequenceGroup(seq_group, chunk))
+        out.scheduled_seq_groups.append(self._scheduled(seq_group, chunk))
         out.num_batched_tokens += num_tokens
         budget.num_tokens -= num_tokens
         budget.num_seqs -= self._prompt_rows(seq_group, chunk)
+
+    @staticmethod
+    def _scheduled(seq_group: SequenceGroup, chunk: int) -> ScheduledSequenceGroup:
+        """Which rows the group's step samples: a sequence whose chunk reaches its end samples
+        what follows (beam search: one row per beam, its candidates from the row's top logprobs)."""
+        running = seq_group.get_seqs(SequenceStatus.RUNNING)
+        start = running[0].num_computed_tokens
+        scheduled = ScheduledSequenceGroup(seq_group, chunk, start, seq_group.prompt_logprob_rows(start, start + chunk))
+        sp = seq_group.sampling_params
+        for seq in running:
+            if start + chunk == seq.get_len():
+                fresh = not seq.output_token_ids and len(seq_group.seqs) == 1
+                scheduled.sampled.append((seq, sp.best_of if fresh and not sp.use_beam_search else 1))
+        return scheduled
 
     def _append_slots(self, seq_group: SequenceGroup, out: SchedulerOutputs, num_lookahead_slots: int = 0):
         for seq in seq_group.get_seqs(SequenceStatus.RUNNING):

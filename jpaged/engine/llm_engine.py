@@ -7,7 +7,6 @@ and swaps) -> runner (padded host arrays, precompiled jitted step: write KV, att
 
 import dataclasses
 import gc
-import itertools
 import logging
 import math
 import os
@@ -22,17 +21,20 @@ from jpaged.core.block_manager import BlockManager
 from jpaged.core.detokenizer import Detokenizer
 from jpaged.core.kv_allocation import KVUsage, kv_usage
 from jpaged.core.kv_map import KVMap
-from jpaged.core.output_processor import GroupStep, OutputProcessor
-from jpaged.core.scheduler import Scheduler, SchedulerOutputs
+from jpaged.core.output_processor import OutputProcessor
+from jpaged.core.scheduler import ScheduledSequenceGroup, Scheduler, SchedulerOutputs
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from jpaged.core.step_needs import can_multi_step, can_overlap
+from jpaged.core.stop_checker import StopChecker
 from jpaged.core.structured_output import StructuredOutputManager
 from jpaged.engine.request_validator import RequestValidator
+from jpaged.models.kv_cache import KVCacheSpec
 from jpaged.models.layers import common_sliding_window
 from jpaged.models.loader import load_model
 from jpaged.outputs import RequestOutput
 from jpaged.parallel import distributed
 from jpaged.runner.executable_cache import ExecutableCache
-from jpaged.runner.model_runner import ModelRunner, SeqInput, kv_cache_layout
+from jpaged.runner.model_runner import ModelRunner, SeqInput
 from jpaged.runner.sampler import SamplingRow
 from jpaged.sampling_params import SamplingParams
 
@@ -69,6 +71,19 @@ class StepFailedError(RuntimeError):
 
 
 @dataclasses.dataclass
+class GroupStep:
+    """One group's runner inputs for a step, built from its ScheduledSequenceGroup."""
+
+    scheduled: ScheduledSequenceGroup
+    seq_inputs: list[SeqInput] = dataclasses.field(default_factory=list)
+    rows: list[SamplingRow] = dataclasses.field(default_factory=list)  # prompt rows, then sampling rows
+
+    @property
+    def group(self) -> SequenceGroup:
+        return self.scheduled.seq_group
+
+
+@dataclasses.dataclass
 class _Dispatched:
     """A step on its way through the device; the host has not read its sampled ids yet."""
 
@@ -83,6 +98,25 @@ _PROMPT_ROW_PARAMS = SamplingParams(temperature=0)
 
 
 class LLMEngine:
+    """The engine: requests in, RequestOutputs out, one `step` at a time.
+
+    A step is schedule (Scheduler) -> execute (ModelRunner) -> update (Scheduler.update_from_output)
+    -> outputs (OutputProcessor). A request whose processing raises is aborted (its blocks freed)
+    and the step raises StepFailedError naming it, with the other requests' outputs; the engine
+    goes on with the next step. If the device state was lost, the error itself is raised: the
+    engine cannot continue.
+
+    With async_scheduling, a step whose sampled ids the next step does not need on the host
+    (every group decoding, nothing waiting, blocks to spare: step_needs.can_overlap) stays in
+    flight: the next call schedules and dispatches the next step, whose inputs take those ids on
+    the device, and only then reads and processes the previous one, so the host works while the
+    device runs. Outputs then come one call later.
+
+    With num_scheduler_steps = K > 1, a step where every running sequence decodes with the fast
+    sampler (step_needs.can_multi_step) runs K decode steps in one device call: K tokens per
+    sequence come back at once, and those after a sequence's stop are dropped.
+    """
+
     def __init__(self, config: EngineConfig, stop_start_up: threading.Event | None = None):
         self.config = config
         devices.select(config.device)
@@ -101,13 +135,8 @@ class LLMEngine:
                                                          config.grammar_compile_timeout, config.grammar_compile_memory)
         self.max_model_len = derive_max_model_len(loaded.hf_config, config.max_model_len)
         max_num_batched_tokens = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
-        if max_num_batched_tokens < config.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is smaller than "
-                             f"max_num_seqs={config.max_num_seqs}")
-        num_layers, num_kv_heads, head_dim = kv_cache_layout(loaded.model)
-        # Per device: each tensor-parallel shard holds its kv heads' part of every block.
-        bytes_per_block = (2 * num_layers * (num_kv_heads // config.tensor_parallel_size) * config.block_size
-                           * head_dim * loaded.dtype.itemsize)
+        kv_cache_spec = KVCacheSpec.of_model(loaded.model, config.block_size, loaded.dtype, config.tensor_parallel_size)
+        bytes_per_block = kv_cache_spec.bytes_per_block  # per device: its kv heads' part of every block
         # Every process must allocate the same pool: the smallest one that fits everywhere.
         num_gpu_blocks = distributed.min_across_processes(self._num_gpu_blocks(bytes_per_block))
         num_cpu_blocks = int(config.swap_space * 2**30 // bytes_per_block)
@@ -123,14 +152,13 @@ class LLMEngine:
         self.check_invariants = os.environ.get("JPAGED_CHECK_INVARIANTS", "0") not in ("", "0")
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
-                                   preemption_mode=config.preemption_mode)
-        self._seq_ids = itertools.count()
+                                   preemption_mode=config.preemption_mode,
+                                   stop_checker=StopChecker(self.max_model_len, getattr(self.tokenizer, "eos_token_id", None),
+                                                            self.detokenizer, self.structured_output))
         self.request_validator = RequestValidator(self.hf_config.vocab_size, self.max_model_len, config,
                                                   self.block_manager)
-        self.output_processor = OutputProcessor(self.scheduler, self.structured_output, self.detokenizer,
-                                                getattr(self.tokenizer, "eos_token_id", None), self.max_model_len,
-                                                self._seq_ids)
-        self.runner = ModelRunner(loaded, block_size=config.block_size, num_gpu_blocks=num_gpu_blocks,
+        self.output_processor = OutputProcessor(self.scheduler.stop_checker)
+        self.runner = ModelRunner(loaded, kv_cache_spec, num_gpu_blocks=num_gpu_blocks,
                                   num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                   num_scheduler_steps=config.num_scheduler_steps,
@@ -151,12 +179,12 @@ class LLMEngine:
 
     @property
     def eos_token_id(self) -> int | None:
-        """The stop checks' EOS (owned by the output processor; tests point it at a frequent token)."""
-        return self.output_processor.eos_token_id
+        """The stop checks' EOS (owned by the scheduler's StopChecker; tests point it at a frequent token)."""
+        return self.scheduler.stop_checker.eos_token_id
 
     @eos_token_id.setter
     def eos_token_id(self, token_id: int | None):
-        self.output_processor.eos_token_id = token_id
+        self.scheduler.stop_checker.eos_token_id = token_id
 
     def _warm_up(self, stop: threading.Event | None):
         """Compile (or load) every step; a warm-up that fails after loading cached executables is
@@ -220,7 +248,7 @@ class LLMEngine:
         self.check_request(ids, sampling_params)
         if sampling_params.guided:  # compiled now unless the server already did (off its event loop)
             self.structured_output.prepare(sampling_params)
-        group = SequenceGroup(request_id, [Sequence(next(self._seq_ids), ids)], sampling_params,
+        group = SequenceGroup(request_id, [Sequence(self.scheduler.new_seq_id(), ids)], sampling_params,
                               arrival_time if arrival_time is not None else time.monotonic(), prompt=text)
         self._groups[request_id] = group
         self.scheduler.add_seq_group(group)
@@ -246,139 +274,81 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """One scheduler iteration. A request whose processing raises is aborted (its blocks freed)
-        and the step raises StepFailedError naming it, with the other requests' outputs; the engine
-        goes on with the next step. If the device state was lost, the error itself is raised: the
-        engine cannot continue.
-
-        With async_scheduling, a step whose sampled ids the next step does not need on the host
-        (every group decoding, nothing waiting, blocks to spare) stays in flight: the next call
-        schedules and dispatches the next step, whose inputs take those ids on the device, and
-        only then reads and processes the previous one, so the host works while the device
-        runs. Outputs then come one call later.
-
-        With num_scheduler_steps = K > 1, a step where every running sequence decodes with the
-        fast sampler (see _can_multi_step) runs K decode steps in one device call: K tokens per
-        sequence come back at once, and those after a sequence's stop are dropped."""
+        """One iteration: schedule -> execute -> update the sequences -> outputs. With async
+        scheduling a step's update and outputs may come one call later; a request whose
+        processing raised is aborted and the step raises StepFailedError (class docstring)."""
         previous, self._in_flight = self._in_flight, None
         if previous is not None and not self._can_overlap(previous):
             return self._complete(previous)
-        multi_step = previous is None and self._can_multi_step()
-        plan = self.scheduler.schedule(self.config.num_scheduler_steps - 1 if multi_step else 0)
-        try:
-            current = self._dispatch(plan, multi_step)
-        except Exception as e:  # the block copies, or a lone request's device step: fail the step's requests
-            outputs = self._complete(previous) if previous is not None else []
-            failed = [s.seq_group for s in plan.scheduled_seq_groups]
-            self._fail(failed, e)
-            if not self.runner.is_alive():
-                raise
-            raise StepFailedError([g.request_id for g in failed], e, outputs) from e
+        num_steps = self.config.num_scheduler_steps
+        multi_step = previous is None and can_multi_step(self.scheduler, num_steps, self.max_model_len)
+        plan = self.scheduler.schedule(num_steps - 1 if multi_step else 0)
+        current = self._dispatch(plan, multi_step, previous)
         if previous is None and (multi_step or not self._can_overlap(current)):
             return self._complete(current)
         self._in_flight = current
         return self._complete(previous) if previous is not None else []
 
     def _can_overlap(self, dispatched: _Dispatched) -> bool:
-        """Whether the next step can be scheduled before `dispatched`'s sampled ids are read: each
-        running group decodes one pending token per sequence with sampling that needs no host
-        state of it (no penalties, grammar, beam search or fork), nothing waits or is swapped
-        out (no admission), every sequence can take a block (no preemption), none is sure to
-        end with its pending token (no slot past its end) and, with prefix caching, none fills
-        a block with it (the block's hash needs the token)."""
-        if not self.config.async_scheduling or dispatched.failed or self.scheduler.waiting or self.scheduler.swapped:
-            return False
-        groups = {id(s.group) for s in dispatched.steps}
-        caching, num_seqs = self.block_manager.enable_caching, 0
-        for group in self.scheduler.running:
-            sp = group.sampling_params
-            if id(group) not in groups or sp.use_beam_search or sp.guided or sp.has_penalties:
-                return False
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                if (seq.num_pending_tokens != 1 or seq.get_output_len() >= sp.max_tokens
-                        or seq.get_len() >= self.max_model_len
-                        or (caching and seq.get_len() % self.config.block_size == 0)):
-                    return False  # (a block the pending token fills is hashed from its tokens)
-                num_seqs += 1
-        return num_seqs > 0 and self.block_manager.get_num_free_gpu_blocks() >= num_seqs
+        """Whether the next step may be scheduled before `dispatched` is read (step_needs.py)."""
+        return (self.config.async_scheduling and not dispatched.failed
+                and can_overlap(self.scheduler, {id(s.group) for s in dispatched.steps}, self.max_model_len))
 
-    def _can_multi_step(self) -> bool:
-        """Whether the next step can be a multi-step decode: K > 1, nothing waits or is swapped
-        out, every running sequence decodes (its tokens but the last computed) with what the fast
-        sampler does on the device alone (no penalties, logprobs, grammar, beam search or
-        min_tokens ban), has room for K more positions, and the device blocks for every
-        sequence's lookahead slots are free (no preemption)."""
-        num_steps = self.config.num_scheduler_steps
-        if num_steps == 1 or self.scheduler.waiting or self.scheduler.swapped or not self.scheduler.running:
-            return False
-        seqs = []
-        for group in self.scheduler.running:
-            sp = group.sampling_params
-            if group.is_prefill() or sp.use_beam_search or sp.guided or sp.logprobs is not None or sp.has_penalties:
-                return False
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                if (seq.num_pending_tokens or seq.get_num_uncomputed_tokens() != 1
-                        or seq.get_output_len() < sp.min_tokens or seq.get_len() + num_steps - 1 > self.max_model_len
-                        or (not seq.output_token_ids and (sp.best_of > 1 or sp.prompt_logprobs is not None))):
-                    return False  # (the last prompt token of a chunked prefill may fork or need prompt rows)
-                seqs.append(seq)
-        needed = self.block_manager.num_blocks_to_append(seqs, num_steps - 1)
-        return needed <= self.block_manager.get_num_free_gpu_blocks()
-
-    def _dispatch(self, plan: SchedulerOutputs, multi_step: bool = False) -> _Dispatched:
+    def _dispatch(self, plan: SchedulerOutputs, multi_step: bool, previous: _Dispatched | None) -> _Dispatched:
         """Make the plan's block copies and start its step on the device. Its tokens count as
-        computed from now on; each sequence's sampled token is pending until it is read."""
-        self.runner.swap_out(plan.blocks_to_swap_out)
-        self.runner.swap_in(plan.blocks_to_swap_in)
-        self.runner.copy_blocks(plan.blocks_to_copy)
-        failed: dict[int, tuple[SequenceGroup, Exception]] = {}
-        steps = []
-        for scheduled in plan.scheduled_seq_groups:
-            try:
-                steps.append(self._group_inputs(scheduled.seq_group, scheduled.token_chunk_size))
-            except Exception as e:
-                failed[id(scheduled.seq_group)] = (scheduled.seq_group, e)
-        results = self._execute(steps, failed, multi_step)
+        computed from now on; each sequence's sampled token is pending until it is read. If the
+        block copies or a lone request's device step fail, the plan's requests are aborted."""
+        try:
+            self.runner.swap_out(plan.blocks_to_swap_out)
+            self.runner.swap_in(plan.blocks_to_swap_in)
+            self.runner.copy_blocks(plan.blocks_to_copy)
+            failed: dict[int, tuple[SequenceGroup, Exception]] = {}
+            steps = []
+            for scheduled in plan.scheduled_seq_groups:
+                try:
+                    steps.append(self._group_inputs(scheduled))
+                except Exception as e:
+                    failed[id(scheduled.seq_group)] = (scheduled.seq_group, e)
+            results = self._execute(steps, failed, multi_step)
+        except Exception as e:
+            outputs = self._complete(previous) if previous is not None else []
+            groups = [s.seq_group for s in plan.scheduled_seq_groups]
+            self._fail(groups, e)
+            if not self.runner.is_alive():
+                raise
+            raise StepFailedError([g.request_id for g in groups], e, outputs) from e
         for step in steps:
             if id(step.group) not in failed:
-                self.output_processor.on_dispatched(step)
+                self.scheduler.on_dispatched(step.scheduled)
         return _Dispatched(plan, steps, results, failed)
 
     def _complete(self, dispatched: _Dispatched) -> list[RequestOutput]:
-        """Read a dispatched step's sampled ids and process them: outputs, stops, freed blocks.
-        Groups that finished or were aborted meanwhile drop their tokens of this step."""
-        failed, outputs = dispatched.failed, []
-        read = {}  # id(handle) -> SamplerOutput: one read per device call
+        """Read a dispatched step's sampled ids, have the scheduler update the sequences from them,
+        and build the outputs. Groups that finished or were aborted meanwhile drop their tokens."""
+        failed, read, results = dispatched.failed, {}, []  # read: id(handle) -> outputs
         for step in dispatched.steps:
             group = step.group
-            if id(group) in failed:
+            if id(group) in failed or group.is_finished() or self._groups.get(group.request_id) is not group:
                 continue
-            if group.is_finished() or self._groups.get(group.request_id) is not group:
-                continue  # ended while this step ran: its tokens of this step are dropped
+            handle, row = dispatched.results[id(group)]
             try:
-                handle, row = dispatched.results[id(group)]
                 if id(handle) not in read:
                     read[id(handle)] = self.runner.collect(handle)
-                outs = read[id(handle)]
-                if len(outs) == 1:
-                    self.output_processor.process(step, outs[0], row)
-                else:
-                    self.output_processor.process_multi_step(step, outs, row)
             except Exception as e:
                 if not self.runner.is_alive():
                     raise
                 failed[id(group)] = (group, e)
                 continue
-            output = self.output_processor.request_output(group)
-            if output is not None:
-                outputs.append(output)
+            results.append((step.scheduled, read[id(handle)], row))
+        failed.update(self.scheduler.update_from_output(results))
+        outputs = [o for scheduled, _, _ in results if id(scheduled.seq_group) not in failed
+                   for o in [self.output_processor.request_output(scheduled.seq_group)] if o is not None]
         for group in dispatched.plan.ignored_seq_groups:  # check_request keeps these out; a warning if one slips by
             logger.warning("request %s can never be scheduled: it ends with what it has", group.request_id)
             outputs.append(self.output_processor.request_output(group))
         cause = next(iter(failed.values()))[1] if failed else None
         if failed:
             self._fail([group for group, _ in failed.values()], cause)
-        self.scheduler.free_finished_seq_groups()
         for o in outputs:
             if o.finished and o.request_id in self._groups:
                 self._forget(self._groups.pop(o.request_id))
@@ -394,32 +364,21 @@ class LLMEngine:
         for group in groups:
             self.abort_request(group.request_id)
 
-    def _group_inputs(self, group: SequenceGroup, chunk: int) -> GroupStep:
-        """The group's sequences' share of the step: tokens to compute and rows to sample."""
-        step = GroupStep(group, chunk)
-        sp = group.sampling_params
+    def _group_inputs(self, scheduled: ScheduledSequenceGroup) -> GroupStep:
+        """The runner's inputs for the group's share of the step: tokens to compute (a decode:
+        just the last one) and rows to sample, as the scheduler planned them."""
+        step, group, start, chunk = GroupStep(scheduled), scheduled.seq_group, scheduled.start, scheduled.token_chunk_size
+        samples_of = {id(seq): samples for seq, samples in scheduled.sampled}
         for seq in group.get_seqs(SequenceStatus.RUNNING):
-            start = seq.num_computed_tokens
-            end = start + chunk
             # Prompt logprobs: a row per prompt position, reporting the next prompt token's logprob.
-            step.prompt_rows = group.prompt_logprob_rows(start, end)
             step.rows.extend(SamplingRow(_PROMPT_ROW_PARAMS, 0, target_token_id=seq.prompt_token_ids[p + 1])
-                             for p in range(start, start + step.prompt_rows))
-            samples = 0
-            if end == seq.get_len():  # this chunk reaches the end: sample what follows
-                # A fresh prompt samples best_of tokens at once: one per sequence it forks into.
-                # (Beam search takes every beam's candidates from its one row's top logprobs.)
-                fresh = not seq.output_token_ids and len(group.seqs) == 1
-                samples = sp.best_of if fresh and not sp.use_beam_search else 1
-                for i in range(samples):
-                    index = i if samples > 1 else group.seqs.index(seq)
-                    step.rows.append(self._sampling_row(group, seq, index))
-                step.sampled.append((seq, samples))
-            # A decode computes just the last token: skip rebuilding the whole token list.
-            token_ids = [seq.get_last_token_id()] if chunk == 1 and end == seq.get_len() \
-                else seq.get_token_ids()[start:end]
+                             for p in range(start, start + scheduled.prompt_rows))
+            samples = samples_of.get(id(seq), 0)
+            for i in range(samples):  # a fresh prompt's forks: one row each
+                step.rows.append(self._sampling_row(group, seq, i if samples > 1 else group.seqs.index(seq)))
+            token_ids = [seq.get_last_token_id()] if chunk == 1 and samples else seq.get_token_ids()[start:start + chunk]
             step.seq_inputs.append(SeqInput(seq.seq_id, token_ids, start, self.block_manager.get_block_table(seq),
-                                            samples, step.prompt_rows))
+                                            samples, scheduled.prompt_rows))
         return step
 
     def _execute(self, steps: list[GroupStep], failed: dict, multi_step: bool) -> dict:

@@ -6,7 +6,8 @@ run to completion here, so it is never cut short or crashes a step later.
 from jpaged.config import EngineConfig
 from jpaged.core.block_manager import BlockManager
 from jpaged.core.structured_output import guide_of
-from jpaged.runner.model_runner import MAX_BANNED_TOKENS, MAX_LOGPROBS
+from jpaged.config import MAX_LOGPROBS
+from jpaged.runner.model_runner import MAX_BANNED_TOKENS
 from jpaged.sampling_params import SamplingParams
 
 

@@ -33,8 +33,8 @@ class GemmaDecoderLayer(nnx.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_activation, dtype=dtype)
         self.post_feedforward_layernorm = norm()
 
-    def __call__(self, x, positions, kv_cache, meta):
-        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def __call__(self, x, positions, kv_cache):
+        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache)
         x = x + self.post_attention_layernorm(h)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), kv_cache
 
@@ -59,11 +59,11 @@ class GemmaForCausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             (cfg.hidden_size,), (cfg.vocab_size,), ("embed", "vocab"), dtype=dtype)
 
-    def __call__(self, input_ids, positions, kv_cache, meta):
+    def __call__(self, input_ids, positions, kv_cache):
         x = self.embed_tokens(input_ids)
         # HF rounds the scale to the activations' dtype first.
         x = x * jnp.asarray(self.embed_scale, x.dtype)
-        x, kv_cache = self.layers(x, positions, kv_cache, meta)
+        x, kv_cache = self.layers(x, positions, kv_cache)
         return self.norm(x), kv_cache
 
     def compute_logits(self, hidden):

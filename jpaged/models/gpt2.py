@@ -17,8 +17,8 @@ class GPT2Block(nnx.Module):
         self.ln_2 = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=dtype)
         self.mlp = MLP(cfg.n_embd, cfg.n_inner or 4 * cfg.n_embd, cfg.activation_function, dtype=dtype)
 
-    def __call__(self, x, positions, kv_cache, meta):
-        h, kv_cache = self.attn(self.ln_1(x), positions, kv_cache, meta)
+    def __call__(self, x, positions, kv_cache):
+        h, kv_cache = self.attn(self.ln_1(x), positions, kv_cache)
         x = x + h
         return x + self.mlp(self.ln_2(x)), kv_cache
 
@@ -51,8 +51,8 @@ class GPT2LMHeadModel(nnx.Module):
         self.h = LayerStack(lambda: GPT2Block(cfg, ops=ops, dtype=dtype), cfg.n_layer)
         self.ln_f = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=dtype)
 
-    def __call__(self, input_ids, positions, kv_cache, meta):
-        x, kv_cache = self.h(self.wte(input_ids) + self.wpe(positions), positions, kv_cache, meta)
+    def __call__(self, input_ids, positions, kv_cache):
+        x, kv_cache = self.h(self.wte(input_ids) + self.wpe(positions), positions, kv_cache)
         return self.ln_f(x), kv_cache
 
     def compute_logits(self, hidden):

@@ -21,7 +21,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import pallas_kernels
 from pallas_kernels.blocks import NO_WINDOW
-from jpaged.config import ATTENTION_BACKENDS
+from jpaged.models.forward_context import AttentionMetadata, forward_context, get_forward_context
+from jpaged.models.kv_cache import KVCache
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, kv_head_replicas, tp_size
 
 
@@ -298,43 +299,6 @@ def apply_rope(x, positions, inv_freq, attention_factor=1.0):
 
 # ----------------------------------------------------------------------------- paged attention
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["slot_mapping", "block_tables", "context_lens", "query_start_loc", "decode", "layer"],
-                   meta_fields=[])
-@dataclasses.dataclass
-class AttentionMetadata:
-    """Where a step's tokens live in the KV pages (one entry per token or per sequence).
-
-    slot_mapping: int32[tokens], page * page_size + offset of each new token (-1: padding).
-    block_tables: int32[seqs, max_blocks], physical page of each logical block.
-    context_lens: int32[seqs], tokens in pages after this step (cached + new); 0 for padding.
-    query_start_loc: int32[seqs + 1], where each sequence's new tokens start in the token axis.
-    decode: bool[] or None: every sequence has exactly one new token (traced, so decode and mixed
-      steps share one executable); given only when the token and sequence axes have the same
-      length, where the Pallas decode kernel can take the step. Python's True: the step is known
-      to be a decode when tracing (multi-step decode): the Pallas backends run their decode
-      kernel alone, with no cond.
-    layer: int32 scalar, the decoder layer being run (set by the layer stack's scan), for the
-      layers that differ by layer (Gemma's alternating local and global attention).
-    """
-
-    slot_mapping: jax.Array
-    block_tables: jax.Array
-    context_lens: jax.Array
-    query_start_loc: jax.Array
-    decode: jax.Array | None = None
-    layer: jax.Array | None = None
-
-    def for_layer(self, layer, pages_per_layer: int, page_size: int) -> "AttentionMetadata":
-        """The same step in layer `layer`'s part of the stacked pool, whose page axis holds every
-        layer's pages one layer after another (page p of layer l is page l * pages_per_layer + p)."""
-        first_page = layer * pages_per_layer
-        slots = jnp.where(self.slot_mapping < 0, -1, self.slot_mapping + first_page * page_size)
-        return dataclasses.replace(self, slot_mapping=slots, block_tables=self.block_tables + first_page, layer=layer)
-
-
-
-
 @dataclasses.dataclass(frozen=True)
 class AttentionOps:
     """The swappable attention functions (hashable, so they live in the static graph).
@@ -346,11 +310,7 @@ class AttentionOps:
     backend: str = "auto"
     mesh: Mesh | None = None
 
-    def __post_init__(self):
-        if self.backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend={self.backend!r}; expected one of {ATTENTION_BACKENDS}")
-
-    def __call__(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window=None,
+    def __call__(self, q, k, v, kv_cache: KVCache, meta: AttentionMetadata, scale: float, sliding_window=None,
                  logits_soft_cap: float | None = None):
         """`sliding_window`: None (full attention), an int, or a traced int32 scalar (per layer)."""
         # A step known to be a decode when tracing: static, so it does not travel into shard_map.
@@ -362,13 +322,15 @@ class AttentionOps:
             return attend(q, k, v, kv_cache, meta, sliding_window)
         heads, pages = P(None, TP_AXIS, None), kv_cache_sharding(self.mesh).spec
         # check_vma=False: the Pallas kernels do not declare how they vary across the mesh.
-        return jax.shard_map(attend, mesh=self.mesh, in_specs=(heads, heads, heads, (pages, pages), P(), P()),
-                             out_specs=(heads, (pages, pages)), check_vma=False)(
+        pool = KVCache(pages, pages, *(None if x is None else P() for x in (kv_cache.k_scale, kv_cache.v_scale)))
+        return jax.shard_map(attend, mesh=self.mesh, in_specs=(heads, heads, heads, pool, P(), P()),
+                             out_specs=(heads, pool), check_vma=False)(
             q, k, v, kv_cache, meta, sliding_window)
 
-    def _attend(self, q, k, v, kv_cache, meta: AttentionMetadata, sliding_window, scale: float, logits_soft_cap,
-                decode_only: bool):
-        k_pages, v_pages = pallas_kernels.write_kv(*kv_cache, k, v, meta.slot_mapping)
+    def _attend(self, q, k, v, kv_cache: KVCache, meta: AttentionMetadata, sliding_window, scale: float,
+                logits_soft_cap, decode_only: bool):
+        k_pages, v_pages = pallas_kernels.write_kv(kv_cache.k_pages, kv_cache.v_pages, k, v, meta.slot_mapping)
+        kv_cache = kv_cache.replace(k_pages=k_pages, v_pages=v_pages)
         args = (q, k_pages, v_pages, meta.block_tables, meta.context_lens)
         # pallas_kernels picks the kernels (interpret mode for Pallas ones off-GPU).
         opts = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, backend=self.backend)
@@ -382,10 +344,10 @@ class AttentionOps:
         # XLA's ragged path is as fast as its decode path on decode steps (tile 1; measured faster
         # inside the multi-step decode on a CPU): one branch, less to compile.
         if meta.decode is None or pallas_kernels.kernel_family(self.backend) == "xla":
-            return ragged(), (k_pages, v_pages)
+            return ragged(), kv_cache
         if decode_only:  # a multi-step decode's steps: the decode kernel alone
-            return decode(), (k_pages, v_pages)
-        return jax.lax.cond(meta.decode, decode, ragged), (k_pages, v_pages)
+            return decode(), kv_cache
+        return jax.lax.cond(meta.decode, decode, ragged), kv_cache
 
 
 class Attention(nnx.Module):
@@ -425,7 +387,8 @@ class Attention(nnx.Module):
         self.v_proj = Linear((hidden,), (num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), use_bias=qkv_bias, dtype=dtype)
         self.o_proj = Linear((num_heads, head_dim), (hidden,), ("q_heads", "head_dim", "embed"), use_bias=o_bias, dtype=dtype)
 
-    def __call__(self, x, positions, kv_cache, meta: AttentionMetadata):
+    def __call__(self, x, positions, kv_cache: KVCache):
+        meta = get_forward_context().attn
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -467,7 +430,7 @@ class LayerStack(nnx.Module):
     """`num_layers` decoder layers as one layer whose weights carry a leading "layers" axis, run
     under `jax.lax.scan`: a step compiles one layer whatever the depth (MaxText's scan-layers).
 
-    The KV pool is one (k_pages, v_pages) pair for all layers, [num_kv_heads, num_layers *
+    The KV pool is one KVCache (k_pages, v_pages) for all layers, [num_kv_heads, num_layers *
     pages_per_layer, page_size, head_dim]: each layer's pages follow the previous layer's, so the
     kernels keep their per-layer signature (the layer only offsets the block tables and slots)
     and the scan writes into the donated pool in place, with no per-layer slice copied out.
@@ -481,16 +444,18 @@ class LayerStack(nnx.Module):
                 node.set_value(jnp.zeros((num_layers,) + node.shape, node.dtype))
                 node.set_metadata(logical_axes=("layers",) + node.logical_axes)
 
-    def __call__(self, x, positions, kv_cache, meta: AttentionMetadata):
+    def __call__(self, x, positions, kv_cache: KVCache):
         graphdef, weights = nnx.split(self.layer)
-        num_pages, page_size = kv_cache[0].shape[1:3]
+        ctx = get_forward_context()
+        num_pages, page_size = kv_cache.k_pages.shape[1:3]
         pages_per_layer = num_pages // self.num_layers
 
         def one_layer(carry, layer_weights_and_index):
             x, kv_cache = carry
             layer_weights, index = layer_weights_and_index
             layer = nnx.merge(graphdef, layer_weights)
-            x, kv_cache = layer(x, positions, kv_cache, meta.for_layer(index, pages_per_layer, page_size))
+            with forward_context(ctx.replace(attn=ctx.attn.for_layer(index, pages_per_layer, page_size))):
+                x, kv_cache = layer(x, positions, kv_cache)
             return (x, kv_cache), None
 
         (x, kv_cache), _ = jax.lax.scan(one_layer, (x, kv_cache), (weights, jnp.arange(self.num_layers)))

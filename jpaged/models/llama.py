@@ -32,8 +32,8 @@ class LlamaDecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = mlp
 
-    def __call__(self, x, positions, kv_cache, meta):
-        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def __call__(self, x, positions, kv_cache):
+        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
@@ -66,8 +66,8 @@ class LlamaForCausalLM(nnx.Module):
         return LlamaDecoderLayer(attn, GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype=dtype),
                                  cfg, dtype=dtype)
 
-    def __call__(self, input_ids, positions, kv_cache, meta):
-        x, kv_cache = self.layers(self.embed_tokens(input_ids), positions, kv_cache, meta)
+    def __call__(self, input_ids, positions, kv_cache):
+        x, kv_cache = self.layers(self.embed_tokens(input_ids), positions, kv_cache)
         return self.norm(x), kv_cache
 
     def compute_logits(self, hidden):

@@ -23,6 +23,7 @@ import safetensors
 from flax import nnx
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
+from jpaged import config
 from jpaged.models.gemma import GemmaForCausalLM
 from jpaged.models.gpt2 import GPT2LMHeadModel
 from jpaged.models.layers import AttentionOps
@@ -49,7 +50,7 @@ MODEL_REGISTRY = {
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {name: jnp.dtype(name) for name in config.DTYPES if name != "auto"}
 
 
 @dataclasses.dataclass

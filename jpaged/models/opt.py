@@ -19,8 +19,8 @@ class OPTDecoderLayer(nnx.Module):
         self.final_layer_norm = LayerNorm(cfg.hidden_size, 1e-5, dtype=dtype)
         self.mlp = MLP(cfg.hidden_size, cfg.ffn_dim, cfg.activation_function, dtype=dtype)
 
-    def __call__(self, x, positions, kv_cache, meta):
-        h, kv_cache = self.self_attn(self.self_attn_layer_norm(x), positions, kv_cache, meta)
+    def __call__(self, x, positions, kv_cache):
+        h, kv_cache = self.self_attn(self.self_attn_layer_norm(x), positions, kv_cache)
         x = x + h
         return x + self.mlp(self.final_layer_norm(x)), kv_cache
 
@@ -46,9 +46,9 @@ class OPTForCausalLM(nnx.Module):
         self.layers = LayerStack(lambda: OPTDecoderLayer(cfg, ops=ops, dtype=dtype), cfg.num_hidden_layers)
         self.final_layer_norm = LayerNorm(cfg.hidden_size, 1e-5, dtype=dtype)
 
-    def __call__(self, input_ids, positions, kv_cache, meta):
+    def __call__(self, input_ids, positions, kv_cache):
         x = self.embed_tokens(input_ids) + self.embed_positions(positions + POSITION_OFFSET)
-        x, kv_cache = self.layers(x, positions, kv_cache, meta)
+        x, kv_cache = self.layers(x, positions, kv_cache)
         return self.final_layer_norm(x), kv_cache
 
     def compute_logits(self, hidden):

@@ -7,6 +7,7 @@ import numpy as np
 
 import pallas_kernels
 
+from jpaged.models.kv_cache import KVCache
 from jpaged.runner.buckets import BLOCK_OP_SIZES, fit
 
 
@@ -28,23 +29,24 @@ def every_layer(blocks, num_layers: int, pages_per_layer: int):
     return jnp.where(blocks[None, :] < 0, -1, pages).reshape(-1)
 
 
-def copy_blocks(num_layers, kv_cache, src, dst):
-    pages_per_layer = kv_cache[0].shape[1] // num_layers
-    return pallas_kernels.copy_blocks(*kv_cache, every_layer(src, num_layers, pages_per_layer),
+def copy_blocks(num_layers, kv_cache: KVCache, src, dst) -> KVCache:
+    pages_per_layer = kv_cache.k_pages.shape[1] // num_layers
+    k, v = pallas_kernels.copy_blocks(kv_cache.k_pages, kv_cache.v_pages, every_layer(src, num_layers, pages_per_layer),
                                       every_layer(dst, num_layers, pages_per_layer))
+    return kv_cache.replace(k_pages=k, v_pages=v)
 
 
-def gather_blocks(num_layers, kv_cache, blocks):
+def gather_blocks(num_layers, kv_cache: KVCache, blocks):
     """Blocks' pages of every layer: [num_layers, k/v, num_kv_heads, blocks, page_size, head_dim]."""
-    k, v = kv_cache
+    k, v = kv_cache.k_pages, kv_cache.v_pages
     pages = every_layer(blocks, num_layers, k.shape[1] // num_layers)
     both = jnp.stack([k[:, pages], v[:, pages]])  # [2, kv_heads, layers * blocks, ...]
     both = both.reshape(both.shape[:2] + (num_layers, len(blocks)) + both.shape[3:])
     return both.transpose(2, 0, 1, 3, 4, 5)
 
 
-def scatter_blocks(num_layers, kv_cache, pages, blocks):
-    k, v = kv_cache
+def scatter_blocks(num_layers, kv_cache: KVCache, pages, blocks) -> KVCache:
+    k, v = kv_cache.k_pages, kv_cache.v_pages
     dst = every_layer(blocks, num_layers, k.shape[1] // num_layers)
     dst = jnp.where(dst < 0, k.shape[1], dst)  # padding -> dropped
 
@@ -52,5 +54,5 @@ def scatter_blocks(num_layers, kv_cache, pages, blocks):
         part = part.transpose(1, 0, 2, 3, 4)
         return part.reshape((part.shape[0], -1) + part.shape[3:])
 
-    return (k.at[:, dst].set(layer_major(pages[:, 0]), mode="drop"),
-            v.at[:, dst].set(layer_major(pages[:, 1]), mode="drop"))
+    return kv_cache.replace(k_pages=k.at[:, dst].set(layer_major(pages[:, 0]), mode="drop"),
+                            v_pages=v.at[:, dst].set(layer_major(pages[:, 1]), mode="drop"))

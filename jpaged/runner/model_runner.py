@@ -43,10 +43,13 @@ from flax import nnx
 
 from tqdm.auto import tqdm
 
-from jpaged.models.layers import Attention, AttentionMetadata, LayerStack
+from jpaged.config import MAX_LOGPROBS
+from jpaged.core.step_needs import rows_need_full_sampler
+from jpaged.models.forward_context import AttentionMetadata
+from jpaged.models.kv_cache import KVCache, KVCacheSpec
 from jpaged.models.loader import LoadedModel
 from jpaged.parallel import distributed
-from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, replicated, tp_size
+from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, replicated
 from jpaged.runner import kv_transfer, sampler, step_functions
 from jpaged.runner.buckets import BLOCK_OP_SIZES, BLOCK_OPS, HISTORY_UPLOAD_ROWS, Buckets  # noqa: F401 (re-exported)
 from jpaged.runner.executable_cache import ExecutableCache
@@ -59,43 +62,30 @@ from jpaged.runner.step_functions import forward as _forward, multi_step as _mul
 
 logger = logging.getLogger(__name__)
 
-# Top logprobs computed every step (OpenAI's and vLLM's maximum); requests slice their own.
-MAX_LOGPROBS = 20
 # Tokens a row can forbid in one step (EOS and stop_token_ids while min_tokens is not reached).
 MAX_BANNED_TOKENS = 32
 
 
-def kv_cache_layout(model: nnx.Module) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim), read off the model's attention layers; num_kv_heads
-    counts the copies when tensor parallelism replicates kv heads (the page arrays' head axis)."""
-    nodes = [node for _, node in nnx.iter_graph(model)]
-    stack = next(node for node in nodes if isinstance(node, LayerStack))
-    num_kv_heads, head_dim = next(node for node in nodes if isinstance(node, Attention)).k_proj.out_shape
-    return stack.num_layers, num_kv_heads, head_dim
-
-
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, *, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+    def __init__(self, loaded: LoadedModel, kv_cache_spec: KVCacheSpec, *, num_gpu_blocks: int, num_cpu_blocks: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_scheduler_steps: int = 1,
                  executable_cache: ExecutableCache | None = None):
-        self.block_size, self.num_gpu_blocks = block_size, num_gpu_blocks
+        self.kv_cache_spec, self.num_gpu_blocks = kv_cache_spec, num_gpu_blocks
+        self.block_size = block_size = kv_cache_spec.block_size
         self.vocab_size = loaded.hf_config.vocab_size
         self.max_model_len = max_model_len
         self.mesh = loaded.mesh
         self.is_driver = distributed.is_driver()
         self._multihost = jax.process_count() > 1
         self.graphdef, self.state = nnx.split(loaded.model)
-        num_layers, num_kv_heads, head_dim = kv_cache_layout(loaded.model)
-        self.num_layers = num_layers
-        shape = (num_kv_heads, num_layers * num_gpu_blocks, block_size, head_dim)
+        self.num_layers = num_layers = kv_cache_spec.num_layers
         kv, rep = kv_cache_sharding(self.mesh), replicated(self.mesh)
         self._replicated = rep
-        self.kv_cache = (jnp.zeros(shape, loaded.dtype, device=kv), jnp.zeros(shape, loaded.dtype, device=kv))
+        self.kv_cache: KVCache = kv_cache_spec.allocate(num_gpu_blocks, kv)
         # Host pool for swapped-out pages, one per local shard, keyed by the shard's first kv head:
         # [layer, k/v, kv_heads / tp, cpu_blocks, block_size, head_dim].
-        local_shape = (num_layers, 2, num_kv_heads // tp_size(self.mesh), num_cpu_blocks, block_size, head_dim)
-        self.host_kv = {index[0].start or 0: np.zeros(local_shape, jnp.dtype(loaded.dtype))
-                        for index in kv.addressable_devices_indices_map(shape).values()}
+        self.host_kv = {index[0].start or 0: np.zeros(kv_cache_spec.host_shape(num_cpu_blocks), kv_cache_spec.dtype)
+                        for index in kv.addressable_devices_indices_map(kv_cache_spec.pool_shape(num_gpu_blocks)).values()}
         # Swapped pages in flight: [layer, k/v, kv_heads, blocks, block_size, head_dim], split on kv heads.
         self._pages_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, None, TP_AXIS))
         self.buckets = Buckets.create(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size),
@@ -223,9 +213,8 @@ class ModelRunner:
 
     def _swapped_pages_shape(self, num_blocks: int) -> jax.ShapeDtypeStruct:
         """Pages in flight between the pool and the host: [layers, k/v, kv_heads, blocks, page_size, head_dim]."""
-        num_kv_heads, _, page_size, head_dim = self.kv_cache[0].shape
-        return jax.ShapeDtypeStruct((self.num_layers, 2, num_kv_heads, num_blocks, page_size, head_dim),
-                                    self.kv_cache[0].dtype, sharding=self._pages_sharding)
+        spec = self.kv_cache_spec
+        return jax.ShapeDtypeStruct(spec.swapped_pages_shape(num_blocks), spec.dtype, sharding=self._pages_sharding)
 
     def _executable(self, key):
         if key not in self._executables:
@@ -302,12 +291,6 @@ class ModelRunner:
             self._dispatch("write_history", upload_rows, tokens)
         return history
 
-    @staticmethod
-    def _needs_full_sampler(rows) -> bool:
-        return any(r.params.has_penalties
-                   or r.allowed_bitmask is not None or r.params.logprobs is not None or r.params.use_beam_search
-                   or r.target_token_id >= 0 for r in rows)
-
     def dispatch(self, seqs: list[SeqInput], sampling_rows: list, multi_step: bool = False) -> "StepHandle":
         """Start one step on the device and return at once. `sampling_rows` are the per-sample rows
         for the sampler, in the order of the sequences' samples. `multi_step`: a decode step (one
@@ -316,7 +299,7 @@ class ModelRunner:
         the later tokens' slots (the scheduler's lookahead slots)."""
         step = prepare_inputs(seqs, self.input_batch, self.buckets, self.block_size, multi_step)
         inputs, num_sample_rows = step.inputs, len(step.inputs.logits_indices)
-        full = not multi_step and self._needs_full_sampler(sampling_rows)
+        full = not multi_step and rows_need_full_sampler(sampling_rows)
         smeta = self._sampling_metadata(sampling_rows, num_sample_rows, full)
         if not multi_step:
             history = self._history_inputs(seqs, step.rows, sampling_rows, num_sample_rows) if full else None

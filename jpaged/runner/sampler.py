@@ -243,6 +243,14 @@ class SamplerOutput(NamedTuple):
     top_logprobs: jax.Array  # f32[S, K]
     target_logprobs: jax.Array  # f32[S]  logprob of each row's target token (0 where it has none)
 
+    @classmethod
+    def of_tokens(cls, token_ids: Sequence[int], logprob: float = 0.0) -> "SamplerOutput":
+        """Rows that sampled `token_ids` (host arrays, no top logprobs): a model-free step's
+        output, for the paper's replay and the tests' fake engine."""
+        n = len(token_ids)
+        return cls(np.asarray(token_ids, np.int32), np.full(n, logprob, np.float32), np.zeros((n, 0), np.int32),
+                   np.zeros((n, 0), np.float32), np.zeros(n, np.float32))
+
 
 def _bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(n - 1, 0).bit_length())
@@ -381,19 +389,3 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     return SamplerOutput(token_ids=token_ids, logprobs=token_logprobs, top_ids=top_ids, top_logprobs=top_logprobs,
                          target_logprobs=target_logprobs)
 
-
-# ----------------------------------------------------------------------------- host side
-
-
-def beam_search_candidates(cumulative_logprobs: Sequence[float], top_ids: np.ndarray, top_logprobs: np.ndarray,
-                           num_candidates: int) -> list[tuple[int, int, float]]:
-    """vLLM v0.4's beam search step, on the host: the `num_candidates` (2 * beam width) best
-    (beam, next token) pairs over all beams x the vocabulary by cumulative logprob, best first, as
-    (beam index, token id, token logprob). Each beam's own `num_candidates` most likely tokens
-    (from `sample`'s top logprobs, one row per beam) hold every pair that can make the cut. Ties
-    go to the earlier beam, then the more likely token; banned (-inf) tokens never count."""
-    ids, logprobs = top_ids[:, :num_candidates], top_logprobs[:, :num_candidates].astype(np.float64)
-    scores = (np.asarray(cumulative_logprobs, np.float64)[:, None] + logprobs).ravel()
-    best = [i for i in np.argsort(-scores, kind="stable")[:num_candidates] if np.isfinite(scores[i])]
-    width = ids.shape[1]
-    return [(int(i) // width, int(ids.flat[i]), float(logprobs.flat[i])) for i in best]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged.models.layers import AttentionMetadata
+from jpaged.models.forward_context import AttentionMetadata, ForwardContext, forward_context
 from jpaged.runner import sampler
 from jpaged.runner.input_batch import Layout, unpack
 
@@ -54,7 +54,8 @@ def _with_pending_tokens(inputs: StepInputs, last_tokens) -> StepInputs:
 
 def _model_logits(graphdef, logits_sharding, state, kv_cache, inputs: StepInputs):
     model = nnx.merge(graphdef, state)
-    hidden, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache, inputs.attn)
+    with forward_context(ForwardContext(attn=inputs.attn)):  # what every layer may read of the step
+        hidden, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache)
     logits = model.compute_logits(hidden[inputs.logits_indices])
     # Vocabulary-parallel logits are gathered: every device samples the same full rows.
     return jax.lax.with_sharding_constraint(logits, logits_sharding), kv_cache

@@ -1,0 +1,74 @@
+"""The KV cache: its spec (one owner for layout, dtype and bytes) and the pool as a typed pytree.
+
+KVCacheSpec says what a block is: layers, kv heads (the pool's head axis, counting the copies
+tensor parallelism makes), head dim, block size, dtype, and so its bytes on each device. Pool
+sizing (the engine), the runner (the device pool, the host swap pool, the swapped pages' shape)
+and the kernel call sites (Attention, block copies) all take it from here.
+
+KVCache is the pool: k and v pages, [num_kv_heads, num_layers * num_blocks, block_size, head_dim]
+(layer l's pages follow layer l - 1's; see LayerStack), and a slot for per-layer scales (None
+while the pages hold the model's dtype; a quantized cache keeps f32[num_layers] scales there).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k_pages", "v_pages", "k_scale", "v_scale"],
+                   meta_fields=[])
+@dataclasses.dataclass
+class KVCache:
+    k_pages: jax.Array
+    v_pages: jax.Array
+    k_scale: jax.Array | None = None  # f32[num_layers] for a quantized cache
+    v_scale: jax.Array | None = None
+
+    def replace(self, **changes) -> "KVCache":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int  # the pool's head axis: kv heads times their tensor-parallel copies
+    head_dim: int
+    block_size: int
+    dtype: np.dtype
+    tp_size: int = 1  # the head axis is split over this many devices
+
+    @classmethod
+    def of_model(cls, model: nnx.Module, block_size: int, dtype, tp_size: int = 1) -> "KVCacheSpec":
+        """Read off the model's layer stack and attention layers (one spec for every layer)."""
+        from jpaged.models.layers import Attention, LayerStack
+
+        nodes = [node for _, node in nnx.iter_graph(model)]
+        stack = next(node for node in nodes if isinstance(node, LayerStack))
+        num_kv_heads, head_dim = next(node for node in nodes if isinstance(node, Attention)).k_proj.out_shape
+        return cls(stack.num_layers, num_kv_heads, head_dim, block_size, np.dtype(dtype), tp_size)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One block of every layer, K and V, on each device (its share of the kv heads)."""
+        return (2 * self.num_layers * (self.num_kv_heads // self.tp_size) * self.block_size * self.head_dim
+                * self.dtype.itemsize)
+
+    def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """k_pages / v_pages: [num_kv_heads, num_layers * num_blocks, block_size, head_dim]."""
+        return (self.num_kv_heads, self.num_layers * num_blocks, self.block_size, self.head_dim)
+
+    def swapped_pages_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Blocks in flight between the pool and the host: [layers, k/v, kv_heads, blocks, block_size, head_dim]."""
+        return (self.num_layers, 2, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
+
+    def host_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One device's host swap pool: its share of the kv heads."""
+        return (self.num_layers, 2, self.num_kv_heads // self.tp_size, num_blocks, self.block_size, self.head_dim)
+
+    def allocate(self, num_blocks: int, sharding) -> KVCache:
+        shape = self.pool_shape(num_blocks)
+        return KVCache(jnp.zeros(shape, self.dtype, device=sharding), jnp.zeros(shape, self.dtype, device=sharding))
