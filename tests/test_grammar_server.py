@@ -11,7 +11,7 @@ import time
 import aiohttp
 import pytest
 
-from test_server import Server, get, post, run, stream_events
+from test_server import Server, post, run, stream_events
 from test_server_robustness import assert_healthy_and_idle, assert_openai_error
 from test_structured_output import _all_of
 
@@ -39,26 +39,28 @@ async def _victim(url, arrivals: list, started: asyncio.Event):
                         started.set()
 
 
-async def _health_latencies(url, stop: asyncio.Event, latencies: list):
+async def _health_latencies(url, stop: asyncio.Event, latencies: list, answered: list):
     async with aiohttp.ClientSession() as session:
         while not stop.is_set():
             start = time.monotonic()
             async with session.get(url + "/health") as r:
                 assert r.status == 200
-            latencies.append(time.monotonic() - start)
+            answered.append(time.monotonic())
+            latencies.append(answered[-1] - start)
             await asyncio.sleep(0.1)
 
 
 def test_freezing_schema_leaves_health_and_streams_alone(server):
-    """The 540-byte schema that froze the whole server for 74 s: a 400 naming the limit within the
-    budget, while the victim's tokens keep coming (no gap over 1 s) and /health answers in 1 s."""
+    """The 540-byte schema that froze the whole server for 74 s: a 400 naming the compile limit,
+    while the victim's tokens keep coming and /health keeps answering during the compile. (How
+    fast: scripts/stress_server.py --grammars measures the gaps and /health's latency; PERF.md.)"""
     schema = _all_of(21)
 
     async def scenario():
-        arrivals, latencies, started, stop = [], [], asyncio.Event(), asyncio.Event()
+        arrivals, latencies, answered, started, stop = [], [], [], asyncio.Event(), asyncio.Event()
         victim = asyncio.create_task(_victim(server.url, arrivals, started))
         await asyncio.wait_for(started.wait(), 120)
-        health = asyncio.create_task(_health_latencies(server.url, stop, latencies))
+        health = asyncio.create_task(_health_latencies(server.url, stop, latencies, answered))
         start = time.monotonic()
         status, body = await post(server.url, "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 4,
                                                                   "guided_json": schema}, headers=HEADERS)
@@ -67,10 +69,11 @@ def test_freezing_schema_leaves_health_and_streams_alone(server):
         stop.set()
         await health
         during = [t for t in arrivals if start <= t <= start + elapsed]
+        health_during = [t for t in answered if start <= t <= start + elapsed]
         await victim
-        return status, body, elapsed, arrivals, during, latencies
+        return status, body, elapsed, arrivals, during, latencies, health_during
 
-    status, body, elapsed, arrivals, during, latencies = run(scenario())
+    status, body, elapsed, arrivals, during, latencies, health_during = run(scenario())
     gaps = [b - a for a, b in zip(arrivals[4:], arrivals[5:])]
     print(f"attack answered in {elapsed:.2f} s: {status} {body}; victim: {len(arrivals)} chunks, {len(during)} "
           f"during the attack, largest gap {max(gaps):.3f} s; /health: {len(latencies)} polls, "
@@ -78,9 +81,9 @@ def test_freezing_schema_leaves_health_and_streams_alone(server):
     assert_openai_error(status, body, 400)
     message = body["error"]["message"]
     assert message.startswith("guided_json=") and "grammar_compile_timeout=3" in message
-    assert elapsed < 20
-    assert len(arrivals) > 100 and max(gaps) < 1.0 and max(latencies) < 1.0
-    assert len(during) > 0 or elapsed < 0.5  # the stream went on while the grammar compiled
+    # The compile ran out its 3 s budget in the worker, and meanwhile the stream went on and
+    # /health answered: orderings of events, not speeds.
+    assert len(arrivals) > 100 and len(during) > 0 and len(health_during) > 0
     assert_healthy_and_idle(server.url)
 
 
@@ -108,7 +111,6 @@ def test_grammars_the_engine_cannot_honour_are_400s(server):
         print(f"{time.monotonic() - start:.2f} s {status} {json.dumps(answer)[:200]}")
         assert_openai_error(status, answer, 400)
         assert "backtrace" not in answer["error"]["message"] and "<state>" not in answer["error"]["message"]
-        assert time.monotonic() - start < 10
     assert_healthy_and_idle(server.url)
 
 
