@@ -8,6 +8,8 @@ from jpaged.core.kv_allocation import KV_ALLOCATIONS
 
 DEVICES = ("cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# KV cache dtypes (vLLM's names): "auto" stores K/V in the model's dtype; "fp8" is e4m3.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # Top logprobs a request may ask for (OpenAI's and vLLM's maximum): every step computes this many.
 MAX_LOGPROBS = 20
 
@@ -26,6 +28,12 @@ class EngineConfig:
     model: str = _option("tiny", "the built-in 'tiny' model, a local Hugging Face directory or a hub id")
     dtype: str = _option("auto", "weights and KV dtype ('auto': the checkpoint's)", choices=DTYPES)
     block_size: int = _option(16, "tokens per KV block (page)", choices=(8, 16, 32, 64, 128))
+    kv_cache_dtype: str = _option("auto", "KV cache storage: 'auto' (the model's dtype) or fp8 ('fp8' = 'fp8_e4m3', "
+                                  "'fp8_e5m2'): half the bytes of bf16 per block, so twice the tokens",
+                                  choices=KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = _option(False, "fp8 KV cache without scales in the checkpoint: compute each "
+                                        "layer's K and V scales from the first step's keys and values "
+                                        "(default: scale 1.0)")
     gpu_memory_utilization: float = _option(0.9, "fraction of GPU memory the engine may use (weights + KV pool)")
     num_gpu_blocks_override: int | None = _option(None, "KV pool size in blocks, instead of sizing it from memory")
     swap_space: float = _option(4, "GiB of host memory per device for swapped-out KV blocks")
@@ -92,6 +100,9 @@ class EngineConfig:
         check("process_id", self.process_id is None or self.process_id >= 0, "None or >= 0")
         check("attention_backend", self.attention_backend in ATTENTION_BACKENDS, f"one of {ATTENTION_BACKENDS}")
         check("dtype", self.dtype in DTYPES, f"one of {DTYPES}")
+        check("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"one of {KV_CACHE_DTYPES}")
+        check("attention_backend", self.kv_cache_dtype == "auto" or self.attention_backend != "mosaic",
+              "'pallas', 'xla' or 'auto' with an fp8 kv_cache_dtype (the Mosaic GPU kernels take bf16 or fp16 pages)")
         check("device", self.device in (None,) + DEVICES, f"None or one of {DEVICES}")
         check("grammar_compile_timeout", self.grammar_compile_timeout > 0, "> 0 (seconds)")
         check("grammar_compile_memory", self.grammar_compile_memory >= 64, ">= 64 (MiB)")

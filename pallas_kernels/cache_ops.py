@@ -13,13 +13,24 @@ import jax
 import jax.numpy as jnp
 
 
+FP8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def quantize(x, dtype, scale):
+    """x / scale in fp8 `dtype`, saturated at its largest finite value (e4m3fn has no infinity:
+    an overflow would be NaN)."""
+    largest = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -largest, largest).astype(dtype)
+
+
 @jax.jit
-def write_kv(k_pages, v_pages, k, v, slot_mapping):
+def write_kv(k_pages, v_pages, k, v, slot_mapping, k_scale=None, v_scale=None):
     """Store k, v [T, num_kv_heads, head_dim] at slots int32[T].
 
     Negative slots (padding, -1) and slots >= num_pages * page_size are
     dropped: those tokens leave the pages untouched. With duplicate slots one
-    of the writes wins (unspecified which).
+    of the writes wins (unspecified which). fp8 pages store k / k_scale and
+    v / v_scale (f32 scalars), saturated; readers multiply back.
     """
     num_pages, page_size = k_pages.shape[1:3]
     # Index (page, offset) in the 4-D layout: scattering into a flattened
@@ -28,11 +39,13 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     slots = jnp.where(slot_mapping < 0, num_pages * page_size, slot_mapping)
     pages_idx, offsets = slots // page_size, slots % page_size
 
-    def scatter(pages, new):
-        new = jnp.swapaxes(new, 0, 1).astype(pages.dtype)  # [kvh, T, d]
-        return pages.at[:, pages_idx, offsets].set(new, mode="drop")
+    def scatter(pages, new, scale):
+        new = jnp.swapaxes(new, 0, 1)  # [kvh, T, d]
+        if pages.dtype in FP8:
+            new = quantize(new, pages.dtype, 1.0 if scale is None else scale)
+        return pages.at[:, pages_idx, offsets].set(new.astype(pages.dtype), mode="drop")
 
-    return scatter(k_pages, k), scatter(v_pages, v)
+    return scatter(k_pages, k, k_scale), scatter(v_pages, v, v_scale)
 
 
 @jax.jit

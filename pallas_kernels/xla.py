@@ -15,6 +15,8 @@ softmax in a loop that stops after the longest context in the call, so the
 cost follows the real contexts and not the block tables' width: callers may
 pass tables padded to the maximum width and compile one shape.
 Softmax is computed in fp32; rows with no visible key give zeros, not NaN.
+fp8 pages are widened to q's dtype as they are gathered (the caller folds the
+K scale into q and the V scale into the output).
 
 Optional, as the kernels: `sliding_window` w (an int or a traced int32 scalar)
 lets a query at position p see only keys in (p - w, p], and the loop starts at
@@ -114,8 +116,8 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, *, scal
     scale = default_scale(scale, head_dim)
 
     def chunk_scores(chunk_tables, first_key):
-        k = _gather_pages(k_pages, chunk_tables)  # [kvh, S, keys, d]
-        v = _gather_pages(v_pages, chunk_tables)
+        k = _gather_pages(k_pages, chunk_tables).astype(q.dtype)  # [kvh, S, keys, d]; fp8 pages widened
+        v = _gather_pages(v_pages, chunk_tables).astype(q.dtype)
         key = first_key + jnp.arange(k.shape[2])[None, :]
         key_ok = (key < context_lens[:, None]) & (key >= window_start[:, None])  # [S, keys]
         # Masking V too keeps non-finite garbage in unused (or freed) slots out of 0 * x.
@@ -156,8 +158,8 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, 
     scale = default_scale(scale, head_dim)
 
     def chunk_scores(chunk_tables, first_key):
-        k = _gather_pages(k_pages, chunk_tables)  # [kvh, NT, keys, d]
-        v = _gather_pages(v_pages, chunk_tables)
+        k = _gather_pages(k_pages, chunk_tables).astype(q.dtype)  # [kvh, NT, keys, d]; fp8 pages widened
+        v = _gather_pages(v_pages, chunk_tables).astype(q.dtype)
         key = first_key + jnp.arange(k.shape[2], dtype=jnp.int32)
         key_ok = (key[None, :] < tile_context[:, None]) & (key[None, :] >= tile_start[:, None])  # [NT, keys]
         v = jnp.where(key_ok[None, :, :, None], v, jnp.zeros((), v.dtype))

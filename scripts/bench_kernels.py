@@ -49,6 +49,9 @@ TINY_GRID = dict(batch=[1, 4], context=[32, 128], heads=[(4, 2)], head_dim=64, p
                  prefill=[(2, 64)])
 
 
+FP8_PAGES = {"fp8": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+
+
 def time_call(fn, *args, iters):
     """Mean seconds per call after warm-up (compile) calls."""
     for _ in range(2):
@@ -145,7 +148,7 @@ def bench_prefill(batch, length, heads, kv_heads, grid, iters):
     return time_impls(impls, iters)
 
 
-def bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters):
+def bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters, kv_cache_dtype=None):
     head_dim, page, dtype = grid["head_dim"], grid["page"], grid["dtype"]
     q, k_pages, v_pages, tables, lens = make_inputs(
         jax.random.PRNGKey(batch * 7 + context), batch, context, heads, kv_heads, head_dim, page, dtype
@@ -161,6 +164,14 @@ def bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters):
         "xla": (jax.jit(pk.paged_attention_xla), (q, k_pages, v_pages, tables, lens)),
         "contiguous": (jax.jit(contiguous_attention), (q, k_dense, v_dense, lens)),
     }
+    if kv_cache_dtype:  # the same pages in fp8 (the KV cache's kv_cache_dtype): half the bytes to read
+        fp8 = FP8_PAGES[kv_cache_dtype]
+        k8, v8 = k_pages.astype(fp8), v_pages.astype(fp8)
+        impls |= {
+            f"pallas {kv_cache_dtype}": (jax.jit(lambda *a: pk.paged_attention(*a, backend="pallas")),
+                                         (q, k8, v8, tables, lens)),
+            f"xla {kv_cache_dtype}": (jax.jit(pk.paged_attention_xla), (q, k8, v8, tables, lens)),
+        }
     peer, why = jax_peer(interpret, context // page)
     if peer is not None:
         impls["jax_peer"] = (peer, (q, k_pages, v_pages, tables, lens))
@@ -177,6 +188,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a few long-context points (GPU)")
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=1 << 21, help="skip points with batch * context above this")
+    parser.add_argument("--kv-cache-dtype", choices=sorted(FP8_PAGES),
+                        help="also decode from fp8 pages (GB/s counted on the fp8 bytes read)")
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     tiny = args.tiny or not on_gpu
@@ -199,15 +212,16 @@ def main(argv=None):
                 if batch * context > args.max_tokens:
                     continue
                 kv_bytes = 2 * batch * context * kv_heads * grid["head_dim"] * itemsize
-                res = bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters)
+                res = bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters, args.kv_cache_dtype)
                 for impl, sec in res.items():
+                    read = kv_bytes if not impl.endswith(str(args.kv_cache_dtype)) else kv_bytes // itemsize
                     row = dict(kind="decode", batch=batch, context=context, heads=heads, kv_heads=kv_heads, impl=impl,
                                seconds=sec)
                     rows.append(row)
                     if isinstance(sec, str):
                         cells = f"{sec} | | "
                     else:
-                        rate = kv_bytes / sec
+                        rate = read / sec
                         cells = f"{sec * 1e6:.1f} | {rate / 1e9:.1f} | {100 * rate / copy_bw:.0f}"
                     print(f"| {batch} | {context} | {heads}/{kv_heads} | {impl} | {cells} |", flush=True)
     print("\n| batch | prompt | heads/kv | impl | ms | TFLOP/s | % dense |")

@@ -91,27 +91,30 @@ def kernel_cases():
     def shapes(*specs):
         return [jax.ShapeDtypeStruct(s, t) for s, t in specs]
 
-    def decode(dtype, heads, kv_heads, head_dim, page, seqs=5, width=40):
-        pages = ((kv_heads, 300, page, head_dim), dtype)
+    def decode(dtype, heads, kv_heads, head_dim, page, seqs=5, width=40, page_dtype=None):
+        pages = ((kv_heads, 300, page, head_dim), page_dtype or dtype)
         return shapes(((seqs, heads, head_dim), dtype), pages, pages, ((seqs, width), jnp.int32), ((seqs,), jnp.int32))
 
-    def prefill(dtype, heads, kv_heads, head_dim, page, tokens=200, seqs=5, width=40):
-        _, k, v, tables, lens = decode(dtype, heads, kv_heads, head_dim, page, seqs, width)
+    def prefill(dtype, heads, kv_heads, head_dim, page, tokens=200, seqs=5, width=40, page_dtype=None):
+        _, k, v, tables, lens = decode(dtype, heads, kv_heads, head_dim, page, seqs, width, page_dtype)
         return [jax.ShapeDtypeStruct((tokens, heads, head_dim), dtype), k, v, tables, lens,
                 jax.ShapeDtypeStruct((seqs + 1,), jnp.int32)]
 
     bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
+    e4m3, e5m2 = jnp.float8_e4m3fn, jnp.float8_e5m2  # fp8 KV cache pages (kv_cache_dtype)
     families = {
-        "pallas": [(bf16, 32, 8, 128, 16), (f32, 24, 8, 80, 16), (f16, 8, 1, 64, 64)],
-        "mosaic": [(bf16, 32, 8, 128, 16), (bf16, 32, 8, 64, 128), (f16, 16, 2, 64, 8)],
+        "pallas": [(bf16, 32, 8, 128, 16, None), (f32, 24, 8, 80, 16, None), (f16, 8, 1, 64, 64, None),
+                   (bf16, 32, 8, 128, 16, e4m3), (bf16, 16, 2, 64, 32, e5m2), (f16, 8, 1, 80, 16, e4m3)],
+        "mosaic": [(bf16, 32, 8, 128, 16, None), (bf16, 32, 8, 64, 128, None), (f16, 16, 2, 64, 8, None)],
     }
     for backend, configs in families.items():
-        for dtype, heads, kv_heads, head_dim, page in configs:
-            label = f"{backend} {jnp.dtype(dtype).name} heads={heads}/{kv_heads} d={head_dim} page={page}"
+        for dtype, heads, kv_heads, head_dim, page, page_dtype in configs:
+            pages = f" pages={jnp.dtype(page_dtype).name}" if page_dtype else ""
+            label = f"{backend} {jnp.dtype(dtype).name}{pages} heads={heads}/{kv_heads} d={head_dim} page={page}"
             yield (f"decode {label}", functools.partial(pk.paged_attention, backend=backend), backend,
-                   decode(dtype, heads, kv_heads, head_dim, page))
+                   decode(dtype, heads, kv_heads, head_dim, page, page_dtype=page_dtype))
             yield (f"prefill {label}", functools.partial(pk.ragged_paged_attention, backend=backend), backend,
-                   prefill(dtype, heads, kv_heads, head_dim, page))
+                   prefill(dtype, heads, kv_heads, head_dim, page, page_dtype=page_dtype))
 
 
 def forward_cases():
@@ -119,9 +122,11 @@ def forward_cases():
     decode bucket and a mixed (prefill) bucket, and its 4-step decode loop (multi-step), lowered
     with the KV pool donated as the engine does. Returns (label, lowered-or-exception thunk, backend)."""
     strip = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731 (shapes only: no CPU placement)
-    for backend in ("pallas", "mosaic"):
+    for backend, kv_cache_dtype in (("pallas", "auto"), ("mosaic", "auto"), ("pallas", "fp8")):
         llm = jpaged.LLM("tiny", dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8,
-                         num_gpu_blocks_override=64, attention_backend=backend, num_scheduler_steps=4)
+                         num_gpu_blocks_override=64, attention_backend=backend, num_scheduler_steps=4,
+                         kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=kv_cache_dtype != "auto")
+        backend_label = backend if kv_cache_dtype == "auto" else f"{backend} kv_cache_dtype={kv_cache_dtype}"
         runner = llm.llm_engine.runner
         # The engine's model, its attention's shard_map on the abstract mesh instead of the CPU's.
         model = nnx.merge(runner.graphdef, runner.state)
@@ -138,14 +143,14 @@ def forward_cases():
             layout = layout_of(runner._abstract_inputs(tokens))
             forward = functools.partial(model_runner._forward, graphdef, PartitionSpec(), layout=layout)
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-            label = f"forward {backend} {'decode or mixed' if tokens == 8 else 'mixed'} tokens={tokens}"
+            label = f"forward {backend_label} {'decode or mixed' if tokens == 8 else 'mixed'} tokens={tokens}"
             yield label, (lambda f=forward, a=(state, kv_cache, packed, last_tokens):
                           lower_for_cuda(f, *a, donate_argnums=(1,))), backend
         layout = layout_of(runner._abstract_multi_step_inputs(8))
         multi_step = functools.partial(model_runner._multi_step, graphdef, PartitionSpec(), layout=layout,
                                        num_steps=4)
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-        yield f"multi-step decode {backend} tokens=8 steps=4", (
+        yield f"multi-step decode {backend_label} tokens=8 steps=4", (
             lambda f=multi_step, a=(state, kv_cache, packed, last_tokens):
             lower_for_cuda(f, *a, donate_argnums=(1, 3))), backend
 

@@ -23,6 +23,7 @@ from pallas_kernels.prefill import ragged_paged_attention_pallas
 from pallas_kernels.tiling import auto_num_splits
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+FP8 = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}  # the KV cache's fp8 pages
 TOL = {"f32": 1e-5, "bf16": 2e-2, "f16": 5e-3}
 rng = np.random.default_rng()
 INTERPRET = jax.default_backend() != "gpu"  # on a GPU the kernels compile for real
@@ -140,11 +141,12 @@ def test_paged_attention_mosaic(case):
     run_decode("mosaic", case)
 
 
-def run_decode(impl, case):
+def run_decode(impl, case, page_dtype=None):
+    """`page_dtype`: pages in another dtype than q (fp8); the reference reads their exact values."""
     dtype_name, page, heads, kv_heads, head_dim, splits = case
     dtype = DTYPES[dtype_name]
     lens = decode_lens(page)
-    k, v, tables, k64, v64 = make_cache(lens, kv_heads, page, head_dim, dtype)
+    k, v, tables, k64, v64 = make_cache(lens, kv_heads, page, head_dim, page_dtype or dtype)
     q, q64 = random_q((len(lens), heads, head_dim), dtype)
     scale = 0.7 / np.sqrt(head_dim)
     if impl == "xla":
@@ -229,14 +231,14 @@ MOSAIC_PREFILL_CASES = [
 ]
 
 
-def run_prefill(impl, case, seqs):
+def run_prefill(impl, case, seqs, page_dtype=None):
     dtype_name, page, heads, kv_heads, head_dim, pad_tokens, q_tile = case
     dtype = DTYPES[dtype_name]
     ctx = [c for c, _ in seqs]
     qlens = [n for _, n in seqs]
     qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
     num_tokens = int(qsl[-1]) + pad_tokens
-    k, v, tables, k64, v64 = make_cache(ctx, kv_heads, page, head_dim, dtype)
+    k, v, tables, k64, v64 = make_cache(ctx, kv_heads, page, head_dim, page_dtype or dtype)
     q, q64 = random_q((num_tokens, heads, head_dim), dtype)
     args = (q, k, v, tables, jnp.asarray(ctx, jnp.int32), jnp.asarray(qsl))
     if impl == "xla":
@@ -265,6 +267,24 @@ def test_ragged_paged_attention(impl, case):
     seqs = prefill_seqs(case[1])
     order = rng.permutation(len(seqs))
     run_prefill(impl, case, [seqs[i] for i in order])
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("case", [DECODE_CASES[1], DECODE_CASES[2], DECODE_CASES[4]], ids=str)
+def test_paged_attention_fp8_pages(impl, fp8, case):
+    """fp8 pages (NaN in every unowned slot), f32 / bf16 / f16 queries: the kernels widen the
+    pages as they load them; the float64 reference reads the same fp8 values."""
+    run_decode(impl, case, FP8[fp8])
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("case", [PREFILL_CASES[1], PREFILL_CASES[2]], ids=str)
+def test_ragged_paged_attention_fp8_pages(impl, fp8, case):
+    seqs = prefill_seqs(case[1])
+    order = rng.permutation(len(seqs))
+    run_prefill(impl, case, [seqs[i] for i in order], FP8[fp8])
 
 
 @needs_mosaic
@@ -339,6 +359,35 @@ def test_write_kv():
         got = np.asarray(new).reshape(kvh, pages * page, d)
         assert new.dtype == old.dtype
         np.testing.assert_array_equal(got, expect)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_write_kv_quantizes_fp8_pages(fp8):
+    """fp8 pages store x / scale rounded to the nearest fp8 value (ml_dtypes' numpy cast as the
+    reference), saturated at the largest finite one: no NaN from an outlier."""
+    import ml_dtypes
+
+    dtype = FP8[fp8]
+    kvh, pages, page, d, tokens = 2, 4, 8, 16, 24
+    k_pages, v_pages = jnp.zeros((kvh, pages, page, d), dtype), jnp.zeros((kvh, pages, page, d), dtype)
+    slots = rng.permutation(pages * page)[:tokens]
+    slots[rng.random(tokens) < 0.25] = -1
+    k = rng.standard_normal((tokens, kvh, d)) * 3
+    v = rng.standard_normal((tokens, kvh, d))
+    k[0, 0, 0] = 1e9  # far past the largest fp8 value even after scaling
+    k_scale, v_scale = np.float32(rng.uniform(0.01, 2)), np.float32(rng.uniform(0.01, 2))
+    new_k, new_v = pk.write_kv(k_pages, v_pages, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32),
+                               jnp.asarray(slots, jnp.int32), k_scale, v_scale)
+    largest = float(ml_dtypes.finfo(np.dtype(dtype)).max)
+    for new, src, scale in ((new_k, k, k_scale), (new_v, v, v_scale)):
+        assert new.dtype == dtype
+        expect = np.zeros((kvh, pages * page, d), np.dtype(dtype))
+        live = slots >= 0
+        scaled = np.clip(np.float32(src) / scale, -largest, largest)
+        expect[:, slots[live]] = np.swapaxes(scaled.astype(np.dtype(dtype)), 0, 1)[:, live]
+        got = np.asarray(new).reshape(kvh, pages * page, d)
+        np.testing.assert_array_equal(got.astype(np.float32), expect.astype(np.float32))
+        assert np.isfinite(got.astype(np.float32)).all()
 
 
 def test_write_kv_donated_in_place():

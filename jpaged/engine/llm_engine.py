@@ -28,7 +28,7 @@ from jpaged.core.step_needs import can_multi_step, can_overlap
 from jpaged.core.stop_checker import StopChecker
 from jpaged.core.structured_output import StructuredOutputManager
 from jpaged.engine.request_validator import RequestValidator
-from jpaged.models.kv_cache import KVCacheSpec
+from jpaged.models.kv_cache import KVCacheSpec, kv_dtype
 from jpaged.models.layers import common_sliding_window
 from jpaged.models.loader import load_model
 from jpaged.outputs import RequestOutput
@@ -135,15 +135,18 @@ class LLMEngine:
                                                          config.grammar_compile_timeout, config.grammar_compile_memory)
         self.max_model_len = derive_max_model_len(loaded.hf_config, config.max_model_len)
         max_num_batched_tokens = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
-        kv_cache_spec = KVCacheSpec.of_model(loaded.model, config.block_size, loaded.dtype, config.tensor_parallel_size)
+        kv_cache_spec = KVCacheSpec.of_model(loaded.model, config.block_size,
+                                             kv_dtype(config.kv_cache_dtype, loaded.dtype), config.tensor_parallel_size)
         bytes_per_block = kv_cache_spec.bytes_per_block  # per device: its kv heads' part of every block
         # Every process must allocate the same pool: the smallest one that fits everywhere.
         num_gpu_blocks = distributed.min_across_processes(self._num_gpu_blocks(bytes_per_block))
         num_cpu_blocks = int(config.swap_space * 2**30 // bytes_per_block)
+        kv_scales, scales = self._kv_scales(loaded, kv_cache_spec)
         logger.info("jpaged: %s (%s) on %s; KV pool: %d device blocks (%.1f MiB), %d host blocks of %d tokens "
-                    "(%.1f KiB each)", config.model, loaded.dtype.name, devices.describe(config.attention_backend),
-                    num_gpu_blocks, num_gpu_blocks * bytes_per_block / 2**20, num_cpu_blocks, config.block_size,
-                    bytes_per_block / 1024)
+                    "(%.1f KiB each); KV cache %s%s", config.model, loaded.dtype.name,
+                    devices.describe(config.attention_backend), num_gpu_blocks, num_gpu_blocks * bytes_per_block / 2**20,
+                    num_cpu_blocks, config.block_size, bytes_per_block / 1024, kv_cache_spec.dtype.name, scales)
+        self.kv_cache_dtype = kv_cache_spec.dtype.name
         self.block_manager = BlockManager(config.block_size, num_gpu_blocks, num_cpu_blocks,
                                           enable_caching=config.enable_prefix_caching,
                                           kv_allocation=config.kv_allocation, max_model_len=self.max_model_len,
@@ -164,7 +167,9 @@ class LLMEngine:
                                   num_scheduler_steps=config.num_scheduler_steps,
                                   executable_cache=ExecutableCache(
                                       executable_cache_dir() if config.executable_cache else None,
-                                      self._model_fingerprint(loaded)))
+                                      self._model_fingerprint(loaded)),
+                                  kv_scales=kv_scales,
+                                  calculate_kv_scales=kv_cache_spec.quantized and config.calculate_kv_scales)
         if not config.enforce_eager:
             self._warm_up(stop_start_up)
         # The heap built so far (jax, the model, the tokenizer) lives as long as the engine: keep
@@ -199,6 +204,21 @@ class LLMEngine:
                            "executable cache bypassed", cache.hits, e)
             self.runner.bypass_executable_cache()
             self.runner.warm_up(stop)
+
+    def _kv_scales(self, loaded, spec: KVCacheSpec):
+        """An fp8 cache's per-layer scales from the checkpoint (None: 1.0 or calculated), and
+        where they come from, for the start-up line (vLLM's order: calculate_kv_scales, the
+        checkpoint, 1.0)."""
+        if not spec.quantized:
+            return None, ""
+        if self.config.calculate_kv_scales:
+            return None, ", scales calculated from the first step"
+        if loaded.kv_scales is None:
+            return None, ", scales 1.0 (none in the checkpoint; calculate_kv_scales computes them)"
+        if len(loaded.kv_scales[0]) != spec.num_layers:
+            raise ValueError(f"the checkpoint has KV cache scales for {len(loaded.kv_scales[0])} layers; the model "
+                             f"has {spec.num_layers}")
+        return loaded.kv_scales, ", scales from the checkpoint"
 
     def _model_fingerprint(self, loaded) -> str:
         """What shapes the compiled steps besides their arguments' shapes and jpaged's source: the
@@ -447,5 +467,5 @@ class LLMEngine:
             "num_gpu_blocks_in_use": bm.get_num_gpu_blocks_in_use(),
             "num_gpu_blocks_without_sharing": bm.get_num_gpu_blocks_without_sharing(),
             "num_cached_gpu_blocks": bm.get_num_cached_gpu_blocks(),
-            "num_compilations": self.runner.num_compilations,
+            "num_compilations": self.runner.num_compilations, "kv_cache_dtype": self.kv_cache_dtype,
         }

@@ -19,17 +19,32 @@ import numpy as np
 from flax import nnx
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["k_pages", "v_pages", "k_scale", "v_scale"],
-                   meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["k_pages", "v_pages", "k_scale", "v_scale", "scales_pending"], meta_fields=[])
 @dataclasses.dataclass
 class KVCache:
     k_pages: jax.Array
     v_pages: jax.Array
     k_scale: jax.Array | None = None  # f32[num_layers] for a quantized cache
     v_scale: jax.Array | None = None
+    # bool[] with calculate_kv_scales: True until a step computed the scales from its K and V
+    # (the runner clears it after the first step).
+    scales_pending: jax.Array | None = None
 
     def replace(self, **changes) -> "KVCache":
         return dataclasses.replace(self, **changes)
+
+
+# kv_cache_dtype (vLLM's names) -> the pages' dtype; "auto" keeps the model's.
+FP8_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+
+
+def kv_dtype(kv_cache_dtype: str, model_dtype) -> np.dtype:
+    return np.dtype(FP8_DTYPES.get(kv_cache_dtype, model_dtype))
+
+
+def is_quantized(dtype) -> bool:
+    return np.dtype(dtype) in (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +84,31 @@ class KVCacheSpec:
         """One device's host swap pool: its share of the kv heads."""
         return (self.num_layers, 2, self.num_kv_heads // self.tp_size, num_blocks, self.block_size, self.head_dim)
 
-    def allocate(self, num_blocks: int, sharding) -> KVCache:
+    @property
+    def quantized(self) -> bool:
+        """fp8 pages: K and V stored divided by a per-layer scale (KVCache.k_scale, v_scale)."""
+        return is_quantized(self.dtype)
+
+    def allocate(self, num_blocks: int, sharding, scales: "tuple[np.ndarray, np.ndarray] | None" = None,
+                 calculate_scales: bool = False) -> KVCache:
+        """Zeroed pages; fp8 ones with per-layer scales (`scales`: (k, v) f32[num_layers], else 1.0,
+        or computed by the first step with `calculate_scales`)."""
         shape = self.pool_shape(num_blocks)
-        return KVCache(jnp.zeros(shape, self.dtype, device=sharding), jnp.zeros(shape, self.dtype, device=sharding))
+        cache = KVCache(jnp.zeros(shape, self.dtype, device=sharding), jnp.zeros(shape, self.dtype, device=sharding))
+        if self.quantized:
+            replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+            k, v = scales if scales is not None else (np.ones(self.num_layers, np.float32),) * 2
+            cache = cache.replace(k_scale=jax.device_put(np.asarray(k, np.float32), replicated),
+                                  v_scale=jax.device_put(np.asarray(v, np.float32), replicated),
+                                  scales_pending=jax.device_put(np.bool_(True), replicated) if calculate_scales
+                                  else None)
+        return cache
+
+
+def max_scale(x, dtype, axis_name: str | None = None):
+    """The scale that maps x's largest magnitude to `dtype`'s largest finite value
+    (calculate_kv_scales); `axis_name`: the mesh axis x's heads are split over (inside shard_map)."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    if axis_name is not None:
+        amax = jax.lax.pmax(amax, axis_name)
+    return jnp.maximum(amax / float(jnp.finfo(dtype).max), 1e-12)

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import pallas_kernels
 from pallas_kernels.blocks import NO_WINDOW
 from jpaged.models.forward_context import AttentionMetadata, forward_context, get_forward_context
-from jpaged.models.kv_cache import KVCache
+from jpaged.models.kv_cache import KVCache, max_scale
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, kv_head_replicas, tp_size
 
 
@@ -322,15 +322,43 @@ class AttentionOps:
             return attend(q, k, v, kv_cache, meta, sliding_window)
         heads, pages = P(None, TP_AXIS, None), kv_cache_sharding(self.mesh).spec
         # check_vma=False: the Pallas kernels do not declare how they vary across the mesh.
-        pool = KVCache(pages, pages, *(None if x is None else P() for x in (kv_cache.k_scale, kv_cache.v_scale)))
+        pool = KVCache(pages, pages, *(None if x is None else P() for x in
+                                       (kv_cache.k_scale, kv_cache.v_scale, kv_cache.scales_pending)))
         return jax.shard_map(attend, mesh=self.mesh, in_specs=(heads, heads, heads, pool, P(), P()),
                              out_specs=(heads, pool), check_vma=False)(
             q, k, v, kv_cache, meta, sliding_window)
 
     def _attend(self, q, k, v, kv_cache: KVCache, meta: AttentionMetadata, sliding_window, scale: float,
                 logits_soft_cap, decode_only: bool):
-        k_pages, v_pages = pallas_kernels.write_kv(kv_cache.k_pages, kv_cache.v_pages, k, v, meta.slot_mapping)
+        k_scale = v_scale = None
+        if kv_cache.k_scale is not None:  # fp8 pages: this layer's scales
+            kv_cache, k_scale, v_scale = self._layer_scales(kv_cache, k, v, meta.layer)
+        k_pages, v_pages = pallas_kernels.write_kv(kv_cache.k_pages, kv_cache.v_pages, k, v, meta.slot_mapping,
+                                                   k_scale, v_scale)
         kv_cache = kv_cache.replace(k_pages=k_pages, v_pages=v_pages)
+        if k_scale is not None:  # q . (k8 * k_scale) = (q * k_scale) . k8: the kernels only widen fp8 pages
+            q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
+        out = self._kernels(q, k_pages, v_pages, meta, sliding_window, scale, logits_soft_cap, decode_only)
+        if v_scale is not None:  # sum_j p_j (v8_j * v_scale) = v_scale * sum_j p_j v8_j
+            out = (out.astype(jnp.float32) * v_scale).astype(out.dtype)
+        return out, kv_cache
+
+    def _layer_scales(self, kv_cache: KVCache, k, v, layer):
+        """Layer `layer`'s K and V scales. While `scales_pending` (calculate_kv_scales, until the
+        first step ran), they are computed from this step's keys and values, over every shard's
+        heads, and kept."""
+        k_scale, v_scale = kv_cache.k_scale[layer], kv_cache.v_scale[layer]
+        if kv_cache.scales_pending is None:  # scales given (checkpoint or 1.0): nothing to compute
+            return kv_cache, k_scale, v_scale
+        axis = None if self.mesh is None else TP_AXIS
+        pending = kv_cache.scales_pending
+        k_scale = jnp.where(pending, max_scale(k, kv_cache.k_pages.dtype, axis), k_scale)
+        v_scale = jnp.where(pending, max_scale(v, kv_cache.v_pages.dtype, axis), v_scale)
+        kv_cache = kv_cache.replace(k_scale=kv_cache.k_scale.at[layer].set(k_scale),
+                                    v_scale=kv_cache.v_scale.at[layer].set(v_scale))
+        return kv_cache, k_scale, v_scale
+
+    def _kernels(self, q, k_pages, v_pages, meta, sliding_window, scale, logits_soft_cap, decode_only):
         args = (q, k_pages, v_pages, meta.block_tables, meta.context_lens)
         # pallas_kernels picks the kernels (interpret mode for Pallas ones off-GPU).
         opts = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, backend=self.backend)
@@ -344,10 +372,10 @@ class AttentionOps:
         # XLA's ragged path is as fast as its decode path on decode steps (tile 1; measured faster
         # inside the multi-step decode on a CPU): one branch, less to compile.
         if meta.decode is None or pallas_kernels.kernel_family(self.backend) == "xla":
-            return ragged(), kv_cache
+            return ragged()
         if decode_only:  # a multi-step decode's steps: the decode kernel alone
-            return decode(), kv_cache
-        return jax.lax.cond(meta.decode, decode, ragged), kv_cache
+            return decode()
+        return jax.lax.cond(meta.decode, decode, ragged)
 
 
 class Attention(nnx.Module):

@@ -60,6 +60,28 @@ class LoadedModel:
     tokenizer: object | None  # a transformers tokenizer, or None when the checkpoint has none
     dtype: jnp.dtype
     mesh: jax.sharding.Mesh  # the tensor-parallel mesh the weights are placed on
+    # fp8 KV cache scales from the checkpoint (compressed-tensors' self_attn.k_scale / v_scale):
+    # (k, v) f32[num_layers], or None when it has none.
+    kv_scales: tuple[np.ndarray, np.ndarray] | None = None
+
+
+# An fp8 KV cache's per-layer scales in a checkpoint (compressed-tensors, ModelOpt): layer index, k or v.
+KV_SCALE = re.compile(r".*\.(?:layers|h)\.(\d+)\.[a-z_]+\.(k_scale|v_scale)")
+
+
+def kv_scales_of(found: dict[tuple[int, str], float]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The per-layer (k, v) scales from {(layer, "k_scale" | "v_scale"): value}; every layer must have both."""
+    if not found:
+        return None
+    num_layers = 1 + max(layer for layer, _ in found)
+    missing = [f"layer {i} {kind}" for i in range(num_layers) for kind in ("k_scale", "v_scale")
+               if (i, kind) not in found]
+    if missing:
+        raise ValueError(f"the checkpoint's KV cache scales are incomplete: no {', '.join(missing[:4])}")
+    scales = [np.array([found[i, kind] for i in range(num_layers)], np.float32) for kind in ("k_scale", "v_scale")]
+    if not all(np.isfinite(s).all() and (s > 0).all() for s in scales):
+        raise ValueError("the checkpoint's KV cache scales must be finite and > 0")
+    return scales[0], scales[1]
 
 
 def get_model_class(hf_config: PretrainedConfig):
@@ -88,10 +110,11 @@ def resolve_dtype(dtype, hf_config: PretrainedConfig) -> jnp.dtype:
 
 def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.ndarray]], *, dtype: jnp.dtype,
                 attention_backend: str = "auto", mesh: jax.sharding.Mesh | None = None,
-                max_model_len: int | None = None) -> nnx.Module:
+                max_model_len: int | None = None, kv_scales: dict | None = None) -> nnx.Module:
     """Build the model for `hf_config` abstractly and fill it from (name, tensor) pairs in HF naming,
     each weight placed on `mesh` (default: the first device) by its logical axes. `max_model_len`
-    (default: the model's own limit) is for models whose rotary embedding depends on it (LongRoPE)."""
+    (default: the model's own limit) is for models whose rotary embedding depends on it (LongRoPE).
+    KV cache scale tensors go to `kv_scales` {(layer, "k_scale" | "v_scale"): value}."""
     model_cls = get_model_class(hf_config)
     mesh = mesh or sharding.make_mesh(1)
     ops = AttentionOps(attention_backend, mesh)
@@ -103,6 +126,10 @@ def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.nda
     for name, tensor in weights:
         if name not in specs:
             if any(p.fullmatch(name) for p in ignored):
+                continue
+            if (match := KV_SCALE.fullmatch(name)) and np.size(tensor) == 1:
+                if kv_scales is not None:
+                    kv_scales[int(match[1]), match[2]] = float(np.asarray(tensor, np.float32).reshape(()))
                 continue
             raise ValueError(f"unexpected tensor {name!r} (shape {tuple(tensor.shape)}) in checkpoint for "
                              f"{model_cls.__name__}")
@@ -188,6 +215,7 @@ def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", rev
         except (OSError, ValueError, TypeError):
             logger.warning("no tokenizer found in %s: prompts must be token ids", model_dir)
             tokenizer = None
+    found = {}
     nn_model = build_model(hf_config, weights, dtype=jdtype, attention_backend=attention_backend, mesh=mesh,
-                           max_model_len=max_model_len)
-    return LoadedModel(nn_model, hf_config, tokenizer, jdtype, mesh)
+                           max_model_len=max_model_len, kv_scales=found)
+    return LoadedModel(nn_model, hf_config, tokenizer, jdtype, mesh, kv_scales_of(found))

@@ -69,7 +69,9 @@ MAX_BANNED_TOKENS = 32
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, kv_cache_spec: KVCacheSpec, *, num_gpu_blocks: int, num_cpu_blocks: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_scheduler_steps: int = 1,
-                 executable_cache: ExecutableCache | None = None):
+                 executable_cache: ExecutableCache | None = None, kv_scales=None, calculate_kv_scales: bool = False):
+        """`kv_scales`: fp8 pages' per-layer (k, v) scales from the checkpoint; else 1.0, or
+        computed by the first step with `calculate_kv_scales`."""
         self.kv_cache_spec, self.num_gpu_blocks = kv_cache_spec, num_gpu_blocks
         self.block_size = block_size = kv_cache_spec.block_size
         self.vocab_size = loaded.hf_config.vocab_size
@@ -81,7 +83,8 @@ class ModelRunner:
         self.num_layers = num_layers = kv_cache_spec.num_layers
         kv, rep = kv_cache_sharding(self.mesh), replicated(self.mesh)
         self._replicated = rep
-        self.kv_cache: KVCache = kv_cache_spec.allocate(num_gpu_blocks, kv)
+        self.kv_cache: KVCache = kv_cache_spec.allocate(num_gpu_blocks, kv, kv_scales, calculate_kv_scales)
+        pool = jax.tree.map(lambda x: x.sharding, self.kv_cache)  # pages split on kv heads, scales replicated
         # Host pool for swapped-out pages, one per local shard, keyed by the shard's first kv head:
         # [layer, k/v, kv_heads / tp, cpu_blocks, block_size, head_dim].
         self.host_kv = {index[0].start or 0: np.zeros(kv_cache_spec.host_shape(num_cpu_blocks), kv_cache_spec.dtype)
@@ -102,25 +105,26 @@ class ModelRunner:
         # Each takes its inputs packed in one int32 array (one transfer), unpacked by `layout`.
         self._forward = lambda layout: jax.jit(
             functools.partial(step_functions.forward, self.graphdef, rep, layout=layout),
-            donate_argnums=(1,), out_shardings=(rep, kv))
+            donate_argnums=(1,), out_shardings=(rep, pool))
         self._sample = lambda layout: jax.jit(functools.partial(step_functions.sample, layout=layout),
                                               out_shardings=(rep, rep, rep), donate_argnums=(2, 3))
         self._history_writer = jax.jit(step_functions.write_history, out_shardings=rep, donate_argnums=(0,))
         self._multi_step = lambda layout: jax.jit(
             functools.partial(step_functions.multi_step, self.graphdef, rep, layout=layout,
                               num_steps=num_scheduler_steps),
-            donate_argnums=(1, 3), out_shardings=(rep, kv, rep))
+            donate_argnums=(1, 3), out_shardings=(rep, pool, rep))
         self.executable_cache = executable_cache or ExecutableCache(None, "")
         self._executables = {}
         if self._multihost:  # the driver's broadcasts: one executable, compiled now
             self._executables[("broadcast", distributed.BROADCAST_CHUNK)] = distributed.broadcast_executable()[0]
         self._warm = False
-        self._copy = jax.jit(functools.partial(kv_transfer.copy_blocks, num_layers), in_shardings=(kv, rep, rep),
-                             out_shardings=kv, donate_argnums=(0,))
-        self._gather = jax.jit(functools.partial(kv_transfer.gather_blocks, num_layers), in_shardings=(kv, rep),
+        self._kv_scales_computed = False
+        self._copy = jax.jit(functools.partial(kv_transfer.copy_blocks, num_layers), in_shardings=(pool, rep, rep),
+                             out_shardings=pool, donate_argnums=(0,))
+        self._gather = jax.jit(functools.partial(kv_transfer.gather_blocks, num_layers), in_shardings=(pool, rep),
                                out_shardings=self._pages_sharding)
         self._scatter = jax.jit(functools.partial(kv_transfer.scatter_blocks, num_layers),
-                                in_shardings=(kv, self._pages_sharding, rep), out_shardings=kv, donate_argnums=(0,))
+                                in_shardings=(pool, self._pages_sharding, rep), out_shardings=pool, donate_argnums=(0,))
 
     @property
     def num_compilations(self) -> int:
@@ -322,6 +326,10 @@ class ModelRunner:
         num_tokens, full = key
         logits, self.kv_cache = self._executable(("forward", num_tokens))(self.state, self.kv_cache, inputs,
                                                                           self.last_tokens)
+        if self.kv_cache.scales_pending is not None and not self._kv_scales_computed:
+            self._kv_scales_computed = True  # this step computed them: later steps keep them
+            self.kv_cache = self.kv_cache.replace(
+                scales_pending=jax.device_put(np.bool_(False), self.kv_cache.scales_pending.sharding))
         out, self.last_tokens, self.token_history = self._executable(
             ("sample", self.buckets.sample_rows(self.buckets.seqs(num_tokens)), full))(
             logits, smeta, self.last_tokens, self.token_history)
