@@ -48,13 +48,18 @@ def attend_block(carry, q, k, v, key_live, scale, row_ok=None, soft_cap=None):
     return out * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
 
 
-def load_pages(pages_ref, page_ids, head_dim):
-    """Gather pages [n] -> [n * page_size, dp], zero past head_dim."""
+def load_pages(pages_ref, page_ids, head_dim, dtype):
+    """Gather pages [n] -> [n * page_size, dp] in `dtype` (fp8 pages widened in registers), zero
+    past head_dim."""
     n = page_ids.shape[0]
     _, page_size, dp = pages_ref.shape
     if head_dim == dp:
-        x = pages_ref[page_ids]
+        x = pages_ref[page_ids].astype(dtype)
     else:  # all-array indices: the form masked loads support in interpret mode
         idx = (page_ids[:, None, None], jnp.arange(page_size)[None, :, None], jnp.arange(dp)[None, None, :])
-        x = plgpu.load(pages_ref.at[idx], mask=idx[2] < head_dim, other=0)
+        mask = idx[2] < head_dim
+        if jnp.dtype(pages_ref.dtype).itemsize == 1:  # fp8: Triton has no integer fill to splat into fp8
+            x = jnp.where(mask, plgpu.load(pages_ref.at[idx], mask=mask).astype(dtype), jnp.zeros((), dtype))
+        else:
+            x = plgpu.load(pages_ref.at[idx], mask=mask, other=0).astype(dtype)
     return x.reshape(n * page_size, dp)

@@ -49,8 +49,8 @@ def _decode_kernel(ctx_ref, window_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *
 
     def body(i, carry):
         ids = table_ref[pl.ds(i * pages_per_iter, pages_per_iter)]
-        k = blocks.load_pages(k_ref, ids, head_dim).astype(q.dtype)  # fp8 pages: widened in registers
-        v = blocks.load_pages(v_ref, ids, head_dim).astype(q.dtype)
+        k = blocks.load_pages(k_ref, ids, head_dim, q.dtype)  # fp8 pages: widened in registers
+        v = blocks.load_pages(v_ref, ids, head_dim, q.dtype)
         key = i * block + jnp.arange(block)
         return blocks.attend_block(carry, q, k, v, (key >= start) & (key < num_keys), scale, soft_cap=soft_cap)
 

@@ -62,8 +62,8 @@ def _prefill_kernel(
 
     def body(i, carry):
         ids = table_ref[seq, pl.ds(i * pages_per_iter, pages_per_iter)]
-        k = blocks.load_pages(k_ref, ids, head_dim).astype(q.dtype)  # fp8 pages: widened in registers
-        v = blocks.load_pages(v_ref, ids, head_dim).astype(q.dtype)
+        k = blocks.load_pages(k_ref, ids, head_dim, q.dtype)  # fp8 pages: widened in registers
+        v = blocks.load_pages(v_ref, ids, head_dim, q.dtype)
         k_pos = i * block + jnp.arange(block)
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
         key_live = (k_pos >= start) & (k_pos < num_keys)
