@@ -46,7 +46,9 @@ class ScheduledSequenceGroup:
     token_chunk_size: int  # tokens each running sequence of the group computes this step
     start: int = 0  # the running sequences' computed tokens before the step (they are in lockstep)
     prompt_rows: int = 0
-    sampled: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)  # (sequence, rows)
+    seqs: list[Sequence] = dataclasses.field(default_factory=list)  # the running sequences
+    samples: list[int] = dataclasses.field(default_factory=list)  # rows each of `seqs` samples (0: none)
+    sampled: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)  # (sequence, rows > 0)
 
 
 @dataclasses.dataclass
@@ -132,12 +134,13 @@ class Scheduler:
     def on_dispatched(self, scheduled: ScheduledSequenceGroup):
         """The group's step is on the device: its tokens count as computed from now on, and each
         sequence's sampled token is pending until it is read (a beam or a fork: read at once)."""
-        group = scheduled.seq_group
-        group.update_num_computed_tokens(scheduled.token_chunk_size)
-        if not group.sampling_params.use_beam_search:
-            for seq, samples in scheduled.sampled:
-                if samples == 1:
-                    seq.num_pending_tokens += 1
+        chunk, pending = scheduled.token_chunk_size, not scheduled.seq_group.sampling_params.use_beam_search
+        for seq, samples in zip(scheduled.seqs, scheduled.samples):
+            seq.num_computed_tokens += chunk
+            if seq.num_computed_tokens > seq.get_len():
+                raise ValueError(f"{seq} computed more tokens than it has")
+            if samples == 1 and pending:
+                seq.num_pending_tokens += 1
 
     def update_from_output(self, results) -> dict[int, tuple[SequenceGroup, Exception]]:
         """Every sequence-state change a step's sampled rows make. `results`: for each group
@@ -328,24 +331,27 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + chunk)
             self.block_manager.free_out_of_window(seq)
         num_tokens = chunk * len(running)
-        out.scheduled_seq_groups.append(self._scheduled(seq_group, chunk))
+        scheduled = self._scheduled(seq_group, running, chunk)
+        out.scheduled_seq_groups.append(scheduled)
         out.num_batched_tokens += num_tokens
         budget.num_tokens -= num_tokens
-        budget.num_seqs -= self._prompt_rows(seq_group, chunk)
+        budget.num_seqs -= scheduled.prompt_rows
 
     @staticmethod
-    def _scheduled(seq_group: SequenceGroup, chunk: int) -> ScheduledSequenceGroup:
+    def _scheduled(seq_group: SequenceGroup, running: list[Sequence], chunk: int) -> ScheduledSequenceGroup:
         """Which rows the group's step samples: a sequence whose chunk reaches its end samples
         what follows (beam search: one row per beam, its candidates from the row's top logprobs)."""
-        running = seq_group.get_seqs(SequenceStatus.RUNNING)
-        start = running[0].num_computed_tokens
-        scheduled = ScheduledSequenceGroup(seq_group, chunk, start, seq_group.prompt_logprob_rows(start, start + chunk))
+        first = running[0]
+        start = first.num_computed_tokens
+        end = start + chunk
+        prompt_rows = seq_group.prompt_logprob_rows(start, end) if seq_group.prompt_logprobs is not None else 0
+        if end != first.get_len():  # a prefill chunk short of the end: nothing sampled (lockstep)
+            return ScheduledSequenceGroup(seq_group, chunk, start, prompt_rows, running, [0] * len(running), [])
         sp = seq_group.sampling_params
-        for seq in running:
-            if start + chunk == seq.get_len():
-                fresh = not seq.output_token_ids and len(seq_group.seqs) == 1
-                scheduled.sampled.append((seq, sp.best_of if fresh and not sp.use_beam_search else 1))
-        return scheduled
+        fresh = len(seq_group.seqs) == 1 and not first.output_token_ids
+        n = sp.best_of if fresh and not sp.use_beam_search else 1
+        return ScheduledSequenceGroup(seq_group, chunk, start, prompt_rows, running, [n] * len(running),
+                                      [(seq, n) for seq in running])
 
     def _append_slots(self, seq_group: SequenceGroup, out: SchedulerOutputs, num_lookahead_slots: int = 0):
         for seq in seq_group.get_seqs(SequenceStatus.RUNNING):

@@ -187,7 +187,10 @@ class SequenceGroup:
         return len(self.get_unfinished_seqs())
 
     def is_finished(self) -> bool:
-        return all(seq.is_finished() for seq in self.seqs)
+        for seq in self.seqs:  # (a loop: called for every group several times a step)
+            if not seq.status.is_finished:
+                return False
+        return True
 
     def get_num_uncomputed_tokens(self) -> int:
         """Per sequence (the unfinished ones are in lockstep)."""
@@ -203,13 +206,6 @@ class SequenceGroup:
         if self.sampling_params.use_beam_search or (len(self.seqs) == 1 and not self.seqs[0].output_token_ids):
             return self.sampling_params.best_of
         return self.num_unfinished_seqs()
-
-    def update_num_computed_tokens(self, num_new_tokens: int):
-        """After a step: the running sequences computed `num_new_tokens` more tokens each."""
-        for seq in self.get_seqs(SequenceStatus.RUNNING):
-            seq.num_computed_tokens += num_new_tokens
-            if seq.num_computed_tokens > seq.get_len():
-                raise ValueError(f"{seq} computed more tokens than it has")
 
     def __repr__(self):
         return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.seqs})"

@@ -23,7 +23,7 @@ from jpaged.core.kv_allocation import KVUsage, kv_usage
 from jpaged.core.kv_map import KVMap
 from jpaged.core.output_processor import OutputProcessor
 from jpaged.core.scheduler import ScheduledSequenceGroup, Scheduler, SchedulerOutputs
-from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from jpaged.core.sequence import Sequence, SequenceGroup
 from jpaged.core.step_needs import can_multi_step, can_overlap
 from jpaged.core.stop_checker import StopChecker
 from jpaged.core.structured_output import StructuredOutputManager
@@ -349,7 +349,7 @@ class LLMEngine:
         for step in dispatched.steps:
             group = step.group
             if id(group) in failed or group.is_finished() or self._groups.get(group.request_id) is not group:
-                continue
+                continue  # ended while this step ran: its tokens of this step are dropped
             handle, row = dispatched.results[id(group)]
             try:
                 if id(handle) not in read:
@@ -388,12 +388,11 @@ class LLMEngine:
         """The runner's inputs for the group's share of the step: tokens to compute (a decode:
         just the last one) and rows to sample, as the scheduler planned them."""
         step, group, start, chunk = GroupStep(scheduled), scheduled.seq_group, scheduled.start, scheduled.token_chunk_size
-        samples_of = {id(seq): samples for seq, samples in scheduled.sampled}
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
+        for seq, samples in zip(scheduled.seqs, scheduled.samples):
             # Prompt logprobs: a row per prompt position, reporting the next prompt token's logprob.
-            step.rows.extend(SamplingRow(_PROMPT_ROW_PARAMS, 0, target_token_id=seq.prompt_token_ids[p + 1])
-                             for p in range(start, start + scheduled.prompt_rows))
-            samples = samples_of.get(id(seq), 0)
+            if scheduled.prompt_rows:
+                step.rows.extend(SamplingRow(_PROMPT_ROW_PARAMS, 0, target_token_id=seq.prompt_token_ids[p + 1])
+                                 for p in range(start, start + scheduled.prompt_rows))
             for i in range(samples):  # a fresh prompt's forks: one row each
                 step.rows.append(self._sampling_row(group, seq, i if samples > 1 else group.seqs.index(seq)))
             token_ids = [seq.get_last_token_id()] if chunk == 1 and samples else seq.get_token_ids()[start:start + chunk]
