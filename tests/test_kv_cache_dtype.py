@@ -16,7 +16,7 @@ import safetensors.numpy
 import jpaged
 from jpaged.models.forward_context import AttentionMetadata
 from jpaged.models.kv_cache import KVCacheSpec
-from jpaged.models.layers import AttentionOps
+from jpaged.models.paged_attention import AttentionOps
 from test_engine import assert_all_blocks_free, workload
 
 FP8 = {"fp8": ml_dtypes.float8_e4m3fn, "fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}

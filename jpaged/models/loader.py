@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 from jpaged import config
 from jpaged.models.gemma import GemmaForCausalLM
 from jpaged.models.gpt2 import GPT2LMHeadModel
-from jpaged.models.layers import AttentionOps
+from jpaged.models.paged_attention import AttentionOps
 from jpaged.models.llama import LlamaForCausalLM
 from jpaged.models.moe import MixtralForCausalLM
 from jpaged.models.opt import OPTForCausalLM

@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from jpaged.models.layers import AttentionMetadata
+from jpaged.models.forward_context import AttentionMetadata
 from jpaged.runner.buckets import Buckets, fit
 from jpaged.runner.input_batch import InputBatch
 from jpaged.runner.step_functions import StepInputs
