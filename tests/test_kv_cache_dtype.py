@@ -140,11 +140,12 @@ def test_checkpoint_scales_are_read_and_used(tmp_path, caplog):
         jpaged.LLM(str(tmp_path), kv_cache_dtype="fp8", enforce_eager=True, max_model_len=128)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
-def test_fp8_pages_survive_swap_copy_on_write_and_prefix_caching(kv_cache_dtype):
+def test_fp8_pages_survive_swap_copy_on_write_and_prefix_caching():
     """One warmed-up fp8 engine, cramped so it swaps, with n = 2 requests (copy-on-write) and
     shared prefixes (prefix cache hits): every output equals the same engine's output for that
-    request alone in a roomy pool, nothing leaks and nothing compiles after warm-up."""
+    request alone in a roomy pool, nothing leaks and nothing compiles after warm-up. (e5m2 pages
+    take the same paths; the kernels test both.)"""
+    kv_cache_dtype = "fp8"
     rng = np.random.default_rng()
     prefix = rng.integers(0, 256, 40).tolist()
     prompts, params = workload(rng, 10)
@@ -167,7 +168,7 @@ def test_fp8_pages_survive_swap_copy_on_write_and_prefix_caching(kv_cache_dtype)
 
 def test_fp8_multi_step_and_async_scheduling_match_single_steps():
     rng = np.random.default_rng()
-    prompts, params = workload(rng, 6)
+    prompts, params = workload(rng, 4)
     common = dict(kv_cache_dtype="fp8", num_gpu_blocks_override=120, enforce_eager=True, **LIMITS)
     reference = jpaged.LLM("tiny", **common).generate(prompts, params, use_tqdm=False)
     for options in (dict(num_scheduler_steps=4), dict(async_scheduling=True)):
