@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pallas_kernels as pk  # noqa: E402
+from jpaged.models.kv_cache import FP8_DTYPES  # noqa: E402
 
 GPU_GRID = dict(
     batch=[1, 8, 32, 64, 128, 256],
@@ -47,9 +48,6 @@ QUICK_GRID = dict(GPU_GRID, batch=[8, 64], context=[4096, 32768], heads=[(32, 8)
 # bf16 and head_dim 64: shapes the Mosaic kernels take.
 TINY_GRID = dict(batch=[1, 4], context=[32, 128], heads=[(4, 2)], head_dim=64, page=16, dtype=jnp.bfloat16,
                  prefill=[(2, 64)])
-
-
-FP8_PAGES = {"fp8": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 
 
 def time_call(fn, *args, iters):
@@ -165,7 +163,7 @@ def bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters, kv_cache_d
         "contiguous": (jax.jit(contiguous_attention), (q, k_dense, v_dense, lens)),
     }
     if kv_cache_dtype:  # the same pages in fp8 (the KV cache's kv_cache_dtype): half the bytes to read
-        fp8 = FP8_PAGES[kv_cache_dtype]
+        fp8 = FP8_DTYPES[kv_cache_dtype]
         k8, v8 = k_pages.astype(fp8), v_pages.astype(fp8)
         impls |= {
             f"pallas {kv_cache_dtype}": (jax.jit(lambda *a: pk.paged_attention(*a, backend="pallas")),
@@ -188,7 +186,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a few long-context points (GPU)")
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=1 << 21, help="skip points with batch * context above this")
-    parser.add_argument("--kv-cache-dtype", choices=sorted(FP8_PAGES),
+    parser.add_argument("--kv-cache-dtype", choices=sorted(FP8_DTYPES),
                         help="also decode from fp8 pages (GB/s counted on the fp8 bytes read)")
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"

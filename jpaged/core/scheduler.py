@@ -28,6 +28,7 @@ recompute instead of failing the step.
 
 import collections
 import dataclasses
+import functools
 import itertools
 
 from jpaged.core.beam_search import beam_search_step, top_logprobs
@@ -48,7 +49,11 @@ class ScheduledSequenceGroup:
     prompt_rows: int = 0
     seqs: list[Sequence] = dataclasses.field(default_factory=list)  # the running sequences
     samples: list[int] = dataclasses.field(default_factory=list)  # rows each of `seqs` samples (0: none)
-    sampled: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)  # (sequence, rows > 0)
+
+    @functools.cached_property
+    def sampled(self) -> list[tuple[Sequence, int]]:
+        """(sequence, rows) of the sequences that sample."""
+        return [(seq, n) for seq, n in zip(self.seqs, self.samples) if n]
 
 
 @dataclasses.dataclass
@@ -346,12 +351,11 @@ class Scheduler:
         end = start + chunk
         prompt_rows = seq_group.prompt_logprob_rows(start, end) if seq_group.prompt_logprobs is not None else 0
         if end != first.get_len():  # a prefill chunk short of the end: nothing sampled (lockstep)
-            return ScheduledSequenceGroup(seq_group, chunk, start, prompt_rows, running, [0] * len(running), [])
+            return ScheduledSequenceGroup(seq_group, chunk, start, prompt_rows, running, [0] * len(running))
         sp = seq_group.sampling_params
         fresh = len(seq_group.seqs) == 1 and not first.output_token_ids
         n = sp.best_of if fresh and not sp.use_beam_search else 1
-        return ScheduledSequenceGroup(seq_group, chunk, start, prompt_rows, running, [n] * len(running),
-                                      [(seq, n) for seq in running])
+        return ScheduledSequenceGroup(seq_group, chunk, start, prompt_rows, running, [n] * len(running))
 
     def _append_slots(self, seq_group: SequenceGroup, out: SchedulerOutputs, num_lookahead_slots: int = 0):
         for seq in seq_group.get_seqs(SequenceStatus.RUNNING):

@@ -18,6 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jpaged.config import KV_CACHE_DTYPES
+from pallas_kernels.cache_ops import FP8
+
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["k_pages", "v_pages", "k_scale", "v_scale", "scales_pending"], meta_fields=[])
@@ -36,7 +39,8 @@ class KVCache:
 
 
 # kv_cache_dtype (vLLM's names) -> the pages' dtype; "auto" keeps the model's.
-FP8_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+FP8_DTYPES = {name: jnp.float8_e5m2 if name.endswith("e5m2") else jnp.float8_e4m3fn
+              for name in KV_CACHE_DTYPES if name != "auto"}
 
 
 def kv_dtype(kv_cache_dtype: str, model_dtype) -> np.dtype:
@@ -44,7 +48,7 @@ def kv_dtype(kv_cache_dtype: str, model_dtype) -> np.dtype:
 
 
 def is_quantized(dtype) -> bool:
-    return np.dtype(dtype) in (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+    return np.dtype(dtype) in {np.dtype(t) for t in FP8}
 
 
 @dataclasses.dataclass(frozen=True)
