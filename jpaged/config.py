@@ -101,8 +101,6 @@ class EngineConfig:
         check("attention_backend", self.attention_backend in ATTENTION_BACKENDS, f"one of {ATTENTION_BACKENDS}")
         check("dtype", self.dtype in DTYPES, f"one of {DTYPES}")
         check("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"one of {KV_CACHE_DTYPES}")
-        check("attention_backend", self.kv_cache_dtype == "auto" or self.attention_backend != "mosaic",
-              "'pallas', 'xla' or 'auto' with an fp8 kv_cache_dtype (the Mosaic GPU kernels take bf16 or fp16 pages)")
         check("device", self.device in (None,) + DEVICES, f"None or one of {DEVICES}")
         check("grammar_compile_timeout", self.grammar_compile_timeout > 0, "> 0 (seconds)")
         check("grammar_compile_memory", self.grammar_compile_memory >= 64, ">= 64 (MiB)")

@@ -51,6 +51,7 @@ from pallas_kernels.xla import paged_attention_xla, ragged_paged_attention_xla
 __all__ = [
     "BACKENDS",
     "kernel_family",
+    "check_supported",
     "paged_attention",
     "ragged_paged_attention",
     "write_kv",
@@ -81,6 +82,15 @@ def kernel_family(backend: str = "auto") -> str:
             raise ValueError(f"attention_backend='mosaic' needs an sm_90+ GPU (Hopper or newer); "
                              f"{jax.devices()[0].device_kind} is sm_{cc.replace('.', '')}: use 'pallas'")
     return backend
+
+
+def check_supported(q, k_pages, backend: str = "auto") -> None:
+    """ValueError, naming attention_backend, when `backend`'s kernels cannot take queries and pages
+    of these shapes and dtypes (ShapeDtypeStructs suffice: the engine asks at start-up)."""
+    if kernel_family(backend) == "mosaic":
+        from pallas_kernels.mosaic import check_supported as mosaic_check
+
+        mosaic_check(q, k_pages)
 
 
 def _interpret(interpret) -> bool:

@@ -13,8 +13,13 @@ Decode splits long tables into `num_splits` programs (split-K, flash-decoding) t
 write fp32 partials (out, max, sumexp) merged by tiling.combine_splits. Prefill's tiles
 come from tiling.ragged_tiles, as in prefill.py and the XLA twin.
 
-Limits (ValueError otherwise; the Triton kernels cover the rest): bf16/fp16, head_dim a
-multiple of 64, at most 64 query heads per kv head. Off-GPU the kernels run in Mosaic
+fp8 pages (the fp8 KV cache) land by TMA in fp8 stages, and a warpgroup widens each block to
+q's dtype in a second shared-memory buffer before its wgmma: wgmma's fp8 form wants both
+operands fp8 and K-major, which p @ V is not, so the matmuls stay bf16/fp16 and fp8 halves
+the bytes read from HBM, which is what decode is bound by.
+
+Limits (ValueError otherwise; the Triton kernels cover the rest): bf16/fp16 queries, pages in
+q's dtype or fp8 (e4m3fn, e5m2), head_dim a multiple of 64, at most 64 query heads per kv head. Off-GPU the kernels run in Mosaic
 GPU's interpret mode (jax >= 0.11), which simulates TMA, barriers and wgmma on the CPU.
 """
 
@@ -27,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import tiling
+from pallas_kernels.cache_ops import FP8
 from pallas_kernels.xla import default_scale
 
 ROWS = 64  # wgmma's M for one warpgroup
@@ -39,9 +45,9 @@ LOG2E = 1.4426950408889634
 def check_supported(q, k_pages):
     """ValueError naming what the Mosaic kernels cannot take."""
     group = q.shape[1] // k_pages.shape[0]
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
-        raise ValueError(f"attention_backend='mosaic' needs bf16 or fp16 q and pages, got {q.dtype} and "
-                         f"{k_pages.dtype}: use 'pallas'")
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype not in (q.dtype, *FP8):
+        raise ValueError(f"attention_backend='mosaic' needs bf16 or fp16 q and pages in q's dtype or fp8, got "
+                         f"{q.dtype} and {k_pages.dtype}: use 'pallas'")
     if q.shape[-1] % 64:
         raise ValueError(f"attention_backend='mosaic' needs head_dim % 64 == 0, got {q.shape[-1]}: use 'pallas'")
     if group > ROWS:
@@ -61,7 +67,7 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
     table_ref[first_page:]. causal = (pos0, tile) (prefill): row r is the query at position
     pos0 + r % tile (head-major rows) and sees keys up to its own position.
     Returns fp32 (out [ROWS, d] unnormalised, max [ROWS] in log2 units, sumexp [ROWS])."""
-    k_smem, v_smem, p_smem, k_bar, v_bar = scratch
+    k_smem, v_smem, p_smem, k_bar, v_bar, *wide = scratch
     page_size = k_ref.shape[2]
     block = k_smem.shape[1]
     pages_per_block = block // page_size
@@ -95,9 +101,10 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
             fetch(i + 1, 1 - slot)
 
         plgpu.barrier_wait(k_bar.at[slot])
+        k_op = _widened(k_smem.at[slot], wide[0], dtype) if wide else k_smem.at[slot]
 
         def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(acc_ref, q_smem, k_op.transpose((1, 0)))
             return acc_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((ROWS, block), jnp.float32))
@@ -114,14 +121,14 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
         l = l * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         plgpu.barrier_wait(v_bar.at[slot])
+        v_op = _widened(v_smem.at[slot], wide[1], dtype) if wide else v_smem.at[slot]
 
         # The last block's slots past num_keys may hold anything (even NaN): 0 * NaN would
         # reach the output through p @ v, so zero them in shared memory first.
         @pl.when((i + 1) * block > num_keys)
         def _():
-            v = v_smem[slot]
             row = plgpu.broadcasted_iota(jnp.int32, (block, head_dim), 0, layout=plgpu.Layout.WGMMA)
-            v_smem[slot] = jnp.where(i * block + row < num_keys, v, jnp.zeros((), dtype))
+            v_op[...] = jnp.where(i * block + row < num_keys, v_op[...], jnp.zeros((), dtype))
             plgpu.commit_smem()
 
         # p goes through shared memory: the one wgmma form GPU interpret mode simulates, so
@@ -130,7 +137,7 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
         plgpu.commit_smem()
 
         def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+            plgpu.wgmma(acc_ref, p_smem, v_op)
             return acc_ref[...]
 
         # A fresh accumulator, added in registers (interpret mode has no run_state over ACC refs).
@@ -140,19 +147,35 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
     return lax.fori_loop(0, num_blocks, body, (acc, m, l))
 
 
+def _widened(stage, wide, dtype):
+    """An fp8 stage's block copied into `wide` in `dtype`, ready for wgmma. Through f32: sm_90's
+    converts take fp8 to f16 only, and fp8 values are exact in f32, f16 and bf16 alike."""
+    x = stage[...]
+    wide[...] = x.astype(jnp.float16) if dtype == jnp.float16 else x.astype(jnp.float32).astype(dtype)
+    plgpu.commit_smem()
+    return wide
+
+
 def _wgmma_smem(shape, dtype):
-    """A wgmma operand in shared memory: 128-byte swizzled (8, 64) tiles (jax 0.10 wants them
-    spelled out; 0.11 would infer them)."""
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    """A wgmma (or TMA) operand in shared memory: swizzled (8, swizzle / itemsize) tiles, the
+    swizzle as wide as a row up to 128 bytes (jax 0.10 wants them spelled out; 0.11 would infer
+    them)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, shape[-1] * itemsize)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
+                                                plgpu.SwizzleTransform(swizzle)))
 
 
-def _scratch(head_dim, page_size, dtype):
-    """q, K and V stages, p, and the stages' barriers."""
+def _scratch(head_dim, page_size, dtype, page_dtype):
+    """q, K and V stages (in the pages' dtype), p, the stages' barriers, and for fp8 pages the
+    K and V blocks widened to q's dtype."""
     block = max(MIN_BLOCK_KEYS, page_size)
-    pages = _wgmma_smem((STAGES, block, head_dim), dtype)
+    pages = _wgmma_smem((STAGES, block, head_dim), page_dtype)
     # Every page's copy arrives on its stage's barrier: it completes when all have landed.
     barrier = plgpu.Barrier(num_arrivals=block // page_size, num_barriers=STAGES)
-    return _wgmma_smem((ROWS, head_dim), dtype), pages, pages, _wgmma_smem((ROWS, block), dtype), barrier, barrier
+    wide = () if page_dtype == dtype else (_wgmma_smem((block, head_dim), dtype),) * 2
+    return (_wgmma_smem((ROWS, head_dim), dtype), pages, pages, _wgmma_smem((ROWS, block), dtype), barrier, barrier,
+            *wide)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret"))
@@ -194,7 +217,8 @@ def paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_lens, *, s
         kernel,
         out_type=(jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, group, head_dim), jnp.float32), stat, stat),
         scratch_types=(plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32),
-                       plgpu.SMEM((ROWS,), jnp.float32), plgpu.Barrier(), *_scratch(head_dim, page_size, q.dtype)),
+                       plgpu.SMEM((ROWS,), jnp.float32), plgpu.Barrier(),
+                       *_scratch(head_dim, page_size, q.dtype, k_pages.dtype)),
         grid=(num_kv_heads, num_seqs, splits),
         grid_names=("kv_head", "seq", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -240,7 +264,8 @@ def ragged_paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_len
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(qt.shape, q.dtype),
-        scratch_types=(_wgmma_smem((ROWS, head_dim), q.dtype), plgpu.Barrier(), *_scratch(head_dim, page_size, q.dtype)),
+        scratch_types=(_wgmma_smem((ROWS, head_dim), q.dtype), plgpu.Barrier(),
+                       *_scratch(head_dim, page_size, q.dtype, k_pages.dtype)),
         grid=(num_kv_heads, num_tiles),
         grid_names=("kv_head", "tile"),
         compiler_params=plgpu.CompilerParams(approx_math=True),

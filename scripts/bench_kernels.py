@@ -166,10 +166,11 @@ def bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters, kv_cache_d
         fp8 = FP8_DTYPES[kv_cache_dtype]
         k8, v8 = k_pages.astype(fp8), v_pages.astype(fp8)
         impls |= {
-            f"pallas {kv_cache_dtype}": (jax.jit(lambda *a: pk.paged_attention(*a, backend="pallas")),
-                                         (q, k8, v8, tables, lens)),
-            f"xla {kv_cache_dtype}": (jax.jit(pk.paged_attention_xla), (q, k8, v8, tables, lens)),
+            f"{name} {kv_cache_dtype}": (jax.jit(lambda *a, b=name: pk.paged_attention(*a, backend=b)),
+                                         (q, k8, v8, tables, lens))
+            for name in ("pallas", "mosaic")
         }
+        impls[f"xla {kv_cache_dtype}"] = (jax.jit(pk.paged_attention_xla), (q, k8, v8, tables, lens))
     peer, why = jax_peer(interpret, context // page)
     if peer is not None:
         impls["jax_peer"] = (peer, (q, k_pages, v_pages, tables, lens))

@@ -1,6 +1,7 @@
 """Python pieces of scripts/gpu_check.sh (each runs on a CPU too, with small sizes).
 
-  python scripts/gpu_check.py devices --device cuda     # what jax sees, then a tiny engine on it
+  python scripts/gpu_check.py devices --device cuda [--attention-backend B] [--kv-cache-dtype fp8]
+                                                        # what jax sees, then a tiny engine on it
   python scripts/gpu_check.py compare JPAGED.json HF.json [HF2.json ...]   # throughput ratios
 
 `devices` exits non-zero unless the engine starts on the requested device (device="cuda" is the
@@ -32,10 +33,11 @@ def devices(args) -> int:
               + (f", {limit / 2**30:.1f} GiB for jax" if limit else ""))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     llm = jpaged.LLM("tiny", device=args.device, dtype="bfloat16", max_model_len=256, max_num_seqs=4,
-                     num_gpu_blocks_override=64, attention_backend=args.attention_backend, enforce_eager=True)
+                     num_gpu_blocks_override=64, attention_backend=args.attention_backend, enforce_eager=True,
+                     kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.kv_cache_dtype != "auto")
     out = llm.generate([[1, 2, 3, 4]], jpaged.SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     print(f"generated {len(out[0].outputs[0].token_ids)} tokens on {args.device or jax.default_backend()} with "
-          f"attention_backend={args.attention_backend!r}")
+          f"attention_backend={args.attention_backend!r}, kv_cache_dtype={args.kv_cache_dtype!r}")
     return 0
 
 
@@ -70,6 +72,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("devices")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto")
     p = sub.add_parser("compare")
     p.add_argument("jpaged")
     p.add_argument("hf", nargs="+")

@@ -2,8 +2,9 @@
 # Everything that needs a GPU, in one call on a lent H100/H200 (10 minutes, no network):
 #   1. backend assertion: jax sees the GPU and an engine starts with device="cuda" (no silent CPU)
 #   2. the kernel tests compiled for real (Triton everywhere, Mosaic GPU on sm_90+)
-#   3. bench_kernels --quick: decode GB/s against the GPU's copy bandwidth, jax's bundled paged
-#      attention, XLA gather and contiguous attention; prefill TFLOP/s against dense attention
+#   3. bench_kernels --quick --kv-cache-dtype fp8: decode GB/s (bf16 pages, and fp8 pages counted on
+#      the fp8 bytes) against the GPU's copy bandwidth, jax's bundled paged attention, XLA gather and
+#      contiguous attention; prefill TFLOP/s against dense attention
 #   4. bench_throughput on a Llama-3.2-1B-shaped random bf16 model: jpaged, then HF transformers'
 #      generate and generate_batch on the same GPU, each in its own process
 #   5. SmolLM2-135M-Instruct real-checkpoint greedy parity with transformers
@@ -78,8 +79,12 @@ smollm2_pid=$!
 
 step backend 120 "$python" scripts/gpu_check.py devices --device cuda
 step backend_mosaic 90 "$python" scripts/gpu_check.py devices --device cuda --attention-backend mosaic
+for backend in pallas mosaic; do  # fp8 KV pages through each kernel family's engine forward
+  step "backend_${backend}_fp8" 60 "$python" scripts/gpu_check.py devices --device cuda --attention-backend $backend \
+    --kv-cache-dtype fp8
+done
 step kernel_tests 150 "$python" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_platform.py
-step bench_kernels 150 "$python" scripts/bench_kernels.py --quick
+step bench_kernels 150 "$python" scripts/bench_kernels.py --quick --kv-cache-dtype fp8
 
 if built "$llama_pid"; then
   # Fixed lengths (generate_batch takes one output length); jpaged compiles the shapes it meets in a

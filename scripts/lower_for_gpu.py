@@ -105,7 +105,8 @@ def kernel_cases():
     families = {
         "pallas": [(bf16, 32, 8, 128, 16, None), (f32, 24, 8, 80, 16, None), (f16, 8, 1, 64, 64, None),
                    (bf16, 32, 8, 128, 16, e4m3), (bf16, 16, 2, 64, 32, e5m2), (f16, 8, 1, 80, 16, e4m3)],
-        "mosaic": [(bf16, 32, 8, 128, 16, None), (bf16, 32, 8, 64, 128, None), (f16, 16, 2, 64, 8, None)],
+        "mosaic": [(bf16, 32, 8, 128, 16, None), (bf16, 32, 8, 64, 128, None), (f16, 16, 2, 64, 8, None),
+                   (bf16, 32, 8, 128, 16, e4m3), (bf16, 16, 2, 64, 64, e5m2), (f16, 8, 1, 128, 8, e4m3)],
     }
     for backend, configs in families.items():
         for dtype, heads, kv_heads, head_dim, page, page_dtype in configs:
@@ -122,7 +123,7 @@ def forward_cases():
     decode bucket and a mixed (prefill) bucket, and its 4-step decode loop (multi-step), lowered
     with the KV pool donated as the engine does. Returns (label, lowered-or-exception thunk, backend)."""
     strip = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731 (shapes only: no CPU placement)
-    for backend, kv_cache_dtype in (("pallas", "auto"), ("mosaic", "auto"), ("pallas", "fp8")):
+    for backend, kv_cache_dtype in (("pallas", "auto"), ("mosaic", "auto"), ("pallas", "fp8"), ("mosaic", "fp8")):
         llm = jpaged.LLM("tiny", dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8,
                          num_gpu_blocks_override=64, attention_backend=backend, num_scheduler_steps=4,
                          kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=kv_cache_dtype != "auto")

@@ -296,9 +296,28 @@ def test_ragged_paged_attention_mosaic(case):
 
 
 @needs_mosaic
-def test_engine_with_mosaic_kernels_matches_xla():
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("case", [MOSAIC_DECODE_CASES[0], MOSAIC_DECODE_CASES[1]], ids=str)
+def test_paged_attention_mosaic_fp8_pages(fp8, case):
+    """Mosaic: fp8 pages (NaN in unowned slots) land by TMA, widen in shared memory, then wgmma."""
+    run_decode("mosaic", case, FP8[fp8])
+
+
+@needs_mosaic
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("case", [MOSAIC_PREFILL_CASES[0], MOSAIC_PREFILL_CASES[1]], ids=str)
+def test_ragged_paged_attention_mosaic_fp8_pages(fp8, case):
+    seqs = prefill_seqs(case[1])
+    order = rng.permutation(len(seqs))
+    run_prefill("mosaic", case, [seqs[i] for i in order], FP8[fp8])
+
+
+@needs_mosaic
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_engine_with_mosaic_kernels_matches_xla(kv_cache_dtype):
     """attention_backend="mosaic" end to end (prefill, then decode steps through the engine's
-    scanned layers) against the XLA twins, both in bf16. Two bf16 implementations round
+    scanned layers) against the XLA twins, both in bf16 (with fp8 pages: both quantize the same
+    K/V at the same calculated scales, so only the kernels differ). Two bf16 implementations round
     differently (each is ~0.15 nats from float32 over four tokens on this model), so greedy paths
     may part at a near-tie: compared as vLLM's check_logprobs_close does. Up to the first
     differing token the logprobs must agree to bf16 noise; at it, each side's token must be in
@@ -310,7 +329,8 @@ def test_engine_with_mosaic_kernels_matches_xla():
     results = {}
     for backend in ("xla", "mosaic"):
         llm = jpaged.LLM("tiny", dtype="bfloat16", attention_backend=backend, enforce_eager=True, max_model_len=128,
-                         max_num_seqs=4, num_gpu_blocks_override=32)
+                         max_num_seqs=4, num_gpu_blocks_override=32, kv_cache_dtype=kv_cache_dtype,
+                         calculate_kv_scales=kv_cache_dtype != "auto")
         results[backend] = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
     for ours, ref in zip(results["mosaic"], results["xla"]):
         for token, expected, top, ref_top in zip(ours.token_ids, ref.token_ids, ours.logprobs, ref.logprobs):
@@ -328,6 +348,9 @@ def test_mosaic_rejects_what_it_cannot_take():
     k, v, tables, _, _ = make_cache([3], 2, 16, 64, jnp.float32)
     with pytest.raises(ValueError, match="bf16 or fp16"):
         pk.paged_attention(jnp.zeros((1, 4, 64)), k, v, tables, jnp.asarray([3], jnp.int32), backend="mosaic")
+    with pytest.raises(ValueError, match="bf16 or fp16"):  # pages neither q's dtype nor fp8
+        pk.paged_attention(jnp.zeros((1, 4, 64), jnp.bfloat16), k, v, tables, jnp.asarray([3], jnp.int32),
+                           backend="mosaic")
 
 
 def test_ragged_paged_attention_single_long_prompt():

@@ -29,6 +29,7 @@ from jpaged.core.stop_checker import StopChecker
 from jpaged.core.structured_output import StructuredOutputManager
 from jpaged.engine.request_validator import RequestValidator
 from jpaged.models.kv_cache import KVCacheSpec, kv_dtype
+from jpaged.models.paged_attention import check_kernels
 from jpaged.models.layers import common_sliding_window
 from jpaged.models.loader import load_model
 from jpaged.outputs import RequestOutput
@@ -137,6 +138,7 @@ class LLMEngine:
         max_num_batched_tokens = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
         kv_cache_spec = KVCacheSpec.of_model(loaded.model, config.block_size,
                                              kv_dtype(config.kv_cache_dtype, loaded.dtype), config.tensor_parallel_size)
+        check_kernels(loaded.model, kv_cache_spec, loaded.dtype, config.attention_backend)
         bytes_per_block = kv_cache_spec.bytes_per_block  # per device: its kv heads' part of every block
         # Every process must allocate the same pool: the smallest one that fits everywhere.
         num_gpu_blocks = distributed.min_across_processes(self._num_gpu_blocks(bytes_per_block))
