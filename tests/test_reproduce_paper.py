@@ -45,6 +45,13 @@ def test_quick_path_on_a_tiny_workload(tmp_path, monkeypatch):
             assert abs(parts - 1) < 1e-9 and run["normalized_latency"] > 0 and run["preemptions"] == 0
         # Each request reserves 64 slots and holds at most 32 + 32 tokens: more than half full only at its end.
         assert orca["token_fraction"] < 1
+    # fp8 pages in the same KV bytes: twice the slots (bf16 -> 1 byte), never a smaller batch.
+    fp8 = report["results"]["fig13_fp8"]["runs"]
+    assert fp8["auto"]["kv_cache_dtype"] == "bfloat16" and fp8["fp8"]["kv_cache_dtype"] == "float8_e4m3fn"
+    assert fp8["fp8"]["kv_slots"] == 2 * fp8["auto"]["kv_slots"] == 512
+    assert fp8["fp8"]["requests"] == fp8["auto"]["requests"] == 3
+    assert fp8["fp8"]["mean_batched_requests"] >= fp8["auto"]["mean_batched_requests"] > 0
+    assert "fp8 / bf16 pages" in claims
     sharing = {(r["workload"], r.get("prefix_caching")): r for r in report["results"]["fig14_16"]}
     assert 0 < sharing[("parallel", None)]["memory_saved"] < sharing[("beam", None)]["memory_saved"]
     assert sharing[("prefix 5-shot", True)]["prefix_cache_hits"] == 32  # 2 blocks, for the second request
