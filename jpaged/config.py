@@ -5,6 +5,7 @@ import dataclasses
 from pallas_kernels import BACKENDS as ATTENTION_BACKENDS  # pallas: Triton kernels; mosaic: Mosaic GPU (sm_90+)
 
 from jpaged.core.kv_allocation import KV_ALLOCATIONS
+from jpaged.spec_decode.config import SpeculativeConfig
 
 DEVICES = ("cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -58,6 +59,10 @@ class EngineConfig:
                                      "one's sampled ids, so host and device overlap (outputs come a step later)")
     num_scheduler_steps: int = _option(1, "multi-step decode: when every running request decodes, run this many "
                                        "steps in one device call, sampling on the device (1: off)")
+    speculative_config: dict | str | None = _option(
+        None, "speculative decoding, vLLM's dict (a JSON object on the command line): "
+        '{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m, '
+        '"disable_by_batch_size": b}')
     executable_cache: bool = _option(True, "keep compiled steps on disk ($JPAGED_CACHE_DIR, else "
                                      "~/.cache/jpaged/xla) and load them at the next start, each file verified "
                                      "first (--no-executable-cache: compile every step, read and write nothing)")
@@ -102,5 +107,8 @@ class EngineConfig:
         check("dtype", self.dtype in DTYPES, f"one of {DTYPES}")
         check("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"one of {KV_CACHE_DTYPES}")
         check("device", self.device in (None,) + DEVICES, f"None or one of {DEVICES}")
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        check("num_scheduler_steps", self.num_scheduler_steps == 1 or self.speculative_config is None,
+              "1 with speculative_config (a step verifies drafts, or decodes several tokens on the device)")
         check("grammar_compile_timeout", self.grammar_compile_timeout > 0, "> 0 (seconds)")
         check("grammar_compile_memory", self.grammar_compile_memory >= 64, ">= 64 (MiB)")

@@ -30,8 +30,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
                                help=field.metadata.get("help"))
-        else:
-            group.add_argument(flag, type=kind, default=field.default, help=field.metadata.get("help"), **extra)
+        else:  # dict options come as JSON (the engine parses them)
+            group.add_argument(flag, type=str if kind is dict else kind, default=field.default,
+                               help=field.metadata.get("help"), **extra)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -35,6 +35,7 @@ from jpaged.core.beam_search import beam_search_step, top_logprobs
 from jpaged.core.block_manager import AllocStatus, BlockManager
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from jpaged.core.stop_checker import StopChecker
+from jpaged.spec_decode.speculator import Speculator
 
 
 @dataclasses.dataclass
@@ -49,6 +50,9 @@ class ScheduledSequenceGroup:
     prompt_rows: int = 0
     seqs: list[Sequence] = dataclasses.field(default_factory=list)  # the running sequences
     samples: list[int] = dataclasses.field(default_factory=list)  # rows each of `seqs` samples (0: none)
+    # Speculative decoding: drafts for the group's one sequence, computed after its last token
+    # (token_chunk_size = 1 + drafts), each position sampling a row (samples = 1 + drafts).
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @functools.cached_property
     def sampled(self) -> list[tuple[Sequence, int]]:
@@ -83,7 +87,7 @@ class _Budget:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, preemption_mode: str | None = None, stop_checker: StopChecker | None = None,
-                 seq_ids: itertools.count | None = None):
+                 seq_ids: itertools.count | None = None, speculator: Speculator | None = None):
         # Every running sequence decodes one token per step: they must all fit in one step.
         if not 1 <= max_num_seqs <= max_num_batched_tokens:
             raise ValueError(f"need 1 <= max_num_seqs ({max_num_seqs}) <= max_num_batched_tokens "
@@ -101,6 +105,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.stop_checker = stop_checker or StopChecker(max_model_len)
         self.seq_ids = seq_ids or itertools.count()  # new sequences' ids: requests' and forks'
+        self.speculator = speculator  # speculative decoding (spec_decode/): drafts for decoding sequences
 
     def new_seq_id(self) -> int:
         return next(self.seq_ids)
@@ -139,7 +144,9 @@ class Scheduler:
     def on_dispatched(self, scheduled: ScheduledSequenceGroup):
         """The group's step is on the device: its tokens count as computed from now on, and each
         sequence's sampled token is pending until it is read (a beam or a fork: read at once)."""
-        chunk, pending = scheduled.token_chunk_size, not scheduled.seq_group.sampling_params.use_beam_search
+        # Drafts count as computed only once accepted (update_from_output).
+        chunk = scheduled.token_chunk_size - len(scheduled.spec_token_ids)
+        pending = not scheduled.seq_group.sampling_params.use_beam_search and not scheduled.spec_token_ids
         for seq, samples in zip(scheduled.seqs, scheduled.samples):
             seq.num_computed_tokens += chunk
             if seq.num_computed_tokens > seq.get_len():
@@ -186,6 +193,10 @@ class Scheduler:
             if seq.is_finished():  # stopped by its previous token, read after this step was dispatched
                 row += samples
                 continue
+            if scheduled.spec_token_ids:
+                self._accept(group, seq, scheduled.spec_token_ids, out, row)
+                row += samples
+                continue
             for s in [seq] + [self._fork(group, seq) for _ in range(samples - 1)]:
                 self._append(group, s, out, row)
                 row += 1
@@ -201,6 +212,21 @@ class Scheduler:
                 if seq.is_finished():
                     break
             row += 1
+
+    def _accept(self, group: SequenceGroup, seq: Sequence, drafts: list[int], out, row: int):
+        """Verified drafts (spec_decode/__init__.py): row i's token is appended; while it equals
+        draft i, that draft's K/V (written by this step) is the sequence's own and the next row
+        counts. The first token that differs, or the bonus token after all of them, ends the
+        run; so does a stop. Rejected drafts' K/V lie past the computed tokens: never read."""
+        accepted = 0
+        for i in range(len(drafts) + 1):
+            token = int(out.token_ids[row + i])
+            self._append(group, seq, out, row + i)
+            if seq.is_finished() or i == len(drafts) or token != drafts[i]:
+                break
+            seq.num_computed_tokens += 1
+            accepted += 1
+        self.speculator.record(len(drafts), accepted)
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         child = parent.fork(self.new_seq_id())
@@ -248,24 +274,42 @@ class Scheduler:
         Returns the groups still prefilling (they need no new blocks), in order."""
         queue, self.running = self.running, collections.deque()
         prefilling, swapped_out = [], []
+        spare = self._spare_draft_tokens(queue, budget)
         while queue:
             seq_group = queue.popleft()
             if seq_group.is_prefill():
                 prefilling.append(seq_group)
                 self.running.append(seq_group)
                 continue
-            while not self.block_manager.can_append_slots(seq_group, num_lookahead_slots):
+            drafts = self.speculator.propose(seq_group, spare) if spare else []
+            while not self.block_manager.can_append_slots(seq_group, num_lookahead_slots + len(drafts)):
+                if drafts:  # blocks are short: decode without drafts before preempting anyone
+                    drafts = []
+                    continue
                 victim = queue.pop() if queue else seq_group
                 self._preempt(victim, out, swapped_out)
                 if victim is seq_group:
                     break
             else:
-                self._append_slots(seq_group, out, num_lookahead_slots)
+                self._append_slots(seq_group, out, num_lookahead_slots + len(drafts))
                 self.running.append(seq_group)
-                self._add(out, budget, seq_group, 1)
+                self._add(out, budget, seq_group, 1 + len(drafts), drafts)
+                spare -= len(drafts)
         # Victims were taken latest first; keep the swapped queue in arrival order.
         self.swapped.extend(reversed(swapped_out))
         return prefilling
+
+    def _spare_draft_tokens(self, queue, budget: _Budget) -> int:
+        """Tokens this step's drafts may take: what the decodes leave of the budget, and at most
+        max_num_batched_tokens - max_num_seqs, so that sampled rows (a seat or a draft each) never
+        outnumber the largest token bucket. 0 without speculation, or with more sequences
+        running than disable_by_batch_size."""
+        if self.speculator is None:
+            return 0
+        decoding = sum(g.num_unfinished_seqs() for g in queue if not g.is_prefill())
+        if not self.speculator.enabled(sum(g.num_unfinished_seqs() for g in queue)):
+            return 0
+        return max(0, min(budget.num_tokens - decoding, self.max_num_batched_tokens - self.max_num_seqs))
 
     def _schedule_swapped(self, out: SchedulerOutputs, budget: _Budget):
         while self.swapped:
@@ -328,26 +372,32 @@ class Scheduler:
         start = seq_group.get_unfinished_seqs()[0].num_computed_tokens
         return seq_group.prompt_logprob_rows(start, start + chunk)
 
-    def _add(self, out: SchedulerOutputs, budget: _Budget, seq_group: SequenceGroup, chunk: int):
+    def _add(self, out: SchedulerOutputs, budget: _Budget, seq_group: SequenceGroup, chunk: int,
+             drafts: list[int] | None = None):
         running = seq_group.get_seqs(SequenceStatus.RUNNING)
         for seq in running:
             # The blocks this step fills are cached from now on. A group admitted later in this
             # step may read them at once: every layer writes the step's new K/V before attending.
-            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + chunk)
+            # (Drafts are not the sequence's tokens: no hash covers them.)
+            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + chunk - len(drafts or ()))
             self.block_manager.free_out_of_window(seq)
         num_tokens = chunk * len(running)
-        scheduled = self._scheduled(seq_group, running, chunk)
+        scheduled = self._scheduled(seq_group, running, chunk, drafts)
         out.scheduled_seq_groups.append(scheduled)
         out.num_batched_tokens += num_tokens
         budget.num_tokens -= num_tokens
         budget.num_seqs -= scheduled.prompt_rows
 
     @staticmethod
-    def _scheduled(seq_group: SequenceGroup, running: list[Sequence], chunk: int) -> ScheduledSequenceGroup:
+    def _scheduled(seq_group: SequenceGroup, running: list[Sequence], chunk: int,
+                   drafts: list[int] | None = None) -> ScheduledSequenceGroup:
         """Which rows the group's step samples: a sequence whose chunk reaches its end samples
-        what follows (beam search: one row per beam, its candidates from the row's top logprobs)."""
+        what follows (beam search: one row per beam, its candidates from the row's top logprobs;
+        drafts: a row after its last token and after each draft)."""
         first = running[0]
         start = first.num_computed_tokens
+        if drafts:
+            return ScheduledSequenceGroup(seq_group, chunk, start, 0, running, [chunk], spec_token_ids=drafts)
         end = start + chunk
         prompt_rows = seq_group.prompt_logprob_rows(start, end) if seq_group.prompt_logprobs is not None else 0
         if end != first.get_len():  # a prefill chunk short of the end: nothing sampled (lockstep)

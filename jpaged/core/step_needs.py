@@ -21,6 +21,9 @@ class RequestNeeds:
     host_tokens: bool
     # The sampler's full path (per-row history, masks, top logprobs) rather than the fast one.
     full_sampler: bool
+    # Drafts may be verified for it: each row's sampling needs nothing of the drafts before it
+    # on the host (penalties' history and grammar state would), and one sequence samples.
+    speculate: bool
 
     @staticmethod
     def of(sp: SamplingParams) -> "RequestNeeds":
@@ -28,7 +31,8 @@ class RequestNeeds:
         needs = sp.__dict__.get("_needs")
         if needs is None:
             host = sp.use_beam_search or sp.guided or sp.has_penalties
-            needs = sp.__dict__["_needs"] = RequestNeeds(host, host or sp.logprobs is not None)
+            needs = sp.__dict__["_needs"] = RequestNeeds(host, host or sp.logprobs is not None,
+                                                         not host and sp.best_of == 1)
         return needs
 
 
@@ -45,7 +49,8 @@ def can_overlap(scheduler, step_groups: set[int], max_model_len: int) -> bool:
     or is swapped out (no admission), every sequence can take a block (no preemption), none is
     sure to end with its pending token (no slot past its end) and, with prefix caching, none
     fills a block with it (the block's hash needs the token)."""
-    if scheduler.waiting or scheduler.swapped:
+    # Speculative decoding: drafts are proposed from the last token, so it must be on the host.
+    if scheduler.waiting or scheduler.swapped or scheduler.speculator is not None:
         return False
     bm = scheduler.block_manager
     caching, num_seqs = bm.enable_caching, 0

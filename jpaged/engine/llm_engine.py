@@ -30,6 +30,7 @@ from jpaged.core.structured_output import StructuredOutputManager
 from jpaged.engine.request_validator import RequestValidator
 from jpaged.models.kv_cache import KVCacheSpec, kv_dtype
 from jpaged.models.paged_attention import check_kernels
+from jpaged.spec_decode.speculator import Speculator
 from jpaged.models.layers import common_sliding_window
 from jpaged.models.loader import load_model
 from jpaged.outputs import RequestOutput
@@ -159,7 +160,9 @@ class LLMEngine:
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                    preemption_mode=config.preemption_mode,
                                    stop_checker=StopChecker(self.max_model_len, getattr(self.tokenizer, "eos_token_id", None),
-                                                            self.detokenizer, self.structured_output))
+                                                            self.detokenizer, self.structured_output),
+                                   speculator=Speculator(config.speculative_config, self.max_model_len)
+                                   if config.speculative_config else None)
         self.request_validator = RequestValidator(self.hf_config.vocab_size, self.max_model_len, config,
                                                   self.block_manager)
         self.output_processor = OutputProcessor(self.scheduler.stop_checker)
@@ -167,6 +170,8 @@ class LLMEngine:
                                   num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                   num_scheduler_steps=config.num_scheduler_steps,
+                                  num_speculative_tokens=config.speculative_config.num_speculative_tokens
+                                  if config.speculative_config else 0,
                                   executable_cache=ExecutableCache(
                                       executable_cache_dir() if config.executable_cache else None,
                                       self._model_fingerprint(loaded)),
@@ -395,11 +400,17 @@ class LLMEngine:
             if scheduled.prompt_rows:
                 step.rows.extend(SamplingRow(_PROMPT_ROW_PARAMS, 0, target_token_id=seq.prompt_token_ids[p + 1])
                                  for p in range(start, start + scheduled.prompt_rows))
-            for i in range(samples):  # a fresh prompt's forks: one row each
-                step.rows.append(self._sampling_row(group, seq, i if samples > 1 else group.seqs.index(seq)))
-            token_ids = [seq.get_last_token_id()] if chunk == 1 and samples else seq.get_token_ids()[start:start + chunk]
+            drafts = scheduled.spec_token_ids
+            if drafts:  # a row after the last token and after each draft, at consecutive output positions
+                step.rows.extend(self._sampling_row(group, seq, group.seqs.index(seq), i) for i in range(samples))
+                token_ids = [seq.get_last_token_id(), *drafts]
+            else:
+                for i in range(samples):  # a fresh prompt's forks: one row each
+                    step.rows.append(self._sampling_row(group, seq, i if samples > 1 else group.seqs.index(seq)))
+                token_ids = [seq.get_last_token_id()] if chunk == 1 and samples \
+                    else seq.get_token_ids()[start:start + chunk]
             step.seq_inputs.append(SeqInput(seq.seq_id, token_ids, start, self.block_manager.get_block_table(seq),
-                                            samples, scheduled.prompt_rows))
+                                            samples, scheduled.prompt_rows, len(drafts)))
         return step
 
     def _execute(self, steps: list[GroupStep], failed: dict, multi_step: bool) -> dict:
@@ -430,7 +441,8 @@ class LLMEngine:
             row += len(s.rows)
         return results
 
-    def _sampling_row(self, group: SequenceGroup, seq: Sequence, index: int) -> SamplingRow:
+    def _sampling_row(self, group: SequenceGroup, seq: Sequence, index: int, ahead: int = 0) -> SamplingRow:
+        """`ahead`: the row samples that many tokens after the sequence's end (after drafts)."""
         sp = group.sampling_params
         # Unseeded requests draw from the engine seed and the sequence id; seeded ones only from
         # their own seed, so the same seed gives the same output whatever else runs.
@@ -440,8 +452,8 @@ class LLMEngine:
             allowed = self.structured_output.bitmask(seq.seq_id, sp)
         elif seq.get_output_len() < sp.min_tokens:
             banned = list(sp.stop_token_ids) + ([self.eos_token_id] if self.eos_token_id is not None else [])
-        return SamplingRow(sp, seed, index, seq.get_output_len(), seq.prompt_token_ids, seq.output_token_ids, banned,
-                           sp.logit_bias, allowed)
+        return SamplingRow(sp, seed, index, seq.get_output_len() + ahead, seq.prompt_token_ids, seq.output_token_ids,
+                           banned, sp.logit_bias, allowed)
 
     # ------------------------------------------------------------------ stats
     def kv_usage(self) -> KVUsage:
@@ -469,4 +481,5 @@ class LLMEngine:
             "num_gpu_blocks_without_sharing": bm.get_num_gpu_blocks_without_sharing(),
             "num_cached_gpu_blocks": bm.get_num_cached_gpu_blocks(),
             "num_compilations": self.runner.num_compilations, "kv_cache_dtype": self.kv_cache_dtype,
+            **(sched.speculator.stats() if sched.speculator else {}),
         }

@@ -35,7 +35,7 @@ class Buckets:
     `seqs(tokens)` = min(tokens, max_num_seqs) sequence rows, so a lone prompt or a small decode
     batch does not pay for max_num_seqs rows. Block tables always have the full `width`: the
     attention's cost follows the real contexts (pallas_kernels/xla.py, and the Pallas kernels loop
-    to each context's end). The LM head and the sampler take `sample_rows(seqs)` rows: a coarser
+    to each context's end). The LM head and the sampler take `sample_rows(tokens)` rows: a coarser
     ladder, because the sampler compiles slowly (its sorts over the vocabulary) and costs little
     per row."""
 
@@ -47,17 +47,26 @@ class Buckets:
 
     @classmethod
     def create(cls, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
-               num_scheduler_steps: int = 1) -> "Buckets":
+               num_scheduler_steps: int = 1, num_speculative_tokens: int = 0) -> "Buckets":
+        """Speculative decoding samples a row per draft too: up to max_num_seqs * (1 + k) rows
+        (the scheduler keeps them within max_num_batched_tokens), on a doubling ladder above
+        max_num_seqs, so that steps without drafts keep their row buckets."""
+        rows = ladder(1, max_num_seqs, factor=8)
+        max_rows = min(max_num_seqs * (1 + num_speculative_tokens), max_num_batched_tokens)
+        if max_rows > max_num_seqs:
+            rows += ladder(2 * max_num_seqs, max_rows)
         # Doubling token ladder: at most 2x padding.
-        return cls(ladder(1, max_num_batched_tokens), ladder(1, max_num_seqs, factor=8), max_num_seqs,
-                   max_blocks_per_seq, num_scheduler_steps)
+        return cls(ladder(1, max_num_batched_tokens), rows, max_num_seqs, max_blocks_per_seq, num_scheduler_steps)
 
     def seqs(self, num_tokens: int) -> int:
         """Sequence rows of a step of `num_tokens` (a bucket): each sequence has a token."""
         return min(num_tokens, self.max_num_seqs)
 
-    def sample_rows(self, num_seqs: int) -> int:
-        return fit(self.rows, num_seqs)
+    def sample_rows(self, num_tokens: int) -> int:
+        """Sampling rows of a step of `num_tokens`: at most a row per token (a fork's rows take
+        seats, so the token bucket covers them too), at most the ladder's top (max_num_seqs
+        without drafts)."""
+        return fit(self.rows, min(num_tokens, self.rows[-1]))
 
     def keys(self):
         """Every executable: the model forward per token bucket, the sampler per (rows, full on/off),

@@ -69,7 +69,8 @@ MAX_BANNED_TOKENS = 32
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, kv_cache_spec: KVCacheSpec, *, num_gpu_blocks: int, num_cpu_blocks: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_scheduler_steps: int = 1,
-                 executable_cache: ExecutableCache | None = None, kv_scales=None, calculate_kv_scales: bool = False):
+                 executable_cache: ExecutableCache | None = None, kv_scales=None, calculate_kv_scales: bool = False,
+                 num_speculative_tokens: int = 0):
         """`kv_scales`: fp8 pages' per-layer (k, v) scales from the checkpoint; else 1.0, or
         computed by the first step with `calculate_kv_scales`."""
         self.kv_cache_spec, self.num_gpu_blocks = kv_cache_spec, num_gpu_blocks
@@ -92,7 +93,7 @@ class ModelRunner:
         # Swapped pages in flight: [layer, k/v, kv_heads, blocks, block_size, head_dim], split on kv heads.
         self._pages_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, None, TP_AXIS))
         self.buckets = Buckets.create(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size),
-                                      num_scheduler_steps)
+                                      num_scheduler_steps, num_speculative_tokens)
         self.input_batch = InputBatch(max_num_seqs, self.buckets.width)
         # The token each InputBatch row sampled last, kept on the device: the next step can read it
         # before the host has (overlap).
@@ -233,7 +234,7 @@ class ModelRunner:
         decode = jax.ShapeDtypeStruct((), jnp.bool_) if num_seqs == num_tokens else None
         attn = AttentionMetadata(i32((num_tokens,)), i32((num_seqs, self.buckets.width)), i32((num_seqs,)),
                                  i32((num_seqs + 1,)), decode)
-        return StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn, i32((self.buckets.sample_rows(num_seqs),)),
+        return StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn, i32((self.buckets.sample_rows(num_tokens),)),
                           i32((num_tokens,)))
 
     def _abstract_multi_step_inputs(self, num_tokens: int):
@@ -331,7 +332,7 @@ class ModelRunner:
             self.kv_cache = self.kv_cache.replace(
                 scales_pending=jax.device_put(np.bool_(False), self.kv_cache.scales_pending.sharding))
         out, self.last_tokens, self.token_history = self._executable(
-            ("sample", self.buckets.sample_rows(self.buckets.seqs(num_tokens)), full))(
+            ("sample", self.buckets.sample_rows(num_tokens), full))(
             logits, smeta, self.last_tokens, self.token_history)
         return out
 

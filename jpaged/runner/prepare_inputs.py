@@ -30,6 +30,9 @@ class SeqInput:
     block_table: list[int]
     num_samples: int
     num_prompt_rows: int = 0
+    # Speculative decoding: the last num_spec_tokens tokens are drafts, and the num_samples
+    # (= drafts + 1) rows sample after each of the last num_samples tokens, not all after the last.
+    num_spec_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -83,16 +86,19 @@ def prepare_inputs(seqs: list[SeqInput], input_batch: InputBatch, buckets: Bucke
     slot_mapping = np.full(num_tokens, -1, np.int32)
     slot_mapping[:num_tokens_real] = block_tables[seq_of, pos // block_size] * block_size + pos % block_size
     # Logits rows: each sequence's prompt-logprob rows (its first tokens), then its samples (its last).
-    logits_indices = np.zeros(buckets.sample_rows(num_seqs), np.int32)
+    logits_indices = np.zeros(buckets.sample_rows(num_tokens), np.int32)
     last = query_start_loc[1:n + 1] - 1
     # A sequence's single sample goes to its row of last_tokens (several: a fork, read by the host).
     dst_rows = np.full(len(logits_indices), -1, np.int32)
-    if num_prompt_rows.any():
+    spec = np.fromiter((s.num_spec_tokens for s in seqs), np.int32, n)
+    if num_prompt_rows.any() or spec.any():
         row = 0
         for i in range(n):
             k = num_prompt_rows[i]
             logits_indices[row:row + k] = query_start_loc[i] + np.arange(k)
-            logits_indices[row + k:row + k + num_samples[i]] = last[i]
+            # Drafts: a row at each of the last num_samples tokens (none stays on the device).
+            logits_indices[row + k:row + k + num_samples[i]] = last[i] - spec[i] + np.arange(num_samples[i]) \
+                if spec[i] else last[i]
             if num_samples[i] == 1:
                 dst_rows[row + k] = rows[i]
             row += k + num_samples[i]

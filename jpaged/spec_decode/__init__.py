@@ -1,0 +1,25 @@
+"""Speculative decoding (vLLM's `speculative_config`): proposers guess the next tokens of a
+decoding sequence, the target model verifies them all in one forward, and the rejection rule
+keeps exactly the target's distribution.
+
+  config.py     SpeculativeConfig: the options, checked (ValueError naming the field)
+  ngram.py      prompt lookup: the tokens that followed the last occurrence of the sequence's
+                own suffix (host, numpy)
+  speculator.py which sequences speculate and how many drafts they take this step; the
+                acceptance rule and the counters (stats(), Prometheus)
+
+How a step speculates (the scheduler owns it, as every sequence update): a decoding sequence's
+drafts d1..dk ride with its last token as a k+1-token chunk at positions L-1 .. L+k-1, in
+lookahead slots; the runner samples a row at each of those k+1 positions, row i with the key of
+output position len+i, exactly as a step without speculation would. update_from_output accepts
+drafts while row i's token equals d(i+1), then appends the first token that differs, or the
+bonus token after all k: the rejection rule of Leviathan et al. 2023 for a draft that proposes
+d with probability 1 (accept with p(d); else draw from p without d, renormalised) is the same
+joint law as "draw y ~ p, accept if y == d, else emit y". Greedy rows are argmax agreement.
+Drafts that were rejected leave K/V past the sequence's computed tokens, which nothing reads and
+later tokens overwrite; prefix-cache hashes cover accepted tokens only.
+"""
+
+from jpaged.spec_decode.config import SpeculativeConfig
+
+__all__ = ["SpeculativeConfig"]

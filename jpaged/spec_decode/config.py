@@ -1,0 +1,69 @@
+"""SpeculativeConfig: vLLM's `speculative_config` dict (or JSON string), checked."""
+
+import dataclasses
+import json
+
+METHODS = ("ngram",)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None  # ngram: the longest suffix looked up (default: 4)
+    prompt_lookup_min: int | None = None  # ngram: the shortest (default: 1)
+    # No speculation while more than this many sequences run (large batches are compute bound:
+    # verifying drafts that may be rejected costs more than it saves).
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def of(cls, value) -> "SpeculativeConfig | None":
+        """None, a SpeculativeConfig, a dict or a JSON object string (the CLI's); ValueError
+        naming the field otherwise."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(value).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown fields {unknown}; expected some of {sorted(names)}")
+        value = dict(value)
+        if "method" not in value:
+            value["method"] = "ngram" if "prompt_lookup_max" in value or "prompt_lookup_min" in value else None
+        for field in ("method", "num_speculative_tokens"):
+            if value.get(field) is None:
+                raise ValueError(f"speculative_config.{field} is required")
+        return cls(**value)
+
+    def __post_init__(self):
+        def check(field, ok, expected):
+            if not ok:
+                raise ValueError(f"speculative_config.{field}={getattr(self, field)!r}; expected {expected}")
+
+        def positive_int(x):
+            return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+        check("method", self.method in METHODS, f"one of {METHODS}")
+        check("num_speculative_tokens", positive_int(self.num_speculative_tokens), "an integer >= 1")
+        check("prompt_lookup_max", self.prompt_lookup_max is None or positive_int(self.prompt_lookup_max),
+              "an integer >= 1")
+        check("prompt_lookup_min", self.prompt_lookup_min is None or positive_int(self.prompt_lookup_min),
+              "an integer >= 1")
+        check("prompt_lookup_min", self.lookup_min <= self.lookup_max,
+              f"<= prompt_lookup_max={self.lookup_max}")
+        check("disable_by_batch_size", self.disable_by_batch_size is None or positive_int(self.disable_by_batch_size),
+              "None or an integer >= 1")
+
+    @property
+    def lookup_max(self) -> int:
+        return 4 if self.prompt_lookup_max is None else self.prompt_lookup_max
+
+    @property
+    def lookup_min(self) -> int:
+        return 1 if self.prompt_lookup_min is None else self.prompt_lookup_min

@@ -1,0 +1,53 @@
+"""The scheduler's speculation policy: which decoding sequences take drafts this step, how many,
+and the counters of what was proposed and accepted."""
+
+from jpaged.core.sequence import SequenceGroup, SequenceStatus
+from jpaged.core.step_needs import RequestNeeds
+from jpaged.spec_decode.config import SpeculativeConfig
+from jpaged.spec_decode.ngram import propose_ngram
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        # vLLM's counters: steps that verified drafts, drafts proposed, drafts accepted, and
+        # accepted drafts by position (how often the i-th draft of a run was accepted).
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
+
+    def enabled(self, num_running_seqs: int) -> bool:
+        """disable_by_batch_size: no drafts while more sequences run than that."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running_seqs <= limit
+
+    def propose(self, group: SequenceGroup, max_drafts: int) -> list[int]:
+        """Drafts for the group's next step, at most `max_drafts` (empty: it decodes one token).
+        Only a lone sequence that decodes its last token with sampling that needs nothing of
+        the drafts on the host (no penalties, grammar, beams or forks; min_tokens reached)
+        speculates; no draft runs past max_tokens or max_model_len."""
+        sp = group.sampling_params
+        if max_drafts < 1 or len(group.seqs) != 1 or not RequestNeeds.of(sp).speculate:
+            return []
+        seq = group.seqs[0]
+        if (seq.status is not SequenceStatus.RUNNING or seq.num_pending_tokens or seq.get_num_uncomputed_tokens() != 1
+                or seq.get_output_len() < sp.min_tokens):
+            return []
+        k = min(self.config.num_speculative_tokens, max_drafts, sp.max_tokens - seq.get_output_len() - 1,
+                self.max_model_len - seq.get_len())
+        return propose_ngram(seq.get_token_ids(), k, self.config.lookup_min, self.config.lookup_max)
+
+    def record(self, num_drafts: int, num_accepted: int):
+        """One verified run: `num_drafts` proposed, the first `num_accepted` of them accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+    def stats(self) -> dict:
+        return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos)}
