@@ -159,10 +159,26 @@ class _AppRunner(web.AppRunner):
         return server
 
 
+def spec_decode_line(stats: dict, last: dict) -> str | None:
+    """vLLM's SpecDecoding metrics line for the drafts verified since `last` (an earlier stats()):
+    acceptance rate and mean acceptance length (tokens per verified run, the bonus counted)."""
+    if "spec_decode_num_drafts" not in stats:
+        return None
+    drafts = stats["spec_decode_num_drafts"] - last.get("spec_decode_num_drafts", 0)
+    proposed = stats["spec_decode_num_draft_tokens"] - last.get("spec_decode_num_draft_tokens", 0)
+    accepted = stats["spec_decode_num_accepted_tokens"] - last.get("spec_decode_num_accepted_tokens", 0)
+    if not drafts:
+        return None
+    return (f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, Accepted: {accepted} tokens, "
+            f"Drafted: {proposed} tokens, Draft acceptance rate: {100 * accepted / max(proposed, 1):.1f}%")
+
+
 async def _log_stats(async_engine: AsyncLLMEngine):
-    """vLLM's periodic line: throughput since the last line, queues and KV cache usage."""
+    """vLLM's periodic line: throughput since the last line, queues and KV cache usage (and with
+    speculative decoding, its acceptance since the last line)."""
     metrics = async_engine.metrics
     last = (time.monotonic(), metrics.prompt_tokens, metrics.generation_tokens)
+    last_stats = dict(async_engine.stats)
     while True:
         await asyncio.sleep(STATS_INTERVAL_S)
         now, prompt, generation = time.monotonic(), metrics.prompt_tokens, metrics.generation_tokens
@@ -176,7 +192,10 @@ async def _log_stats(async_engine: AsyncLLMEngine):
                         stats["num_running"], stats["num_swapped"], stats["num_waiting"],
                         100 * (1 - stats["num_free_gpu_blocks"] / stats["num_gpu_blocks"]),
                         100 * (1 - stats["num_free_cpu_blocks"] / max(stats["num_cpu_blocks"], 1)))
-        last = (now, prompt, generation)
+            spec_line = spec_decode_line(stats, last_stats)
+            if spec_line:
+                logger.info("%s", spec_line)
+        last, last_stats = (now, prompt, generation), dict(stats)
 
 
 def _cors(allowed_origins: str):

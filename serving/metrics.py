@@ -93,6 +93,17 @@ class Metrics:
                       for state in ("token", "reserved", "fragmented", "free")]
         metric("num_compilations", "gauge", "Step shapes compiled (constant after warm-up).",
                stats["num_compilations"])
+        if "spec_decode_num_drafts" in stats:  # speculative decoding: vLLM's counters
+            metric("spec_decode_num_drafts_total", "counter", "Verified runs of draft tokens.",
+                   stats["spec_decode_num_drafts"])
+            metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed and verified.",
+                   stats["spec_decode_num_draft_tokens"])
+            metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
+                   stats["spec_decode_num_accepted_tokens"])
+            name = f"{PREFIX}spec_decode_num_accepted_tokens_per_pos"
+            lines += [f"# HELP {name} Draft tokens accepted, by their position in the run.", f"# TYPE {name} counter"]
+            lines += [f'{name}{{{self.labels},position="{i}"}} {count}'
+                      for i, count in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"])]
         lines += [f"# HELP {PREFIX}request_success_total Finished requests by finish reason.",
                   f"# TYPE {PREFIX}request_success_total counter"]
         lines += [f'{PREFIX}request_success_total{{{self.labels},finished_reason="{reason}"}} {count}'

@@ -8,6 +8,8 @@ from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from jpaged.runner.sampler import SamplerOutput
 from jpaged.sampling_params import SamplingParams
+from jpaged.spec_decode import SpeculativeConfig
+from jpaged.spec_decode.speculator import Speculator
 
 RUNNING, SWAPPED, WAITING = SequenceStatus.RUNNING, SequenceStatus.SWAPPED, SequenceStatus.WAITING
 
@@ -27,15 +29,23 @@ class FakeEngine:
     samples a multiple of `stop_every` (so the forks of a request finish at different times).
 
     Pages nobody may read are poisoned (None): free ones, and prefix-cached ones when evicted.
+
+    Speculative decoding (`speculative_config`): drafts are written into the pages after the
+    sequence's tokens and a row is sampled after each, from the context up to it; the scheduler
+    accepts them. `copy_period` p makes the model mostly copy the token p back (n-gram drafts
+    then hit), so outputs must not depend on whether, or how many, drafts were accepted.
     """
 
     def __init__(self, *, block_size=4, num_gpu_blocks=64, num_cpu_blocks=16, watermark=0.0, max_num_seqs=8,
                  max_num_batched_tokens=32, max_model_len=256, preemption_mode=None, stop_every=0,
-                 enable_caching=False):
+                 enable_caching=False, speculative_config=None, copy_period=0):
         self.block_size = block_size
         self.bm = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks, watermark, enable_caching=enable_caching)
+        spec = SpeculativeConfig.of(speculative_config)
         self.scheduler = Scheduler(self.bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   max_model_len=max_model_len, preemption_mode=preemption_mode)
+                                   max_model_len=max_model_len, preemption_mode=preemption_mode,
+                                   speculator=Speculator(spec, max_model_len) if spec else None)
+        self.copy_period = copy_period
         self.gpu = [[None] * block_size for _ in range(num_gpu_blocks)]
         self.cpu = [[None] * block_size for _ in range(num_cpu_blocks)]
         self.max_model_len = max_model_len
@@ -77,21 +87,27 @@ class FakeEngine:
         for sg in out.scheduled_seq_groups:
             assert all(seq.num_computed_tokens == sg.start for seq in sg.seq_group.get_seqs(RUNNING))
             for seq in sg.seq_group.get_seqs(RUNNING):
-                self.write(seq, sg.start, sg.start + sg.token_chunk_size)
+                self.write(seq, sg.start, sg.start + sg.token_chunk_size, sg.spec_token_ids)
         contexts = {}
         for sg in out.scheduled_seq_groups:
             for seq in sg.seq_group.get_seqs(RUNNING):
                 end = sg.start + sg.token_chunk_size
                 contexts[seq.seq_id] = self.read(seq, end)
-                assert contexts[seq.seq_id] == seq.get_token_ids()[:end], f"KV pages corrupted for {seq}"
+                assert contexts[seq.seq_id] == (seq.get_token_ids() + sg.spec_token_ids)[:end], \
+                    f"KV pages corrupted for {seq}"
         # The sampler: a token per sampled row, from the context; the scheduler does the rest.
         results = []
         for sg in out.scheduled_seq_groups:
             sched.on_dispatched(sg)
             group, tokens = sg.seq_group, []
             for seq, samples in sg.sampled:  # (a fresh prompt: one row per fork, index = its place)
+                context = contexts[seq.seq_id]
+                if sg.spec_token_ids:  # a row after the last token and after each draft
+                    first = len(context) - len(sg.spec_token_ids)
+                    tokens += [self.sample(group, 0, context[:first + i]) for i in range(samples)]
+                    continue
                 indices = range(samples) if samples > 1 else [group.seqs.index(seq)]
-                tokens += [self.sample(group, index, contexts[seq.seq_id]) for index in indices]
+                tokens += [self.sample(group, index, context) for index in indices]
             results.append((sg, [SamplerOutput.of_tokens(tokens, -1.0)], 0))
         assert not sched.update_from_output(results)
         self.poison(self.free_blocks())
@@ -106,12 +122,14 @@ class FakeEngine:
         for block_id in block_ids:
             self.gpu[block_id] = [None] * self.block_size
 
-    @staticmethod
-    def sample(group, index, context):
-        return (sum((i + 1) * t for i, t in enumerate(context)) + 31 * index + _salt(group.request_id)) % 1000
+    def sample(self, group, index, context):
+        token = (sum((i + 1) * t for i, t in enumerate(context)) + 31 * index + _salt(group.request_id)) % 1000
+        if self.copy_period and len(context) >= self.copy_period and token % 5:  # mostly a copy
+            return context[-self.copy_period]
+        return token
 
-    def write(self, seq, start, end):
-        table, tokens = self.bm.get_block_table(seq), seq.get_token_ids()
+    def write(self, seq, start, end, drafts=()):
+        table, tokens = self.bm.get_block_table(seq), seq.get_token_ids() + list(drafts)
         for pos in range(start, end):
             self.gpu[table[pos // self.block_size]][pos % self.block_size] = tokens[pos]
 
@@ -127,7 +145,9 @@ class FakeEngine:
         for sg in out.scheduled_seq_groups:
             seqs = sg.seq_group.get_seqs(RUNNING)
             assert seqs and len(seqs) == sg.seq_group.num_unfinished_seqs()
-            assert all(1 <= sg.token_chunk_size <= seq.get_num_uncomputed_tokens() for seq in seqs)
+            assert all(1 <= sg.token_chunk_size - len(sg.spec_token_ids) <= seq.get_num_uncomputed_tokens()
+                       for seq in seqs)
+            assert not sg.spec_token_ids or (len(seqs) == 1 and seqs[0].get_num_uncomputed_tokens() == 1)
             num_tokens += sg.token_chunk_size * len(seqs)
         assert out.num_batched_tokens == num_tokens <= sched.max_num_batched_tokens
         assert sum(g.get_max_num_running_seqs() for g in sched.running) <= sched.max_num_seqs
@@ -398,10 +418,14 @@ def test_scheduler_arguments():
         Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=4, max_model_len=16, preemption_mode="drop")
 
 
+@pytest.mark.parametrize("speculative", [False, True])
 @pytest.mark.parametrize("enable_caching", [False, True])
 @pytest.mark.parametrize("preemption_mode", [None, "swap", "recompute"])
 @pytest.mark.parametrize("seed", range(8))
-def test_random_workloads(preemption_mode, seed, enable_caching):
+def test_random_workloads(preemption_mode, seed, enable_caching, speculative):
+    """Random arrivals, lengths, forks, pools and budgets; each request's outputs must equal its
+    outputs alone in a big pool. With speculation the model mostly copies (n-gram drafts hit),
+    and the outputs alone are computed without it: drafts change nothing but the step count."""
     rng = random.Random(f"{preemption_mode}-{seed}")
     block_size = rng.choice([1, 2, 4, 8])
     num_gpu_blocks = rng.randint(8, 24)
@@ -410,7 +434,15 @@ def test_random_workloads(preemption_mode, seed, enable_caching):
                   watermark=rng.choice([0.0, 0.1]), max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=rng.randint(max_num_seqs, 40), max_model_len=rng.randint(24, 48),
                   preemption_mode=preemption_mode, stop_every=rng.choice([0, 13]))
-    engine = FakeEngine(**config, enable_caching=enable_caching)
+    if speculative:
+        config["copy_period"] = rng.randint(2, 9)
+        config["max_num_batched_tokens"] += rng.choice([0, 8, 40])  # room for drafts, or none
+        spec = dict(method="ngram", num_speculative_tokens=rng.randint(1, 5), prompt_lookup_max=rng.randint(1, 4))
+        if rng.random() < 0.3:
+            spec["disable_by_batch_size"] = rng.randint(1, 4)
+        print(f"seed {seed}: speculative_config {spec}, copy_period {config['copy_period']}")
+    engine = FakeEngine(**config, enable_caching=enable_caching,
+                        speculative_config=spec if speculative else None)
     capacity = (num_gpu_blocks - engine.bm.watermark_blocks) * block_size
     # With caching, prompts share prefixes of every length (often all of it) from two families.
     families = [[rng.randrange(1000) for _ in range(40)] for _ in range(2)] if enable_caching else [[]]
@@ -431,10 +463,14 @@ def test_random_workloads(preemption_mode, seed, enable_caching):
     assert engine.ignored == expected_ignored
     assert (engine.bm.prefix_cache_hits > 0) == enable_caching
     alone = {key: config[key] for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                                          "stop_every")}
+                                          "stop_every", "copy_period") if key in config}
     for name, request in requests.items():
         if name not in expected_ignored:
             assert engine.outputs(name) == run_alone(name, *request, **alone), name
+    if speculative:
+        speculator = engine.scheduler.speculator
+        print(speculator.stats())
+        assert 0 <= speculator.num_accepted_tokens <= speculator.num_draft_tokens
 
 
 def test_prefix_caching_computes_only_the_uncached_tokens():

@@ -226,6 +226,8 @@ class Scheduler:
                 break
             seq.num_computed_tokens += 1
             accepted += 1
+            # A block the accepted drafts filled is cached as a decode step's would be.
+            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
         self.speculator.record(len(drafts), accepted)
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
