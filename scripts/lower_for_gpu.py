@@ -123,11 +123,17 @@ def forward_cases():
     decode bucket and a mixed (prefill) bucket, and its 4-step decode loop (multi-step), lowered
     with the KV pool donated as the engine does. Returns (label, lowered-or-exception thunk, backend)."""
     strip = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731 (shapes only: no CPU placement)
-    for backend, kv_cache_dtype in (("pallas", "auto"), ("mosaic", "auto"), ("pallas", "fp8"), ("mosaic", "fp8")):
+    # (backend, kv_cache_dtype, speculative decoding): with drafts, the forward of a verification
+    # step samples a row per token, more rows than max_num_seqs (no multi-step with it).
+    for backend, kv_cache_dtype, spec in (("pallas", "auto", False), ("mosaic", "auto", False),
+                                          ("pallas", "fp8", False), ("mosaic", "fp8", False), ("pallas", "auto", True)):
         llm = jpaged.LLM("tiny", dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8,
-                         num_gpu_blocks_override=64, attention_backend=backend, num_scheduler_steps=4,
-                         kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=kv_cache_dtype != "auto")
+                         num_gpu_blocks_override=64, attention_backend=backend, num_scheduler_steps=1 if spec else 4,
+                         kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=kv_cache_dtype != "auto",
+                         speculative_config={"method": "ngram", "num_speculative_tokens": 3} if spec else None)
         backend_label = backend if kv_cache_dtype == "auto" else f"{backend} kv_cache_dtype={kv_cache_dtype}"
+        if spec:
+            backend_label += " speculative (verification: 32 tokens, 32 sampled rows)"
         runner = llm.llm_engine.runner
         # The engine's model, its attention's shard_map on the abstract mesh instead of the CPU's.
         model = nnx.merge(runner.graphdef, runner.state)
@@ -140,13 +146,16 @@ def forward_cases():
         last_tokens = strip(runner.last_tokens)
         # 8 tokens of 8 sequence rows: the decode kernel and the ragged one under a traced cond;
         # 64 tokens: the ragged kernel alone.
-        for tokens in (8, 64):
+        for tokens in (32,) if spec else (8, 64):
             layout = layout_of(runner._abstract_inputs(tokens))
             forward = functools.partial(model_runner._forward, graphdef, PartitionSpec(), layout=layout)
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
             label = f"forward {backend_label} {'decode or mixed' if tokens == 8 else 'mixed'} tokens={tokens}"
             yield label, (lambda f=forward, a=(state, kv_cache, packed, last_tokens):
                           lower_for_cuda(f, *a, donate_argnums=(1,))), backend
+        if spec:
+            assert runner._abstract_inputs(32).logits_indices.shape == (32,)  # a row per token
+            continue
         layout = layout_of(runner._abstract_multi_step_inputs(8))
         multi_step = functools.partial(model_runner._multi_step, graphdef, PartitionSpec(), layout=layout,
                                        num_steps=4)

@@ -170,9 +170,9 @@ def test_checkpoint_scales_are_read_and_used(tmp_path, caplog):
         jpaged.LLM(str(tmp_path), kv_cache_dtype="fp8", enforce_eager=True, max_model_len=128)
 
 
-def test_fp8_pages_survive_swap_copy_on_write_and_prefix_caching():
-    """One warmed-up fp8 engine, cramped so it swaps, with n = 2 requests (copy-on-write) and
-    shared prefixes (prefix cache hits): every output equals the same engine's output for that
+def test_fp8_pages_survive_swap_copy_on_write_beam_search_and_prefix_caching():
+    """One warmed-up fp8 engine, cramped so it swaps, with n = 2 requests (copy-on-write), a beam
+    search and shared prefixes (prefix cache hits): every output equals the same engine's output for that
     request alone in a roomy pool, nothing leaks and nothing compiles after warm-up. (e5m2 pages
     take the same paths; the kernels test both.)"""
     kv_cache_dtype = "fp8"
@@ -182,6 +182,9 @@ def test_fp8_pages_survive_swap_copy_on_write_and_prefix_caching():
     prompts = [prefix + p if i % 2 else p for i, p in enumerate(prompts)]
     params = [jpaged.SamplingParams(temperature=0.8, seed=i, n=2, max_tokens=p.max_tokens, ignore_eos=True, logprobs=5)
               if i % 3 == 0 else p for i, p in enumerate(params)]
+    # Beam search: beams fork and share fp8 blocks every step.
+    params[4] = jpaged.SamplingParams(use_beam_search=True, n=2, temperature=0, max_tokens=params[4].max_tokens,
+                                      ignore_eos=True, logprobs=5)
     common = dict(kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=False, **LIMITS)
     cramped = jpaged.LLM("tiny", num_gpu_blocks_override=20, preemption_mode="swap", swap_space=0.05,
                          enable_prefix_caching=True, **common)

@@ -267,3 +267,22 @@ def test_speculative_config_from_the_command_line():
     assert config.speculative_config == SpeculativeConfig("ngram", 4, prompt_lookup_max=3)
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         EngineConfig(speculative_config=NGRAM, num_scheduler_steps=4)
+
+
+def test_metrics_and_stats_line():
+    from serving.api_server import spec_decode_line
+    from serving.metrics import Metrics
+
+    llm = jpaged.LLM("tiny", speculative_config=NGRAM, enforce_eager=True, **LIMITS)
+    stats = dict(llm.stats(), spec_decode_num_drafts=10, spec_decode_num_draft_tokens=30,
+                 spec_decode_num_accepted_tokens=12, spec_decode_num_accepted_tokens_per_pos=[7, 4, 1])
+    text = Metrics("tiny").render(stats)
+    assert 'jpaged:spec_decode_num_drafts_total{model_name="tiny"} 10' in text
+    assert 'jpaged:spec_decode_num_accepted_tokens_total{model_name="tiny"} 12' in text
+    assert 'jpaged:spec_decode_num_accepted_tokens_per_pos{model_name="tiny",position="1"} 4' in text
+    last = dict(stats, spec_decode_num_drafts=6, spec_decode_num_draft_tokens=18, spec_decode_num_accepted_tokens=6)
+    # Since `last`: 4 runs, 12 drafted, 6 accepted -> 1 + 6 / 4 tokens per run.
+    assert spec_decode_line(stats, last) == ("SpecDecoding metrics: Mean acceptance length: 2.50, Accepted: 6 tokens, "
+                                             "Drafted: 12 tokens, Draft acceptance rate: 50.0%")
+    assert spec_decode_line(stats, stats) is None
+    assert "spec_decode" not in Metrics("tiny").render(jpaged.LLM("tiny", enforce_eager=True, **LIMITS).stats())
