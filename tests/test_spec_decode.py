@@ -286,3 +286,15 @@ def test_metrics_and_stats_line():
                                              "Drafted: 12 tokens, Draft acceptance rate: 50.0%")
     assert spec_decode_line(stats, stats) is None
     assert "spec_decode" not in Metrics("tiny").render(jpaged.LLM("tiny", enforce_eager=True, **LIMITS).stats())
+
+
+def test_tensor_parallel(monkeypatch):
+    """Verification on a 2-device tensor-parallel mesh (the CPU's fake devices): the same outputs."""
+    rng = np.random.default_rng()
+    prompts = distinct_prompts(rng, (5, 14, 9))
+    sp = jpaged.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    reference = generate(jpaged.LLM("tiny", enforce_eager=True, **LIMITS), prompts, sp)
+    draft_from(monkeypatch, [(p, list(o.token_ids)) for p, o in zip(prompts, reference)], rng)
+    llm = jpaged.LLM("tiny", speculative_config=NGRAM, tensor_parallel_size=2, enforce_eager=True, **LIMITS)
+    assert [o.token_ids for o in generate(llm, prompts, sp)] == [o.token_ids for o in reference]
+    assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0
