@@ -154,15 +154,59 @@ def test_stops_inside_an_accepted_run(monkeypatch):
     assert llm.stats()["num_free_gpu_blocks"] == llm.stats()["num_gpu_blocks"]
 
 
-def test_requests_that_cannot_speculate_run_without_drafts(monkeypatch):
-    """Penalties, n > 1, beam search and structured output need each draft's effect on the host
-    before the next row: those requests decode one token a step, with the same outputs."""
+def test_penalties_count_the_drafts_before_each_row(monkeypatch):
+    """Repetition, frequency and presence penalties over prompt + outputs + the drafts before the
+    row (the runner uploads them to the device's token history): greedy and seeded sampling
+    equal the outputs without speculation."""
     rng = np.random.default_rng()
-    prompts = distinct_prompts(rng, (6, 10, 4, 8))
-    params = [jpaged.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
-              jpaged.SamplingParams(temperature=0.8, n=2, seed=3, max_tokens=12, ignore_eos=True),
-              jpaged.SamplingParams(use_beam_search=True, n=2, temperature=0, max_tokens=12, ignore_eos=True),
-              jpaged.SamplingParams(temperature=0, max_tokens=12, guided_choice=["yes", "no"])]
+    prompts = distinct_prompts(rng, (6, 10, 15))
+    params = [jpaged.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.4),
+              jpaged.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=0.8,
+                                    presence_penalty=0.5, logprobs=3),
+              jpaged.SamplingParams(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True, frequency_penalty=0.6)]
+    reference = [o.outputs[0] for o in jpaged.LLM("tiny", enforce_eager=True, **LIMITS).generate(
+        prompts, params, use_tqdm=False)]
+    draft_from(monkeypatch, [(p, list(o.token_ids)) for p, o in zip(prompts, reference)], rng, wrong=0.2)
+    llm = jpaged.LLM("tiny", speculative_config=NGRAM, enforce_eager=True, **LIMITS)
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    print(spec_stats(llm))
+    assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
+    for top, ref_top in zip(outputs[1].logprobs, reference[1].logprobs):  # the penalised logprobs
+        assert all(abs(top[t] - ref_top[t]) < 1e-4 for t in top)
+
+
+def test_structured_output_checks_the_drafts(monkeypatch):
+    """Drafts are cut at the first token the grammar rejects, and each row samples under the
+    grammar's mask after the drafts before it: the same outputs as without speculation, which
+    the grammars accept."""
+    rng = np.random.default_rng()
+    prompts = distinct_prompts(rng, (6, 9, 12))
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    params = [jpaged.SamplingParams(temperature=0, max_tokens=40, guided_json=schema),
+              jpaged.SamplingParams(temperature=1.0, seed=5, max_tokens=30, guided_regex="[a-z]{3,9}( [a-z]{2,9}){2,4}"),
+              jpaged.SamplingParams(temperature=0, max_tokens=30, guided_choice=["alpha beta gamma", "alpha delta"])]
+    plain = jpaged.LLM("tiny", enforce_eager=True, **LIMITS)
+    reference = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    print([o.text for o in reference])
+    # Half the drafts wrong: many break the grammar (cut there), the rest are verified.
+    draft_from(monkeypatch, [(p, list(o.token_ids)) for p, o in zip(prompts, reference)], rng, wrong=0.5)
+    llm = jpaged.LLM("tiny", speculative_config=NGRAM, enforce_eager=True, **LIMITS)
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    print(spec_stats(llm))
+    assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0
+    assert [(o.token_ids, o.text, o.finish_reason) for o in outputs] == \
+        [(o.token_ids, o.text, o.finish_reason) for o in reference]
+
+
+def test_requests_that_cannot_speculate_run_without_drafts(monkeypatch):
+    """n > 1 and beam search sample several sequences from one: those requests decode one
+    token a step, with the same outputs."""
+    rng = np.random.default_rng()
+    prompts = distinct_prompts(rng, (6, 10))
+    params = [jpaged.SamplingParams(temperature=0.8, n=2, seed=3, max_tokens=12, ignore_eos=True),
+              jpaged.SamplingParams(use_beam_search=True, n=2, temperature=0, max_tokens=12, ignore_eos=True)]
     plain = jpaged.LLM("tiny", enforce_eager=True, **LIMITS)
     reference = plain.generate(prompts, params, use_tqdm=False)
     draft_from(monkeypatch, [(p, list(o.outputs[0].token_ids)) for p, o in zip(prompts, reference)], rng, wrong=0)

@@ -21,8 +21,9 @@ class RequestNeeds:
     host_tokens: bool
     # The sampler's full path (per-row history, masks, top logprobs) rather than the fast one.
     full_sampler: bool
-    # Drafts may be verified for it: each row's sampling needs nothing of the drafts before it
-    # on the host (penalties' history and grammar state would), and one sequence samples.
+    # Drafts may be verified for it: one sequence samples (no forks or beams). Penalties read
+    # the drafts before each row from the token history the runner uploads; a grammar gives each
+    # row the mask after them.
     speculate: bool
 
     @staticmethod
@@ -32,7 +33,7 @@ class RequestNeeds:
         if needs is None:
             host = sp.use_beam_search or sp.guided or sp.has_penalties
             needs = sp.__dict__["_needs"] = RequestNeeds(host, host or sp.logprobs is not None,
-                                                         not host and sp.best_of == 1)
+                                                         not sp.use_beam_search and sp.best_of == 1)
         return needs
 
 

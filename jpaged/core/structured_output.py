@@ -310,26 +310,61 @@ class StructuredOutputManager:
                 _, (_, freed) = self._compiled.popitem(last=False)
                 self._compiled_bytes -= freed
 
-    def bitmask(self, seq_id: int, sp: SamplingParams) -> np.ndarray:
-        """i32[bitmask_words]: the tokens the sequence may sample next (bit t % 32 of word t // 32).
-        A matcher in error allows only EOS (or token 0): `accept` then ends the sequence."""
-        import llguidance.numpy
-
+    def _matcher(self, seq_id: int, sp: SamplingParams):
         matcher = self._matchers.get(seq_id)
         if matcher is None:
             key = self.prepare(sp)  # compiled when the request was added; again if evicted since
             with self._lock:
                 matcher = self._matchers[seq_id] = self._compiled[key][0].deep_copy()
+        return matcher
+
+    def _fill(self, matcher) -> np.ndarray:
+        """The matcher's next-token mask; empty when it is in error or allows nothing."""
+        import llguidance.numpy
+
         row = np.zeros((1, self.bitmask_words), np.int32)
         if not matcher.is_error():
             llguidance.numpy.fill_next_token_bitmask(matcher, row, 0)
+        return row[0]
+
+    def _eos_only(self) -> np.ndarray:
+        row = np.zeros(self.bitmask_words, np.int32)
+        eos = self._hf_tokenizer.eos_token_id or 0
+        row.view(np.uint32)[eos // 32] = 1 << (eos % 32)
+        return row
+
+    def bitmask(self, seq_id: int, sp: SamplingParams) -> np.ndarray:
+        """i32[bitmask_words]: the tokens the sequence may sample next (bit t % 32 of word t // 32).
+        A matcher in error allows only EOS (or token 0): `accept` then ends the sequence."""
+        matcher = self._matcher(seq_id, sp)
+        row = self._fill(matcher)
         if matcher.is_error() or not row.any():
             self._errors.setdefault(seq_id, clean_error(matcher.get_error()) if matcher.is_error()
                                     else "the grammar allows no next token")
-            row[:] = 0
-            eos = self._hf_tokenizer.eos_token_id or 0
-            row.view(np.uint32)[0, eos // 32] = 1 << (eos % 32)
-        return row[0]
+            return self._eos_only()
+        return row
+
+    def valid_drafts(self, seq_id: int, sp: SamplingParams, drafts: list[int]) -> int:
+        """Speculative decoding: how many leading drafts the grammar accepts from the sequence's
+        state (none once it is in error)."""
+        matcher = self._matcher(seq_id, sp)
+        if seq_id in self._errors or matcher.is_error() or not drafts:
+            return 0
+        return matcher.validate_tokens(drafts)
+
+    def draft_bitmasks(self, seq_id: int, sp: SamplingParams, drafts: list[int]) -> list[np.ndarray]:
+        """The masks of the rows that verify `drafts` (all valid: `valid_drafts`): before the first
+        draft, then after each one, the matcher rolled back after. A state past a draft that
+        allows nothing (the grammar complete) gets EOS alone, recording no error: the run ends
+        there when that draft is accepted."""
+        rows = [self.bitmask(seq_id, sp)]
+        matcher = self._matchers[seq_id]
+        for token in drafts:
+            matcher.consume_token(token)
+            row = self._fill(matcher)
+            rows.append(row if row.any() else self._eos_only())
+        matcher.rollback(len(drafts))
+        return rows
 
     def fork(self, parent_id: int, child_id: int):
         if parent_id in self._matchers:

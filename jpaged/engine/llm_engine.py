@@ -161,8 +161,8 @@ class LLMEngine:
                                    preemption_mode=config.preemption_mode,
                                    stop_checker=StopChecker(self.max_model_len, getattr(self.tokenizer, "eos_token_id", None),
                                                             self.detokenizer, self.structured_output),
-                                   speculator=Speculator(config.speculative_config, self.max_model_len)
-                                   if config.speculative_config else None)
+                                   speculator=Speculator(config.speculative_config, self.max_model_len,
+                                                         self.structured_output) if config.speculative_config else None)
         self.request_validator = RequestValidator(self.hf_config.vocab_size, self.max_model_len, config,
                                                   self.block_manager)
         self.output_processor = OutputProcessor(self.scheduler.stop_checker)
@@ -402,7 +402,10 @@ class LLMEngine:
                                  for p in range(start, start + scheduled.prompt_rows))
             drafts = scheduled.spec_token_ids
             if drafts:  # a row after the last token and after each draft, at consecutive output positions
-                step.rows.extend(self._sampling_row(group, seq, group.seqs.index(seq), i) for i in range(samples))
+                masks = self.structured_output.draft_bitmasks(seq.seq_id, group.sampling_params, drafts) \
+                    if group.sampling_params.guided else [None] * samples
+                step.rows.extend(self._sampling_row(group, seq, group.seqs.index(seq), i, masks[i])
+                                 for i in range(samples))
                 token_ids = [seq.get_last_token_id(), *drafts]
             else:
                 for i in range(samples):  # a fresh prompt's forks: one row each
@@ -441,15 +444,17 @@ class LLMEngine:
             row += len(s.rows)
         return results
 
-    def _sampling_row(self, group: SequenceGroup, seq: Sequence, index: int, ahead: int = 0) -> SamplingRow:
-        """`ahead`: the row samples that many tokens after the sequence's end (after drafts)."""
+    def _sampling_row(self, group: SequenceGroup, seq: Sequence, index: int, ahead: int = 0,
+                      allowed=None) -> SamplingRow:
+        """`ahead`: the row samples that many tokens after the sequence's end (after drafts);
+        `allowed`: its grammar mask there (default: the sequence's next-token mask)."""
         sp = group.sampling_params
         # Unseeded requests draw from the engine seed and the sequence id; seeded ones only from
         # their own seed, so the same seed gives the same output whatever else runs.
         seed = sp.seed if sp.seed is not None else hash((self.config.seed, seq.seq_id)) & 0x7FFFFFFF
-        banned, allowed = [], None
+        banned = []
         if sp.guided:  # the grammar decides when the completion may end (min_tokens gives way)
-            allowed = self.structured_output.bitmask(seq.seq_id, sp)
+            allowed = self.structured_output.bitmask(seq.seq_id, sp) if allowed is None else allowed
         elif seq.get_output_len() < sp.min_tokens:
             banned = list(sp.stop_token_ids) + ([self.eos_token_id] if self.eos_token_id is not None else [])
         return SamplingRow(sp, seed, index, seq.get_output_len() + ahead, seq.prompt_token_ids, seq.output_token_ids,

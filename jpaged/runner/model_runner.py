@@ -275,6 +275,13 @@ class ModelRunner:
                 if not p.has_penalties:
                     continue
                 prompt_len, length = len(r.prompt_token_ids), len(r.prompt_token_ids) + len(r.output_token_ids)
+                if seq.num_spec_tokens:  # drafts: row j counts the outputs and the first j drafts
+                    j = i - k
+                    if j == 0:  # the row holds the drafts past the sequence's tokens: sent again next step
+                        uploads[int(row)] = list(r.prompt_token_ids) + list(r.output_token_ids) + seq.token_ids[1:]
+                        self._history.pop(int(row), None)
+                    history.rows[i], history.prompt_lens[i], history.lens[i] = row, prompt_len, length + j
+                    continue
                 if self._history.get(row) != (seq.seq_id, length):
                     uploads[int(row)] = list(r.prompt_token_ids) + list(r.output_token_ids)
                 history.rows[i], history.prompt_lens[i], history.lens[i] = row, prompt_len, length

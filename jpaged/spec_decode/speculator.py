@@ -8,9 +8,10 @@ from jpaged.spec_decode.ngram import propose_ngram
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, structured_output=None):
         self.config = config
         self.max_model_len = max_model_len
+        self.structured_output = structured_output  # grammars cut drafts at their first invalid token
         # vLLM's counters: steps that verified drafts, drafts proposed, drafts accepted, and
         # accepted drafts by position (how often the i-th draft of a run was accepted).
         self.num_drafts = 0
@@ -26,8 +27,8 @@ class Speculator:
     def propose(self, group: SequenceGroup, max_drafts: int) -> list[int]:
         """Drafts for the group's next step, at most `max_drafts` (empty: it decodes one token).
         Only a lone sequence that decodes its last token with sampling that needs nothing of
-        the drafts on the host (no penalties, grammar, beams or forks; min_tokens reached)
-        speculates; no draft runs past max_tokens or max_model_len."""
+        the drafts on the host (no beams or forks; min_tokens reached) speculates; no draft runs
+        past max_tokens or max_model_len, nor past the first one its grammar rejects."""
         sp = group.sampling_params
         if max_drafts < 1 or len(group.seqs) != 1 or not RequestNeeds.of(sp).speculate:
             return []
@@ -37,7 +38,10 @@ class Speculator:
             return []
         k = min(self.config.num_speculative_tokens, max_drafts, sp.max_tokens - seq.get_output_len() - 1,
                 self.max_model_len - seq.get_len())
-        return propose_ngram(seq.get_token_ids(), k, self.config.lookup_min, self.config.lookup_max)
+        drafts = propose_ngram(seq.get_token_ids(), k, self.config.lookup_min, self.config.lookup_max)
+        if drafts and sp.guided:
+            drafts = drafts[:self.structured_output.valid_drafts(seq.seq_id, sp, drafts)]
+        return drafts
 
     def record(self, num_drafts: int, num_accepted: int):
         """One verified run: `num_drafts` proposed, the first `num_accepted` of them accepted."""
