@@ -127,10 +127,10 @@ def test_preemption_and_prefix_caching(monkeypatch, preemption_mode):
 
 
 def test_stops_inside_an_accepted_run(monkeypatch):
-    """Stop token ids, stop strings and max_tokens that fall inside a run of drafts end the
-    output exactly where they do without speculation (the drafts past them are dropped)."""
+    """Stop token ids, stop strings, max_tokens and min_tokens that fall inside a run of drafts
+    end the output exactly where they do without speculation (the drafts past them are dropped)."""
     rng = np.random.default_rng()
-    prompts = distinct_prompts(rng, (5, 8, 13, 6))
+    prompts = distinct_prompts(rng, (5, 8, 13, 6, 9))
     free = jpaged.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     plain = jpaged.LLM("tiny", enforce_eager=True, **LIMITS)
     full = generate(plain, prompts, free)
@@ -140,7 +140,10 @@ def test_stops_inside_an_accepted_run(monkeypatch):
               jpaged.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[full[1].text[10:13]]),
               jpaged.SamplingParams(temperature=0, max_tokens=17, ignore_eos=True),
               jpaged.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[full[3].text[9:11]],
-                                    stop_token_ids=[full[3].token_ids[20]])]
+                                    stop_token_ids=[full[3].token_ids[20]]),
+              # min_tokens past an early stop id: rows before it ban it (by their own position), later ones not.
+              jpaged.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, min_tokens=12,
+                                    stop_token_ids=[full[4].token_ids[3], full[4].token_ids[16]])]
     reference = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
     assert all(len(o.token_ids) < 30 for o in reference), "a stop that never happened tests nothing"
     draft_from(monkeypatch, [(p, list(o.token_ids)) for p, o in zip(prompts, full)], rng, wrong=0.1)
@@ -342,3 +345,25 @@ def test_tensor_parallel(monkeypatch):
     llm = jpaged.LLM("tiny", speculative_config=NGRAM, tensor_parallel_size=2, enforce_eager=True, **LIMITS)
     assert [o.token_ids for o in generate(llm, prompts, sp)] == [o.token_ids for o in reference]
     assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_server_speculative_config_flag():
+    """`jpaged serve --speculative-config '<json>'` speculates (a prompt that repeats itself has
+    n-grams to look up, even in random weights' outputs) and exports the counters."""
+    import json
+
+    from test_server import Server, get, post, run
+
+    server = Server("--speculative-config", json.dumps(NGRAM), "--enforce-eager", "--max-model-len", "128",
+                    "--max-num-seqs", "4")
+    try:
+        status, body = run(post(server.url, "/v1/completions", {"model": "tiny", "prompt": "abcabcabcabcabc" * 3,
+                                                                  "max_tokens": 24, "ignore_eos": True,
+                                                                  "temperature": 0}, headers={}))
+        assert status == 200 and body["usage"]["completion_tokens"] == 24, json.dumps(body)
+        status, text = run(get(server.url, "/metrics", headers={}))
+        assert status == 200
+        drafts = [line for line in text.splitlines() if line.startswith("jpaged:spec_decode_num_drafts_total")]
+        assert drafts and float(drafts[0].split()[-1]) > 0, text
+    finally:
+        assert server.stop() == 0

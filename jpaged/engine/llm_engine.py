@@ -455,7 +455,7 @@ class LLMEngine:
         banned = []
         if sp.guided:  # the grammar decides when the completion may end (min_tokens gives way)
             allowed = self.structured_output.bitmask(seq.seq_id, sp) if allowed is None else allowed
-        elif seq.get_output_len() < sp.min_tokens:
+        elif seq.get_output_len() + ahead < sp.min_tokens:
             banned = list(sp.stop_token_ids) + ([self.eos_token_id] if self.eos_token_id is not None else [])
         return SamplingRow(sp, seed, index, seq.get_output_len() + ahead, seq.prompt_token_ids, seq.output_token_ids,
                            banned, sp.logit_bias, allowed)

@@ -26,15 +26,14 @@ class Speculator:
 
     def propose(self, group: SequenceGroup, max_drafts: int) -> list[int]:
         """Drafts for the group's next step, at most `max_drafts` (empty: it decodes one token).
-        Only a lone sequence that decodes its last token with sampling that needs nothing of
-        the drafts on the host (no beams or forks; min_tokens reached) speculates; no draft runs
-        past max_tokens or max_model_len, nor past the first one its grammar rejects."""
+        Only a lone sequence that decodes its last token speculates (no beams or forks); no
+        draft runs past max_tokens or max_model_len, nor past the first one its grammar rejects.
+        (min_tokens: each row bans EOS and stop ids by its own output position.)"""
         sp = group.sampling_params
         if max_drafts < 1 or len(group.seqs) != 1 or not RequestNeeds.of(sp).speculate:
             return []
         seq = group.seqs[0]
-        if (seq.status is not SequenceStatus.RUNNING or seq.num_pending_tokens or seq.get_num_uncomputed_tokens() != 1
-                or seq.get_output_len() < sp.min_tokens):
+        if seq.status is not SequenceStatus.RUNNING or seq.num_pending_tokens or seq.get_num_uncomputed_tokens() != 1:
             return []
         k = min(self.config.num_speculative_tokens, max_drafts, sp.max_tokens - seq.get_output_len() - 1,
                 self.max_model_len - seq.get_len())
