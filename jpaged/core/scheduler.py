@@ -13,9 +13,13 @@ Every step it decides which sequence groups compute which tokens:
      prefix caching, an admitted group starts computing at its first uncached token. The
      benchmark baseline kv_allocation="static" admits only while no running group decodes.
 
+With speculative decoding (a Speculator, spec_decode/), a decoding sequence may also carry
+drafts: lookahead slots for them, a chunk of 1 + drafts tokens, from the token budget the
+decodes leave; update_from_output accepts them (`_accept`).
+
 After the step, `update_from_output` makes every change its sampled tokens bring: appends (a
-fresh prompt forks into its best_of sequences), beam search, stop checks (StopChecker), and
-frees the blocks of what finished. `on_dispatched` records, as the step starts, that its tokens
+fresh prompt forks into its best_of sequences), beam search, accepted drafts, stop checks
+(StopChecker), and frees the blocks of what finished. `on_dispatched` records, as the step starts, that its tokens
 are computed. The engine, the tests' fake engine and the model-free paper replay all go through
 these two: no other code writes a sequence's state after a step.
 
