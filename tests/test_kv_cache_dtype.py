@@ -5,6 +5,7 @@ tensor parallelism) on fp8 pages. The kernels' own fp8 tests are in test_kernels
 
 import json
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -168,6 +169,31 @@ def test_checkpoint_scales_are_read_and_used(tmp_path, caplog):
     safetensors.numpy.save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="layer 1 v_scale"):
         jpaged.LLM(str(tmp_path), kv_cache_dtype="fp8", enforce_eager=True, max_model_len=128)
+
+
+def test_llmcompressor_checkpoint_scales(caplog):
+    """A real llm-compressor checkpoint (tests/data/llmcompressor-fp8-kv, made by
+    scripts/make_fp8_kv_checkpoint.py: a tiny random Llama whose FP8 KV scales llm-compressor
+    calibrated, in its compressed-tensors format): the pool takes its per-layer scales exactly,
+    and fp8 pages at those scales answer as the model's own dtype does (within fp8 rounding)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "llmcompressor-fp8-kv")
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["quantization_config"]["kv_cache_scheme"]["type"] == "float"
+    tensors = safetensors.numpy.load_file(os.path.join(path, "model.safetensors"))
+    expected = {kind: np.array([tensors[f"model.layers.{i}.self_attn.{kind}"].item() for i in range(2)], np.float32)
+                for kind in ("k_scale", "v_scale")}
+    limits = dict(max_model_len=128, max_num_seqs=4, enforce_eager=True)
+    with caplog.at_level(logging.INFO, logger="jpaged.engine.llm_engine"):
+        fp8 = jpaged.LLM(path, kv_cache_dtype="fp8", **limits)
+    assert "KV cache float8_e4m3fn, scales from the checkpoint" in caplog.text
+    cache = fp8.llm_engine.runner.kv_cache
+    np.testing.assert_array_equal(np.asarray(cache.k_scale), expected["k_scale"])
+    np.testing.assert_array_equal(np.asarray(cache.v_scale), expected["v_scale"])
+    rng = np.random.default_rng(SEED)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 17, 40)]
+    sp = jpaged.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    assert_close_outputs(jpaged.LLM(path, **limits).generate(prompts, sp, use_tqdm=False),
+                         fp8.generate(prompts, sp, use_tqdm=False), atol=0.02)
 
 
 def test_fp8_pages_survive_swap_copy_on_write_beam_search_and_prefix_caching():
