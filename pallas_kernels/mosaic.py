@@ -19,8 +19,9 @@ operands fp8 and K-major, which p @ V is not, so the matmuls stay bf16/fp16 and 
 the bytes read from HBM, which is what decode is bound by.
 
 Limits (ValueError otherwise; the Triton kernels cover the rest): bf16/fp16 queries, pages in
-q's dtype or fp8 (e4m3fn, e5m2), head_dim a multiple of 64, at most 64 query heads per kv head. Off-GPU the kernels run in Mosaic
-GPU's interpret mode (jax >= 0.11), which simulates TMA, barriers and wgmma on the CPU.
+q's dtype or fp8 (e4m3fn, e5m2), head_dim a multiple of 64, at most 64 query heads per kv head.
+Off-GPU the kernels run in Mosaic GPU's interpret mode (jax >= 0.11), which simulates TMA,
+barriers and wgmma on the CPU.
 """
 
 import functools

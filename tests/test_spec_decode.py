@@ -137,13 +137,23 @@ def test_stops_inside_an_accepted_run(monkeypatch):
     # Each prompt's own stop: a token from the middle of its output, a piece of its text, a length.
     params = [jpaged.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
                                     stop_token_ids=[full[0].token_ids[12]]),
-              jpaged.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[full[1].text[10:13]]),
+              jpaged.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                    stop=[full[1].text[10:13]] if len(full[1].text) >= 13 else None,
+                                    stop_token_ids=[full[1].token_ids[14]]),
               jpaged.SamplingParams(temperature=0, max_tokens=17, ignore_eos=True),
               jpaged.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[full[3].text[9:11]],
-                                    stop_token_ids=[full[3].token_ids[20]]),
-              # min_tokens past an early stop id: rows before it ban it (by their own position), later ones not.
-              jpaged.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, min_tokens=12,
-                                    stop_token_ids=[full[4].token_ids[3], full[4].token_ids[16]])]
+                                    stop_token_ids=[full[3].token_ids[20]])]
+    # min_tokens=12 with a stop id the output meets at position 3: rows before position 12 ban it
+    # (each by its own position), so the output goes on; it ends at a second stop id, one that the
+    # min_tokens run meets only after position 12 (banning it earlier changes nothing there), or
+    # at max_tokens=20 when every later token also came earlier (a loop).
+    banned_early = full[4].token_ids[3]
+    late = generate(plain, [prompts[4]], jpaged.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                               min_tokens=12, stop_token_ids=[banned_early]))[0]
+    second = next((t for t in late.token_ids[12:] if t not in late.token_ids[:12] and t != banned_early), None)
+    params.append(jpaged.SamplingParams(temperature=0, max_tokens=30 if second is not None else 20, ignore_eos=True,
+                                        min_tokens=12,
+                                        stop_token_ids=[banned_early] + ([second] if second is not None else [])))
     reference = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
     assert all(len(o.token_ids) < 30 for o in reference), "a stop that never happened tests nothing"
     draft_from(monkeypatch, [(p, list(o.token_ids)) for p, o in zip(prompts, full)], rng, wrong=0.1)
@@ -188,7 +198,8 @@ def test_structured_output_checks_the_drafts(monkeypatch):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "age": {"type": "integer"}}, "required": ["name", "age"]}
     params = [jpaged.SamplingParams(temperature=0, max_tokens=40, guided_json=schema),
-              jpaged.SamplingParams(temperature=1.0, seed=5, max_tokens=30, guided_regex="[a-z]{3,9}( [a-z]{2,9}){2,4}"),
+              jpaged.SamplingParams(temperature=1.0, seed=5, max_tokens=30,
+                                    guided_regex="[a-z]{3,9}( [a-z]{2,9}){2,4}"),
               jpaged.SamplingParams(temperature=0, max_tokens=30, guided_choice=["alpha beta gamma", "alpha delta"])]
     plain = jpaged.LLM("tiny", enforce_eager=True, **LIMITS)
     reference = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
