@@ -148,9 +148,10 @@ class Scheduler:
     def on_dispatched(self, scheduled: ScheduledSequenceGroup):
         """The group's step is on the device: its tokens count as computed from now on, and each
         sequence's sampled token is pending until it is read (a beam or a fork: read at once)."""
-        # Drafts count as computed only once accepted (update_from_output).
+        # Drafts count as computed only once accepted (update_from_output); a sequence with drafts
+        # samples several rows, so nothing of it is pending.
         chunk = scheduled.token_chunk_size - len(scheduled.spec_token_ids)
-        pending = not scheduled.seq_group.sampling_params.use_beam_search and not scheduled.spec_token_ids
+        pending = not scheduled.seq_group.sampling_params.use_beam_search
         for seq, samples in zip(scheduled.seqs, scheduled.samples):
             seq.num_computed_tokens += chunk
             if seq.num_computed_tokens > seq.get_len():
@@ -312,8 +313,12 @@ class Scheduler:
         running than disable_by_batch_size."""
         if self.speculator is None:
             return 0
-        decoding = sum(g.num_unfinished_seqs() for g in queue if not g.is_prefill())
-        if not self.speculator.enabled(sum(g.num_unfinished_seqs() for g in queue)):
+        running = decoding = 0
+        for group in queue:
+            num_seqs = group.num_unfinished_seqs()
+            running += num_seqs
+            decoding += 0 if group.is_prefill() else num_seqs
+        if not self.speculator.enabled(running):
             return 0
         return max(0, min(budget.num_tokens - decoding, self.max_num_batched_tokens - self.max_num_seqs))
 

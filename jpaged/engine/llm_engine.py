@@ -29,16 +29,16 @@ from jpaged.core.stop_checker import StopChecker
 from jpaged.core.structured_output import StructuredOutputManager
 from jpaged.engine.request_validator import RequestValidator
 from jpaged.models.kv_cache import KVCacheSpec, kv_dtype
-from jpaged.models.paged_attention import check_kernels
-from jpaged.spec_decode.speculator import Speculator
 from jpaged.models.layers import common_sliding_window
 from jpaged.models.loader import load_model
+from jpaged.models.paged_attention import check_kernels
 from jpaged.outputs import RequestOutput
 from jpaged.parallel import distributed
 from jpaged.runner.executable_cache import ExecutableCache
 from jpaged.runner.model_runner import ModelRunner, SeqInput
 from jpaged.runner.sampler import SamplingRow
 from jpaged.sampling_params import SamplingParams
+from jpaged.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 

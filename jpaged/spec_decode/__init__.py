@@ -5,8 +5,8 @@ keeps exactly the target's distribution.
   config.py     SpeculativeConfig: the options, checked (ValueError naming the field)
   ngram.py      prompt lookup: the tokens that followed the last occurrence of the sequence's
                 own suffix (host, numpy)
-  speculator.py which sequences speculate and how many drafts they take this step; the
-                acceptance rule and the counters (stats(), Prometheus)
+  speculator.py which sequences speculate and how many drafts they take this step, and the
+                counters (stats(), Prometheus); the acceptance is Scheduler._accept's
 
 How a step speculates (the scheduler owns it, as every sequence update): a decoding sequence's
 drafts d1..dk ride with its last token as a k+1-token chunk at positions L-1 .. L+k-1, in
