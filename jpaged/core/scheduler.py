@@ -235,6 +235,17 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
         self.speculator.record(len(drafts), accepted)
 
+    def set_drafts(self, out: SchedulerOutputs, scheduled: ScheduledSequenceGroup, drafts: list[int]):
+        """A draft model's drafts for a group the plan reserved them for (DRAFT_PENDING, at most
+        as many): they take the reservation's place, cut at the first its grammar rejects (the
+        reserved slots stay the sequence's; unused, they are the next step's)."""
+        drafts = self.speculator.check_drafts(scheduled.seq_group, drafts[:len(scheduled.spec_token_ids)])
+        out.num_batched_tokens -= len(scheduled.spec_token_ids) - len(drafts)
+        scheduled.spec_token_ids = drafts
+        scheduled.token_chunk_size = 1 + len(drafts)
+        scheduled.samples = [1 + len(drafts)]
+        scheduled.__dict__.pop("sampled", None)  # the cached property, derived from samples
+
     def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         child = parent.fork(self.new_seq_id())
         group.add(child)

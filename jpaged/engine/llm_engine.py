@@ -38,7 +38,8 @@ from jpaged.runner.executable_cache import ExecutableCache
 from jpaged.runner.model_runner import ModelRunner, SeqInput
 from jpaged.runner.sampler import SamplingRow
 from jpaged.sampling_params import SamplingParams
-from jpaged.spec_decode.speculator import Speculator
+from jpaged.spec_decode.draft_model import load_draft_model
+from jpaged.spec_decode.speculator import DRAFT_PENDING, Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +141,11 @@ class LLMEngine:
         kv_cache_spec = KVCacheSpec.of_model(loaded.model, config.block_size,
                                              kv_dtype(config.kv_cache_dtype, loaded.dtype), config.tensor_parallel_size)
         check_kernels(loaded.model, kv_cache_spec, loaded.dtype, config.attention_backend)
-        bytes_per_block = kv_cache_spec.bytes_per_block  # per device: its kv heads' part of every block
+        spec_config = config.speculative_config
+        draft = load_draft_model(config, loaded, self.max_model_len) \
+            if spec_config and spec_config.method == "draft_model" else None
+        # Per device: its kv heads' part of every block (a draft's pages have the same blocks).
+        bytes_per_block = kv_cache_spec.bytes_per_block + (draft.kv_cache_spec.bytes_per_block if draft else 0)
         # Every process must allocate the same pool: the smallest one that fits everywhere.
         num_gpu_blocks = distributed.min_across_processes(self._num_gpu_blocks(bytes_per_block))
         num_cpu_blocks = int(config.swap_space * 2**30 // bytes_per_block)
@@ -161,22 +166,25 @@ class LLMEngine:
                                    preemption_mode=config.preemption_mode,
                                    stop_checker=StopChecker(self.max_model_len, getattr(self.tokenizer, "eos_token_id", None),
                                                             self.detokenizer, self.structured_output),
-                                   speculator=Speculator(config.speculative_config, self.max_model_len,
-                                                         self.structured_output) if config.speculative_config else None)
+                                   speculator=Speculator(spec_config, self.max_model_len,
+                                                         self.structured_output) if spec_config else None)
         self.request_validator = RequestValidator(self.hf_config.vocab_size, self.max_model_len, config,
                                                   self.block_manager)
         self.output_processor = OutputProcessor(self.scheduler.stop_checker)
-        self.runner = ModelRunner(loaded, kv_cache_spec, num_gpu_blocks=num_gpu_blocks,
-                                  num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
-                                  num_scheduler_steps=config.num_scheduler_steps,
-                                  num_speculative_tokens=config.speculative_config.num_speculative_tokens
-                                  if config.speculative_config else 0,
-                                  executable_cache=ExecutableCache(
-                                      executable_cache_dir() if config.executable_cache else None,
-                                      self._model_fingerprint(loaded)),
-                                  kv_scales=kv_scales,
-                                  calculate_kv_scales=kv_cache_spec.quantized and config.calculate_kv_scales)
+        shape = dict(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs,
+                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
+                     num_speculative_tokens=spec_config.num_speculative_tokens if spec_config else 0)
+        cache_dir, fingerprint = executable_cache_dir() if config.executable_cache else None, self._model_fingerprint(loaded)
+        # The draft's proposals: its multi-step loop of k steps.
+        draft_runner = ModelRunner(draft.loaded, draft.kv_cache_spec, **shape,
+                                   num_scheduler_steps=spec_config.num_speculative_tokens,
+                                   executable_cache=ExecutableCache(cache_dir, f"{fingerprint}\ndraft\n"
+                                                                    f"{self._model_fingerprint(draft.loaded)}"),
+                                   is_draft=True) if draft else None
+        self.runner = ModelRunner(loaded, kv_cache_spec, **shape, num_scheduler_steps=config.num_scheduler_steps,
+                                  executable_cache=ExecutableCache(cache_dir, fingerprint), kv_scales=kv_scales,
+                                  calculate_kv_scales=kv_cache_spec.quantized and config.calculate_kv_scales,
+                                  draft=draft_runner)
         if not config.enforce_eager:
             self._warm_up(stop_start_up)
         # The heap built so far (jax, the model, the tokenizer) lives as long as the engine: keep
@@ -204,11 +212,11 @@ class LLMEngine:
         try:
             self.runner.warm_up(stop)
         except Exception as e:
-            cache = self.runner.executable_cache
-            if cache.hits == 0:
+            hits = self.runner.executable_cache.hits + (self.runner.draft.executable_cache.hits if self.runner.draft else 0)
+            if hits == 0:
                 raise
             logger.warning("start-up failed after loading %d cached executables (%r); retrying once with the "
-                           "executable cache bypassed", cache.hits, e)
+                           "executable cache bypassed", hits, e)
             self.runner.bypass_executable_cache()
             self.runner.warm_up(stop)
 
@@ -316,6 +324,30 @@ class LLMEngine:
         self._in_flight = current
         return self._complete(previous) if previous is not None else []
 
+    def _propose_drafts(self, plan: SchedulerOutputs):
+        """A draft model's drafts for the groups the plan reserved them for (spec_decode/
+        draft_model.py); if proposing fails, those groups decode without drafts this step."""
+        pending = [s for s in plan.scheduled_seq_groups if s.spec_token_ids[:1] == [DRAFT_PENDING]]
+        if not pending:
+            return
+        seqs, rows = [], []
+        for scheduled in pending:
+            group, seq = scheduled.seq_group, scheduled.seqs[0]
+            seqs.append(SeqInput(seq.seq_id, [seq.get_last_token_id()], seq.get_len() - 1,
+                                 self.block_manager.get_block_table(seq), 1))
+            # The target's first row's key and sampling knobs (not its penalties, bans or grammar).
+            rows.append(SamplingRow(group.sampling_params, self._seed(group.sampling_params, seq),
+                                    group.seqs.index(seq), seq.get_output_len()))
+        try:
+            drafts = self.runner.propose(seqs, rows, [len(s.spec_token_ids) for s in pending])
+        except Exception as e:
+            if not self.runner.is_alive():
+                raise
+            logger.warning("the draft model's proposals failed (%r): this step verifies no drafts", e)
+            drafts = [[] for _ in pending]
+        for scheduled, tokens in zip(pending, drafts):
+            self.scheduler.set_drafts(plan, scheduled, tokens)
+
     def _can_overlap(self, dispatched: _Dispatched) -> bool:
         """Whether the next step may be scheduled before `dispatched` is read (step_needs.py)."""
         return (self.config.async_scheduling and not dispatched.failed
@@ -329,6 +361,7 @@ class LLMEngine:
             self.runner.swap_out(plan.blocks_to_swap_out)
             self.runner.swap_in(plan.blocks_to_swap_in)
             self.runner.copy_blocks(plan.blocks_to_copy)
+            self._propose_drafts(plan)  # after the block moves: a victim's pages leave before drafts take its blocks
             failed: dict[int, tuple[SequenceGroup, Exception]] = {}
             steps = []
             for scheduled in plan.scheduled_seq_groups:
@@ -449,9 +482,7 @@ class LLMEngine:
         """`ahead`: the row samples that many tokens after the sequence's end (after drafts);
         `allowed`: its grammar mask there (default: the sequence's next-token mask)."""
         sp = group.sampling_params
-        # Unseeded requests draw from the engine seed and the sequence id; seeded ones only from
-        # their own seed, so the same seed gives the same output whatever else runs.
-        seed = sp.seed if sp.seed is not None else hash((self.config.seed, seq.seq_id)) & 0x7FFFFFFF
+        seed = self._seed(sp, seq)
         banned = []
         if sp.guided:  # the grammar decides when the completion may end (min_tokens gives way)
             allowed = self.structured_output.bitmask(seq.seq_id, sp) if allowed is None else allowed
@@ -459,6 +490,11 @@ class LLMEngine:
             banned = list(sp.stop_token_ids) + ([self.eos_token_id] if self.eos_token_id is not None else [])
         return SamplingRow(sp, seed, index, seq.get_output_len() + ahead, seq.prompt_token_ids, seq.output_token_ids,
                            banned, sp.logit_bias, allowed)
+
+    def _seed(self, sp: SamplingParams, seq: Sequence) -> int:
+        """Unseeded requests draw from the engine seed and the sequence id; seeded ones only from
+        their own seed, so the same seed gives the same output whatever else runs."""
+        return sp.seed if sp.seed is not None else hash((self.config.seed, seq.seq_id)) & 0x7FFFFFFF
 
     # ------------------------------------------------------------------ stats
     def kv_usage(self) -> KVUsage:

@@ -70,9 +70,11 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, kv_cache_spec: KVCacheSpec, *, num_gpu_blocks: int, num_cpu_blocks: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_scheduler_steps: int = 1,
                  executable_cache: ExecutableCache | None = None, kv_scales=None, calculate_kv_scales: bool = False,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, draft: "ModelRunner | None" = None, is_draft: bool = False):
         """`kv_scales`: fp8 pages' per-layer (k, v) scales from the checkpoint; else 1.0, or
-        computed by the first step with `calculate_kv_scales`."""
+        computed by the first step with `calculate_kv_scales`. `draft`: a draft model's runner
+        (spec_decode, `is_draft`, num_scheduler_steps = k): its pages have the same blocks as
+        these, every step runs its K/V-only forward too, and block copies and swaps move both."""
         self.kv_cache_spec, self.num_gpu_blocks = kv_cache_spec, num_gpu_blocks
         self.block_size = block_size = kv_cache_spec.block_size
         self.vocab_size = loaded.hf_config.vocab_size
@@ -114,6 +116,9 @@ class ModelRunner:
             functools.partial(step_functions.multi_step, self.graphdef, rep, layout=layout,
                               num_steps=num_scheduler_steps),
             donate_argnums=(1, 3), out_shardings=(rep, pool, rep))
+        self.draft, self.is_draft = draft, is_draft
+        self._kv_forward = lambda layout: jax.jit(functools.partial(step_functions.forward_kv, self.graphdef, layout=layout),
+                                                  donate_argnums=(1,), out_shardings=pool)
         self.executable_cache = executable_cache or ExecutableCache(None, "")
         self._executables = {}
         if self._multihost:  # the driver's broadcasts: one executable, compiled now
@@ -129,11 +134,12 @@ class ModelRunner:
 
     @property
     def num_compilations(self) -> int:
-        return len(self._executables)
+        return len(self._executables) + (self.draft.num_compilations if self.draft else 0)
 
     def is_alive(self) -> bool:
         """False once the KV pages are gone: a step that failed after donating them."""
-        return not any(pages.is_deleted() for pages in jax.tree.leaves(self.kv_cache))
+        return not any(pages.is_deleted() for pages in jax.tree.leaves(self.kv_cache)) and \
+            (self.draft is None or self.draft.is_alive())
 
     def warm_up(self, stop: threading.Event | None = None):
         """Compile every bucket now, so serving never compiles. A pipeline: this thread traces and
@@ -147,7 +153,8 @@ class ModelRunner:
             if stop is not None and stop.is_set():
                 raise SystemExit(0)
 
-        keys = [k for k in self.buckets.keys() if k not in self._executables]
+        keys = [k for k in (self.buckets.draft_keys() if self.is_draft else self.buckets.keys())
+                if k not in self._executables]
         cache = self.executable_cache
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jpaged-compile") as pool, \
                 tqdm(total=len(keys), desc="Compiling step buckets", unit="shape") as progress:
@@ -175,12 +182,16 @@ class ModelRunner:
             except BaseException:  # SIGTERM during the warm-up: wait for the running compile only
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise
+        if self.draft is not None:
+            self.draft.warm_up(stop)
         self._warm = True
 
     def bypass_executable_cache(self):
         """Forget what warm_up loaded and load nothing more from disk (compiles still write)."""
         self._executables.clear()
         self.executable_cache.skip_loads = True
+        if self.draft is not None:
+            self.draft.bypass_executable_cache()
 
     def _compile(self, key):
         return self.executable_cache.compile(repr(key), *self._jitted_and_args(key))
@@ -194,6 +205,9 @@ class ModelRunner:
         if key[0] == "forward":
             layout = layout_of(self._abstract_inputs(key[1]))
             return self._forward(layout), (self.state, self.kv_cache, self._packed(layout), self.last_tokens)
+        if key[0] == "kv_forward":
+            layout = layout_of(self._abstract_inputs(key[1]))
+            return self._kv_forward(layout), (self.state, self.kv_cache, self._packed(layout), self.last_tokens)
         if key[0] == "multi_step":
             layout = layout_of(self._abstract_multi_step_inputs(key[1]))
             return self._multi_step(layout), (self.state, self.kv_cache, self._packed(layout), self.last_tokens)
@@ -322,6 +336,27 @@ class ModelRunner:
                              pack((inputs, smeta, step.dst_rows, step.lookahead_slots)))
         return StepHandle(out, num_sample_rows, 0, step.num_rows, self.buckets.num_scheduler_steps)
 
+    def propose(self, seqs: list[SeqInput], sampling_rows: list, steps_of: list[int]) -> list[list[int]]:
+        """The draft model's proposals (spec_decode): from each sequence's last token (one
+        SeqInput token, one sample), `steps_of[i]` tokens, drafted one after another on the
+        device by the draft's k-step decode loop. Each row samples with the target row's key at
+        that output position (`sampling_rows`: the first one's), so a draft is the token the target
+        draws there when the two models agree, and verification keeps the target's draws
+        exactly (spec_decode/__init__.py). The blocks must hold slots for every drafted token."""
+        draft, drafts = self.draft, []
+        chunk = draft.buckets.decode_tokens[-1]  # a decode bucket holds at most this many sequences
+        for start in range(0, len(seqs), chunk):
+            part = slice(start, start + chunk)
+            step = prepare_inputs(seqs[part], draft.input_batch, draft.buckets, self.block_size, multi_step=True,
+                                  steps_of=steps_of[part])
+            num_rows = len(step.inputs.logits_indices)
+            smeta = draft._sampling_metadata(sampling_rows[part], num_rows, False)
+            out = self._dispatch("propose", step.num_tokens,
+                                 pack((step.inputs, smeta, step.dst_rows, step.lookahead_slots)))
+            outs = self.collect(StepHandle(out, num_rows, 0, step.num_rows, draft.buckets.num_scheduler_steps))
+            drafts += [[outs[j].token_ids[i] for j in range(k)] for i, k in enumerate(steps_of[part])]
+        return drafts
+
     @staticmethod
     def collect(handle: "StepHandle") -> list[sampler.SamplerOutput]:
         """Wait for a dispatched step: its sampler output as numpy arrays (its real rows), one per
@@ -334,6 +369,10 @@ class ModelRunner:
         num_tokens, full = key
         logits, self.kv_cache = self._executable(("forward", num_tokens))(self.state, self.kv_cache, inputs,
                                                                           self.last_tokens)
+        if self.draft is not None:  # the draft's pages take the step's tokens too (before last_tokens is donated)
+            draft = self.draft
+            draft.kv_cache = draft._executable(("kv_forward", num_tokens))(draft.state, draft.kv_cache, inputs,
+                                                                           self.last_tokens)
         if self.kv_cache.scales_pending is not None and not self._kv_scales_computed:
             self._kv_scales_computed = True  # this step computed them: later steps keep them
             self.kv_cache = self.kv_cache.replace(
@@ -364,7 +403,8 @@ class ModelRunner:
         table is built per call, so methods replaced on the instance count (scripts/bench_host.py
         stubs the steps)."""
         ops = {"run_step": self._run_step, "run_multi_step": self._run_multi_step, "write_history": self._write_history,
-               "copy_blocks": self._copy_blocks, "swap_out": self._swap_out, "swap_in": self._swap_in}
+               "copy_blocks": self._copy_blocks, "swap_out": self._swap_out, "swap_in": self._swap_in,
+               "propose": self.draft._run_multi_step if self.draft else None}
         return ops[op](*args)
 
     def follow(self):
@@ -402,6 +442,8 @@ class ModelRunner:
 
     def _copy_blocks(self, src, dst):
         self.kv_cache = self._executable(("copy_blocks", len(src)))(self.kv_cache, src, dst)
+        if self.draft is not None:
+            self.draft._copy_blocks(src, dst)
 
     def swap_out(self, pairs: list[tuple[int, int]]):
         """Device pages -> host pool, for (gpu_block, cpu_block) pairs."""
@@ -412,6 +454,8 @@ class ModelRunner:
         pages = self._executable(("swap_out", len(gpu)))(self.kv_cache, gpu)
         for shard in pages.addressable_shards:  # each shard's heads go to its own host pool
             self.host_kv[shard.index[2].start or 0][:, :, :, cpu] = np.asarray(shard.data)[:, :, :, :len(cpu)]
+        if self.draft is not None:
+            self.draft._swap_out(gpu, cpu)
 
     def swap_in(self, pairs: list[tuple[int, int]]):
         """Host pool -> device pages, for (cpu_block, gpu_block) pairs."""
@@ -429,4 +473,6 @@ class ModelRunner:
         pages = jax.make_array_from_callback(self._swapped_pages_shape(len(gpu)).shape, self._pages_sharding,
                                              local_pages)
         self.kv_cache = self._executable(("swap_in", len(gpu)))(self.kv_cache, pages, gpu)
+        if self.draft is not None:
+            self.draft._swap_in(cpu, gpu)
 

@@ -48,10 +48,12 @@ class PreparedStep:
 
 
 def prepare_inputs(seqs: list[SeqInput], input_batch: InputBatch, buckets: Buckets, block_size: int,
-                   multi_step: bool = False) -> PreparedStep:
+                   multi_step: bool = False, steps_of: list[int] | None = None) -> PreparedStep:
     """Pad `seqs` to their token bucket; `input_batch` gives (and keeps) their block-table rows.
     `multi_step`: one token and one sample per sequence (else ValueError), and the slots of the
-    later steps' tokens, positions pos + 1 .. pos + K - 1 (K: buckets.num_scheduler_steps)."""
+    later steps' tokens, positions pos + 1 .. pos + K - 1 (K: buckets.num_scheduler_steps);
+    `steps_of`: each sequence's steps that count (a draft model's proposals), its later
+    slots -1 (nothing written: they may lie past its blocks)."""
     n = len(seqs)
     lens = np.fromiter((len(s.token_ids) for s in seqs), np.int32, n)
     start_pos = np.fromiter((s.start_pos for s in seqs), np.int32, n)
@@ -114,7 +116,10 @@ def prepare_inputs(seqs: list[SeqInput], input_batch: InputBatch, buckets: Bucke
         if num_tokens_real != n or num_rows != n or num_seqs != num_tokens:
             raise ValueError("a multi-step decode takes one token and one sample per sequence")
         num_steps = buckets.num_scheduler_steps
-        later = pos[None, :] + np.arange(1, num_steps, dtype=np.int32)[:, None]
+        steps = np.arange(1, num_steps, dtype=np.int32)[:, None]
+        later = pos[None, :] + steps
         lookahead_slots = np.full((num_steps - 1, num_tokens), -1, np.int32)
-        lookahead_slots[:, :n] = block_tables[seq_of[None, :], later // block_size] * block_size + later % block_size
+        used = np.ones_like(later, bool) if steps_of is None else steps < np.asarray(steps_of, np.int32)[None, :]
+        blocks = block_tables[seq_of[None, :], np.where(used, later // block_size, 0)]
+        lookahead_slots[:, :n] = np.where(used, blocks * block_size + later % block_size, -1)
     return PreparedStep(num_tokens, num_rows, rows, inputs, dst_rows, lookahead_slots)

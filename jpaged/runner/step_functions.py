@@ -46,6 +46,16 @@ def forward(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *, 
     return _model_logits(graphdef, logits_sharding, state, kv_cache, inputs)
 
 
+def forward_kv(graphdef, state, kv_cache, packed, last_tokens, *, layout: Layout):
+    """A draft model's forward over the target's step (same packed inputs): only its new K/V, so
+    that its pages hold every token the target's do (no logits: XLA drops the LM head)."""
+    inputs = _with_pending_tokens(unpack(packed, layout), last_tokens)
+    model = nnx.merge(graphdef, state)
+    with forward_context(ForwardContext(attn=inputs.attn)):
+        _, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache)
+    return kv_cache
+
+
 def _with_pending_tokens(inputs: StepInputs, last_tokens) -> StepInputs:
     """The inputs with each pending token (sampled by a step in flight) read from last_tokens."""
     input_ids = jnp.where(inputs.src_rows >= 0, last_tokens[jnp.maximum(inputs.src_rows, 0)], inputs.input_ids)

@@ -5,6 +5,9 @@ keeps exactly the target's distribution.
   config.py     SpeculativeConfig: the options, checked (ValueError naming the field)
   ngram.py      prompt lookup: the tokens that followed the last occurrence of the sequence's
                 own suffix (host, numpy)
+  draft_model.py  a smaller checkpoint of the same vocabulary: loaded and checked here; its
+                pages, forward and proposals are the runner's (ModelRunner.draft, .propose),
+                drafted after scheduling (Scheduler.set_drafts fills the reserved drafts)
   speculator.py which sequences speculate and how many drafts they take this step, and the
                 counters (stats(), Prometheus); the acceptance is Scheduler._accept's
 
@@ -16,6 +19,8 @@ drafts while row i's token equals d(i+1), then appends the first token that diff
 bonus token after all k: the rejection rule of Leviathan et al. 2023 for a draft that proposes
 d with probability 1 (accept with p(d); else draw from p without d, renormalised) is the same
 joint law as "draw y ~ p, accept if y == d, else emit y". Greedy rows are argmax agreement.
+A draft model's drafts are drawn with the same keys as the target's rows (shared Gumbel noise),
+so the same rule emits exactly the target's draws (draft_model.py).
 Drafts that were rejected leave K/V past the sequence's computed tokens, which nothing reads and
 later tokens overwrite; prefix-cache hashes cover accepted tokens only.
 """

@@ -3,7 +3,7 @@
 import dataclasses
 import json
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -12,6 +12,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int | None = None  # ngram: the longest suffix looked up (default: 4)
     prompt_lookup_min: int | None = None  # ngram: the shortest (default: 1)
+    model: str | None = None  # draft_model: a smaller checkpoint (path or hub id) with the target's vocabulary
     # No speculation while more than this many sequences run (large batches are compute bound:
     # verifying drafts that may be rejected costs more than it saves).
     disable_by_batch_size: int | None = None
@@ -35,7 +36,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config has unknown fields {unknown}; expected some of {sorted(names)}")
         value = dict(value)
         if "method" not in value:
-            value["method"] = "ngram" if "prompt_lookup_max" in value or "prompt_lookup_min" in value else None
+            value["method"] = "draft_model" if value.get("model") is not None else \
+                "ngram" if "prompt_lookup_max" in value or "prompt_lookup_min" in value else None
         for field in ("method", "num_speculative_tokens"):
             if value.get(field) is None:
                 raise ValueError(f"speculative_config.{field} is required")
@@ -57,6 +59,10 @@ class SpeculativeConfig:
               "an integer >= 1")
         check("prompt_lookup_min", self.lookup_min <= self.lookup_max,
               f"<= prompt_lookup_max={self.lookup_max}")
+        check("model", (self.model is None) == (self.method != "draft_model"),
+              "a checkpoint path or hub id with method 'draft_model' (and only then)")
+        check("model", self.model is None or (isinstance(self.model, str) and self.model.strip() != ""),
+              "a non-empty string")
         check("disable_by_batch_size", self.disable_by_batch_size is None or positive_int(self.disable_by_batch_size),
               "None or an integer >= 1")
 

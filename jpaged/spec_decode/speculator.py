@@ -6,6 +6,10 @@ from jpaged.core.step_needs import RequestNeeds
 from jpaged.spec_decode.config import SpeculativeConfig
 from jpaged.spec_decode.ngram import propose_ngram
 
+# A draft model drafts after scheduling (its writes need the slots the scheduler allocates): the
+# plan reserves each sequence's drafts as this placeholder, and Scheduler.set_drafts puts them in.
+DRAFT_PENDING = -1
+
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, structured_output=None):
@@ -25,10 +29,11 @@ class Speculator:
         return limit is None or num_running_seqs <= limit
 
     def propose(self, group: SequenceGroup, max_drafts: int) -> list[int]:
-        """Drafts for the group's next step, at most `max_drafts` (empty: it decodes one token).
-        Only a lone sequence that decodes its last token speculates (no beams or forks); no
-        draft runs past max_tokens or max_model_len, nor past the first one its grammar rejects.
-        (min_tokens: each row bans EOS and stop ids by its own output position.)"""
+        """Drafts for the group's next step, at most `max_drafts` (empty: it decodes one token;
+        a draft model's: DRAFT_PENDING placeholders). Only a lone sequence that decodes its last
+        token speculates (no beams or forks); no draft runs past max_tokens or max_model_len,
+        nor past the first one its grammar rejects. (min_tokens: each row bans EOS and stop ids
+        by its own output position.)"""
         sp = group.sampling_params
         if max_drafts < 1 or len(group.seqs) != 1 or not RequestNeeds.of(sp).speculate:
             return []
@@ -37,9 +42,18 @@ class Speculator:
             return []
         k = min(self.config.num_speculative_tokens, max_drafts, sp.max_tokens - seq.get_output_len() - 1,
                 self.max_model_len - seq.get_len())
-        drafts = propose_ngram(seq.get_token_ids(), k, self.config.lookup_min, self.config.lookup_max)
+        if k < 1:
+            return []
+        if self.config.method == "draft_model":
+            return [DRAFT_PENDING] * k
+        return self.check_drafts(group, propose_ngram(seq.get_token_ids(), k, self.config.lookup_min,
+                                                      self.config.lookup_max))
+
+    def check_drafts(self, group: SequenceGroup, drafts: list[int]) -> list[int]:
+        """The drafts up to the first one the group's grammar rejects."""
+        sp = group.sampling_params
         if drafts and sp.guided:
-            drafts = drafts[:self.structured_output.valid_drafts(seq.seq_id, sp, drafts)]
+            drafts = drafts[:self.structured_output.valid_drafts(group.seqs[0].seq_id, sp, drafts)]
         return drafts
 
     def record(self, num_drafts: int, num_accepted: int):
