@@ -26,7 +26,7 @@ import jpaged
 import pallas_kernels as pk
 from jpaged.models.layers import Attention
 from jpaged.parallel.sharding import TP_AXIS
-from jpaged.runner import model_runner
+from jpaged.runner import model_runner, step_functions
 from jpaged.runner.input_batch import layout_of
 
 H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
@@ -118,32 +118,38 @@ def kernel_cases():
                    prefill(dtype, heads, kv_heads, head_dim, page, page_dtype=page_dtype))
 
 
+def _abstract_model(runner):
+    """A runner's model, its attention's shard_map on the abstract mesh instead of the CPU's, and
+    its state, KV pool and last_tokens as shapes only (no CPU placement)."""
+    strip = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    model = nnx.merge(runner.graphdef, runner.state)
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, Attention):
+            node.ops = dataclasses.replace(node.ops, mesh=MESH)
+    graphdef, state = nnx.split(model)
+    return graphdef, jax.tree.map(strip, state), jax.tree.map(strip, runner.kv_cache), strip(runner.last_tokens)
+
+
 def forward_cases():
     """The engine's forward (tiny model in bf16, tensor parallelism off) per kernel family, for a
     decode bucket and a mixed (prefill) bucket, and its 4-step decode loop (multi-step), lowered
     with the KV pool donated as the engine does. Returns (label, lowered-or-exception thunk, backend)."""
-    strip = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731 (shapes only: no CPU placement)
     # (backend, kv_cache_dtype, speculative decoding): with drafts, the forward of a verification
-    # step samples a row per token, more rows than max_num_seqs (no multi-step with it).
-    for backend, kv_cache_dtype, spec in (("pallas", "auto", False), ("mosaic", "auto", False),
-                                          ("pallas", "fp8", False), ("mosaic", "fp8", False), ("pallas", "auto", True)):
+    # step samples a row per token, more rows than max_num_seqs (no multi-step with it); a draft
+    # model adds its K/V-only forward and its 3-step proposal loop.
+    for backend, kv_cache_dtype, spec in (("pallas", "auto", None), ("mosaic", "auto", None),
+                                          ("pallas", "fp8", None), ("mosaic", "fp8", None), ("pallas", "auto", "ngram"),
+                                          ("mosaic", "auto", "draft_model")):
+        config = {"method": spec, "num_speculative_tokens": 3, **({"model": "tiny"} if spec == "draft_model" else {})}
         llm = jpaged.LLM("tiny", dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8,
                          num_gpu_blocks_override=64, attention_backend=backend, num_scheduler_steps=1 if spec else 4,
                          kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=kv_cache_dtype != "auto",
-                         speculative_config={"method": "ngram", "num_speculative_tokens": 3} if spec else None)
+                         speculative_config=config if spec else None)
         backend_label = backend if kv_cache_dtype == "auto" else f"{backend} kv_cache_dtype={kv_cache_dtype}"
         if spec:
-            backend_label += " speculative (verification: 32 tokens, 32 sampled rows)"
+            backend_label += f" speculative {spec} (verification: 32 tokens, 32 sampled rows)"
         runner = llm.llm_engine.runner
-        # The engine's model, its attention's shard_map on the abstract mesh instead of the CPU's.
-        model = nnx.merge(runner.graphdef, runner.state)
-        for _, node in nnx.iter_graph(model):
-            if isinstance(node, Attention):
-                node.ops = dataclasses.replace(node.ops, mesh=MESH)
-        graphdef, state = nnx.split(model)
-        state = jax.tree.map(strip, state)
-        kv_cache = jax.tree.map(strip, runner.kv_cache)
-        last_tokens = strip(runner.last_tokens)
+        graphdef, state, kv_cache, last_tokens = _abstract_model(runner)
         # 8 tokens of 8 sequence rows: the decode kernel and the ragged one under a traced cond;
         # 64 tokens: the ragged kernel alone.
         for tokens in (32,) if spec else (8, 64):
@@ -155,14 +161,26 @@ def forward_cases():
                           lower_for_cuda(f, *a, donate_argnums=(1,))), backend
         if spec:
             assert runner._abstract_inputs(32).logits_indices.shape == (32,)  # a row per token
+        if spec == "draft_model":  # the draft's K/V-only forward over that step, and its proposals
+            draft = runner.draft
+            graphdef, state, kv_cache, _ = _abstract_model(draft)
+            layout = layout_of(draft._abstract_inputs(32))
+            forward_kv = functools.partial(step_functions.forward_kv, graphdef, layout=layout)
+            packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
+            yield f"draft model K/V forward {backend} tokens=32", (
+                lambda f=forward_kv, a=(state, kv_cache, packed, last_tokens):
+                lower_for_cuda(f, *a, donate_argnums=(1,))), backend
+            runner, steps, label = draft, 3, f"draft model proposals {backend} tokens=8 steps=3"
+        elif spec:
             continue
+        else:
+            steps, label = 4, f"multi-step decode {backend_label} tokens=8 steps=4"
         layout = layout_of(runner._abstract_multi_step_inputs(8))
         multi_step = functools.partial(model_runner._multi_step, graphdef, PartitionSpec(), layout=layout,
-                                       num_steps=4)
+                                       num_steps=steps)
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-        yield f"multi-step decode {backend_label} tokens=8 steps=4", (
-            lambda f=multi_step, a=(state, kv_cache, packed, last_tokens):
-            lower_for_cuda(f, *a, donate_argnums=(1, 3))), backend
+        yield label, (lambda f=multi_step, a=(state, kv_cache, packed, last_tokens):
+                      lower_for_cuda(f, *a, donate_argnums=(1, 3))), backend
 
 
 def main() -> int:
