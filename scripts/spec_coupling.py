@@ -4,8 +4,10 @@ jpaged's draft model samples each draft with the target row's own Gumbel noise a
 when the target draws the same token (spec_decode/draft_model.py): exact, and token for token
 the output without speculation. Leviathan et al.'s rule (accept d with probability
 min(1, p(d) / q(d)), else draw from max(p - q, 0)) is exact too and accepts each draft with
-probability sum_x min(p(x), q(x)) = 1 - TV(p, q), the most any exact rule can. This script
-measures both on real weights, position by position of real text: the target's p and the
+probability sum_x min(p(x), q(x)) = 1 - TV(p, q), the most any exact rule can. vLLM v1's
+rejection sampler without draft probabilities (its EAGLE and n-gram drafts: the draft's argmax,
+accepted with probability p(d)) accepts E[p(argmax q)]. This script measures the three on real
+weights, position by position of real text: the target's p and the
 draft's q (HF transformers in torch, float32, temperature T), Leviathan's 1 - TV exactly, and
 the coupling's P(argmax(log p + g) == argmax(log q + g)) over `--draws` Gumbel vectors g.
 
@@ -51,11 +53,12 @@ def main(argv=None):
     generator = torch.Generator().manual_seed(args.seed)
     print(f"SmolLM2-135M-Instruct target; temperature {args.temperature}; seed {args.seed}; "
           f"{args.draws} Gumbel draws per position")
-    print("| draft | positions | Leviathan: mean 1 - TV(p, q) | coupled: mean P(same draw) | ratio | greedy agreement |")
-    print("|---|---|---|---|---|---|")
+    print("| draft | positions | Leviathan: mean 1 - TV(p, q) | coupled: mean P(same draw) | coupled / Leviathan | "
+          "argmax draft: mean p(argmax q) | greedy agreement |")
+    print("|---|---|---|---|---|---|---|")
     for layers in args.draft_layers:
         draft = AutoModelForCausalLM.from_pretrained(make_layer_draft(model, layers), torch_dtype=torch.float32).eval()
-        leviathan, coupled, greedy = [], [], []
+        leviathan, coupled, argmax_draft, greedy = [], [], [], []
         with torch.no_grad():
             for seq, text in zip(sequences, texts):
                 start = len(tokenizer(text).input_ids) - 1
@@ -64,14 +67,16 @@ def main(argv=None):
                 p, q = p_logits.softmax(-1), q_logits.softmax(-1)
                 leviathan.append(torch.minimum(p, q).sum(-1))
                 greedy.append((p_logits.argmax(-1) == q_logits.argmax(-1)).float())
+                argmax_draft.append(p.gather(-1, q_logits.argmax(-1, keepdim=True))[:, 0])
                 same = torch.zeros(len(p))
                 for _ in range(args.draws):
                     g = -torch.log(-torch.log(torch.rand(p.shape, generator=generator).clamp_min(1e-20)))
                     same += ((p_logits + g).argmax(-1) == (q_logits + g).argmax(-1)).float()
                 coupled.append(same / args.draws)
-        lev, cou, gre = (float(torch.cat(x).mean()) for x in (leviathan, coupled, greedy))
+        lev, cou, arg, gre = (float(torch.cat(x).mean()) for x in (leviathan, coupled, argmax_draft, greedy))
         n = sum(len(x) for x in leviathan)
-        print(f"| first {layers} of 30 layers | {n} | {lev:.3f} | {cou:.3f} | {cou / lev:.2f} | {gre:.3f} |", flush=True)
+        print(f"| first {layers} of 30 layers | {n} | {lev:.3f} | {cou:.3f} | {cou / lev:.2f} | {arg:.3f} | {gre:.3f} |",
+              flush=True)
 
 
 if __name__ == "__main__":
