@@ -46,11 +46,12 @@ CHAT = ["Tell me a short story about a dragon who learns to bake bread.", "What 
         "Give me three tips for learning a new language.", "Why is the sky blue?"]
 
 
-def make_layer_draft(model_dir: str, num_layers: int) -> str:
-    """The checkpoint at `model_dir` cut to its first `num_layers` layers, in a directory beside it."""
+def make_layer_draft(model_dir: str, num_layers: int, out: str | None = None) -> str:
+    """The checkpoint at `model_dir` cut to its first `num_layers` layers, in `out` (default: a
+    directory beside it)."""
     import safetensors.numpy
 
-    out = f"{model_dir.rstrip('/')}-first-{num_layers}-layers"
+    out = out or f"{model_dir.rstrip('/')}-first-{num_layers}-layers"
     if os.path.exists(os.path.join(out, "model.safetensors")):
         return out
     os.makedirs(out, exist_ok=True)

@@ -38,8 +38,8 @@ from jpaged.runner.executable_cache import ExecutableCache
 from jpaged.runner.model_runner import ModelRunner, SeqInput
 from jpaged.runner.sampler import SamplingRow
 from jpaged.sampling_params import SamplingParams
-from jpaged.spec_decode.draft_model import load_draft_model
-from jpaged.spec_decode.speculator import DRAFT_PENDING, Speculator
+from jpaged.spec_decode.draft_model import load_draft_model, propose_drafts
+from jpaged.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -324,30 +324,6 @@ class LLMEngine:
         self._in_flight = current
         return self._complete(previous) if previous is not None else []
 
-    def _propose_drafts(self, plan: SchedulerOutputs):
-        """A draft model's drafts for the groups the plan reserved them for (spec_decode/
-        draft_model.py); if proposing fails, those groups decode without drafts this step."""
-        pending = [s for s in plan.scheduled_seq_groups if s.spec_token_ids[:1] == [DRAFT_PENDING]]
-        if not pending:
-            return
-        seqs, rows = [], []
-        for scheduled in pending:
-            group, seq = scheduled.seq_group, scheduled.seqs[0]
-            seqs.append(SeqInput(seq.seq_id, [seq.get_last_token_id()], seq.get_len() - 1,
-                                 self.block_manager.get_block_table(seq), 1))
-            # The target's first row's key and sampling knobs (not its penalties, bans or grammar).
-            rows.append(SamplingRow(group.sampling_params, self._seed(group.sampling_params, seq),
-                                    group.seqs.index(seq), seq.get_output_len()))
-        try:
-            drafts = self.runner.propose(seqs, rows, [len(s.spec_token_ids) for s in pending])
-        except Exception as e:
-            if not self.runner.is_alive():
-                raise
-            logger.warning("the draft model's proposals failed (%r): this step verifies no drafts", e)
-            drafts = [[] for _ in pending]
-        for scheduled, tokens in zip(pending, drafts):
-            self.scheduler.set_drafts(plan, scheduled, tokens)
-
     def _can_overlap(self, dispatched: _Dispatched) -> bool:
         """Whether the next step may be scheduled before `dispatched` is read (step_needs.py)."""
         return (self.config.async_scheduling and not dispatched.failed
@@ -361,7 +337,8 @@ class LLMEngine:
             self.runner.swap_out(plan.blocks_to_swap_out)
             self.runner.swap_in(plan.blocks_to_swap_in)
             self.runner.copy_blocks(plan.blocks_to_copy)
-            self._propose_drafts(plan)  # after the block moves: a victim's pages leave before drafts take its blocks
+            if self.runner.draft is not None:  # after the block moves: a victim's pages leave before drafts take its blocks
+                propose_drafts(plan, self.scheduler, self.runner, self._seed)
             failed: dict[int, tuple[SequenceGroup, Exception]] = {}
             steps = []
             for scheduled in plan.scheduled_seq_groups:

@@ -7,7 +7,8 @@ keeps exactly the target's distribution.
                 own suffix (host, numpy)
   draft_model.py  a smaller checkpoint of the same vocabulary: loaded and checked here; its
                 pages, forward and proposals are the runner's (ModelRunner.draft, .propose),
-                drafted after scheduling (Scheduler.set_drafts fills the reserved drafts)
+                drafted after scheduling and the step's block moves (propose_drafts, which
+                Scheduler.set_drafts puts in the plan in place of the reserved ones)
   speculator.py which sequences speculate and how many drafts they take this step, and the
                 counters (stats(), Prometheus); the acceptance is Scheduler._accept's
 

@@ -20,11 +20,17 @@ target's own sampling, token for token, for every seed (greedy: argmax agreement
 """
 
 import dataclasses
+import logging
 
 from jpaged.models.kv_cache import KVCacheSpec, kv_dtype
 from jpaged.models.layers import common_sliding_window
 from jpaged.models.loader import LoadedModel, load_model
 from jpaged.models.paged_attention import check_kernels
+from jpaged.runner.prepare_inputs import SeqInput
+from jpaged.runner.sampler import SamplingRow
+from jpaged.spec_decode.speculator import DRAFT_PENDING
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -59,3 +65,29 @@ def load_draft_model(config, target: LoadedModel, max_model_len: int) -> DraftMo
                                 config.tensor_parallel_size)
     check_kernels(loaded.model, spec, loaded.dtype, config.attention_backend)
     return DraftModel(loaded, spec)
+
+
+def propose_drafts(plan, scheduler, runner, seed_of):
+    """The drafts of the groups `plan` reserved them for (DRAFT_PENDING), from the runner's draft
+    model, into the plan (Scheduler.set_drafts). `seed_of(params, seq)`: the seed the target's
+    rows sample with. If proposing fails, those groups decode without drafts this step."""
+    pending = [s for s in plan.scheduled_seq_groups if s.spec_token_ids[:1] == [DRAFT_PENDING]]
+    if not pending:
+        return
+    seqs, rows = [], []
+    for scheduled in pending:
+        group, seq = scheduled.seq_group, scheduled.seqs[0]
+        seqs.append(SeqInput(seq.seq_id, [seq.get_last_token_id()], seq.get_len() - 1,
+                             scheduler.block_manager.get_block_table(seq), 1))
+        # The key and sampling knobs of the target's first row (not its penalties, bans or grammar).
+        rows.append(SamplingRow(group.sampling_params, seed_of(group.sampling_params, seq), group.seqs.index(seq),
+                                seq.get_output_len()))
+    try:
+        drafts = runner.propose(seqs, rows, [len(s.spec_token_ids) for s in pending])
+    except Exception as e:
+        if not runner.is_alive():
+            raise
+        logger.warning("the draft model's proposals failed (%r): this step verifies no drafts", e)
+        drafts = [[] for _ in pending]
+    for scheduled, tokens in zip(pending, drafts):
+        scheduler.set_drafts(plan, scheduled, tokens)
