@@ -1,9 +1,10 @@
 """jpaged: PagedAttention LLM serving in JAX/Pallas, with vLLM's API."""
 
+from jpaged.lora.request import LoRARequest
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "generate", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "generate", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "LoRARequest"]
 __version__ = "0.1.0"
 
 

@@ -21,7 +21,7 @@ def _option(default, help: str, **metadata):
 
 
 # Options that change nothing a compiled step computes: left out of the executable cache's key.
-HOST_ONLY_OPTIONS = ("executable_cache", "grammar_compile_timeout", "grammar_compile_memory")
+HOST_ONLY_OPTIONS = ("executable_cache", "grammar_compile_timeout", "grammar_compile_memory", "max_cpu_loras")
 
 
 @dataclasses.dataclass
@@ -63,6 +63,11 @@ class EngineConfig:
         None, "speculative decoding, vLLM's dict (a JSON object on the command line): "
         '{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m, '
         '"disable_by_batch_size": b}, or {"method": "draft_model", "model": PATH_OR_ID, "num_speculative_tokens": k}')
+    enable_lora: bool = _option(False, "serve LoRA adapters (PEFT format) over the model: LoRARequest offline, "
+                                "--lora-modules or a request's model name on the server")
+    max_loras: int = _option(1, "LoRA adapters one step can run (device slots)")
+    max_lora_rank: int = _option(16, "the largest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = _option(None, "LoRA adapters kept read in host memory (default: max_loras)")
     executable_cache: bool = _option(True, "keep compiled steps on disk ($JPAGED_CACHE_DIR, else "
                                      "~/.cache/jpaged/xla) and load them at the next start, each file verified "
                                      "first (--no-executable-cache: compile every step, read and write nothing)")
@@ -110,5 +115,12 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         check("num_scheduler_steps", self.num_scheduler_steps == 1 or self.speculative_config is None,
               "1 with speculative_config (a step verifies drafts, or decodes several tokens on the device)")
+        check("max_loras", isinstance(self.max_loras, int) and self.max_loras >= 1, "an integer >= 1")
+        check("max_lora_rank", isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1, "an integer >= 1")
+        check("max_cpu_loras", self.max_cpu_loras is None or (isinstance(self.max_cpu_loras, int)
+                                                              and self.max_cpu_loras >= self.max_loras),
+              f"None or an integer >= max_loras={self.max_loras}")
+        check("enable_lora", not (self.enable_lora and self.speculative_config is not None),
+              "False with speculative_config (not supported together yet)")
         check("grammar_compile_timeout", self.grammar_compile_timeout > 0, "> 0 (seconds)")
         check("grammar_compile_memory", self.grammar_compile_memory >= 64, ">= 64 (MiB)")

@@ -26,18 +26,22 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; results in input order.
-        Multi-host: every process calls this; process 0 schedules (its arguments count), the
-        others run the same device steps, and all return process 0's results."""
-        return self.llm_engine.runner.lead(lambda: self._generate(prompts, sampling_params, use_tqdm))
+        `lora_request`: a LoRARequest for every prompt, or a list with one (or None) per prompt
+        (enable_lora). Multi-host: every process calls this; process 0 schedules (its arguments
+        count), the others run the same device steps, and all return process 0's results."""
+        return self.llm_engine.runner.lead(lambda: self._generate(prompts, sampling_params, use_tqdm, lora_request))
 
-    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, lora_request=None) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts")
         # Only the final outputs are kept: the engine builds no others (vLLM does the same).
         final_only = {}
         params = [final_only.setdefault(id(sp), dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY))
@@ -45,9 +49,9 @@ class LLM:
         engine = self.llm_engine
         order = {}
         try:
-            for prompt, sp in zip(prompts, params):
+            for prompt, sp, lora in zip(prompts, params, loras):
                 request_id = str(next(self._request_ids))
-                engine.add_request(request_id, prompt, sp)
+                engine.add_request(request_id, prompt, sp, lora_request=lora)
                 order[request_id] = len(order)
         except ValueError:  # a bad prompt: nothing of this call stays queued
             for request_id in order:

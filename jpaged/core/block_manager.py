@@ -163,7 +163,8 @@ class BlockManager:
         if len(hashes) < num_blocks:
             token_ids = seq.get_token_ids()
             for i in range(len(hashes), num_blocks):
-                hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * size:(i + 1) * size]))
+                hashes.append(hash_block_tokens(hashes[-1] if hashes else seq.cache_salt,
+                                                token_ids[i * size:(i + 1) * size]))
         return hashes[:num_blocks]
 
     def _cached_prefix(self, seq_group: SequenceGroup, seqs: list[Sequence]) -> list[list[int]]:

@@ -91,7 +91,8 @@ class _Budget:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, preemption_mode: str | None = None, stop_checker: StopChecker | None = None,
-                 seq_ids: itertools.count | None = None, speculator: Speculator | None = None):
+                 seq_ids: itertools.count | None = None, speculator: Speculator | None = None,
+                 max_loras: int | None = None):
         # Every running sequence decodes one token per step: they must all fit in one step.
         if not 1 <= max_num_seqs <= max_num_batched_tokens:
             raise ValueError(f"need 1 <= max_num_seqs ({max_num_seqs}) <= max_num_batched_tokens "
@@ -110,6 +111,7 @@ class Scheduler:
         self.stop_checker = stop_checker or StopChecker(max_model_len)
         self.seq_ids = seq_ids or itertools.count()  # new sequences' ids: requests' and forks'
         self.speculator = speculator  # speculative decoding (spec_decode/): drafts for decoding sequences
+        self.max_loras = max_loras  # LoRA: adapters one step may run (device slots)
 
     def new_seq_id(self) -> int:
         return next(self.seq_ids)
@@ -343,7 +345,7 @@ class Scheduler:
                 continue
             num_seqs = seq_group.get_max_num_running_seqs()
             chunk = self._chunk_size(seq_group, budget)
-            if status is AllocStatus.LATER or num_seqs > budget.num_seqs or not chunk:
+            if status is AllocStatus.LATER or num_seqs > budget.num_seqs or not chunk or not self._lora_fits(seq_group):
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(self.block_manager.swap_in(seq_group))
@@ -367,7 +369,7 @@ class Scheduler:
                 self._ignore(seq_group, out)
                 continue
             num_seqs = seq_group.get_max_num_running_seqs()
-            if (status is AllocStatus.LATER or num_seqs > budget.num_seqs
+            if (status is AllocStatus.LATER or num_seqs > budget.num_seqs or not self._lora_fits(seq_group)
                     or not self._chunk_size(seq_group, budget, seats_to_take=num_seqs)):
                 break
             self.waiting.popleft()
@@ -378,6 +380,16 @@ class Scheduler:
             self.running.append(seq_group)
             budget.num_seqs -= num_seqs
             self._add(out, budget, seq_group, self._chunk_size(seq_group, budget))
+
+    def _lora_fits(self, seq_group: SequenceGroup) -> bool:
+        """Whether the group's adapter can join the running ones: at most max_loras distinct
+        adapters run (each needs a device slot). A group that must wait for a slot stops the
+        queue behind it (first come, first served: nobody overtakes it forever)."""
+        lora = seq_group.lora_request
+        if lora is None or self.max_loras is None:
+            return True
+        running = {g.lora_request.lora_int_id for g in self.running if g.lora_request is not None}
+        return lora.lora_int_id in running or len(running) < self.max_loras
 
     def _chunk_size(self, seq_group: SequenceGroup, budget: _Budget, seats_to_take: int = 0) -> int:
         """Tokens per sequence the group can compute now: all it has left, up to its share of the

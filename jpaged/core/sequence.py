@@ -64,6 +64,9 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it
         # Prefix caching: the chained hash of each full block of tokens, filled in by the block manager.
         self.block_hashes: list[bytes] = []
+        # What the first block's prefix-cache hash starts from (LoRA: the adapter), so that K/V
+        # computed under another adapter is never found.
+        self.cache_salt: bytes | None = None
         # Incremental detokenization state, owned by the engine.
         self.output_text = ""
         self.tokens: list[str] | None = None
@@ -137,8 +140,9 @@ class Sequence:
 
 class SequenceGroup:
     def __init__(self, request_id: str, seqs: list[Sequence], sampling_params: SamplingParams,
-                 arrival_time: float, prompt: str | None = None):
+                 arrival_time: float, prompt: str | None = None, lora_request=None):
         self.request_id = request_id
+        self.lora_request = lora_request  # a LoRARequest: the adapter every sequence of it runs with
         self.seqs = seqs
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time

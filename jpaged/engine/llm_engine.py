@@ -28,6 +28,9 @@ from jpaged.core.step_needs import can_multi_step, can_overlap
 from jpaged.core.stop_checker import StopChecker
 from jpaged.core.structured_output import StructuredOutputManager
 from jpaged.engine.request_validator import RequestValidator
+from jpaged.lora.manager import LoRAManager
+from jpaged.lora.model import add_lora_slots
+from jpaged.lora.request import LoRARequest
 from jpaged.models.kv_cache import KVCacheSpec, kv_dtype
 from jpaged.models.layers import common_sliding_window
 from jpaged.models.loader import load_model
@@ -142,6 +145,10 @@ class LLMEngine:
                                              kv_dtype(config.kv_cache_dtype, loaded.dtype), config.tensor_parallel_size)
         check_kernels(loaded.model, kv_cache_spec, loaded.dtype, config.attention_backend)
         spec_config = config.speculative_config
+        lora_targets = add_lora_slots(loaded.model, loaded.mesh, config.max_loras, config.max_lora_rank) \
+            if config.enable_lora else None
+        if lora_targets == {}:
+            raise ValueError(f"enable_lora: {config.model} has no projection LoRA can adapt (q/k/v/o, gate/up/down)")
         draft = load_draft_model(config, loaded, self.max_model_len) \
             if spec_config and spec_config.method == "draft_model" else None
         # Per device: its kv heads' part of every block (a draft's pages have the same blocks).
@@ -167,7 +174,8 @@ class LLMEngine:
                                    stop_checker=StopChecker(self.max_model_len, getattr(self.tokenizer, "eos_token_id", None),
                                                             self.detokenizer, self.structured_output),
                                    speculator=Speculator(spec_config, self.max_model_len,
-                                                         self.structured_output) if spec_config else None)
+                                                         self.structured_output) if spec_config else None,
+                                   max_loras=config.max_loras if config.enable_lora else None)
         self.request_validator = RequestValidator(self.hf_config.vocab_size, self.max_model_len, config,
                                                   self.block_manager)
         self.output_processor = OutputProcessor(self.scheduler.stop_checker)
@@ -185,6 +193,9 @@ class LLMEngine:
                                   executable_cache=ExecutableCache(cache_dir, fingerprint), kv_scales=kv_scales,
                                   calculate_kv_scales=kv_cache_spec.quantized and config.calculate_kv_scales,
                                   draft=draft_runner)
+        self.lora_manager = LoRAManager(lora_targets, self.runner, max_loras=config.max_loras,
+                                        max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
+                                        dtype=loaded.dtype) if lora_targets else None
         if not config.enforce_eager:
             self._warm_up(stop_start_up)
         # The heap built so far (jax, the model, the tokenizer) lives as long as the engine: keep
@@ -265,7 +276,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams,
-                    arrival_time: float | None = None):
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None):
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(sampling_params, SamplingParams):
@@ -281,10 +292,20 @@ class LLMEngine:
         else:
             raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         self.check_request(ids, sampling_params)
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+            if self.lora_manager is None:
+                raise ValueError("lora_request needs an engine with enable_lora=True")
+            self.lora_manager.add(lora_request)
         if sampling_params.guided:  # compiled now unless the server already did (off its event loop)
             self.structured_output.prepare(sampling_params)
-        group = SequenceGroup(request_id, [Sequence(self.scheduler.new_seq_id(), ids)], sampling_params,
-                              arrival_time if arrival_time is not None else time.monotonic(), prompt=text)
+        seq = Sequence(self.scheduler.new_seq_id(), ids)
+        if lora_request is not None:
+            seq.cache_salt = f"lora:{lora_request.lora_int_id}".encode()
+        group = SequenceGroup(request_id, [seq], sampling_params,
+                              arrival_time if arrival_time is not None else time.monotonic(), prompt=text,
+                              lora_request=lora_request)
         self._groups[request_id] = group
         self.scheduler.add_seq_group(group)
 
@@ -341,9 +362,12 @@ class LLMEngine:
                 propose_drafts(plan, self.scheduler, self.runner, self._seed)
             failed: dict[int, tuple[SequenceGroup, Exception]] = {}
             steps = []
+            lora_slots = self.lora_manager.slots({g.lora_request.lora_int_id: g.lora_request for g in
+                                                  (s.seq_group for s in plan.scheduled_seq_groups)
+                                                  if g.lora_request is not None}) if self.lora_manager else {}
             for scheduled in plan.scheduled_seq_groups:
                 try:
-                    steps.append(self._group_inputs(scheduled))
+                    steps.append(self._group_inputs(scheduled, lora_slots))
                 except Exception as e:
                     failed[id(scheduled.seq_group)] = (scheduled.seq_group, e)
             results = self._execute(steps, failed, multi_step)
@@ -401,10 +425,12 @@ class LLMEngine:
         for group in groups:
             self.abort_request(group.request_id)
 
-    def _group_inputs(self, scheduled: ScheduledSequenceGroup) -> GroupStep:
+    def _group_inputs(self, scheduled: ScheduledSequenceGroup, lora_slots: dict[int, int]) -> GroupStep:
         """The runner's inputs for the group's share of the step: tokens to compute (a decode:
-        just the last one) and rows to sample, as the scheduler planned them."""
+        just the last one) and rows to sample, as the scheduler planned them; `lora_slots`: the
+        step's adapters' device slots."""
         step, group, start, chunk = GroupStep(scheduled), scheduled.seq_group, scheduled.start, scheduled.token_chunk_size
+        lora_slot = lora_slots[group.lora_request.lora_int_id] if group.lora_request is not None else -1
         for seq, samples in zip(scheduled.seqs, scheduled.samples):
             # Prompt logprobs: a row per prompt position, reporting the next prompt token's logprob.
             if scheduled.prompt_rows:
@@ -423,7 +449,7 @@ class LLMEngine:
                 token_ids = [seq.get_last_token_id()] if chunk == 1 and samples \
                     else seq.get_token_ids()[start:start + chunk]
             step.seq_inputs.append(SeqInput(seq.seq_id, token_ids, start, self.block_manager.get_block_table(seq),
-                                            samples, scheduled.prompt_rows, len(drafts)))
+                                            samples, scheduled.prompt_rows, len(drafts), lora_slot))
         return step
 
     def _execute(self, steps: list[GroupStep], failed: dict, multi_step: bool) -> dict:

@@ -51,10 +51,11 @@ class AttentionMetadata:
         return dataclasses.replace(self, slot_mapping=slots, block_tables=self.block_tables + first_page, layer=layer)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["attn"], meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["attn", "lora_slots"], meta_fields=[])
 @dataclasses.dataclass
 class ForwardContext:
     attn: AttentionMetadata  # where the step's tokens live in the KV pages (this layer's, inside the stack)
+    lora_slots: jax.Array | None = None  # int32[tokens]: each token's LoRA slot (-1: the base model)
 
     def replace(self, **changes) -> "ForwardContext":
         return dataclasses.replace(self, **changes)

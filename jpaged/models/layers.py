@@ -81,12 +81,29 @@ class Linear(nnx.Module):
         self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
         self.kernel = weight_param(self.in_shape + self.out_shape, axes, dtype)
         self.bias = weight_param(self.out_shape, axes[len(self.in_shape):], dtype) if use_bias else None
+        # LoRA slots (jpaged/lora/model.py adds them to the adaptable projections when enabled):
+        # A [slots, in..., rank], B [slots, rank, out...].
+        self.lora_a = self.lora_b = nnx.data(None)
 
     def __call__(self, x):
         n_in = len(self.in_shape)
+        precision = fp32_precision(x.dtype)
         y = jax.lax.dot_general(x, self.kernel[...], (((tuple(range(x.ndim - n_in, x.ndim))), tuple(range(n_in))), ((), ())),
-                                precision=fp32_precision(x.dtype))
+                                precision=precision)
+        if self.lora_a is not None:
+            y = self._add_lora(x, y, get_forward_context().lora_slots, precision)
         return y if self.bias is None else y + self.bias[...]
+
+    def _add_lora(self, x, y, slots, precision):
+        """y + each token's x·A[slot]·B[slot] (slot -1: y unchanged): every slot's shrink in one
+        matmul, the other slots' parts masked to zero, then one expand over slots x rank."""
+        a, b = self.lora_a[...], self.lora_b[...]
+        n_in = len(self.in_shape)
+        xa = jax.lax.dot_general(x, a, ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(1, 1 + n_in))), ((), ())),
+                                 precision=precision)  # [tokens, slots, rank]
+        mask = slots[:, None] == jnp.arange(a.shape[0], dtype=slots.dtype)[None, :]
+        xa = jnp.where(mask[:, :, None], xa, 0).astype(x.dtype)
+        return y + jax.lax.dot_general(xa, b, (((1, 2), (0, 1)), ((), ())), precision=precision).astype(y.dtype)
 
     def hf_weights(self, prefix: str, *, hf_layout: str = "out_in", out_repeats: int = 1) -> HFWeights:
         """torch.nn.Linear stores weight as [out, in] ("out_in"); GPT-2's Conv1D as [in, out] ("in_out").

@@ -47,6 +47,7 @@ from jpaged.config import MAX_LOGPROBS
 from jpaged.core.step_needs import rows_need_full_sampler
 from jpaged.models.forward_context import AttentionMetadata
 from jpaged.models.kv_cache import KVCache, KVCacheSpec
+from jpaged.models.layers import Linear
 from jpaged.models.loader import LoadedModel
 from jpaged.parallel import distributed
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, replicated
@@ -82,6 +83,9 @@ class ModelRunner:
         self.mesh = loaded.mesh
         self.is_driver = distributed.is_driver()
         self._multihost = jax.process_count() > 1
+        # LoRA (jpaged/lora): the projections given adapter slots, by their path in the model.
+        self.lora_linears = {path: node for path, node in nnx.iter_graph(loaded.model)
+                             if isinstance(node, Linear) and node.lora_a is not None}
         self.graphdef, self.state = nnx.split(loaded.model)
         self.num_layers = num_layers = kv_cache_spec.num_layers
         kv, rep = kv_cache_sharding(self.mesh), replicated(self.mesh)
@@ -112,6 +116,8 @@ class ModelRunner:
         self._sample = lambda layout: jax.jit(functools.partial(step_functions.sample, layout=layout),
                                               out_shardings=(rep, rep, rep), donate_argnums=(2, 3))
         self._history_writer = jax.jit(step_functions.write_history, out_shardings=rep, donate_argnums=(0,))
+        self._lora_writer = jax.jit(functools.partial(_write_lora_slot, self.graphdef, list(self.lora_linears)),
+                                    out_shardings=jax.tree.map(lambda x: x.sharding, self.state), donate_argnums=(0,))
         self._multi_step = lambda layout: jax.jit(
             functools.partial(step_functions.multi_step, self.graphdef, rep, layout=layout,
                               num_steps=num_scheduler_steps),
@@ -154,7 +160,7 @@ class ModelRunner:
                 raise SystemExit(0)
 
         keys = [k for k in (self.buckets.draft_keys() if self.is_draft else self.buckets.keys())
-                if k not in self._executables]
+                if k not in self._executables] + ([("write_lora",)] if self.lora_linears else [])
         cache = self.executable_cache
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jpaged-compile") as pool, \
                 tqdm(total=len(keys), desc="Compiling step buckets", unit="shape") as progress:
@@ -218,6 +224,9 @@ class ModelRunner:
             history = HistoryInputs(i32, i32, i32, i32) if full else None
             layout = layout_of((self._sampling_metadata([], num_rows, full), i32, history))
             return self._sample(layout), (logits, self._packed(layout), self.last_tokens, self.token_history)
+        if key[0] == "write_lora":
+            slot = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
+            return self._lora_writer, (self.state, slot, self._abstract_lora_slot())
         if key[0] == "write_history":
             rows = jax.ShapeDtypeStruct((key[1],), jnp.int32, sharding=self._replicated)
             tokens = jax.ShapeDtypeStruct((key[1], self.max_model_len), jnp.int32, sharding=self._replicated)
@@ -229,6 +238,27 @@ class ModelRunner:
         if op == "swap_out":
             return self._gather, (self.kv_cache, blocks)
         return self._scatter, (self.kv_cache, self._swapped_pages_shape(num_blocks), blocks)
+
+    def _abstract_lora_slot(self) -> list:
+        """One LoRA slot's contents for every adaptable projection: (A, B) without the slot axis."""
+        def without_slot(param, lead):
+            shape = param.shape[:lead] + param.shape[lead + 1:]
+            return jax.ShapeDtypeStruct(shape, param.dtype, sharding=self._replicated)
+
+        out = []
+        for linear in self.lora_linears.values():
+            lead = linear.kernel.ndim - len(linear.in_shape) - len(linear.out_shape)
+            out.append((without_slot(linear.lora_a, lead), without_slot(linear.lora_b, lead)))
+        return out
+
+    def write_lora_slot(self, slot: int, weights: list):
+        """Fill LoRA slot `slot` (jpaged/lora/manager.py): `weights` holds (A, B) per adaptable
+        projection, in `lora_linears` order, zeros where the adapter leaves it alone. One
+        executable, compiled at warm-up, whatever the adapter."""
+        self._dispatch("write_lora", np.int32(slot), weights)
+
+    def _write_lora(self, slot, weights):
+        self.state = self._executable(("write_lora",))(self.state, slot, weights)
 
     def _swapped_pages_shape(self, num_blocks: int) -> jax.ShapeDtypeStruct:
         """Pages in flight between the pool and the host: [layers, k/v, kv_heads, blocks, page_size, head_dim]."""
@@ -249,7 +279,7 @@ class ModelRunner:
         attn = AttentionMetadata(i32((num_tokens,)), i32((num_seqs, self.buckets.width)), i32((num_seqs,)),
                                  i32((num_seqs + 1,)), decode)
         return StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn, i32((self.buckets.sample_rows(num_tokens),)),
-                          i32((num_tokens,)))
+                          i32((num_tokens,)), i32((num_tokens,)) if self.lora_linears else None)
 
     def _abstract_multi_step_inputs(self, num_tokens: int):
         """A K-step decode's inputs: the first step's, its sampler metadata (fast variant) and
@@ -323,7 +353,8 @@ class ModelRunner:
         token and one sample per sequence, fast sampler) run num_scheduler_steps times in one
         device call, each step's sampled tokens the next one's inputs; the block tables must hold
         the later tokens' slots (the scheduler's lookahead slots)."""
-        step = prepare_inputs(seqs, self.input_batch, self.buckets, self.block_size, multi_step)
+        step = prepare_inputs(seqs, self.input_batch, self.buckets, self.block_size, multi_step,
+                              lora=bool(self.lora_linears))
         inputs, num_sample_rows = step.inputs, len(step.inputs.logits_indices)
         full = not multi_step and rows_need_full_sampler(sampling_rows)
         smeta = self._sampling_metadata(sampling_rows, num_sample_rows, full)
@@ -404,7 +435,7 @@ class ModelRunner:
         stubs the steps)."""
         ops = {"run_step": self._run_step, "run_multi_step": self._run_multi_step, "write_history": self._write_history,
                "copy_blocks": self._copy_blocks, "swap_out": self._swap_out, "swap_in": self._swap_in,
-               "propose": self.draft._run_multi_step if self.draft else None}
+               "propose": self.draft._run_multi_step if self.draft else None, "write_lora": self._write_lora}
         return ops[op](*args)
 
     def follow(self):
@@ -476,3 +507,17 @@ class ModelRunner:
         if self.draft is not None:
             self.draft._swap_in(cpu, gpu)
 
+
+
+def _write_lora_slot(graphdef, paths, state, slot, weights):
+    """The state with LoRA slot `slot` of each projection at `paths` set to `weights` ((A, B) each)."""
+    model = nnx.merge(graphdef, state)
+    for path, (a, b) in zip(paths, weights):
+        linear = model
+        for name in path:
+            linear = linear[name] if isinstance(name, int) else getattr(linear, name)
+        lead = linear.kernel.ndim - len(linear.in_shape) - len(linear.out_shape)
+        index = (slice(None),) * lead + (slot,)
+        linear.lora_a.set_value(linear.lora_a[...].at[index].set(a))
+        linear.lora_b.set_value(linear.lora_b[...].at[index].set(b))
+    return nnx.split(model)[1]

@@ -33,6 +33,7 @@ class SeqInput:
     # Speculative decoding: the last num_spec_tokens tokens are drafts, and the num_samples
     # (= drafts + 1) rows sample after each of the last num_samples tokens, not all after the last.
     num_spec_tokens: int = 0
+    lora_slot: int = -1  # the LoRA slot its tokens use (-1: the base model)
 
 
 @dataclasses.dataclass
@@ -48,12 +49,12 @@ class PreparedStep:
 
 
 def prepare_inputs(seqs: list[SeqInput], input_batch: InputBatch, buckets: Buckets, block_size: int,
-                   multi_step: bool = False, steps_of: list[int] | None = None) -> PreparedStep:
+                   multi_step: bool = False, steps_of: list[int] | None = None, lora: bool = False) -> PreparedStep:
     """Pad `seqs` to their token bucket; `input_batch` gives (and keeps) their block-table rows.
     `multi_step`: one token and one sample per sequence (else ValueError), and the slots of the
     later steps' tokens, positions pos + 1 .. pos + K - 1 (K: buckets.num_scheduler_steps);
     `steps_of`: each sequence's steps that count (a draft model's proposals), its later
-    slots -1 (nothing written: they may lie past its blocks)."""
+    slots -1 (nothing written: they may lie past its blocks). `lora`: each token's LoRA slot too."""
     n = len(seqs)
     lens = np.fromiter((len(s.token_ids) for s in seqs), np.int32, n)
     start_pos = np.fromiter((s.start_pos for s in seqs), np.int32, n)
@@ -110,7 +111,11 @@ def prepare_inputs(seqs: list[SeqInput], input_batch: InputBatch, buckets: Bucke
 
     decode = np.bool_(num_tokens_real == n) if num_seqs == num_tokens else None
     attn = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, decode)
-    inputs = StepInputs(input_ids, positions, attn, logits_indices, src_rows)
+    lora_slots = None
+    if lora:  # each token's adapter slot (LoRA enabled: every step carries them)
+        lora_slots = np.full(num_tokens, -1, np.int32)
+        lora_slots[:num_tokens_real] = np.repeat(np.fromiter((s.lora_slot for s in seqs), np.int32, n), lens)
+    inputs = StepInputs(input_ids, positions, attn, logits_indices, src_rows, lora_slots)
     lookahead_slots = None
     if multi_step:
         if num_tokens_real != n or num_rows != n or num_seqs != num_tokens:

@@ -29,7 +29,8 @@ class HistoryInputs:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["input_ids", "positions", "attn", "logits_indices", "src_rows"], meta_fields=[])
+                   data_fields=["input_ids", "positions", "attn", "logits_indices", "src_rows", "lora_slots"],
+                   meta_fields=[])
 @dataclasses.dataclass
 class StepInputs:
     input_ids: jax.Array  # int32[tokens]
@@ -37,6 +38,7 @@ class StepInputs:
     attn: AttentionMetadata
     logits_indices: jax.Array  # int32[rows]: token row whose logits each sampling row uses
     src_rows: jax.Array  # int32[tokens]: >= 0: the token is last_tokens[row] (sampled by a step in flight)
+    lora_slots: jax.Array | None = None  # int32[tokens]: each token's LoRA slot, -1: none (with LoRA enabled)
 
 
 def forward(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *, layout: Layout):
@@ -51,7 +53,7 @@ def forward_kv(graphdef, state, kv_cache, packed, last_tokens, *, layout: Layout
     that its pages hold every token the target's do (no logits: XLA drops the LM head)."""
     inputs = _with_pending_tokens(unpack(packed, layout), last_tokens)
     model = nnx.merge(graphdef, state)
-    with forward_context(ForwardContext(attn=inputs.attn)):
+    with forward_context(ForwardContext(attn=inputs.attn, lora_slots=inputs.lora_slots)):
         _, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache)
     return kv_cache
 
@@ -64,7 +66,7 @@ def _with_pending_tokens(inputs: StepInputs, last_tokens) -> StepInputs:
 
 def _model_logits(graphdef, logits_sharding, state, kv_cache, inputs: StepInputs):
     model = nnx.merge(graphdef, state)
-    with forward_context(ForwardContext(attn=inputs.attn)):  # what every layer may read of the step
+    with forward_context(ForwardContext(attn=inputs.attn, lora_slots=inputs.lora_slots)):  # what every layer may read of the step
         hidden, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache)
     logits = model.compute_logits(hidden[inputs.logits_indices])
     # Vocabulary-parallel logits are gathered: every device samples the same full rows.
