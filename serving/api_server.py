@@ -4,7 +4,8 @@ run_server, signals).
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions (serving/completions.py), POST
 /v1/chat/completions (serving/chat.py), POST /tokenize, POST /detokenize (serving/tokenization.py),
-GET /metrics, GET /kv (serving/kv_page.py). What the endpoints share is in serving/serving_engine.py,
+GET /metrics, GET /kv (serving/kv_page.py), POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+(serving/lora.py). What the endpoints share is in serving/serving_engine.py,
 reading request bodies in serving/request_body.py.
 """
 
@@ -24,10 +25,12 @@ from aiohttp import web, web_protocol
 
 from jpaged.config import MAX_LOGPROBS, EngineConfig
 from jpaged.engine.llm_engine import LLMEngine, StepFailedError
+from jpaged.lora.request import LoRARequest
 from serving import kv_page
 from serving.async_engine import AsyncLLMEngine, EngineDeadError
 from serving.chat import OpenAIServingChat
 from serving.completions import OpenAIServingCompletion
+from serving.lora import OpenAIServingLoRA
 from serving.metrics import Metrics
 from serving.protocol import APIError
 from serving.request_body import MAX_BODY_BYTES
@@ -41,7 +44,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 30
 
 
-class OpenAIServer(OpenAIServingCompletion, OpenAIServingChat, OpenAIServingTokenization):
+class OpenAIServer(OpenAIServingCompletion, OpenAIServingChat, OpenAIServingTokenization, OpenAIServingLoRA):
     """The app: every endpoint behind the error and auth middlewares."""
 
     def build_app(self) -> web.Application:
@@ -54,6 +57,8 @@ class OpenAIServer(OpenAIServingCompletion, OpenAIServingChat, OpenAIServingToke
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         kv_page.add_routes(app, self.engine, self.model_name)
         return app
 
@@ -93,11 +98,12 @@ class OpenAIServer(OpenAIServingCompletion, OpenAIServingChat, OpenAIServingToke
         return web.Response(status=200)
 
     async def models(self, request):
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        return web.json_response({"object": "list", "data": [self._model_card(), *self._lora_cards()]})
 
     async def model(self, request):
-        self._check_model({"model": request.match_info["model"]})
-        return web.json_response(self._model_card())
+        lora = self._check_model({"model": request.match_info["model"]})
+        return web.json_response(self._model_card() if lora is None else
+                                 next(c for c in self._lora_cards() if c["id"] == lora.lora_name))
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "jpaged",
@@ -129,6 +135,7 @@ class ServerOptions:
     allowed_origins: str | None = None  # comma-separated, or "*"
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
+    lora_modules: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (name, path): --lora-modules
 
 
 STATS_INTERVAL_S = 10
@@ -227,6 +234,10 @@ async def serve(engine: LLMEngine, options: ServerOptions) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # first thing: they replace run_server's start-up handler
         loop.add_signal_handler(sig, stop.set)
+    if options.lora_modules and engine.lora_manager is None:
+        raise ValueError("--lora-modules needs --enable-lora")
+    for i, (name, path) in enumerate(options.lora_modules):  # read and checked before serving (ids as the app's)
+        engine.lora_manager.add(LoRARequest(name, i + 1, path))
     async_engine = AsyncLLMEngine(engine, Metrics(options.served_model_name))
     async_engine.on_dead = stop.set
     async_engine.start()

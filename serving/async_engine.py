@@ -57,8 +57,8 @@ class AsyncLLMEngine:
             await asyncio.to_thread(self._thread.join)
 
     # ------------------------------------------------------------------ requests
-    async def add_request(self, request_id: str, prompt_token_ids: list[int],
-                          sampling_params: SamplingParams) -> "RequestStream":
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                          lora_request=None) -> "RequestStream":
         """Queue the request with the engine; its ValueError for bad input is raised here, before
         any output (callers check LLMEngine.check_request first, before building anything for a
         request). Iterate the returned stream for the outputs; abort it when giving up early."""
@@ -68,7 +68,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         added: concurrent.futures.Future = concurrent.futures.Future()
         self.num_pending_adds += 1
-        self._send(("add", request_id, prompt_token_ids, sampling_params, added))
+        self._send(("add", request_id, prompt_token_ids, sampling_params, lora_request, added))
         try:
             await asyncio.wrap_future(added)
         except asyncio.CancelledError:  # the client left while it was queued: it may still be added
@@ -126,14 +126,14 @@ class AsyncLLMEngine:
             except queue.Empty:
                 break
             if command[0] == "add":
-                _, request_id, prompt, params, added = command
+                _, request_id, prompt, params, lora_request, added = command
                 self._loop.call_soon_threadsafe(self._taken)
                 # Running from now on: the handler can no longer cancel it. If it already did (the
                 # client left while the request was queued), there is nothing to add.
                 if not added.set_running_or_notify_cancel():
                     continue
                 try:
-                    self.engine.add_request(request_id, prompt, params)
+                    self.engine.add_request(request_id, prompt, params, lora_request=lora_request)
                 except Exception as e:  # ValueError for bad input; anything else still answers
                     added.set_exception(e)
                 else:

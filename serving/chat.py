@@ -16,7 +16,7 @@ from serving.serving_engine import ChoiceState, OpenAIServing, json_dumps, raise
 class OpenAIServingChat(OpenAIServing):
     async def chat_completions(self, request):
         body = await json_body(request, self.body_timeout)
-        self._check_model(body)
+        lora_request = self._check_model(body)
         stream = protocol.parse_stream(body)
         want_logprobs = field(body, "logprobs", "boolean", False)
         top_logprobs = self._check_logprobs(field(body, "top_logprobs", "integer"), "top_logprobs")
@@ -36,7 +36,7 @@ class OpenAIServingChat(OpenAIServing):
         self._check_context(len(ids), params.max_tokens, "messages")
         self._check_request(ids, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._add_requests(request_id, [ids], params)
+        streams = await self._add_requests(request_id, [ids], params, lora_request)
         try:
             if stream.stream:
                 states = [[ChoiceState() for _ in range(params.n)]]

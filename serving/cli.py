@@ -54,6 +54,7 @@ def cmd_generate(args) -> int:
 
 def cmd_serve(args) -> int:
     from serving.api_server import ServerOptions, run_server
+    from serving.lora import parse_lora_modules
 
     if args.model_tag is not None:  # `jpaged serve MODEL`, as vLLM
         args.model = args.model_tag
@@ -67,7 +68,7 @@ def cmd_serve(args) -> int:
         max_logprobs=args.max_logprobs, enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser, log_requests=not args.disable_log_requests,
         log_stats=not args.disable_log_stats, allowed_origins=args.allowed_origins, ssl_keyfile=args.ssl_keyfile,
-        ssl_certfile=args.ssl_certfile)
+        ssl_certfile=args.ssl_certfile, lora_modules=parse_lora_modules(args.lora_modules))
     return run_server(EngineConfig(**engine_kwargs(args)), options)
 
 
@@ -109,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="CORS: comma-separated origins allowed to call the API from a browser ('*': any)")
     server.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key ...")
     server.add_argument("--ssl-certfile", default=None, help="... and this certificate")
+    server.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters served as models (with --enable-lora): name=path, or a JSON object "
+                             "with name, path and base_model_name")
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text for prompts and print it", formatter_class=formatter,

@@ -19,7 +19,7 @@ MAX_PROMPTS = 1024  # prompts in one completions request
 class OpenAIServingCompletion(OpenAIServing):
     async def completions(self, request):
         body = await json_body(request, self.body_timeout)
-        self._check_model(body)
+        lora_request = self._check_model(body)
         prompts = protocol.parse_prompts(body, max_prompts=MAX_PROMPTS, max_tokens=self.max_model_len)
         stream = protocol.parse_stream(body)
         echo = field(body, "echo", "boolean", False)
@@ -41,7 +41,7 @@ class OpenAIServingCompletion(OpenAIServing):
             token_prompts.append(ids)
         echoes = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if echo else "" for p in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._add_requests(request_id, token_prompts, params)
+        streams = await self._add_requests(request_id, token_prompts, params, lora_request)
         try:
             if stream.stream:
                 return await self._stream_completions(request, request_id, streams, params, echoes,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from jpaged.engine.llm_engine import StepFailedError
+from jpaged.lora.request import LoRARequest
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.sampling_params import SamplingParams
 from serving import protocol
@@ -71,6 +72,9 @@ class OpenAIServing:
             with open(self.chat_template) as f:
                 self.chat_template = f.read()
         self.created = int(time.time())
+        # LoRA adapters served as models of their own (serving/lora.py): name -> LoRARequest.
+        self.lora_requests = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(options.lora_modules)}
+        self._next_lora_id = len(self.lora_requests) + 1
         # A text of C characters is at least C / (longest token's characters) tokens: prompts that
         # are surely too long are refused without tokenizing them.
         self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
@@ -110,10 +114,15 @@ class OpenAIServing:
                            f"{param} has {num_chars} characters: at least {min_tokens} tokens. Please reduce the "
                            "length of the prompt.", param=param, code="context_length_exceeded")
 
-    def _check_model(self, body: dict):
+    def _check_model(self, body: dict) -> LoRARequest | None:
+        """The adapter the request's `model` names (None: the base model); 404 if it names neither."""
         model = field(body, "model", "string")
-        if model is not None and model != self.model_name:
+        if model is None or model == self.model_name:
+            return None
+        lora = self.lora_requests.get(model)
+        if lora is None:
             raise APIError(f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found")
+        return lora
 
     def _check_logprobs(self, value: int | None, param: str) -> int | None:
         if value is not None and not 0 <= value <= self.max_logprobs:
@@ -137,8 +146,8 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(str(e), param=protocol.param_of(str(e))) from None
 
-    async def _add_requests(self, request_id: str, prompts: list[list[int]],
-                            params: SamplingParams) -> list[RequestStream]:
+    async def _add_requests(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                            lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """All of the request's prompts, or none (a rejected one aborts those already added)."""
         if self.max_queue is not None:
             waiting = self.engine.stats["num_waiting"] + self.engine.num_pending_adds
@@ -150,7 +159,7 @@ class OpenAIServing:
             if params.guided:  # compiled here, in a thread, under its budget: the loop and the engine never wait
                 await asyncio.to_thread(self.engine.engine.structured_output.prepare, params)
             for i, ids in enumerate(prompts):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", ids, params))
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", ids, params, lora_request))
         except ValueError as e:
             raise APIError(str(e), param=protocol.param_of(str(e))) from None
         finally:

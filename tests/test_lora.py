@@ -10,9 +10,10 @@ import pytest
 
 import jpaged
 from jpaged import LoRARequest
+from jpaged.models import tiny
 
 SEED = 20261124
-VOCAB = 300
+VOCAB = 259  # the tiny tokenizer's (saved with the base checkpoint: the server needs one)
 ADAPTERS = {  # name: (rank, alpha, target modules, rsLoRA)
     "attn-r4": (4, 8, ["q_proj", "v_proj"], False),
     "all-r8": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
@@ -38,6 +39,7 @@ def checkpoint(tmp_path_factory):
     with torch.no_grad():  # sharper logits: greedy choices far apart, stable across float orders
         model.lm_head.weight.mul_(8)
     model.save_pretrained(root / "base")
+    tiny.tiny_tokenizer().save_pretrained(root / "base")
     adapters = {}
     for name, (rank, alpha, modules, rslora) in ADAPTERS.items():
         base = transformers.LlamaForCausalLM.from_pretrained(root / "base")
@@ -145,3 +147,67 @@ def test_bad_adapters_are_value_errors(checkpoint, tmp_path):
         jpaged.LLM(base_dir, max_model_len=64, enforce_eager=True).generate([[1]], sp, lora_request=ok)
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("x", 0, "p")
+
+
+def test_server_serves_adapters_through_the_openai_sdk(checkpoint, tmp_path):
+    """--lora-modules (both forms), /v1/models, a request's model picking its adapter, adapters
+    loaded and unloaded at run time behind --api-key, and every bad adapter a 4xx while the
+    server goes on serving."""
+    import httpx
+    import openai
+
+    from test_server import Server
+
+    base_dir, adapters = checkpoint
+    offline = jpaged.LLM(base_dir, **LIMITS)
+    sp = jpaged.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9]
+    expected = {name: offline.generate([prompt], sp, use_tqdm=False,
+                                       lora_request=LoRARequest(name, i + 1, path) if path else None)[0].outputs[0].text
+                for i, (name, path) in enumerate([("base", None), *adapters.items()])}
+    server = Server("--model", base_dir, "--served-model-name", "base", "--enable-lora", "--max-loras", "2",
+                    "--max-lora-rank", "16", "--api-key", "k", "--max-model-len", "128", "--max-num-seqs", "8",
+                    "--max-num-batched-tokens", "64", "--enforce-eager",
+                    "--lora-modules", f"attn-r4={adapters['attn-r4']}",
+                    json.dumps({"name": "all-r8", "path": adapters["all-r8"], "base_model_name": "base"}))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="k")
+        models = {m.id: m for m in client.models.list()}
+        assert set(models) == {"base", "attn-r4", "all-r8"}
+        assert getattr(models["attn-r4"], "parent", None) == "base" and getattr(models["base"], "parent", None) is None
+
+        def complete(model):
+            return client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        for name in ("base", "attn-r4", "all-r8"):
+            assert complete(name) == expected[name], name
+        with pytest.raises(openai.NotFoundError):
+            complete("mlp-r16-rs")
+
+        def post(path, body, key="k"):
+            return httpx.post(f"{server.url}/v1/{path}", json=body, headers={"Authorization": f"Bearer {key}"},
+                              timeout=120)
+
+        assert post("load_lora_adapter", {"lora_name": "mlp-r16-rs", "lora_path": adapters["mlp-r16-rs"]},
+                    key="wrong").status_code == 401
+        assert post("load_lora_adapter", {"lora_name": "mlp-r16-rs", "lora_path": adapters["mlp-r16-rs"]}).status_code == 200
+        assert complete("mlp-r16-rs") == expected["mlp-r16-rs"]  # three adapters through two slots
+        assert complete("attn-r4") == expected["attn-r4"]
+        bad_dir = tmp_path / "bad"
+        bad_dir.mkdir()
+        (bad_dir / "adapter_config.json").write_text("{}")
+        for body, status in [({"lora_name": "again", "lora_path": str(tmp_path / "missing")}, 400),
+                             ({"lora_name": "again", "lora_path": str(bad_dir)}, 400),
+                             ({"lora_name": "attn-r4", "lora_path": adapters["attn-r4"]}, 400),
+                             ({"lora_name": "again"}, 400)]:
+            response = post("load_lora_adapter", body)
+            assert response.status_code == status and "error" in response.json(), (body, response.text)
+        assert post("unload_lora_adapter", {"lora_name": "attn-r4"}).status_code == 200
+        assert post("unload_lora_adapter", {"lora_name": "attn-r4"}).status_code == 404
+        with pytest.raises(openai.NotFoundError):
+            complete("attn-r4")
+        assert {m.id for m in client.models.list()} == {"base", "all-r8", "mlp-r16-rs"}
+        assert complete("all-r8") == expected["all-r8"] and complete("base") == expected["base"]
+    finally:
+        assert server.stop() == 0
