@@ -211,3 +211,19 @@ def test_server_serves_adapters_through_the_openai_sdk(checkpoint, tmp_path):
         assert complete("all-r8") == expected["all-r8"] and complete("base") == expected["base"]
     finally:
         assert server.stop() == 0
+
+
+def test_tensor_parallel_equals_one_device(checkpoint):
+    """A and B split with their base weights on a 2-device mesh (the CPU's fake devices; kv heads
+    2 and q heads 4 split, MLP split): the same greedy tokens as on one device."""
+    base_dir, adapters = checkpoint
+    rng = np.random.default_rng(SEED + 1)
+    names = [None, *ADAPTERS]
+    prompts = [rng.integers(0, VOCAB, 9).tolist() for _ in names]
+    requests = [None if name is None else LoRARequest(name, i + 1, adapters[name]) for i, name in enumerate(names)]
+    sp = jpaged.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for tp in (1, 2):
+        llm = jpaged.LLM(base_dir, tensor_parallel_size=tp, enforce_eager=True, **LIMITS)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, lora_request=requests, use_tqdm=False)])
+    assert runs[0] == runs[1]
