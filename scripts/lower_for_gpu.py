@@ -139,13 +139,16 @@ def forward_cases():
     # model adds its K/V-only forward and its 3-step proposal loop.
     for backend, kv_cache_dtype, spec in (("pallas", "auto", None), ("mosaic", "auto", None),
                                           ("pallas", "fp8", None), ("mosaic", "fp8", None), ("pallas", "auto", "ngram"),
-                                          ("mosaic", "auto", "draft_model")):
+                                          ("mosaic", "auto", "draft_model"), ("mosaic", "auto", "lora")):
+        lora = spec == "lora"  # 4 LoRA slots of rank 16 in every projection, a slot per token
+        spec = None if lora else spec
         config = {"method": spec, "num_speculative_tokens": 3, **({"model": "tiny"} if spec == "draft_model" else {})}
         llm = jpaged.LLM("tiny", dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8,
                          num_gpu_blocks_override=64, attention_backend=backend, num_scheduler_steps=1 if spec else 4,
                          kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=kv_cache_dtype != "auto",
-                         speculative_config=config if spec else None)
+                         speculative_config=config if spec else None, enable_lora=lora, max_loras=4)
         backend_label = backend if kv_cache_dtype == "auto" else f"{backend} kv_cache_dtype={kv_cache_dtype}"
+        backend_label += " LoRA" if lora else ""
         if spec:
             backend_label += f" speculative {spec} (verification: 32 tokens, 32 sampled rows)"
         runner = llm.llm_engine.runner

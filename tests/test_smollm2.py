@@ -93,43 +93,48 @@ def test_draft_model_speculation_on_real_weights(checkpoint, tmp_path):
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
 
 
-def test_lora_adapter_on_real_weights(checkpoint, tmp_path):
-    """A PEFT adapter made on SmolLM2 (rank 8 on q/v/o and the MLP, random A and B scaled so it
-    nudges rather than drowns the model): jpaged's greedy tokens equal transformers + PEFT's,
-    for the adapter and, in the same batch, the base model."""
+def test_lora_adapters_on_real_weights(checkpoint, tmp_path):
+    """Three PEFT adapters made on SmolLM2 (ranks 4, 8 and 16 on different projections, random A
+    and B scaled so they nudge rather than drown the model), mixed with the base model in one
+    generate call under max_loras=2: jpaged's greedy tokens equal transformers + PEFT's."""
     import peft
     import torch
     from transformers import AutoModelForCausalLM
 
     import jpaged
 
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    lora = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules=[
-        "q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-    with torch.no_grad():
-        for name, param in lora.named_parameters():
-            if "lora_B" in name:
-                param.mul_(0.5)
-    lora.save_pretrained(tmp_path / "adapter")
-    lora.eval()
+    specs = {"r4": (4, ["q_proj", "v_proj"]), "r8": (8, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+             "r16": (16, ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])}
     tokenizer = jpaged.LLM(model=checkpoint, enforce_eager=True, max_model_len=64, max_num_seqs=1,
                            num_gpu_blocks_override=8).get_tokenizer()
-    expected = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            out = lora.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
-            expected.append(out[0, ids.shape[1]:].tolist())
-    llm = jpaged.LLM(model=checkpoint, enable_lora=True, max_lora_rank=8, max_num_seqs=8, max_model_len=128,
-                     enforce_eager=True)
-    adapter = jpaged.LoRARequest("mine", 1, str(tmp_path / "adapter"))
+    expected = {}
+    for i, (name, (rank, modules)) in enumerate(specs.items()):
+        torch.manual_seed(i)
+        base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        lora = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False,
+                                                         target_modules=modules))
+        with torch.no_grad():
+            for param_name, param in lora.named_parameters():
+                if "lora_B" in param_name:
+                    param.mul_(0.5)
+        lora.save_pretrained(tmp_path / name)
+        lora.eval()
+        with torch.no_grad():  # greedy by hand: EOS allowed and not stopping (ignore_eos), as jpaged runs
+            for prompt in PROMPTS:
+                ids = tokenizer(prompt, return_tensors="pt").input_ids
+                for _ in range(MAX_TOKENS):
+                    ids = torch.cat([ids, lora(ids).logits[:, -1:].argmax(-1)], dim=1)
+                expected[name, prompt] = ids[0, -MAX_TOKENS:].tolist()
     sp = jpaged.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate(PROMPTS * 2, sp, lora_request=[adapter] * len(PROMPTS) + [None] * len(PROMPTS), use_tqdm=False)
-    ours = [o.outputs[0].token_ids for o in outs]
-    plain = [o.outputs[0].token_ids for o in jpaged.LLM(model=checkpoint, max_num_seqs=4, max_model_len=128,
-                                                         enforce_eager=True).generate(PROMPTS, sp, use_tqdm=False)]
-    print(ours)
-    assert ours[:len(PROMPTS)] == expected
-    assert ours[len(PROMPTS):] == plain
-    assert any(a != b for a, b in zip(expected, plain))  # the adapter changes the output
+    plain = jpaged.LLM(model=checkpoint, max_num_seqs=4, max_model_len=128, enforce_eager=True)
+    for prompt, out in zip(PROMPTS, plain.generate(PROMPTS, sp, use_tqdm=False)):
+        expected[None, prompt] = out.outputs[0].token_ids
+    llm = jpaged.LLM(model=checkpoint, enable_lora=True, max_loras=2, max_lora_rank=16, max_num_seqs=8,
+                     max_model_len=128, enforce_eager=True)
+    requests = {name: jpaged.LoRARequest(name, i + 1, str(tmp_path / name)) for i, name in enumerate(specs)}
+    batch = [(name, prompt) for name in [None, *specs] for prompt in PROMPTS]
+    outs = llm.generate([p for _, p in batch], sp, lora_request=[requests.get(n) for n, _ in batch], use_tqdm=False)
+    for (name, prompt), out in zip(batch, outs):
+        assert out.outputs[0].token_ids == expected[name, prompt], (name, prompt)
+    # Each adapter changes some output: a missing or misplaced adapter would be seen.
+    assert all(any(expected[n, p] != expected[None, p] for p in PROMPTS) for n in specs)
