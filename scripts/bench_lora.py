@@ -28,21 +28,23 @@ import jpaged  # noqa: E402
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapters(model: str, directory: str, count: int, rank: int) -> list[str]:
+def make_adapters(model: str, directory: str, specs: list[tuple[int, list[str]]], scale: float = 0.3) -> list[str]:
+    """PEFT adapters of `model`, one per (rank, target modules): random A and B (B times `scale`,
+    so that each nudges the model rather than drowns it), alpha = 2 x rank, seeded by position."""
     import peft
     import torch
     from transformers import AutoModelForCausalLM
 
     paths = []
-    for i in range(count):
+    for i, (rank, modules) in enumerate(specs):
         torch.manual_seed(i)
         base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-        lora = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=MODULES,
+        lora = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=modules,
                                                          init_lora_weights=False))
         with torch.no_grad():
             for name, param in lora.named_parameters():
                 if "lora_B" in name:
-                    param.mul_(0.3)
+                    param.mul_(scale)
         path = os.path.join(directory, f"adapter-{i}")
         lora.save_pretrained(path)
         paths.append(path)
@@ -77,7 +79,7 @@ def main(argv=None):
         from scripts.make_smollm2 import make_smollm2
         model = make_smollm2(os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "smollm2-135m-instruct"))
     with tempfile.TemporaryDirectory() as directory:
-        paths = make_adapters(model, directory, 5, args.rank)
+        paths = make_adapters(model, directory, [(args.rank, MODULES)] * 5)
         loras = [jpaged.LoRARequest(f"adapter-{i}", i + 1, p) for i, p in enumerate(paths)]
         limits = dict(max_num_seqs=args.num_seqs, max_model_len=256, max_num_batched_tokens=2048, enforce_eager=True)
         prompts = [f"Question {i}: tell me something about the number {i * 7}." for i in range(args.num_seqs)]

@@ -102,23 +102,17 @@ def test_lora_adapters_on_real_weights(checkpoint, tmp_path):
     from transformers import AutoModelForCausalLM
 
     import jpaged
+    from scripts.bench_lora import make_adapters
 
     specs = {"r4": (4, ["q_proj", "v_proj"]), "r8": (8, ["q_proj", "k_proj", "v_proj", "o_proj"]),
              "r16": (16, ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])}
+    paths = dict(zip(specs, make_adapters(checkpoint, str(tmp_path), list(specs.values()), scale=0.5)))
     tokenizer = jpaged.LLM(model=checkpoint, enforce_eager=True, max_model_len=64, max_num_seqs=1,
                            num_gpu_blocks_override=8).get_tokenizer()
     expected = {}
-    for i, (name, (rank, modules)) in enumerate(specs.items()):
-        torch.manual_seed(i)
-        base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-        lora = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False,
-                                                         target_modules=modules))
-        with torch.no_grad():
-            for param_name, param in lora.named_parameters():
-                if "lora_B" in param_name:
-                    param.mul_(0.5)
-        lora.save_pretrained(tmp_path / name)
-        lora.eval()
+    for name, path in paths.items():
+        lora = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32),
+                                              path).eval()
         with torch.no_grad():  # greedy by hand: EOS allowed and not stopping (ignore_eos), as jpaged runs
             for prompt in PROMPTS:
                 ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -131,7 +125,7 @@ def test_lora_adapters_on_real_weights(checkpoint, tmp_path):
         expected[None, prompt] = out.outputs[0].token_ids
     llm = jpaged.LLM(model=checkpoint, enable_lora=True, max_loras=2, max_lora_rank=16, max_num_seqs=8,
                      max_model_len=128, enforce_eager=True)
-    requests = {name: jpaged.LoRARequest(name, i + 1, str(tmp_path / name)) for i, name in enumerate(specs)}
+    requests = {name: jpaged.LoRARequest(name, i + 1, paths[name]) for i, name in enumerate(specs)}
     batch = [(name, prompt) for name in [None, *specs] for prompt in PROMPTS]
     outs = llm.generate([p for _, p in batch], sp, lora_request=[requests.get(n) for n, _ in batch], use_tqdm=False)
     for (name, prompt), out in zip(batch, outs):
