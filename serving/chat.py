@@ -16,7 +16,7 @@ from serving.serving_engine import ChoiceState, OpenAIServing, json_dumps, raise
 class OpenAIServingChat(OpenAIServing):
     async def chat_completions(self, request):
         body = await json_body(request, self.body_timeout)
-        lora_request = self._check_model(body)
+        lora_request = self._check_model(body, request)
         stream = protocol.parse_stream(body)
         want_logprobs = field(body, "logprobs", "boolean", False)
         top_logprobs = self._check_logprobs(field(body, "top_logprobs", "integer"), "top_logprobs")
@@ -69,5 +69,5 @@ class OpenAIServingChat(OpenAIServing):
                             if want_logprobs else None,
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return web.json_response({"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                                  "model": self.model_name, "choices": choices, "usage": request_usage([final])},
+                                  "model": request["model"], "choices": choices, "usage": request_usage([final])},
                                  dumps=json_dumps)

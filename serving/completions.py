@@ -19,7 +19,7 @@ MAX_PROMPTS = 1024  # prompts in one completions request
 class OpenAIServingCompletion(OpenAIServing):
     async def completions(self, request):
         body = await json_body(request, self.body_timeout)
-        lora_request = self._check_model(body)
+        lora_request = self._check_model(body, request)
         prompts = protocol.parse_prompts(body, max_prompts=MAX_PROMPTS, max_tokens=self.max_model_len)
         stream = protocol.parse_stream(body)
         echo = field(body, "echo", "boolean", False)
@@ -68,7 +68,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                 "logprobs": choice_logprobs, "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason})
         return web.json_response({"id": request_id, "object": "text_completion", "created": int(time.time()),
-                                  "model": self.model_name, "choices": choices, "usage": request_usage(finals)},
+                                  "model": request["model"], "choices": choices, "usage": request_usage(finals)},
                                  dumps=json_dumps)
 
     async def _stream_completions(self, request, request_id, streams, params, echoes, include_usage, prompt_only):

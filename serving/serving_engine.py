@@ -114,14 +114,18 @@ class OpenAIServing:
                            f"{param} has {num_chars} characters: at least {min_tokens} tokens. Please reduce the "
                            "length of the prompt.", param=param, code="context_length_exceeded")
 
-    def _check_model(self, body: dict) -> LoRARequest | None:
-        """The adapter the request's `model` names (None: the base model); 404 if it names neither."""
+    def _check_model(self, body: dict, request=None) -> LoRARequest | None:
+        """The adapter the request's `model` names (None: the base model); 404 if it names neither.
+        The name the response carries is kept in `request["model"]` (an adapter's: its own)."""
         model = field(body, "model", "string")
-        if model is None or model == self.model_name:
-            return None
-        lora = self.lora_requests.get(model)
-        if lora is None:
-            raise APIError(f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found")
+        lora = None
+        if model is not None and model != self.model_name:
+            lora = self.lora_requests.get(model)
+            if lora is None:
+                raise APIError(f"The model `{model}` does not exist.", status=404, param="model",
+                               code="model_not_found")
+        if request is not None:
+            request["model"] = self.model_name if lora is None else lora.lora_name
         return lora
 
     def _check_logprobs(self, value: int | None, param: str) -> int | None:
@@ -175,7 +179,7 @@ class OpenAIServing:
         created = int(time.time())
 
         async def send(choices, **extra):
-            event = {"id": request_id, "object": kind, "created": created, "model": self.model_name,
+            event = {"id": request_id, "object": kind, "created": created, "model": request["model"],
                      "choices": choices, **extra}
             if include_usage and "usage" not in extra:
                 event["usage"] = None

@@ -182,8 +182,10 @@ def test_server_serves_adapters_through_the_openai_sdk(checkpoint, tmp_path):
         assert getattr(models["attn-r4"], "parent", None) == "base" and getattr(models["base"], "parent", None) is None
 
         def complete(model):
-            return client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
-                                             extra_body={"ignore_eos": True}).choices[0].text
+            response = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+            assert response.model == model  # the adapter's name, as vLLM answers
+            return response.choices[0].text
 
         for name in ("base", "attn-r4", "all-r8"):
             assert complete(name) == expected[name], name
@@ -202,7 +204,12 @@ def test_server_serves_adapters_through_the_openai_sdk(checkpoint, tmp_path):
         bad_dir = tmp_path / "bad"
         bad_dir.mkdir()
         (bad_dir / "adapter_config.json").write_text("{}")
+        too_big = tmp_path / "rank-32"
+        too_big.mkdir()
+        with open(f"{adapters['attn-r4']}/adapter_config.json") as f:
+            (too_big / "adapter_config.json").write_text(json.dumps(dict(json.load(f), r=32)))
         for body, status in [({"lora_name": "again", "lora_path": str(tmp_path / "missing")}, 400),
+                             ({"lora_name": "again", "lora_path": str(too_big)}, 400),
                              ({"lora_name": "again", "lora_path": str(bad_dir)}, 400),
                              ({"lora_name": "attn-r4", "lora_path": adapters["attn-r4"]}, 400),
                              ({"lora_name": "again"}, 400)]:
@@ -214,6 +221,9 @@ def test_server_serves_adapters_through_the_openai_sdk(checkpoint, tmp_path):
             complete("attn-r4")
         assert {m.id for m in client.models.list()} == {"base", "all-r8", "mlp-r16-rs"}
         assert complete("all-r8") == expected["all-r8"] and complete("base") == expected["base"]
+        chunks = list(client.chat.completions.create(model="all-r8", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=4, stream=True))
+        assert chunks and all(c.model == "all-r8" for c in chunks)
     finally:
         assert server.stop() == 0
 
