@@ -28,7 +28,7 @@ from jpaged.core.step_needs import can_multi_step, can_overlap
 from jpaged.core.stop_checker import StopChecker
 from jpaged.core.structured_output import StructuredOutputManager
 from jpaged.engine.request_validator import RequestValidator
-from jpaged.lora.manager import LoRAManager
+from jpaged.lora.manager import LoRAManager, check_lora_request
 from jpaged.lora.model import add_lora_slots
 from jpaged.lora.request import LoRARequest
 from jpaged.models.kv_cache import KVCacheSpec, kv_dtype
@@ -293,11 +293,7 @@ class LLMEngine:
             raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         self.check_request(ids, sampling_params)
         if lora_request is not None:
-            if not isinstance(lora_request, LoRARequest):
-                raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-            if self.lora_manager is None:
-                raise ValueError("lora_request needs an engine with enable_lora=True")
-            self.lora_manager.add(lora_request)
+            check_lora_request(lora_request, self.lora_manager).add(lora_request)
         if sampling_params.guided:  # compiled now unless the server already did (off its event loop)
             self.structured_output.prepare(sampling_params)
         seq = Sequence(self.scheduler.new_seq_id(), ids)
@@ -362,9 +358,7 @@ class LLMEngine:
                 propose_drafts(plan, self.scheduler, self.runner, self._seed)
             failed: dict[int, tuple[SequenceGroup, Exception]] = {}
             steps = []
-            lora_slots = self.lora_manager.slots({g.lora_request.lora_int_id: g.lora_request for g in
-                                                  (s.seq_group for s in plan.scheduled_seq_groups)
-                                                  if g.lora_request is not None}) if self.lora_manager else {}
+            lora_slots = self.lora_manager.slots_of(plan.scheduled_seq_groups) if self.lora_manager else {}
             for scheduled in plan.scheduled_seq_groups:
                 try:
                     steps.append(self._group_inputs(scheduled, lora_slots))

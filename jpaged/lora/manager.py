@@ -17,6 +17,15 @@ from jpaged.lora.peft import load_peft_adapter
 from jpaged.lora.request import LoRARequest
 
 
+def check_lora_request(lora_request, manager: "LoRAManager | None") -> "LoRAManager":
+    """The engine's manager, if `lora_request` is a LoRARequest and the engine serves LoRA."""
+    if not isinstance(lora_request, LoRARequest):
+        raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+    if manager is None:
+        raise ValueError("lora_request needs an engine with enable_lora=True")
+    return manager
+
+
 class LoRAManager:
     def __init__(self, targets: dict[str, LoRATarget], runner, *, max_loras: int, max_lora_rank: int,
                  max_cpu_loras: int | None, dtype):
@@ -60,6 +69,11 @@ class LoRAManager:
 
     def requests(self) -> list[LoRARequest]:
         return [request for request, _ in self._read.values()]
+
+    def slots_of(self, scheduled_groups) -> dict[int, int]:
+        """The device slot of each adapter a step's groups (ScheduledSequenceGroups) run with."""
+        return self.slots({s.seq_group.lora_request.lora_int_id: s.seq_group.lora_request for s in scheduled_groups
+                           if s.seq_group.lora_request is not None})
 
     def slots(self, requests: dict[int, LoRARequest]) -> dict[int, int]:
         """The device slot of each adapter of a step ({lora_int_id: request}, at most max_loras),

@@ -91,3 +91,15 @@ def slot_weights(adapter: PeftAdapter, targets: dict[str, LoRATarget], max_lora_
         slot_a[index + (Ellipsis, slice(0, rank))] = a.T.reshape(linear.in_shape + (rank,))
         slot_b[index + (slice(0, rank),)] = b_out
     return out
+
+
+def abstract_slot(linears, sharding) -> list:
+    """One slot's contents for each of `linears` as shapes: (A, B) without the slot axis."""
+    def without_slot(param, lead):
+        return jax.ShapeDtypeStruct(param.shape[:lead] + param.shape[lead + 1:], param.dtype, sharding=sharding)
+
+    out = []
+    for linear in linears:
+        lead = linear.kernel.ndim - len(linear.in_shape) - len(linear.out_shape)
+        out.append((without_slot(linear.lora_a, lead), without_slot(linear.lora_b, lead)))
+    return out

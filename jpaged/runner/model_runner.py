@@ -47,6 +47,7 @@ from jpaged.config import MAX_LOGPROBS
 from jpaged.core.step_needs import rows_need_full_sampler
 from jpaged.models.forward_context import AttentionMetadata
 from jpaged.models.kv_cache import KVCache, KVCacheSpec
+from jpaged.lora.model import abstract_slot
 from jpaged.models.layers import Linear
 from jpaged.models.loader import LoadedModel
 from jpaged.parallel import distributed
@@ -116,7 +117,8 @@ class ModelRunner:
         self._sample = lambda layout: jax.jit(functools.partial(step_functions.sample, layout=layout),
                                               out_shardings=(rep, rep, rep), donate_argnums=(2, 3))
         self._history_writer = jax.jit(step_functions.write_history, out_shardings=rep, donate_argnums=(0,))
-        self._lora_writer = jax.jit(functools.partial(_write_lora_slot, self.graphdef, list(self.lora_linears)),
+        self._lora_writer = jax.jit(functools.partial(step_functions.write_lora_slot, self.graphdef,
+                                                      list(self.lora_linears)),
                                     out_shardings=jax.tree.map(lambda x: x.sharding, self.state), donate_argnums=(0,))
         self._multi_step = lambda layout: jax.jit(
             functools.partial(step_functions.multi_step, self.graphdef, rep, layout=layout,
@@ -226,7 +228,7 @@ class ModelRunner:
             return self._sample(layout), (logits, self._packed(layout), self.last_tokens, self.token_history)
         if key[0] == "write_lora":
             slot = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
-            return self._lora_writer, (self.state, slot, self._abstract_lora_slot())
+            return self._lora_writer, (self.state, slot, abstract_slot(self.lora_linears.values(), self._replicated))
         if key[0] == "write_history":
             rows = jax.ShapeDtypeStruct((key[1],), jnp.int32, sharding=self._replicated)
             tokens = jax.ShapeDtypeStruct((key[1], self.max_model_len), jnp.int32, sharding=self._replicated)
@@ -238,18 +240,6 @@ class ModelRunner:
         if op == "swap_out":
             return self._gather, (self.kv_cache, blocks)
         return self._scatter, (self.kv_cache, self._swapped_pages_shape(num_blocks), blocks)
-
-    def _abstract_lora_slot(self) -> list:
-        """One LoRA slot's contents for every adaptable projection: (A, B) without the slot axis."""
-        def without_slot(param, lead):
-            shape = param.shape[:lead] + param.shape[lead + 1:]
-            return jax.ShapeDtypeStruct(shape, param.dtype, sharding=self._replicated)
-
-        out = []
-        for linear in self.lora_linears.values():
-            lead = linear.kernel.ndim - len(linear.in_shape) - len(linear.out_shape)
-            out.append((without_slot(linear.lora_a, lead), without_slot(linear.lora_b, lead)))
-        return out
 
     def write_lora_slot(self, slot: int, weights: list):
         """Fill LoRA slot `slot` (jpaged/lora/manager.py): `weights` holds (A, B) per adaptable
@@ -508,16 +498,3 @@ class ModelRunner:
             self.draft._swap_in(cpu, gpu)
 
 
-
-def _write_lora_slot(graphdef, paths, state, slot, weights):
-    """The state with LoRA slot `slot` of each projection at `paths` set to `weights` ((A, B) each)."""
-    model = nnx.merge(graphdef, state)
-    for path, (a, b) in zip(paths, weights):
-        linear = model
-        for name in path:
-            linear = linear[name] if isinstance(name, int) else getattr(linear, name)
-        lead = linear.kernel.ndim - len(linear.in_shape) - len(linear.out_shape)
-        index = (slice(None),) * lead + (slot,)
-        linear.lora_a.set_value(linear.lora_a[...].at[index].set(a))
-        linear.lora_b.set_value(linear.lora_b[...].at[index].set(b))
-    return nnx.split(model)[1]

@@ -1,6 +1,6 @@
 """The device side of a step, the functions the runner jits: the model forward (new K/V and the
 logits of the rows to sample), the sampler on packed metadata, the multi-step decode loop, the
-token-history upload, and the packing of the sampler's outputs into one int32 array (and back)."""
+token-history upload, the LoRA slot write, and the packing of the sampler's outputs into one int32 array (and back)."""
 
 import dataclasses
 import functools
@@ -154,3 +154,17 @@ def unpack_output(packed: np.ndarray, num_rows: int, k: int, num_real: int) -> s
     # Sampled ids and their logprobs as Python lists: the host reads them one by one.
     return sampler.SamplerOutput(token_ids[:num_real].tolist(), logprobs[:num_real].tolist(), top_ids[:num_real],
                                  top_logprobs[:num_real], target[:num_real])
+
+
+def write_lora_slot(graphdef, paths, state, slot, weights):
+    """The state with LoRA slot `slot` of each projection at `paths` set to `weights` ((A, B) each)."""
+    model = nnx.merge(graphdef, state)
+    for path, (a, b) in zip(paths, weights):
+        linear = model
+        for name in path:
+            linear = linear[name] if isinstance(name, int) else getattr(linear, name)
+        lead = linear.kernel.ndim - len(linear.in_shape) - len(linear.out_shape)
+        index = (slice(None),) * lead + (slot,)
+        linear.lora_a.set_value(linear.lora_a[...].at[index].set(a))
+        linear.lora_b.set_value(linear.lora_b[...].at[index].set(b))
+    return nnx.split(model)[1]
