@@ -1,6 +1,7 @@
 """The device side of a step, the functions the runner jits: the model forward (new K/V and the
 logits of the rows to sample), the sampler on packed metadata, the multi-step decode loop, the
-token-history upload, the LoRA slot write, and the packing of the sampler's outputs into one int32 array (and back)."""
+token-history upload, the LoRA slot write, and the packing of the sampler's outputs into one
+int32 array (and back)."""
 
 import dataclasses
 import functools
