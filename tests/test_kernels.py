@@ -321,10 +321,14 @@ def test_engine_with_mosaic_kernels_matches_xla(kv_cache_dtype):
     differently (each is ~0.15 nats from float32 over four tokens on this model), so greedy paths
     may part at a near-tie: compared as vLLM's check_logprobs_close does. Up to the first
     differing token the logprobs must agree to bf16 noise; at it, each side's token must be in
-    the other's top 5. A wrong page, mask or position shifts logprobs by whole nats."""
+    the other's top 5. A wrong page, mask or position shifts logprobs by whole nats. With fp8 pages
+    a bf16 rounding apart can land K or V one fp8 step (6%) apart: up to 0.32 nats seen (CI, a
+    random draw; seeds 0-5: at most 0.12), so 0.5 there. The prompts are fixed."""
     import jpaged
 
-    prompts = [rng.integers(0, 256, n).tolist() for n in (5, *rng.integers(20, 60, 3))]
+    prompt_rng = np.random.default_rng(20261124)
+    prompts = [prompt_rng.integers(0, 256, n).tolist() for n in (5, *prompt_rng.integers(20, 60, 3))]
+    tolerance = 0.15 if kv_cache_dtype == "auto" else 0.5
     sp = jpaged.SamplingParams(temperature=0, max_tokens=6, logprobs=5)
     results = {}
     for backend in ("xla", "mosaic"):
@@ -337,7 +341,7 @@ def test_engine_with_mosaic_kernels_matches_xla(kv_cache_dtype):
             if token != expected:
                 assert token in ref_top and expected in top, (prompts, ours, ref)
                 break
-            assert abs(top[token] - ref_top[token]) < 0.15, (prompts, ours, ref)
+            assert abs(top[token] - ref_top[token]) < tolerance, (prompts, ours, ref)
 
 
 def test_mosaic_rejects_what_it_cannot_take():
