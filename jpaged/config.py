@@ -11,6 +11,8 @@ DEVICES = ("cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV cache dtypes (vLLM's names): "auto" stores K/V in the model's dtype; "fp8" is e4m3.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# Weight quantization (vLLM's names): quantized while loading ("fp8", "int8") or a checkpoint's format.
+QUANTIZATION_METHODS = ("fp8", "int8", "compressed-tensors", "awq", "gptq")
 # Top logprobs a request may ask for (OpenAI's and vLLM's maximum): every step computes this many.
 MAX_LOGPROBS = 20
 
@@ -28,6 +30,10 @@ HOST_ONLY_OPTIONS = ("executable_cache", "grammar_compile_timeout", "grammar_com
 class EngineConfig:
     model: str = _option("tiny", "the built-in 'tiny' model, a local Hugging Face directory or a hub id")
     dtype: str = _option("auto", "weights and KV dtype ('auto': the checkpoint's)", choices=DTYPES)
+    quantization: str | None = _option(None, "weights in 8 bits: 'fp8' or 'int8' quantizes a float checkpoint "
+                                       "while loading (per output channel, computed at the activation dtype); "
+                                       "compressed-tensors, AWQ and GPTQ checkpoints are detected from their "
+                                       "config.json without it", choices=QUANTIZATION_METHODS)
     block_size: int = _option(16, "tokens per KV block (page)", choices=(8, 16, 32, 64, 128))
     kv_cache_dtype: str = _option("auto", "KV cache storage: 'auto' (the model's dtype) or fp8 ('fp8' = 'fp8_e4m3', "
                                   "'fp8_e5m2'): half the bytes of bf16 per block, so twice the tokens",
@@ -110,6 +116,8 @@ class EngineConfig:
         check("process_id", self.process_id is None or self.process_id >= 0, "None or >= 0")
         check("attention_backend", self.attention_backend in ATTENTION_BACKENDS, f"one of {ATTENTION_BACKENDS}")
         check("dtype", self.dtype in DTYPES, f"one of {DTYPES}")
+        check("quantization", self.quantization in (None,) + QUANTIZATION_METHODS,
+              f"None or one of {QUANTIZATION_METHODS}")
         check("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"one of {KV_CACHE_DTYPES}")
         check("device", self.device in (None,) + DEVICES, f"None or one of {DEVICES}")
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)

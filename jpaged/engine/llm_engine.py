@@ -130,7 +130,8 @@ class LLMEngine:
         devices.check(config.device)
         loaded = load_model(config.model, dtype=config.dtype, attention_backend=config.attention_backend,
                             revision=config.revision, tensor_parallel_size=config.tensor_parallel_size,
-                            max_model_len=config.max_model_len)
+                            max_model_len=config.max_model_len, quantization=config.quantization)
+        self.model_memory_bytes = loaded.model_memory_bytes
         self.tokenizer, self.hf_config = loaded.tokenizer, loaded.hf_config
         if config.tokenizer is not None:  # vLLM's --tokenizer: another directory or hub id
             from transformers import AutoTokenizer
@@ -157,9 +158,11 @@ class LLMEngine:
         num_gpu_blocks = distributed.min_across_processes(self._num_gpu_blocks(bytes_per_block))
         num_cpu_blocks = int(config.swap_space * 2**30 // bytes_per_block)
         kv_scales, scales = self._kv_scales(loaded, kv_cache_spec)
-        logger.info("jpaged: %s (%s) on %s; KV pool: %d device blocks (%.1f MiB), %d host blocks of %d tokens "
-                    "(%.1f KiB each); KV cache %s%s", config.model, loaded.dtype.name,
-                    devices.describe(config.attention_backend), num_gpu_blocks, num_gpu_blocks * bytes_per_block / 2**20,
+        logger.info("jpaged: %s (%s%s) on %s; weights %.1f MiB; KV pool: %d device blocks (%.1f MiB), %d host "
+                    "blocks of %d tokens (%.1f KiB each); KV cache %s%s", config.model, loaded.dtype.name,
+                    f", weights {loaded.quantization.describe()}" if loaded.quantization else "",
+                    devices.describe(config.attention_backend), loaded.model_memory_bytes / 2**20,
+                    num_gpu_blocks, num_gpu_blocks * bytes_per_block / 2**20,
                     num_cpu_blocks, config.block_size, bytes_per_block / 1024, kv_cache_spec.dtype.name, scales)
         self.kv_cache_dtype = kv_cache_spec.dtype.name
         self.block_manager = BlockManager(config.block_size, num_gpu_blocks, num_cpu_blocks,
@@ -519,5 +522,6 @@ class LLMEngine:
             "num_gpu_blocks_without_sharing": bm.get_num_gpu_blocks_without_sharing(),
             "num_cached_gpu_blocks": bm.get_num_cached_gpu_blocks(),
             "num_compilations": self.runner.num_compilations, "kv_cache_dtype": self.kv_cache_dtype,
+            "model_memory_bytes": self.model_memory_bytes,
             **(sched.speculator.stats() if sched.speculator else {}),
         }

@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import qwix
 from flax import nnx
 
 from pallas_kernels.blocks import NO_WINDOW
@@ -79,8 +80,15 @@ class Linear(nnx.Module):
 
     def __init__(self, in_shape, out_shape, axes, *, use_bias=False, dtype=jnp.float32):
         self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
+        self.dtype = jnp.dtype(dtype)  # of the activations, and of the kernel unless quantized
         self.kernel = weight_param(self.in_shape + self.out_shape, axes, dtype)
         self.bias = weight_param(self.out_shape, axes[len(self.in_shape):], dtype) if use_bias else None
+        # Quantized weights (jpaged/quantization): the kernel holds 8- or 4-bit values, and
+        # W = (kernel - kernel_zero) * kernel_scale, scale and zero broadcast over tiles of the kernel.
+        self.kernel_scale = self.kernel_zero = nnx.data(None)
+        # A checkpoint calibrated with dynamic per-token activation quantization (compressed-tensors
+        # FP8_DYNAMIC, W8A8): the inputs are rounded to this type (per token) as it expects.
+        self.input_qtype = None
         # LoRA slots (jpaged/lora/model.py adds them to the adaptable projections when enabled):
         # A [slots, in..., rank], B [slots, rank, out...].
         self.lora_a = self.lora_b = nnx.data(None)
@@ -88,8 +96,17 @@ class Linear(nnx.Module):
     def __call__(self, x):
         n_in = len(self.in_shape)
         precision = fp32_precision(x.dtype)
-        y = jax.lax.dot_general(x, self.kernel[...], (((tuple(range(x.ndim - n_in, x.ndim))), tuple(range(n_in))), ((), ())),
-                                precision=precision)
+        dims = ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
+        if self.kernel_scale is None:
+            y = jax.lax.dot_general(x, self.kernel[...], dims, precision=precision)
+        else:  # qwix dequantizes inside the fused computation (XLA fuses the convert into the dot on GPU)
+            kernel = self.kernel[...]
+            if kernel.dtype == jnp.uint8:  # 4-bit values, two per byte (jpaged/quantization/scheme.py)
+                kernel = jax.lax.bitcast_convert_type(kernel, jnp.int4).reshape(kernel.shape[:-1] + (-1,))
+            zero = None if self.kernel_zero is None else self.kernel_zero[...].astype(kernel.dtype)
+            xq = x if self.input_qtype is None else qwix.dequantize(
+                qwix.quantize(x, self.input_qtype, channelwise_axes=tuple(range(x.ndim - n_in))))
+            y = qwix.dot_general(xq, qwix.QArray(kernel, self.kernel_scale[...], zero), dims, precision=precision)
         if self.lora_a is not None:
             y = self._add_lora(x, y, get_forward_context().lora_slots, precision)
         return y if self.bias is None else y + self.bias[...]

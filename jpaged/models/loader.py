@@ -18,6 +18,7 @@ from typing import Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import safetensors
 from flax import nnx
@@ -32,6 +33,8 @@ from jpaged.models.moe import MixtralForCausalLM
 from jpaged.models.opt import OPTForCausalLM
 from jpaged.models.phi3 import Phi3ForCausalLM
 from jpaged.parallel import sharding
+from jpaged.quantization import Quantization, model_memory_bytes, quantization_of, quantize_model
+from jpaged.quantization.scheme import QuantizedTensor, layout
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,8 @@ class LoadedModel:
     # fp8 KV cache scales from the checkpoint (compressed-tensors' self_attn.k_scale / v_scale):
     # (k, v) f32[num_layers], or None when it has none.
     kv_scales: tuple[np.ndarray, np.ndarray] | None = None
+    quantization: Quantization | None = None  # of the Linear layers' weights (None: the activation dtype)
+    model_memory_bytes: int = 0  # the weights' device bytes, all devices
 
 
 # An fp8 KV cache's per-layer scales in a checkpoint (compressed-tensors, ModelOpt): layer index, k or v.
@@ -110,16 +115,23 @@ def resolve_dtype(dtype, hf_config: PretrainedConfig) -> jnp.dtype:
 
 def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.ndarray]], *, dtype: jnp.dtype,
                 attention_backend: str = "auto", mesh: jax.sharding.Mesh | None = None,
-                max_model_len: int | None = None, kv_scales: dict | None = None) -> nnx.Module:
+                max_model_len: int | None = None, kv_scales: dict | None = None,
+                quantization: Quantization | None = None) -> nnx.Module:
     """Build the model for `hf_config` abstractly and fill it from (name, tensor) pairs in HF naming,
     each weight placed on `mesh` (default: the first device) by its logical axes. `max_model_len`
     (default: the model's own limit) is for models whose rotary embedding depends on it (LongRoPE).
-    KV cache scale tensors go to `kv_scales` {(layer, "k_scale" | "v_scale"): value}."""
+    KV cache scale tensors go to `kv_scales` {(layer, "k_scale" | "v_scale"): value}.
+    `quantization`: the Linear layers it names are stored quantized (read from the checkpoint's
+    quantized tensors, or quantized here from float ones)."""
     model_cls = get_model_class(hf_config)
     mesh = mesh or sharding.make_mesh(1)
     ops = AttentionOps(attention_backend, mesh)
     # Abstract: a tensor-parallel size the heads do not allow fails here, before any allocation.
     model = nnx.eval_shape(lambda: model_cls(hf_config, dtype=dtype, ops=ops, max_model_len=max_model_len))
+    quantized = {}
+    if quantization is not None:
+        quantized, modules = quantize_model(model, quantization)
+        weights = quantization.read(weights, modules)
     specs = model.hf_weights()
     ignored = [re.compile(p) for p in model_cls.ignored_hf_weights]
     seen = set()
@@ -137,13 +149,21 @@ def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.nda
             if tuple(tensor.shape) != target.hf_shape:
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint, "
                                  f"expected {target.hf_shape}")
-            value = np.asarray(target.convert(tensor)).astype(dtype)
-            if target.layer is None:
-                target.param.set_value(sharding.put(value, sharding.logical_sharding(
-                    mesh, target.param.logical_axes, value.shape)))
+            linear = quantized.get(id(target.param))
+            if linear is not None:
+                values = layout(linear, target, tensor)
+            elif isinstance(tensor, QuantizedTensor):
+                raise ValueError(f"tensor {name!r} is quantized in the checkpoint; jpaged's {model_cls.__name__} "
+                                 "keeps it in full precision")
             else:
-                index = (target.layer,) if target.expert is None else (target.layer, target.expert)
-                _set_slice(target.param, index, value, mesh)
+                values = [(target.param, np.asarray(target.convert(tensor)).astype(dtype))]
+            for param, value in values:
+                if target.layer is None:
+                    param.set_value(sharding.put(value, sharding.logical_sharding(mesh, param.logical_axes,
+                                                                                  value.shape)))
+                else:
+                    index = (target.layer,) if target.expert is None else (target.layer, target.expert)
+                    _set_slice(param, index, value, mesh)
         seen.add(name)
     missing = [f"{n} (shape {specs[n][0].hf_shape})" for n in specs if n not in seen]
     if missing:
@@ -178,9 +198,26 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, np.ndarray]]:
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}")
     for file in files:
-        with safetensors.safe_open(os.path.join(model_dir, file), framework="np") as f:
+        path = os.path.join(model_dir, file)
+        with safetensors.safe_open(path, framework="np") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if f.get_slice(name).get_dtype() in FP8_DTYPES:  # numpy has no fp8: read the bytes
+                    yield name, _read_fp8(path, name)
+                else:
+                    yield name, f.get_tensor(name)
+
+
+FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _read_fp8(path: str, name: str) -> np.ndarray:
+    """One fp8 tensor of a .safetensors file (8-byte header length, JSON header, data), as ml_dtypes."""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(header_len))[name]
+        start, end = entry["data_offsets"]
+        f.seek(8 + header_len + start)
+        return np.frombuffer(f.read(end - start), FP8_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
 def resolve_model_dir(model: str, revision: str | None = None) -> str:
@@ -197,7 +234,10 @@ def resolve_model_dir(model: str, revision: str | None = None) -> str:
 
 
 def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", revision: str | None = None,
-               tensor_parallel_size: int = 1, max_model_len: int | None = None) -> LoadedModel:
+               tensor_parallel_size: int = 1, max_model_len: int | None = None,
+               quantization: str | None = None) -> LoadedModel:
+    """`quantization`: None (what the checkpoint's quantization_config says, if anything), "fp8" or
+    "int8" (quantize a float checkpoint while loading), or the checkpoint's own method name."""
     mesh = sharding.make_mesh(tensor_parallel_size)  # fails on too few devices before reading anything
     if model == "tiny":
         from jpaged.models import tiny
@@ -215,7 +255,9 @@ def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", rev
         except (OSError, ValueError, TypeError):
             logger.warning("no tokenizer found in %s: prompts must be token ids", model_dir)
             tokenizer = None
+    quant = quantization_of(hf_config, quantization)
     found = {}
     nn_model = build_model(hf_config, weights, dtype=jdtype, attention_backend=attention_backend, mesh=mesh,
-                           max_model_len=max_model_len, kv_scales=found)
-    return LoadedModel(nn_model, hf_config, tokenizer, jdtype, mesh, kv_scales_of(found))
+                           max_model_len=max_model_len, kv_scales=found, quantization=quant)
+    return LoadedModel(nn_model, hf_config, tokenizer, jdtype, mesh, kv_scales_of(found), quant,
+                       model_memory_bytes(nn_model))
