@@ -195,6 +195,8 @@ def engine_kwargs(args) -> dict:
         kw["async_scheduling"] = True
     if args.num_scheduler_steps > 1:
         kw["num_scheduler_steps"] = args.num_scheduler_steps
+    if args.quantization:
+        kw["quantization"] = args.quantization
     return kw
 
 
@@ -392,6 +394,7 @@ def parse_args(argv=None):
     p.add_argument("--enforce-eager", action="store_true", help="compile step shapes on first use (not at start-up)")
     p.add_argument("--async-scheduling", action="store_true", help="overlap the host's work with the device's")
     p.add_argument("--num-scheduler-steps", type=int, default=1, help="multi-step decode: steps per device call")
+    p.add_argument("--quantization", choices=["fp8", "int8"], help="jpaged: weights quantized while loading")
     p.add_argument("--num-warmup-prompts", type=int, default=0,
                    help="jpaged: run the first N requests once, untimed, before the timed run")
     # hf flags

@@ -14,6 +14,7 @@ jax (see .ci/run), next to the Mosaic kernels' interpret-mode tests.
 import contextlib
 import dataclasses
 import functools
+import os
 import sys
 import time
 
@@ -28,6 +29,8 @@ from jpaged.models.layers import Attention
 from jpaged.parallel.sharding import TP_AXIS
 from jpaged.runner import model_runner, step_functions
 from jpaged.runner.input_batch import layout_of
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
 KERNEL_CALLS = {"__gpu$xla.gpu.triton": "pallas", "mosaic_gpu_v2": "mosaic"}
@@ -139,16 +142,24 @@ def forward_cases():
     # model adds its K/V-only forward and its 3-step proposal loop.
     for backend, kv_cache_dtype, spec in (("pallas", "auto", None), ("mosaic", "auto", None),
                                           ("pallas", "fp8", None), ("mosaic", "fp8", None), ("pallas", "auto", "ngram"),
-                                          ("mosaic", "auto", "draft_model"), ("mosaic", "auto", "lora")):
+                                          ("mosaic", "auto", "draft_model"), ("mosaic", "auto", "lora"),
+                                          ("mosaic", "auto", "weights:fp8"), ("pallas", "auto", "weights:int8"),
+                                          ("pallas", "auto", "weights:w8a8"), ("pallas", "auto", "weights:w4a16-asym")):
         lora = spec == "lora"  # 4 LoRA slots of rank 16 in every projection, a slot per token
-        spec = None if lora else spec
+        # Quantized weights: fp8 / int8 on the fly, or llm-compressor's checkpoints (tests/data).
+        weights = spec.removeprefix("weights:") if spec and spec.startswith("weights:") else None
+        spec = None if lora or weights else spec
         config = {"method": spec, "num_speculative_tokens": 3, **({"model": "tiny"} if spec == "draft_model" else {})}
-        llm = jpaged.LLM("tiny", dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8,
+        model = "tiny" if weights in (None, "fp8", "int8") else os.path.join(ROOT, "tests", "data",
+                                                                              f"llmcompressor-{weights}")
+        llm = jpaged.LLM(model, dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8,
                          num_gpu_blocks_override=64, attention_backend=backend, num_scheduler_steps=1 if spec else 4,
                          kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=kv_cache_dtype != "auto",
-                         speculative_config=config if spec else None, enable_lora=lora, max_loras=4)
+                         speculative_config=config if spec else None, enable_lora=lora, max_loras=4,
+                         quantization=weights if weights in ("fp8", "int8") else None)
         backend_label = backend if kv_cache_dtype == "auto" else f"{backend} kv_cache_dtype={kv_cache_dtype}"
         backend_label += " LoRA" if lora else ""
+        backend_label += f" weights {weights}" if weights else ""
         if spec:
             backend_label += f" speculative {spec} (verification: 32 tokens, 32 sampled rows)"
         runner = llm.llm_engine.runner

@@ -44,15 +44,32 @@ def schemes(group_size: int) -> dict:
         "w8a8": {"scheme": "W8A8"},
         "w4a16": groups(weights=int_weights(4, group_size)),
         "w4a16-asym": groups(weights=int_weights(4, group_size, symmetric=False)),
+        "w4a16-gptq": {"gptq": True, **groups(weights=int_weights(4, group_size))},
     }
 
 
+def calibration_texts(n: int = 128, chars: int = 2000) -> list[str]:
+    """English prose that ships with Python (pydoc's help topics), cut in `n` pieces: GPTQ's
+    calibration data, offline and unrelated to what scripts/quantization_accuracy.py measures."""
+    from pydoc_data.topics import topics
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return [text[i * chars:(i + 1) * chars] for i in range(n)]
+
+
 def quantize(base: str, out: str, modifier_args: dict):
-    # Weight-only and dynamic schemes need no calibration data (round-to-nearest on min/max).
     model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
-    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", ignore=["lm_head"], **modifier_args))
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    if modifier_args.pop("gptq", False):  # GPTQ: calibrated on text, error-compensating rounding
+        from datasets import Dataset
+        from llmcompressor.modifiers.gptq import GPTQModifier
+        data = Dataset.from_dict({"text": calibration_texts()})
+        data = data.map(lambda x: tokenizer(x["text"], max_length=512, truncation=True), remove_columns=["text"])
+        oneshot(model=model, dataset=data, recipe=GPTQModifier(targets="Linear", ignore=["lm_head"], **modifier_args),
+                max_seq_length=512, num_calibration_samples=len(data))
+    else:  # weight-only and dynamic schemes need no data: round-to-nearest on min/max
+        oneshot(model=model, recipe=QuantizationModifier(targets="Linear", ignore=["lm_head"], **modifier_args))
     model.save_pretrained(out, save_compressed=True)
-    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def main(kind: str, source: str, out_dir: str):
@@ -69,6 +86,8 @@ def main(kind: str, source: str, out_dir: str):
             AutoTokenizer.from_pretrained(source).save_pretrained(base)
             # 32-column groups: o_proj's group spans two 16-wide heads.
             for name, args in schemes(32).items():
+                if name == "w4a16-gptq":
+                    continue  # the packing is W4A16's; calibration adds nothing a random model shows
                 if not os.path.exists(os.path.join(out_dir, f"llmcompressor-{name}", "config.json")):
                     quantize(base, os.path.join(out_dir, f"llmcompressor-{name}"), args)
     elif kind == "smollm2":

@@ -16,7 +16,6 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import qwix
 from flax import nnx
 
 from pallas_kernels.blocks import NO_WINDOW
@@ -100,6 +99,8 @@ class Linear(nnx.Module):
         if self.kernel_scale is None:
             y = jax.lax.dot_general(x, self.kernel[...], dims, precision=precision)
         else:  # qwix dequantizes inside the fused computation (XLA fuses the convert into the dot on GPU)
+            import qwix  # only quantized models need it (the GPU image has no qwix unless carried in .whl/)
+
             kernel = self.kernel[...]
             if kernel.dtype == jnp.uint8:  # 4-bit values, two per byte (jpaged/quantization/scheme.py)
                 kernel = jax.lax.bitcast_convert_type(kernel, jnp.int4).reshape(kernel.shape[:-1] + (-1,))

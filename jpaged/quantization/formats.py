@@ -229,7 +229,6 @@ def _awq_gptq(method: str, qc: dict) -> Quantization:
         if version != "gemm" or bits != 4:
             raise ValueError(f"AWQ version={version!r} bits={bits!r}: jpaged reads 4-bit GEMM-packed AWQ")
         scheme = WeightScheme("int4", group_size if group_size and group_size > 0 else None, zero_point=True)
-        ignore = tuple(f"re:.*{re.escape(m)}" for m in qc.get("modules_to_not_convert") or ())
     else:
         if bits not in (4, 8):
             raise ValueError(f"GPTQ bits={bits!r}: jpaged reads 4- and 8-bit GPTQ")
@@ -237,8 +236,11 @@ def _awq_gptq(method: str, qc: dict) -> Quantization:
             raise ValueError("GPTQ desc_act=true (activation-ordered groups) is not supported")
         scheme = WeightScheme(f"int{bits}", group_size if group_size and group_size > 0 else None,
                               zero_point=not qc.get("sym", True))
-        ignore = tuple(f"re:.*{re.escape(m)}" for m in qc.get("modules_in_block_to_quantize_not") or ())
-    return Quantization(method, [(("Linear",), scheme)], ignore + ("lm_head",), qc)
+    ignore = tuple(f"re:.*{re.escape(m)}" for m in qc.get("modules_to_not_convert") or ())  # vLLM: a substring
+    targets = ("Linear",)
+    if blocks := qc.get("modules_in_block_to_quantize"):  # GPTQ: only these, by their names in a layer
+        targets = tuple(f"re:.*\\.{re.escape(m)}$" for block in blocks for m in block)
+    return Quantization(method, [(targets, scheme)], ignore + ("lm_head",), qc)
 
 
 class AWQ:
