@@ -23,7 +23,8 @@ def _option(default, help: str, **metadata):
 
 
 # Options that change nothing a compiled step computes: left out of the executable cache's key.
-HOST_ONLY_OPTIONS = ("executable_cache", "grammar_compile_timeout", "grammar_compile_memory", "max_cpu_loras")
+HOST_ONLY_OPTIONS = ("executable_cache", "grammar_compile_timeout", "grammar_compile_memory", "max_cpu_loras",
+                     "enable_sleep_mode")
 
 
 @dataclasses.dataclass
@@ -74,6 +75,9 @@ class EngineConfig:
     max_loras: int = _option(1, "LoRA adapters one step can run (device slots)")
     max_lora_rank: int = _option(16, "the largest LoRA rank an adapter may have")
     max_cpu_loras: int | None = _option(None, "LoRA adapters kept read in host memory (default: max_loras)")
+    enable_sleep_mode: bool = _option(False, "allow sleep(level) / wake_up (RL rollouts: free the KV pool and the "
+                                      "weights between generations); on the server, the /sleep, /wake_up, "
+                                      "/is_sleeping and /reset_prefix_cache routes")
     executable_cache: bool = _option(True, "keep compiled steps on disk ($JPAGED_CACHE_DIR, else "
                                      "~/.cache/jpaged/xla) and load them at the next start, each file verified "
                                      "first (--no-executable-cache: compile every step, read and write nothing)")

@@ -6,6 +6,7 @@ import itertools
 from tqdm.auto import tqdm
 
 from jpaged.config import EngineConfig
+from jpaged.engine import sleep_mode
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -73,6 +74,28 @@ class LLM:
 
     def stats(self) -> dict:
         return self.llm_engine.stats()
+
+    # RL rollouts (jpaged/engine/sleep_mode.py): between generate calls, in the trainer's process.
+    def load_weights(self, weights):
+        """New weights from memory: a dict or (name, array) pairs in Hugging Face naming, numpy,
+        torch (CPU) or jax arrays (jax ones stay on the devices). Partial updates are fine; all
+        names, shapes and dtypes are checked before anything changes. Nothing recompiles; the
+        prefix cache is reset."""
+        sleep_mode.load_weights(self.llm_engine, weights)
+
+    def sleep(self, level: int = 1):
+        """Free the KV pool and the weights on the devices (level 1: weights kept in host memory;
+        level 2: dropped, load_weights or wake_up brings them back). Generating asleep is an error."""
+        sleep_mode.sleep(self.llm_engine, level)
+
+    def wake_up(self):
+        sleep_mode.wake_up(self.llm_engine)
+
+    def is_sleeping(self) -> bool:
+        return sleep_mode.is_sleeping(self.llm_engine)
+
+    def reset_prefix_cache(self):
+        sleep_mode.reset_prefix_cache(self.llm_engine)
 
     def kv_map(self):
         """A picture of the KV pool now (a KVMap: `.save("kv.svg")`, shown inline by Jupyter)."""

@@ -50,6 +50,7 @@ def linear_bytes(llm) -> int:
     from flax import nnx
 
     from jpaged.models.layers import Linear
+    from jpaged.quantization.scheme import array_device_bytes
 
     runner = llm.llm_engine.runner
     model = nnx.merge(runner.graphdef, runner.state)
@@ -58,7 +59,7 @@ def linear_bytes(llm) -> int:
         if isinstance(node, Linear) and "vocab" not in node.kernel.logical_axes:
             for param in (node.kernel, node.kernel_scale, node.kernel_zero):
                 if param is not None:
-                    total += sum(s.data.nbytes for s in param.get_value().addressable_shards)
+                    total += array_device_bytes(param.get_value())
     return total
 
 

@@ -35,6 +35,7 @@ from serving.metrics import Metrics
 from serving.protocol import APIError
 from serving.request_body import MAX_BODY_BYTES
 from serving.serving_engine import RETRY_AFTER_S, json_dumps
+from serving.sleep import SLEEP_ROUTES, OpenAIServingSleep
 from serving.tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 30
 
 
-class OpenAIServer(OpenAIServingCompletion, OpenAIServingChat, OpenAIServingTokenization, OpenAIServingLoRA):
+class OpenAIServer(OpenAIServingCompletion, OpenAIServingChat, OpenAIServingTokenization, OpenAIServingLoRA,
+                   OpenAIServingSleep):
     """The app: every endpoint behind the error and auth middlewares."""
 
     def build_app(self) -> web.Application:
@@ -59,6 +61,7 @@ class OpenAIServer(OpenAIServingCompletion, OpenAIServingChat, OpenAIServingToke
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
+        self.add_sleep_routes(app)
         kv_page.add_routes(app, self.engine, self.model_name)
         return app
 
@@ -86,7 +89,7 @@ class OpenAIServer(OpenAIServingCompletion, OpenAIServingChat, OpenAIServingToke
 
     @web.middleware
     async def _auth(self, request, handler):
-        if self.api_key is not None and request.path.startswith("/v1/"):
+        if self.api_key is not None and (request.path.startswith("/v1/") or request.path in SLEEP_ROUTES):
             if request.headers.get("Authorization") != f"Bearer {self.api_key}":
                 raise APIError("Incorrect API key provided.", status=401, code="invalid_api_key")
         return await handler(request)

@@ -109,6 +109,12 @@ class BlockManager:
         """Device blocks in use if nothing were shared: one per block table entry."""
         return sum(len(held(table)) for table in self.gpu_tables.values())
 
+    def reset_prefix_cache(self):
+        """Drop every cached prefix; only between requests (no table holds a block)."""
+        if self.gpu_tables or self.cpu_tables:
+            raise ValueError("the prefix cache can be reset only when no request is running or swapped out")
+        self.gpu_pool.reset_cache()
+
     def get_num_cached_gpu_blocks(self) -> int:
         return self.gpu_pool.get_num_cached_blocks()
 

@@ -81,6 +81,13 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached_blocks[block_hash] = block
 
+    def reset_cache(self):
+        """Forget every cached prefix (new weights make the cached K/V wrong); the blocks stay free."""
+        for block in self.cached_blocks.values():
+            block.block_hash = None
+        self.cached_blocks.clear()
+        self.num_cached_free = 0
+
     def get_num_cached_blocks(self) -> int:
         """Blocks nobody holds that keep a cached prefix (counted as free: evicted when needed)."""
         return self.num_cached_free

@@ -282,6 +282,8 @@ class LLMEngine:
                     arrival_time: float | None = None, lora_request: LoRARequest | None = None):
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if self.runner.slept is not None:
+            raise ValueError(f"the engine is asleep (sleep level {self.runner.slept.level}): call wake_up() first")
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         if isinstance(prompt, str):
@@ -523,5 +525,7 @@ class LLMEngine:
             "num_cached_gpu_blocks": bm.get_num_cached_gpu_blocks(),
             "num_compilations": self.runner.num_compilations, "kv_cache_dtype": self.kv_cache_dtype,
             "model_memory_bytes": self.model_memory_bytes,
+            "kv_cache_bytes": 0 if self.runner.kv_cache is None else self.runner.kv_cache_spec.bytes_per_block
+            * self.runner.num_gpu_blocks * self.config.tensor_parallel_size,
             **(sched.speculator.stats() if sched.speculator else {}),
         }

@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from jpaged import config
 from jpaged.models.gemma import GemmaForCausalLM
+from jpaged.models.layers import Linear, WeightTarget
 from jpaged.models.gpt2 import GPT2LMHeadModel
 from jpaged.models.paged_attention import AttentionOps
 from jpaged.models.llama import LlamaForCausalLM
@@ -149,27 +150,32 @@ def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.nda
             if tuple(tensor.shape) != target.hf_shape:
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint, "
                                  f"expected {target.hf_shape}")
-            linear = quantized.get(id(target.param))
-            if linear is not None:
-                values = layout(linear, target, tensor)
-            elif isinstance(tensor, QuantizedTensor):
+            if isinstance(tensor, QuantizedTensor) and id(target.param) not in quantized:
                 raise ValueError(f"tensor {name!r} is quantized in the checkpoint; jpaged's {model_cls.__name__} "
                                  "keeps it in full precision")
-            else:
-                values = [(target.param, np.asarray(target.convert(tensor)).astype(dtype))]
-            for param, value in values:
-                if target.layer is None:
-                    param.set_value(sharding.put(value, sharding.logical_sharding(mesh, param.logical_axes,
-                                                                                  value.shape)))
-                else:
-                    index = (target.layer,) if target.expert is None else (target.layer, target.expert)
-                    _set_slice(param, index, value, mesh)
+            place(target, tensor, quantized.get(id(target.param)), dtype, mesh)
         seen.add(name)
     missing = [f"{n} (shape {specs[n][0].hf_shape})" for n in specs if n not in seen]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) for {model_cls.__name__}: "
                          + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
     return model
+
+
+def place(target: WeightTarget, tensor, linear: Linear | None, dtype, mesh: jax.sharding.Mesh):
+    """Write one checkpoint tensor (numpy, or a jax array kept on the devices) where `target` says,
+    converted to the model's layout and dtype; into `linear`'s quantized weights when it is one."""
+    if linear is not None:
+        values = layout(linear, target, tensor)
+    elif isinstance(tensor, jax.Array):
+        values = [(target.param, jnp.asarray(target.convert(tensor)).astype(dtype))]
+    else:
+        values = [(target.param, np.asarray(target.convert(tensor)).astype(dtype))]
+    for param, value in values:
+        if target.layer is None:
+            param.set_value(sharding.put(value, sharding.logical_sharding(mesh, param.logical_axes, value.shape)))
+        else:
+            _set_slice(param, (target.layer,) if target.expert is None else (target.layer, target.expert), value, mesh)
 
 
 # Writes one slice into a stacked weight in place (the stack is donated).

@@ -86,6 +86,9 @@ def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(LOGICAL_AXIS_RULES["kv_heads"]))
 
 
-def put(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """Place a host array on the mesh: each device receives only its own slice."""
+def put(array, sharding: NamedSharding) -> jax.Array:
+    """Place a host array on the mesh: each device receives only its own slice (a jax array
+    moves between devices, never through the host, and is copied: the caller keeps its own)."""
+    if isinstance(array, jax.Array):
+        return jax.device_put(array, sharding, may_alias=False)
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])

@@ -121,7 +121,10 @@ def layout(linear: Linear, target, tensor) -> list[tuple[nnx.Param, np.ndarray]]
     QuantizedTensor is laid out as it is."""
     scheme, n_in = linear.scheme, len(linear.in_shape)
     scale_shape = linear.kernel_scale.shape[linear.kernel.ndim - n_in - len(linear.out_shape):]
-    if not isinstance(tensor, QuantizedTensor):
+    if not isinstance(tensor, QuantizedTensor):  # a float tensor: quantized here, per output channel
+        if scheme.group_size or scheme.zero_point or scheme.qtype == "int4":
+            raise ValueError(f"float weights cannot be written into {scheme.describe()} weights; jpaged "
+                             "quantizes float tensors per output channel in 8 bits (fp8, int8)")
         values, scale = quantize_values(target.convert(np.asarray(tensor, np.float32)), n_in, scheme.qtype)
         return [(linear.kernel, values), (linear.kernel_scale, scale.astype(linear.dtype))]
 
@@ -148,10 +151,17 @@ def pack_int4(values: np.ndarray) -> np.ndarray:
     return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
 
 
+def array_device_bytes(array: jax.Array) -> int:
+    """Bytes of `array` on this process's devices, summed (a replicated array counts on each). From
+    the sharding: reading addressable_shards would make a jax.Array per shard, which
+    jax.live_arrays() then counts twice."""
+    shard = math.prod(array.sharding.shard_shape(array.shape)) * array.dtype.itemsize
+    return shard * len(array.sharding.addressable_devices)
+
+
 def model_memory_bytes(model: nnx.Module) -> int:
     """The weights' bytes on the devices, summed over devices (replicated weights count on each)."""
-    return sum(shard.data.nbytes for v in jax.tree.leaves(nnx.state(model, nnx.Param)) if isinstance(v, jax.Array)
-               for shard in v.addressable_shards)
+    return sum(array_device_bytes(v) for v in jax.tree.leaves(nnx.state(model, nnx.Param)) if isinstance(v, jax.Array))
 
 
 def quantize_model(model: nnx.Module, quantization) -> tuple[dict[int, Linear], set[str]]:

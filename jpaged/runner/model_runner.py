@@ -81,7 +81,8 @@ class ModelRunner:
         self.block_size = block_size = kv_cache_spec.block_size
         self.vocab_size = loaded.hf_config.vocab_size
         self.max_model_len = max_model_len
-        self.mesh = loaded.mesh
+        self.mesh, self.dtype = loaded.mesh, loaded.dtype
+        self.slept = None  # while asleep: what wake_up restores from (jpaged/runner/weights.py)
         self.is_driver = distributed.is_driver()
         self._multihost = jax.process_count() > 1
         # LoRA (jpaged/lora): the projections given adapter slots, by their path in the model.
