@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
+import hf_reference
 import jpaged
 from jpaged import LoRARequest
-from jpaged.models import tiny
 
 SEED = 20261124
 VOCAB = 259  # the tiny tokenizer's (saved with the base checkpoint: the server needs one)
@@ -27,19 +27,10 @@ LIMITS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, enab
 def checkpoint(tmp_path_factory):
     """(base model directory, {adapter name: directory}), written by transformers and PEFT."""
     import peft
-    import torch
     import transformers
 
-    torch.manual_seed(SEED)
     root = tmp_path_factory.mktemp("lora")
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # sharper logits: greedy choices far apart, stable across float orders
-        model.lm_head.weight.mul_(8)
-    model.save_pretrained(root / "base")
-    tiny.tiny_tokenizer().save_pretrained(root / "base")
+    hf_reference.save_random_llama(root / "base", SEED, num_hidden_layers=3)
     adapters = {}
     for name, (rank, alpha, modules, rslora) in ADAPTERS.items():
         base = transformers.LlamaForCausalLM.from_pretrained(root / "base")

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+import hf_reference
 import jpaged
-from jpaged.models import tiny
 from jpaged.quantization.formats import AWQ, GPTQ, quantization_of
 
 SEED = 20261124
-VOCAB = 259
+VOCAB = hf_reference.VOCAB
 DATA = os.path.join(os.path.dirname(__file__), "data")
 LIMITS = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, enforce_eager=True)
 STEPS = 12
@@ -39,16 +39,7 @@ def prompts():
 
 
 def hf_greedy(model, steps=STEPS):
-    import torch
-
-    out = []
-    for prompt in prompts():
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            for _ in range(steps):
-                ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
-        out.append(ids[0, len(prompt):].tolist())
-    return out
+    return hf_reference.hf_greedy(model, prompts(), steps)
 
 
 def jpaged_greedy(model, steps=STEPS, **kwargs):
@@ -130,21 +121,8 @@ def test_llmcompressor_asymmetric_w4a16_equals_numpy_unpacking():
 
 @pytest.fixture(scope="module")
 def float_checkpoint(tmp_path_factory):
-    """A tiny random float32 Llama written by transformers (sharpened LM head: greedy choices far apart)."""
-    import torch
-    import transformers
-
-    torch.manual_seed(SEED)
-    path = tmp_path_factory.mktemp("float")
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8)
-    model.save_pretrained(path)
-    tiny.tiny_tokenizer().save_pretrained(path)
-    return str(path)
+    """A tiny random float32 Llama written by transformers."""
+    return hf_reference.save_random_llama(tmp_path_factory.mktemp("float"), SEED)
 
 
 def fake_quantized(w: np.ndarray, method: str) -> np.ndarray:

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+import hf_reference
 import jpaged
-from jpaged.models import tiny
 
 SEED = 20261124
-VOCAB = 259
+VOCAB = hf_reference.VOCAB
 LIMITS = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
               enable_prefix_caching=True, enable_sleep_mode=True)
 STEPS = 10
@@ -34,23 +34,8 @@ def prompts():
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{"A": dir, "B": dir}: the same architecture, different random weights."""
-    import torch
-    import transformers
-
-    out = {}
-    for i, name in enumerate("AB"):
-        torch.manual_seed(SEED + i)
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                          tie_word_embeddings=False)
-        model = transformers.LlamaForCausalLM(config)
-        with torch.no_grad():  # sharper logits: greedy choices far apart
-            model.lm_head.weight.mul_(8)
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        tiny.tiny_tokenizer().save_pretrained(path)
-        out[name] = str(path)
-    return out
+    return {name: hf_reference.save_random_llama(tmp_path_factory.mktemp(name), SEED + i)
+            for i, name in enumerate("AB")}
 
 
 def tensors(path) -> dict:
@@ -64,14 +49,7 @@ def hf_greedy(weights: dict, like: str):
 
     model = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(like)).eval()
     model.load_state_dict({k: torch.tensor(v) for k, v in weights.items()})
-    out = []
-    for prompt in prompts():
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            for _ in range(STEPS):
-                ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
-        out.append(ids[0, len(prompt):].tolist())
-    return out
+    return hf_reference.hf_greedy(model, prompts(), STEPS)
 
 
 def greedy(llm):
@@ -117,7 +95,7 @@ def test_load_weights_switches_checkpoints_without_compiling(checkpoints):
 
 
 def test_bad_tensors_change_nothing(checkpoints):
-    a, b = tensors(checkpoints["A"]), tensors(checkpoints["B"])
+    b = tensors(checkpoints["B"])
     llm = jpaged.LLM(checkpoints["A"], **LIMITS)
     before = greedy(llm)
     norm = "model.layers.0.input_layernorm.weight"

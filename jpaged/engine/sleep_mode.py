@@ -7,6 +7,7 @@ server's routes (serving/sleep.py) call them with the engine.
 
 import logging
 
+import jax
 from flax import nnx
 
 from jpaged.models.loader import load_model
@@ -16,6 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 def _check_idle(engine, what: str):
+    if jax.process_count() > 1:
+        raise ValueError(f"{what} is not supported across several hosts yet")
     if engine.has_unfinished_requests():
         raise ValueError(f"{what}: requests are unfinished; wait for them or abort them first")
 
