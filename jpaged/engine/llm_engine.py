@@ -33,7 +33,7 @@ from jpaged.lora.model import add_lora_slots
 from jpaged.lora.request import LoRARequest
 from jpaged.models.kv_cache import KVCacheSpec, kv_dtype
 from jpaged.models.layers import common_sliding_window
-from jpaged.models.loader import load_model
+from jpaged.models.loader import load_model_of
 from jpaged.models.paged_attention import check_kernels
 from jpaged.outputs import RequestOutput
 from jpaged.parallel import distributed
@@ -128,9 +128,7 @@ class LLMEngine:
         devices.select(config.device)
         distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
         devices.check(config.device)
-        loaded = load_model(config.model, dtype=config.dtype, attention_backend=config.attention_backend,
-                            revision=config.revision, tensor_parallel_size=config.tensor_parallel_size,
-                            max_model_len=config.max_model_len, quantization=config.quantization)
+        loaded = load_model_of(config)
         self.model_memory_bytes = loaded.model_memory_bytes
         self.tokenizer, self.hf_config = loaded.tokenizer, loaded.hf_config
         if config.tokenizer is not None:  # vLLM's --tokenizer: another directory or hub id

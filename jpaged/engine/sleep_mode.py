@@ -10,7 +10,8 @@ import logging
 import jax
 from flax import nnx
 
-from jpaged.models.loader import load_model
+from jpaged.models.loader import load_model_of
+from jpaged.quantization.scheme import device_bytes
 from jpaged.runner import weights
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def sleep(engine, level: int = 1):
         raise ValueError("sleep is not supported with a draft model (speculative_config method 'draft_model')")
     if level == 2 and engine.lora_manager is not None:
         raise ValueError("sleep(level=2) is not supported with enable_lora: the adapters' slots would be lost")
-    before = weights.device_bytes((engine.runner.state, engine.runner.kv_cache))
+    before = device_bytes((engine.runner.state, engine.runner.kv_cache))
     weights.sleep(engine.runner, level)
     engine.block_manager.reset_prefix_cache()  # the pages are gone
     logger.info("sleep(level=%d): %.1f MiB freed on the devices", level, before / 2**20)
@@ -69,13 +70,9 @@ def wake_up(engine):
         return
     runner, state = engine.runner, None
     if runner.state is None and runner.slept.host_state is None:  # level 2 and no load_weights since
-        config = engine.config
-        loaded = load_model(config.model, dtype=config.dtype, attention_backend=config.attention_backend,
-                            revision=config.revision, tensor_parallel_size=config.tensor_parallel_size,
-                            max_model_len=config.max_model_len, quantization=config.quantization)
-        state = nnx.split(loaded.model)[1]
+        state = nnx.split(load_model_of(engine.config).model)[1]
     weights.wake_up(runner, state)
-    logger.info("wake_up: %.1f MiB on the devices", weights.device_bytes((runner.state, runner.kv_cache)) / 2**20)
+    logger.info("wake_up: %.1f MiB on the devices", device_bytes((runner.state, runner.kv_cache)) / 2**20)
 
 
 def reset_prefix_cache(engine):

@@ -85,9 +85,9 @@ class Linear(nnx.Module):
         # Quantized weights (jpaged/quantization): the kernel holds 8- or 4-bit values, and
         # W = (kernel - kernel_zero) * kernel_scale, scale and zero broadcast over tiles of the kernel.
         self.kernel_scale = self.kernel_zero = nnx.data(None)
-        # A checkpoint calibrated with dynamic per-token activation quantization (compressed-tensors
-        # FP8_DYNAMIC, W8A8): the inputs are rounded to this type (per token) as it expects.
-        self.input_qtype = None
+        # How (a WeightScheme); its `activations`: a checkpoint calibrated with dynamic per-token input
+        # quantization (compressed-tensors FP8_DYNAMIC, W8A8) has each token's inputs rounded to that type.
+        self.scheme = None
         # LoRA slots (jpaged/lora/model.py adds them to the adaptable projections when enabled):
         # A [slots, in..., rank], B [slots, rank, out...].
         self.lora_a = self.lora_b = nnx.data(None)
@@ -105,8 +105,8 @@ class Linear(nnx.Module):
             if kernel.dtype == jnp.uint8:  # 4-bit values, two per byte (jpaged/quantization/scheme.py)
                 kernel = jax.lax.bitcast_convert_type(kernel, jnp.int4).reshape(kernel.shape[:-1] + (-1,))
             zero = None if self.kernel_zero is None else self.kernel_zero[...].astype(kernel.dtype)
-            xq = x if self.input_qtype is None else qwix.dequantize(
-                qwix.quantize(x, self.input_qtype, channelwise_axes=tuple(range(x.ndim - n_in))))
+            xq = x if self.scheme.activations is None else qwix.dequantize(
+                qwix.quantize(x, self.scheme.activations, channelwise_axes=tuple(range(x.ndim - n_in))))
             y = qwix.dot_general(xq, qwix.QArray(kernel, self.kernel_scale[...], zero), dims, precision=precision)
         if self.lora_a is not None:
             y = self._add_lora(x, y, get_forward_context().lora_slots, precision)

@@ -34,8 +34,8 @@ from jpaged.models.moe import MixtralForCausalLM
 from jpaged.models.opt import OPTForCausalLM
 from jpaged.models.phi3 import Phi3ForCausalLM
 from jpaged.parallel import sharding
-from jpaged.quantization import Quantization, model_memory_bytes, quantization_of, quantize_model
-from jpaged.quantization.scheme import QuantizedTensor, layout
+from jpaged.quantization.formats import Quantization, quantization_of
+from jpaged.quantization.scheme import QuantizedTensor, layout, model_memory_bytes, quantize_model
 
 logger = logging.getLogger(__name__)
 
@@ -167,10 +167,9 @@ def place(target: WeightTarget, tensor, linear: Linear | None, dtype, mesh: jax.
     converted to the model's layout and dtype; into `linear`'s quantized weights when it is one."""
     if linear is not None:
         values = layout(linear, target, tensor)
-    elif isinstance(tensor, jax.Array):
-        values = [(target.param, jnp.asarray(target.convert(tensor)).astype(dtype))]
     else:
-        values = [(target.param, np.asarray(target.convert(tensor)).astype(dtype))]
+        xp = jnp if isinstance(tensor, jax.Array) else np
+        values = [(target.param, xp.asarray(target.convert(tensor)).astype(dtype))]
     for param, value in values:
         if target.layer is None:
             param.set_value(sharding.put(value, sharding.logical_sharding(mesh, param.logical_axes, value.shape)))
@@ -204,11 +203,12 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, np.ndarray]]:
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}")
     for file in files:
-        path = os.path.join(model_dir, file)
+        path, fp8 = os.path.join(model_dir, file), None
         with safetensors.safe_open(path, framework="np") as f:
             for name in f.keys():
                 if f.get_slice(name).get_dtype() in FP8_DTYPES:  # numpy has no fp8: read the bytes
-                    yield name, _read_fp8(path, name)
+                    fp8 = fp8 or _Fp8Reader(path)
+                    yield name, fp8.read(name)
                 else:
                     yield name, f.get_tensor(name)
 
@@ -216,14 +216,22 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, np.ndarray]]:
 FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
 
-def _read_fp8(path: str, name: str) -> np.ndarray:
-    """One fp8 tensor of a .safetensors file (8-byte header length, JSON header, data), as ml_dtypes."""
-    with open(path, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        entry = json.loads(f.read(header_len))[name]
+class _Fp8Reader:
+    """fp8 tensors of a .safetensors file (8-byte header length, JSON header, data) as ml_dtypes
+    arrays, its header read once."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(path, "rb") as f:
+            self.data_start = 8 + int.from_bytes(f.read(8), "little")
+            self.header = json.loads(f.read(self.data_start - 8))
+
+    def read(self, name: str) -> np.ndarray:
+        entry = self.header[name]
         start, end = entry["data_offsets"]
-        f.seek(8 + header_len + start)
-        return np.frombuffer(f.read(end - start), FP8_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + start)
+            return np.frombuffer(f.read(end - start), FP8_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
 def resolve_model_dir(model: str, revision: str | None = None) -> str:
@@ -237,6 +245,13 @@ def resolve_model_dir(model: str, revision: str | None = None) -> str:
                                  allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
     except Exception as e:  # offline, unknown repo, no access
         raise ValueError(f"model {model!r} is neither a local directory nor a reachable Hugging Face hub id: {e}") from e
+
+
+def load_model_of(config) -> LoadedModel:
+    """The model an EngineConfig names, as it asks (the engine's start, and a wake-up that reads it again)."""
+    return load_model(config.model, dtype=config.dtype, attention_backend=config.attention_backend,
+                      revision=config.revision, tensor_parallel_size=config.tensor_parallel_size,
+                      max_model_len=config.max_model_len, quantization=config.quantization)
 
 
 def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", revision: str | None = None,

@@ -44,16 +44,16 @@ class Quantization:
             return None  # the LM head stays in the activation dtype, as vLLM keeps it
         return next((s for patterns, s in self.schemes if any(_matches(p, module) for p in patterns)), None)
 
-    def read(self, tensors: Iterable[tuple[str, np.ndarray]], quantized: set[str]) -> Iterator:
-        """The checkpoint's tensors with each module of `quantized` (module names) assembled into
-        one (`<module>.weight`, QuantizedTensor); the rest pass through."""
+    def read(self, tensors: Iterable[tuple[str, np.ndarray]], quantized: dict[str, WeightScheme]) -> Iterator:
+        """The checkpoint's tensors with each module of `quantized` ({module name: scheme})
+        assembled into one (`<module>.weight`, QuantizedTensor); the rest pass through."""
         if self.method in ON_THE_FLY:
             yield from tensors
             return
-        parts = {}
+        reader, parts = READERS[self.method], {}
         for name, tensor in tensors:
             module, _, leaf = name.rpartition(".")
-            if leaf not in READERS[self.method].leaves:
+            if leaf not in reader.leaves:
                 yield name, tensor
                 continue
             if module not in quantized:
@@ -63,9 +63,8 @@ class Quantization:
                 raise ValueError(f"the checkpoint quantizes {module!r} ({name}), which jpaged keeps in full "
                                  "precision: it quantizes only dense Linear layers")
             parts.setdefault(module, {})[leaf] = tensor
-            reader = READERS[self.method]
-            if reader.complete(parts[module], self.scheme_for(module)):
-                yield f"{module}.weight", reader.read(module, parts.pop(module), self.scheme_for(module), self.config)
+            if reader.complete(parts[module], quantized[module]):
+                yield f"{module}.weight", reader.read(module, parts.pop(module), quantized[module], self.config)
         if parts:
             module, found = next(iter(parts.items()))
             raise ValueError(f"the checkpoint's quantized {module!r} is incomplete: it has only {sorted(found)}")

@@ -99,7 +99,6 @@ def quantize_linear(linear: Linear, scheme: WeightScheme):
     if scheme.zero_point:
         linear.kernel_zero = nnx.Param(jax.ShapeDtypeStruct(scale_shape, jnp.int8), logical_axes=kernel.logical_axes)
     linear.scheme = scheme
-    linear.input_qtype = scheme.activations
 
 
 def quantize_values(w: np.ndarray, n_in: int, qtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -159,17 +158,22 @@ def array_device_bytes(array: jax.Array) -> int:
     return shard * len(array.sharding.addressable_devices)
 
 
+def device_bytes(tree) -> int:
+    """Bytes of a pytree's (not deleted) jax arrays on the devices."""
+    return sum(array_device_bytes(x) for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and not x.is_deleted())
+
+
 def model_memory_bytes(model: nnx.Module) -> int:
     """The weights' bytes on the devices, summed over devices (replicated weights count on each)."""
-    return sum(array_device_bytes(v) for v in jax.tree.leaves(nnx.state(model, nnx.Param)) if isinstance(v, jax.Array))
+    return device_bytes(nnx.state(model, nnx.Param))
 
 
-def quantize_model(model: nnx.Module, quantization) -> tuple[dict[int, Linear], set[str]]:
+def quantize_model(model: nnx.Module, quantization) -> tuple[dict[int, Linear], dict[str, WeightScheme]]:
     """Quantize the abstract model's Linear layers as `quantization` (formats.Quantization) says,
-    by their checkpoint module names. Returns the quantized Linears by id(kernel) and the module
-    names whose tensors the checkpoint reader must assemble."""
+    by their checkpoint module names. Returns the quantized Linears by id(kernel) and the schemes
+    of the modules whose tensors the checkpoint reader must assemble, by name."""
     linears = {id(node.kernel): node for _, node in nnx.iter_graph(model) if isinstance(node, Linear)}
-    chosen, modules = {}, set()
+    chosen, modules = {}, {}
     for name, targets in model.hf_weights().items():
         module, _, leaf = name.rpartition(".")
         for target in targets if leaf == "weight" else ():
@@ -182,7 +186,7 @@ def quantize_model(model: nnx.Module, quantization) -> tuple[dict[int, Linear], 
                 raise ValueError(f"the checkpoint quantizes {module!r} as {scheme} but {first[1]!r} as {first[0]}: "
                                  "jpaged stacks the layers, so a projection must be quantized alike in every layer")
             if scheme is not None:
-                modules.add(module)
+                modules[module] = scheme
     for scheme, _, linear in chosen.values():
         if scheme is not None:
             quantize_linear(linear, scheme)

@@ -18,7 +18,6 @@ from flax import nnx
 
 from jpaged.models.layers import Linear
 from jpaged.models.loader import place
-from jpaged.quantization.scheme import array_device_bytes
 
 
 def as_array(name: str, tensor):
@@ -76,10 +75,6 @@ def write_weights(runner, checked: list, dtype, mesh):
         for target in specs[name]:
             place(target, tensor, quantized.get(id(target.param)), dtype, mesh)
     runner.state = nnx.split(model)[1]
-
-
-def device_bytes(tree) -> int:
-    return sum(array_device_bytes(x) for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and not x.is_deleted())
 
 
 def free(tree):
