@@ -4,6 +4,7 @@ run_server, signals).
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions (serving/completions.py), POST
 /v1/chat/completions (serving/chat.py), POST /tokenize, POST /detokenize (serving/tokenization.py),
+POST /v1/responses and GET / DELETE /v1/responses/{id} (serving/responses.py), GET /version,
 GET /metrics, GET /kv (serving/kv_page.py), POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 (serving/lora.py). What the endpoints share is in serving/serving_engine.py,
 reading request bodies in serving/request_body.py.
@@ -23,17 +24,18 @@ from http import HTTPStatus
 
 from aiohttp import web, web_protocol
 
+from jpaged import __version__
 from jpaged.config import MAX_LOGPROBS, EngineConfig
 from jpaged.engine.llm_engine import LLMEngine, StepFailedError
 from jpaged.lora.request import LoRARequest
 from serving import kv_page
 from serving.async_engine import AsyncLLMEngine, EngineDeadError
-from serving.chat import OpenAIServingChat
 from serving.completions import OpenAIServingCompletion
 from serving.lora import OpenAIServingLoRA
 from serving.metrics import Metrics
 from serving.protocol import APIError
 from serving.request_body import MAX_BODY_BYTES
+from serving.responses import RESPONSES_STORE_SIZE, OpenAIServingResponses
 from serving.serving_engine import RETRY_AFTER_S, json_dumps
 from serving.sleep import SLEEP_ROUTES, OpenAIServingSleep
 from serving.tokenization import OpenAIServingTokenization
@@ -45,7 +47,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 30
 
 
-class OpenAIServer(OpenAIServingCompletion, OpenAIServingChat, OpenAIServingTokenization, OpenAIServingLoRA,
+class OpenAIServer(OpenAIServingCompletion, OpenAIServingResponses, OpenAIServingTokenization, OpenAIServingLoRA,
                    OpenAIServingSleep):
     """The app: every endpoint behind the error and auth middlewares."""
 
@@ -56,6 +58,8 @@ class OpenAIServer(OpenAIServingCompletion, OpenAIServingChat, OpenAIServingToke
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.add_responses_routes(app)
+        app.router.add_get("/version", self.version)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/metrics", self.metrics)
@@ -100,6 +104,9 @@ class OpenAIServer(OpenAIServingCompletion, OpenAIServingChat, OpenAIServingToke
             raise APIError(f"the engine stopped after an error: {self.engine.dead!r}", status=503)
         return web.Response(status=200)
 
+    async def version(self, request):
+        return web.json_response({"version": __version__})
+
     async def models(self, request):
         return web.json_response({"object": "list", "data": [self._model_card(), *self._lora_cards()]})
 
@@ -139,6 +146,7 @@ class ServerOptions:
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     lora_modules: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (name, path): --lora-modules
+    responses_store_size: int = RESPONSES_STORE_SIZE  # stored /v1/responses results (0: none)
 
 
 STATS_INTERVAL_S = 10
@@ -217,7 +225,7 @@ def _cors(allowed_origins: str):
         allowed = origin is not None and ("*" in origins or origin in origins)
         if request.method == "OPTIONS" and allowed:  # preflight
             response = web.Response(status=204, headers={
-                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
                 "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", "*"),
                 "Access-Control-Max-Age": "600"})
         else:

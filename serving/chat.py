@@ -7,6 +7,7 @@ import uuid
 
 from aiohttp import web
 
+from jpaged.sampling_params import SamplingParams
 from serving import protocol, tool_calls
 from serving.protocol import APIError, field
 from serving.request_body import json_body
@@ -14,6 +15,23 @@ from serving.serving_engine import ChoiceState, OpenAIServing, json_dumps, raise
 
 
 class OpenAIServingChat(OpenAIServing):
+    async def _chat_request(self, body: dict, stream: bool, logprobs: int | None = None) \
+            -> tuple[list[int], SamplingParams, tool_calls.ToolCalling | None]:
+        """A chat body's prompt ids, sampling parameters and tool calling; every field is checked
+        before the (costly) template is rendered, and the context and the engine's limits after."""
+        max_tokens = field(body, "max_completion_tokens", "integer")
+        if max_tokens is None:
+            max_tokens = field(body, "max_tokens", "integer")
+        tools = tool_calls.parse_tools(body, self.tool_call_parser)
+        params = protocol.sampling_params(body, max_tokens=1 if max_tokens is None else max_tokens, best_of=None,
+                                          stream=stream, logprobs=logprobs, guided_json=tools and tools.schema)
+        ids = await self._encode_chat(body)
+        if max_tokens is None:  # vLLM's default: whatever room the context leaves
+            params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
+        self._check_context(len(ids), params.max_tokens, "messages")
+        self._check_request(ids, params)
+        return ids, params, tools
+
     async def chat_completions(self, request):
         body = await json_body(request, self.body_timeout)
         lora_request = self._check_model(body, request)
@@ -22,19 +40,8 @@ class OpenAIServingChat(OpenAIServing):
         top_logprobs = self._check_logprobs(field(body, "top_logprobs", "integer"), "top_logprobs")
         if top_logprobs is not None and not want_logprobs:
             raise APIError("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
-        max_tokens = field(body, "max_completion_tokens", "integer")
-        if max_tokens is None:
-            max_tokens = field(body, "max_tokens", "integer")
-        tools = tool_calls.parse_tools(body, self.tool_call_parser)
-        # Every field is checked before the (costly) template is rendered.
-        params = protocol.sampling_params(body, max_tokens=1 if max_tokens is None else max_tokens, best_of=None,
-                                          stream=stream.stream, logprobs=(top_logprobs or 0) if want_logprobs else None,
-                                          guided_json=tools and tools.schema)
-        ids = await self._encode_chat(body)
-        if max_tokens is None:  # vLLM's default: whatever room the context leaves
-            params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
-        self._check_context(len(ids), params.max_tokens, "messages")
-        self._check_request(ids, params)
+        ids, params, tools = await self._chat_request(body, stream.stream,
+                                                      (top_logprobs or 0) if want_logprobs else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._add_requests(request_id, [ids], params, lora_request)
         try:

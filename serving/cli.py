@@ -9,11 +9,13 @@ import argparse
 import dataclasses
 import logging
 import os
+import socket
 import sys
 import typing
 
 from jpaged import __version__
 from jpaged.config import MAX_LOGPROBS, EngineConfig
+from serving.responses import RESPONSES_STORE_SIZE
 from serving.tool_calls import TOOL_CALL_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -52,6 +54,26 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def check_port(host: str, port: int):
+    """A ValueError (one line, exit status 2) when the server could not listen on host:port, found
+    before the engine spends a minute loading and compiling. Bound and released as asyncio will
+    bind it (SO_REUSEADDR: a port in TIME_WAIT is free)."""
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: {e.strerror}") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} (is another server using it? "
+                                 "choose another --port)") from None
+
+
 def cmd_serve(args) -> int:
     from serving.api_server import ServerOptions, run_server
     from serving.lora import parse_lora_modules
@@ -62,27 +84,47 @@ def cmd_serve(args) -> int:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    if args.responses_store_size < 0:
+        raise ValueError(f"--responses-store-size {args.responses_store_size}; expected >= 0")
+    if not args.process_id:  # process 0 serves HTTP (multi-host)
+        check_port(args.host, args.port)
     options = ServerOptions(
         host=args.host, port=args.port, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
         max_queue=args.max_queue, timeout_keep_alive=args.timeout_keep_alive, chat_template=args.chat_template,
         max_logprobs=args.max_logprobs, enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser, log_requests=not args.disable_log_requests,
         log_stats=not args.disable_log_stats, allowed_origins=args.allowed_origins, ssl_keyfile=args.ssl_keyfile,
-        ssl_certfile=args.ssl_certfile, lora_modules=parse_lora_modules(args.lora_modules))
+        ssl_certfile=args.ssl_certfile, lora_modules=parse_lora_modules(args.lora_modules),
+        responses_store_size=args.responses_store_size)
     return run_server(EngineConfig(**engine_kwargs(args)), options)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default said once: "(default: X)" is added unless the help text already says
+    what the default is (or it is None: not set). Python's BooleanOptionalAction adds its own
+    "(default: X)" to the help text: that one is taken out first."""
+
+    def _get_help_string(self, action):
+        text = (action.help or "").replace(" (default: %(default)s)", "")
+        if "default" in text or action.default in (None, argparse.SUPPRESS):
+            return text
+        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return text + " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    formatter = argparse.ArgumentDefaultsHelpFormatter
+    # allow_abbrev=False: "--max-num-seq" is an error, not --max-num-seqs (vLLM's parser refuses it too).
+    formatter = HelpFormatter
     parser = argparse.ArgumentParser(prog="jpaged", description="PagedAttention LLM serving in JAX/Pallas, "
-                                     "with vLLM's API", formatter_class=formatter)
+                                     "with vLLM's API", formatter_class=formatter, allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"jpaged {__version__}")
-    common = argparse.ArgumentParser(add_help=False)  # options every command takes
+    common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # options every command takes
     common.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging level")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server", formatter_class=formatter,
-                           parents=[common])
+                           parents=[common], allow_abbrev=False)
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
     add_engine_args(serve)
     server = serve.add_argument_group("server")
@@ -113,18 +155,22 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                         help="LoRA adapters served as models (with --enable-lora): name=path, or a JSON object "
                              "with name, path and base_model_name")
+    server.add_argument("--responses-store-size", type=int, default=RESPONSES_STORE_SIZE,
+                        help="/v1/responses results kept in memory for previous_response_id and GET "
+                             "/v1/responses/{id}, the oldest dropped first (0: none)")
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text for prompts and print it", formatter_class=formatter,
-                         parents=[common])
+                         parents=[common], allow_abbrev=False)
     add_engine_args(gen)
-    gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--sampling-seed", type=int, default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: 'Hello, my name is')")
+    gen.add_argument("--max-tokens", type=int, default=32, help="most tokens generated per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens "
+                                                            "holding this much probability")
+    gen.add_argument("--top-k", type=int, default=-1, help="sample from the k likeliest tokens (-1: all)")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampling (default: --seed's)")
+    gen.add_argument("--ignore-eos", action="store_true", help="go on after the end-of-sequence token")
     # A one-shot run compiles only the step shapes it uses; `serve` warms up every bucket.
     gen.set_defaults(func=cmd_generate, enforce_eager=True)
     return parser
@@ -136,6 +182,8 @@ def main(argv=None) -> int:
                         datefmt="%H:%M:%S")
     # transformers advises installing PyTorch when it is absent; jpaged needs only its tokenizers.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    if args.log_level != "debug":  # jax's INFO line on every CPU start: "Unable to initialize backend 'tpu'"
+        logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     try:
         return args.func(args)
     except ValueError as e:

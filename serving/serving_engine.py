@@ -72,6 +72,7 @@ class OpenAIServing:
             with open(self.chat_template) as f:
                 self.chat_template = f.read()
         self.created = int(time.time())
+        self._template_renders_tools: bool | None = None  # found out with the first request that has tools
         # LoRA adapters served as models of their own (serving/lora.py): name -> LoRARequest.
         self.lora_requests = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(options.lora_modules)}
         self._next_lora_id = len(self.lora_requests) + 1
@@ -88,14 +89,26 @@ class OpenAIServing:
         tools = body.get("tools") or None  # the template tells the model about them (parse_tools checked them)
         self._check_text_length(sum(len(m["content"]) for m in messages), "messages")
 
-        def render() -> str:
+        def render(tools) -> str:
             try:
-                return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                return self.tokenizer.apply_chat_template(messages, tools=tools,
+                                                          add_generation_prompt=add_generation_prompt,
                                                           tokenize=False, chat_template=self.chat_template)
             except Exception as e:  # jinja errors, a missing template: the messages cannot be rendered
                 raise APIError(f"the chat template could not render the messages: {e}", param="messages") from None
 
-        text = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, render)
+        def render_and_check() -> str:
+            text = render(tools)
+            if tools and self._template_renders_tools is None:  # once: the template is the server's
+                self._template_renders_tools = text != render(None)
+                if not self._template_renders_tools:
+                    logger.warning("the chat template does not render 'tools': the model is not told which tools "
+                                   "it may call (tool_choice 'required' and named functions still constrain the "
+                                   "output to them). Pass a template that renders tools with --chat-template FILE, "
+                                   "as for vLLM (its examples/tool_chat_template_*.jinja)")
+            return text
+
+        text = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, render_and_check)
         # The template writes its own special tokens (BOS); don't add them twice.
         return await self._encode(text, "messages", add_special_tokens=False)
 

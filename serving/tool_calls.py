@@ -15,7 +15,7 @@ import dataclasses
 import json
 import uuid
 
-from serving.protocol import MAX_JSON_DEPTH, APIError, json_depth
+from serving.protocol import MAX_JSON_DEPTH, APIError, field, json_depth
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -31,13 +31,17 @@ class ToolCalling:
     schema: dict | None
     function: str | None = None
     parser: str | None = None
+    parallel: bool = True  # parallel_tool_calls: false keeps a completion to one call
 
 
 def parse_tools(body: dict, auto_parser: str | None) -> ToolCalling | None:
     """`tools` + `tool_choice` (None: the completion is plain text). OpenAI's default with tools is
     "auto", which needs the server's tool-call parser: without one it is a 400, as in vLLM. A
-    null tool_choice is the default. Any other shape than OpenAI's is a 400 naming the field."""
+    null tool_choice is the default. Any other shape than OpenAI's is a 400 naming the field.
+    `parallel_tool_calls: false` allows one call: the grammar of "required" takes one element, and
+    the parser of "auto" reads the first call only (a named function is one call anyway)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = field(body, "parallel_tool_calls", "boolean", True)
     _check_choice_shape(choice)
     if tools is not None and not isinstance(tools, list):
         raise APIError(f"'tools' must be an array of {_TOOL_SHAPE}, got {type(tools).__name__}: {tools!r:.80}",
@@ -64,12 +68,13 @@ def parse_tools(body: dict, auto_parser: str | None) -> ToolCalling | None:
             raise APIError("tool_choice 'auto' (the default with tools) needs the server started with "
                            "--enable-auto-tool-choice and --tool-call-parser; or use tool_choice 'required' "
                            "or name a function", param="tool_choice", code="unsupported_parameter")
-        return ToolCalling(None, parser=auto_parser)
+        return ToolCalling(None, parser=auto_parser, parallel=parallel)
     if choice == "required":
-        return ToolCalling({"type": "array", "minItems": 1, "items": {"anyOf": [
+        one_call = {} if parallel else {"maxItems": 1}
+        return ToolCalling({"type": "array", "minItems": 1, **one_call, "items": {"anyOf": [
             {"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
              "required": ["name", "parameters"], "additionalProperties": False}
-            for name, parameters in functions.items()]}})
+            for name, parameters in functions.items()]}}, parallel=parallel)
     name = choice["function"]["name"]  # _check_choice_shape: a named function
     if name not in functions:
         raise APIError(f"tool_choice names the function {name!r:.80}, which is not in 'tools' "
@@ -114,7 +119,15 @@ class Split:
 def split(text: str, tools: ToolCalling, final: bool) -> Split:
     """`text` (the completion so far; `final`: all of it) as content and calls. An unfinished text
     holds back what may still become a call; a finished one gives back as content whatever did not
-    parse as a call, so nothing the model wrote is lost."""
+    parse as a call, so nothing the model wrote is lost. Without parallel calls, only the first
+    call counts (the text of later ones is dropped, not given back as content)."""
+    result = _split(text, tools, final)
+    if not tools.parallel and len(result.calls) > 1:
+        return Split(result.content, result.calls[:1])
+    return result
+
+
+def _split(text: str, tools: ToolCalling, final: bool) -> Split:
     if tools.function is not None:  # the whole completion is the arguments, streamed as they come
         return Split("", [(tools.function, text)])
     if tools.parser is None:  # "required": the elements of a JSON array, each once complete

@@ -67,6 +67,27 @@ def test_calls_come_back_whole_and_streamed(parser):
         assert stream(text, tools, rng) == (content, calls, "tool_calls")
 
 
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", None])
+def test_without_parallel_calls_only_the_first_counts(parser):
+    """parallel_tool_calls: false: of several calls written, the first is the call, whole or
+    streamed; the rest is dropped, not sent as content."""
+    rng = random.Random()
+    tools = ToolCalling(None, parser=parser, parallel=False) if parser else \
+        ToolCalling({"type": "array"}, parallel=False)
+    for _ in range(20):
+        calls = random_calls(rng, rng.randint(1, 3))
+        content = random_content(rng) if parser == "hermes" else ""
+        text = content + write(calls, parser)
+        msg, reason = message(text, tools, "stop")
+        assert reason == "tool_calls" and (msg["content"] or "") == content
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == calls[:1]
+        assert stream(text, tools, rng) == (content, calls[:1], "tool_calls")
+    if parser is None:  # "required": the grammar itself allows one element
+        assert parse_tools({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False},
+                           None).schema["maxItems"] == 1
+        assert "maxItems" not in parse_tools({"tools": TOOLS, "tool_choice": "required"}, None).schema
+
+
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
 def test_text_that_is_not_a_call_is_content(parser):
     rng = random.Random()
