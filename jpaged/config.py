@@ -15,6 +15,8 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATION_METHODS = ("fp8", "int8", "compressed-tensors", "awq", "gptq")
 # Top logprobs a request may ask for (OpenAI's and vLLM's maximum): every step computes this many.
 MAX_LOGPROBS = 20
+# The server's /v1/responses results kept for previous_response_id and GET (--responses-store-size).
+RESPONSES_STORE_SIZE = 1000
 
 
 def _option(default, help: str, **metadata):

@@ -25,7 +25,7 @@ from http import HTTPStatus
 from aiohttp import web, web_protocol
 
 from jpaged import __version__
-from jpaged.config import MAX_LOGPROBS, EngineConfig
+from jpaged.config import MAX_LOGPROBS, RESPONSES_STORE_SIZE, EngineConfig
 from jpaged.engine.llm_engine import LLMEngine, StepFailedError
 from jpaged.lora.request import LoRARequest
 from serving import kv_page
@@ -35,7 +35,7 @@ from serving.lora import OpenAIServingLoRA
 from serving.metrics import Metrics
 from serving.protocol import APIError
 from serving.request_body import MAX_BODY_BYTES
-from serving.responses import RESPONSES_STORE_SIZE, OpenAIServingResponses
+from serving.responses import OpenAIServingResponses
 from serving.serving_engine import RETRY_AFTER_S, json_dumps
 from serving.sleep import SLEEP_ROUTES, OpenAIServingSleep
 from serving.tokenization import OpenAIServingTokenization

@@ -14,8 +14,7 @@ import sys
 import typing
 
 from jpaged import __version__
-from jpaged.config import MAX_LOGPROBS, EngineConfig
-from serving.responses import RESPONSES_STORE_SIZE
+from jpaged.config import MAX_LOGPROBS, RESPONSES_STORE_SIZE, EngineConfig
 from serving.tool_calls import TOOL_CALL_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

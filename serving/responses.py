@@ -28,8 +28,6 @@ from serving.protocol import APIError, field
 from serving.request_body import json_body
 from serving.serving_engine import json_dumps, raise_generation_errors
 
-RESPONSES_STORE_SIZE = 1000  # --responses-store-size: responses kept for previous_response_id and GET
-
 # Responses fields jpaged does not implement, with the value that asks for nothing (None: any
 # non-null value): asking for more is a 400 naming the field, as on the other endpoints.
 _UNSUPPORTED = {"background": False, "conversation": None, "prompt": None, "include": [], "top_logprobs": 0,

@@ -15,6 +15,8 @@ from typing import Literal
 import aiohttp
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_server import Server
 from test_server_robustness import assert_healthy_and_idle, assert_openai_error, strict_json
 
@@ -275,6 +277,65 @@ def test_bad_requests_name_the_field(server, body, param):
     assert_openai_error(status, got, 404 if param == "model" else 400, param)
 
 
+TEXT = st.text(max_size=12)
+ITEM = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant", "tool"]),
+                           "content": st.one_of(TEXT, st.lists(st.fixed_dictionaries(
+                               {"type": st.sampled_from(["input_text", "output_text", "input_image", "refusal"]),
+                                "text": TEXT}), max_size=2), st.none(), st.integers())},
+                          optional={"type": st.sampled_from(["message", "reasoning", "item_reference", "x"])}),
+    st.fixed_dictionaries({"type": st.just("function_call")}, optional={
+        "call_id": st.one_of(TEXT, st.integers()), "name": TEXT, "arguments": st.one_of(TEXT, st.just('{"a": [1]}'))}),
+    st.fixed_dictionaries({"type": st.just("function_call_output")}, optional={
+        "call_id": TEXT, "output": st.one_of(TEXT, st.lists(st.fixed_dictionaries({"type": st.just("input_text"),
+                                                                                   "text": TEXT}), max_size=2))}),
+    st.integers(), st.none(), TEXT)
+ANY = st.one_of(st.none(), st.booleans(), st.integers(-3, 600), st.floats(-2, 3), TEXT, st.lists(st.integers(), max_size=2),
+                st.dictionaries(TEXT, st.integers(), max_size=2))
+FIELDS = {
+    "instructions": st.one_of(TEXT, ANY), "max_output_tokens": st.one_of(st.integers(1, 8), ANY),
+    "temperature": st.one_of(st.floats(0, 2), ANY), "top_p": st.one_of(st.floats(0.01, 1), ANY),
+    "tools": st.one_of(st.just(TOOLS), st.lists(st.dictionaries(st.sampled_from(["type", "name", "parameters"]),
+                                                                ANY, max_size=3), max_size=2), ANY),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", {"type": "function", "name": "get_time"},
+                                              {"type": "function", "name": "x"}, {"type": "mcp"}]), ANY),
+    "parallel_tool_calls": st.one_of(st.booleans(), ANY),
+    "text": st.one_of(st.fixed_dictionaries({"format": st.sampled_from([
+        {"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "name": "x", "schema": {"enum": ["a", "b"]}},
+        {"type": "json_schema"}, {"type": "yaml"}, None, 3])}), ANY),
+    "stream": st.booleans(), "store": st.one_of(st.booleans(), ANY),
+    "previous_response_id": st.one_of(st.just("resp_none"), ANY), "metadata": ANY, "truncation": ANY,
+    "reasoning": ANY, "include": ANY, "user": ANY, "seed": ANY, "top_k": ANY,
+}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=st.fixed_dictionaries({"input": st.one_of(TEXT, st.lists(ITEM, max_size=4), ANY)},
+                                  optional={k: v for k, v in FIELDS.items()}))
+def test_fuzz_responses_never_fail_the_server(server, body):
+    """Random and hostile Responses bodies: a 200 (a response, or events ending in
+    response.completed) or a 4xx in OpenAI's shape, never a 5xx."""
+    body = {"model": "tiny", "max_output_tokens": 4, **body}
+    if body.get("stream") is True:
+        async def stream():
+            async with aiohttp.ClientSession() as session:
+                async with session.post(server.url + "/v1/responses", json=body) as r:
+                    return r.status, await r.text()
+        status, text = asyncio.run(stream())
+        if status == 200:
+            last = strict_json(text.strip().split("\n\n")[-1].split("\n")[1][len("data: "):])
+            assert last["type"] in ("response.completed", "error"), text[-500:]
+            return
+        got = strict_json(text)
+    else:
+        status, got = asyncio.run(_post(server.url, body))
+    assert status < 500, (status, got, body)
+    if status != 200:
+        assert_openai_error(status, got, status)
+    else:
+        assert got["object"] == "response" and got["status"] in ("completed", "incomplete"), got
+
+
 async def _post(url, body):
     async with aiohttp.ClientSession() as session:
         async with session.post(url + "/v1/responses", json=body) as r:
@@ -378,6 +439,11 @@ def test_help_says_each_default_once_and_abbreviations_are_refused(capsys):
             assert text.count("(default") <= 1, (command, action.option_strings, text)
             if action.default not in (None, False, "==SUPPRESS==") and action.option_strings:
                 assert "default" in text, (command, action.option_strings, text)
+    # transformers' "PyTorch was not found" advice is silenced by main() before transformers loads:
+    # the command line must not load it on import.
+    loaded = subprocess.run([sys.executable, "-c", "import sys, serving.cli; print('transformers' in sys.modules)"],
+                            capture_output=True, text=True, timeout=120)
+    assert loaded.stdout.strip() == "False", loaded.stderr[-2000:]
     with pytest.raises(SystemExit) as e:
         main(["serve", "--max-num-seq", "4"])
     assert e.value.code == 2 and "unrecognized arguments: --max-num-seq" in capsys.readouterr().err

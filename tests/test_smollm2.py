@@ -150,3 +150,58 @@ def test_quantized_weights_on_real_weights(checkpoint):
         print(method, "perplexity", ppl, "unquantized", reference)
         assert ppl < 1.03 * reference
         assert linear_bytes(llm) < 0.26 * reference_bytes
+
+
+def test_responses_api_on_real_weights(checkpoint):
+    """POST /v1/responses on SmolLM2 with the openai SDK and the openai-agents SDK: each turn's
+    text equals transformers' greedy text for the conversation rendered by the model's chat
+    template (instructions first; a previous_response_id's turns without its instructions)."""
+    import asyncio
+
+    import openai
+    import torch
+    from test_server import Server
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+    def reference(messages, max_tokens):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), ids.shape[1]
+
+    server = Server("--model", checkpoint, "--served-model-name", "smollm2", "--max-model-len", "512",
+                    "--max-num-seqs", "4", "--enforce-eager")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        system = "You are a geography teacher. Answer in one sentence."
+        first = client.responses.create(model="smollm2", instructions=system, input="What is the capital of France?",
+                                        max_output_tokens=40, temperature=0)
+        text, prompt_len = reference([{"role": "system", "content": system},
+                                      {"role": "user", "content": "What is the capital of France?"}], 40)
+        print(repr(first.output_text))
+        assert first.output_text == text and first.usage.input_tokens == prompt_len and "Paris" in text
+        second = client.responses.create(model="smollm2", input="And of Italy?", previous_response_id=first.id,
+                                         max_output_tokens=40, temperature=0)
+        text, prompt_len = reference([{"role": "user", "content": "What is the capital of France?"},
+                                      {"role": "assistant", "content": first.output_text},
+                                      {"role": "user", "content": "And of Italy?"}], 40)
+        print(repr(second.output_text))
+        assert second.output_text == text and second.usage.input_tokens == prompt_len
+        with client.responses.stream(model="smollm2", instructions=system, input="What is the capital of France?",
+                                     max_output_tokens=40, temperature=0) as stream:
+            deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+            assert deltas == stream.get_final_response().output_text == first.output_text
+
+        agents = pytest.importorskip("agents")
+        agents.set_tracing_disabled(True)
+        agent = agents.Agent(name="teacher", instructions=system, model=agents.OpenAIResponsesModel(
+            "smollm2", openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)),
+            model_settings=agents.ModelSettings(max_tokens=40, temperature=0))
+        result = asyncio.run(agents.Runner.run(agent, "What is the capital of France?"))
+        assert result.final_output == first.output_text
+    finally:
+        assert server.stop() == 0, "".join(server.log[-30:])
