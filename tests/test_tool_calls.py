@@ -52,40 +52,24 @@ def stream(text, tools, rng, finish_reason="stop"):
     return content, [(n, json.loads(a)) for n, a in calls], reason
 
 
+@pytest.mark.parametrize("parallel", [True, False])
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json", None])
-def test_calls_come_back_whole_and_streamed(parser):
+def test_calls_come_back_whole_and_streamed(parser, parallel):
+    """Every call written comes back; with parallel_tool_calls false, the first only (the rest is
+    dropped, not sent as content)."""
     rng = random.Random()
-    tools = ToolCalling(None, parser=parser) if parser else ToolCalling({"type": "array"})
+    tools = ToolCalling(None, parser=parser, parallel=parallel) if parser else \
+        ToolCalling({"type": "array"}, parallel=parallel)
     for _ in range(30):
         calls = random_calls(rng, rng.randint(1, 3))
+        expected = calls if parallel else calls[:1]
         content = random_content(rng) if parser == "hermes" else ""
         text = content + write(calls, parser)
         msg, reason = message(text, tools, "stop")
         assert reason == "tool_calls" and (msg["content"] or "") == content
-        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == calls
-        assert len({c["id"] for c in msg["tool_calls"]}) == len(calls)
-        assert stream(text, tools, rng) == (content, calls, "tool_calls")
-
-
-@pytest.mark.parametrize("parser", ["hermes", "llama3_json", None])
-def test_without_parallel_calls_only_the_first_counts(parser):
-    """parallel_tool_calls: false: of several calls written, the first is the call, whole or
-    streamed; the rest is dropped, not sent as content."""
-    rng = random.Random()
-    tools = ToolCalling(None, parser=parser, parallel=False) if parser else \
-        ToolCalling({"type": "array"}, parallel=False)
-    for _ in range(20):
-        calls = random_calls(rng, rng.randint(1, 3))
-        content = random_content(rng) if parser == "hermes" else ""
-        text = content + write(calls, parser)
-        msg, reason = message(text, tools, "stop")
-        assert reason == "tool_calls" and (msg["content"] or "") == content
-        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == calls[:1]
-        assert stream(text, tools, rng) == (content, calls[:1], "tool_calls")
-    if parser is None:  # "required": the grammar itself allows one element
-        assert parse_tools({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False},
-                           None).schema["maxItems"] == 1
-        assert "maxItems" not in parse_tools({"tools": TOOLS, "tool_choice": "required"}, None).schema
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == expected
+        assert len({c["id"] for c in msg["tool_calls"]}) == len(expected)
+        assert stream(text, tools, rng) == (content, expected, "tool_calls")
 
 
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
@@ -136,6 +120,9 @@ def test_parse_tools_choices():
     assert parse_tools({**body, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
                        None).function == "get_weather"
     assert parse_tools({**body, "tool_choice": "required"}, None).schema["minItems"] == 1
+    assert "maxItems" not in parse_tools({**body, "tool_choice": "required"}, None).schema
+    # parallel_tool_calls false: the grammar of "required" takes one element.
+    assert parse_tools({**body, "tool_choice": "required", "parallel_tool_calls": False}, None).schema["maxItems"] == 1
 
 
 def test_history_tool_call_arguments_reach_the_template_as_objects():
