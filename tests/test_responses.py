@@ -178,8 +178,9 @@ def test_tools_parallel_calls_and_round_trip(server, client):
     # Stored: the next turn continues after the call.
     after = client.responses.create(model="tiny", previous_response_id=named.id, max_output_tokens=4, input=[
         {"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}])
-    call_message = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": json.loads(call.arguments)}}]}
+    call_message = {"role": "assistant", "content": "", "tool_calls": [{
+        "id": call.call_id, "type": "function",
+        "function": {"name": call.name, "arguments": json.loads(call.arguments)}}]}
     assert after.usage.input_tokens == prompt_len([
         {"role": "user", "content": "weather?"}, call_message,
         {"role": "tool", "tool_call_id": call.call_id, "name": call.name, "content": "12:00"}])
@@ -290,8 +291,8 @@ ITEM = st.one_of(
         "call_id": TEXT, "output": st.one_of(TEXT, st.lists(st.fixed_dictionaries({"type": st.just("input_text"),
                                                                                    "text": TEXT}), max_size=2))}),
     st.integers(), st.none(), TEXT)
-ANY = st.one_of(st.none(), st.booleans(), st.integers(-3, 600), st.floats(-2, 3), TEXT, st.lists(st.integers(), max_size=2),
-                st.dictionaries(TEXT, st.integers(), max_size=2))
+ANY = st.one_of(st.none(), st.booleans(), st.integers(-3, 600), st.floats(-2, 3), TEXT,
+                st.lists(st.integers(), max_size=2), st.dictionaries(TEXT, st.integers(), max_size=2))
 FIELDS = {
     "instructions": st.one_of(TEXT, ANY), "max_output_tokens": st.one_of(st.integers(1, 8), ANY),
     "temperature": st.one_of(st.floats(0, 2), ANY), "top_p": st.one_of(st.floats(0.01, 1), ANY),

@@ -157,6 +157,7 @@ def test_responses_api_on_real_weights(checkpoint):
     text equals transformers' greedy text for the conversation rendered by the model's chat
     template (instructions first; a previous_response_id's turns without its instructions)."""
     import asyncio
+    import json
 
     import openai
     import torch
@@ -195,6 +196,37 @@ def test_responses_api_on_real_weights(checkpoint):
                                      max_output_tokens=40, temperature=0) as stream:
             deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
             assert deltas == stream.get_final_response().output_text == first.output_text
+
+        # A named tool: the real model fills in the city it was asked about; its call and the
+        # tool's output come back as the next turn (the template gets the tool call and result).
+        tools = [{"type": "function", "name": "get_weather", "description": "The current weather in a city",
+                  "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                                 "additionalProperties": False}}]
+        question = {"role": "user", "content": "What is the weather like in Paris today?"}
+        asked = client.responses.create(model="smollm2", input=[question], tools=tools, max_output_tokens=40,
+                                        tool_choice={"type": "function", "name": "get_weather"}, temperature=0)
+        [call] = asked.output
+        print(call)
+        assert call.type == "function_call" and call.name == "get_weather"
+        assert "Paris" in json.loads(call.arguments)["city"]
+        answered = client.responses.create(model="smollm2", tools=tools, tool_choice="none", max_output_tokens=40,
+                                           temperature=0, input=[question, call.model_dump(exclude_none=True), {
+                                               "type": "function_call_output", "call_id": call.call_id,
+                                               "output": "Sunny, 22 degrees Celsius"}])
+        text, prompt_len = reference([question, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call.call_id, "type": "function",
+             "function": {"name": "get_weather", "arguments": json.loads(call.arguments)}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "name": "get_weather",
+             "content": "Sunny, 22 degrees Celsius"}], 40)
+        print(repr(answered.output_text))
+        assert answered.output_text == text and answered.usage.input_tokens == prompt_len
+
+        from langchain_core.messages import HumanMessage, SystemMessage
+        from langchain_openai import ChatOpenAI
+        llm = ChatOpenAI(model="smollm2", base_url=server.url + "/v1", api_key="unused", use_responses_api=True,
+                         max_tokens=40, temperature=0, max_retries=0)
+        assert llm.invoke([SystemMessage(system), HumanMessage("What is the capital of France?")]).text == \
+            first.output_text
 
         agents = pytest.importorskip("agents")
         agents.set_tracing_disabled(True)
