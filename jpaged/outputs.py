@@ -27,12 +27,17 @@ class RequestOutput:
     # Per prompt token: None for the first, then {token id: logprob} (its own and the top ones),
     # when SamplingParams.prompt_logprobs asked for them (vLLM's field); else None.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Prompt tokens whose K/V came from the prefix cache when the request was first scheduled
+    # (vLLM's field); None until then.
+    num_cached_tokens: int | None = None
 
     def add(self, delta: "RequestOutput"):
         """Merge the request's next RequestOutputKind.DELTA output into this one (vLLM's
         RequestOutput.add, aggregating): text, tokens and logprobs grow; reasons and the
         cumulative logprob are the newest. Extends this output's own lists in place."""
         self.finished = delta.finished
+        if delta.num_cached_tokens is not None:
+            self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             if self.prompt_logprobs is None:
                 self.prompt_logprobs = []

@@ -140,6 +140,8 @@ class ServerOptions:
     max_logprobs: int = MAX_LOGPROBS
     enable_auto_tool_choice: bool = False  # tool_choice "auto", read by tool_call_parser
     tool_call_parser: str | None = None  # one of tool_calls.TOOL_CALL_PARSERS
+    exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": the template gets no tools
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     log_requests: bool = True
     log_stats: bool = True
     allowed_origins: str | None = None  # comma-separated, or "*"

@@ -11,7 +11,7 @@ from jpaged.sampling_params import SamplingParams
 from serving import protocol, tool_calls
 from serving.protocol import APIError, field
 from serving.request_body import json_body
-from serving.serving_engine import ChoiceState, OpenAIServing, json_dumps, raise_generation_errors, request_usage
+from serving.serving_engine import ChoiceState, OpenAIServing, json_dumps, raise_generation_errors
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -76,5 +76,5 @@ class OpenAIServingChat(OpenAIServing):
                             if want_logprobs else None,
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return web.json_response({"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                                  "model": request["model"], "choices": choices, "usage": request_usage([final])},
+                                  "model": request["model"], "choices": choices, "usage": self._usage([final])},
                                  dumps=json_dumps)

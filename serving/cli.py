@@ -91,7 +91,9 @@ def cmd_serve(args) -> int:
         host=args.host, port=args.port, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
         max_queue=args.max_queue, timeout_keep_alive=args.timeout_keep_alive, chat_template=args.chat_template,
         max_logprobs=args.max_logprobs, enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser, log_requests=not args.disable_log_requests,
+        tool_call_parser=args.tool_call_parser,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details, log_requests=not args.disable_log_requests,
         log_stats=not args.disable_log_stats, allowed_origins=args.allowed_origins, ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile, lora_modules=parse_lora_modules(args.lora_modules),
         responses_store_size=args.responses_store_size)
@@ -144,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="answer tool_choice 'auto' (OpenAI's default with tools); needs --tool-call-parser")
     server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="the model's tool-call format: hermes (Hermes, Qwen 2.5/3), llama3_json (Llama 3.1+)")
+    server.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                        help="tool_choice 'none': leave the tools out of the chat template (which renders them "
+                             "by default)")
+    server.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="usage.prompt_tokens_details.cached_tokens: the prompt tokens found in the prefix "
+                             "cache (--enable-prefix-caching)")
     server.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
     server.add_argument("--disable-log-stats", action="store_true",
                         help="no periodic stats line (throughput, running / waiting, KV cache usage)")

@@ -11,7 +11,7 @@ from aiohttp import web
 from serving import protocol
 from serving.protocol import field
 from serving.request_body import json_body
-from serving.serving_engine import ChoiceState, OpenAIServing, json_dumps, raise_generation_errors, request_usage
+from serving.serving_engine import ChoiceState, OpenAIServing, json_dumps, raise_generation_errors
 
 MAX_PROMPTS = 1024  # prompts in one completions request
 
@@ -68,7 +68,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                 "logprobs": choice_logprobs, "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason})
         return web.json_response({"id": request_id, "object": "text_completion", "created": int(time.time()),
-                                  "model": request["model"], "choices": choices, "usage": request_usage(finals)},
+                                  "model": request["model"], "choices": choices, "usage": self._usage(finals)},
                                  dumps=json_dumps)
 
     async def _stream_completions(self, request, request_id, streams, params, echoes, include_usage, prompt_only):

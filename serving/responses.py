@@ -375,7 +375,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         if c.finish_reason == "length":
             response["incomplete_details"] = {"reason": "max_output_tokens"}
         prompt_tokens, output_tokens = len(final.prompt_token_ids), len(c.token_ids)
-        response["usage"] = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        response["usage"] = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": final.num_cached_tokens or 0},
                              "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                              "total_tokens": prompt_tokens + output_tokens}
         if conversation is not None and response["status"] != "cancelled":

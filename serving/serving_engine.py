@@ -68,6 +68,8 @@ class OpenAIServing:
         self.body_timeout, self.max_logprobs = options.timeout_keep_alive, options.max_logprobs
         self.chat_template = options.chat_template
         self.tool_call_parser = options.tool_call_parser if options.enable_auto_tool_choice else None
+        self.exclude_tools_when_tool_choice_none = options.exclude_tools_when_tool_choice_none
+        self.enable_prompt_tokens_details = options.enable_prompt_tokens_details
         if self.chat_template is not None and os.path.isfile(self.chat_template):
             with open(self.chat_template) as f:
                 self.chat_template = f.read()
@@ -83,10 +85,19 @@ class OpenAIServing:
         # Tokenizing and rendering chat templates is CPU work: one thread, off the event loop.
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jpaged-tokenize")
 
+    def _usage(self, finals: list[RequestOutput]) -> dict:
+        usage = protocol.usage(sum(len(o.prompt_token_ids) for o in finals),
+                               sum(len(c.token_ids) for o in finals for c in o.outputs))
+        if self.enable_prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens or 0 for o in finals)}
+        return usage
+
     async def _encode_chat(self, body: dict) -> list[int]:
         messages = protocol.parse_messages(body, max_messages=self.max_model_len)
         add_generation_prompt = field(body, "add_generation_prompt", "boolean", True)
         tools = body.get("tools") or None  # the template tells the model about them (parse_tools checked them)
+        if self.exclude_tools_when_tool_choice_none and body.get("tool_choice") == "none":
+            tools = None
         self._check_text_length(sum(len(m["content"]) for m in messages), "messages")
 
         def render(tools) -> str:
@@ -213,7 +224,7 @@ class OpenAIServing:
             for error in errors:  # after the choice's last chunk (finish_reason "error"): why it ended
                 await response.write(f"data: {json_dumps(error.to_json())}\n\n".encode())
             if include_usage:
-                await send([], usage=request_usage([s.total for s in streams]))
+                await send([], usage=self._usage([s.total for s in streams]))
         except ConnectionResetError:  # the client left: the caller aborts its requests
             raise
         except Exception as e:  # the engine failed this request (or died): the stream says so and ends
@@ -271,7 +282,4 @@ async def _merge(streams: list[RequestStream]):
             task.cancel()
 
 
-def request_usage(finals: list[RequestOutput]) -> dict:
-    return protocol.usage(sum(len(o.prompt_token_ids) for o in finals),
-                          sum(len(c.token_ids) for o in finals for c in o.outputs))
 

@@ -120,6 +120,7 @@ def test_hits_are_the_shared_full_blocks_and_outputs_are_unchanged(plain, cached
     prompts = shared_prefix_prompts(rng, base)
     expected = plain.generate(prompts, greedy(12), use_tqdm=False)
     assert plain.stats()["prefix_cache_queries"] == 0  # off: nothing is looked up
+    assert {o.num_cached_tokens for o in expected} == {0}
 
     cached.generate([base], greedy(4), use_tqdm=False)  # caches base's 4 full blocks
     outs = []
@@ -131,6 +132,7 @@ def test_hits_are_the_shared_full_blocks_and_outputs_are_unchanged(plain, cached
         expected_hits = min(shared // BS, (len(prompt) - 1) // BS) * BS  # never the last token's block
         assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == len(prompt)
         assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == expected_hits, len(prompt)
+        assert outs[-1].num_cached_tokens == expected_hits, len(prompt)  # the request's own count (vLLM's)
     assert_same_greedy(expected, outs)
     assert [o.outputs[0].token_ids for o in outs[-2:]] == [o.outputs[0].token_ids for o in expected[-2:]]
     assert_no_blocks_held(cached)

@@ -216,6 +216,7 @@ def test_chat_template_and_tokenize(server, client):
     assert status == 200 and tok["tokens"] == expected and tok["count"] == len(expected)
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
     assert chat.usage.prompt_tokens == len(expected)
+    assert chat.usage.prompt_tokens_details is None  # only with --enable-prompt-tokens-details
     status, tok = run(post(server.url, "/tokenize", {"prompt": "héllo"}))
     assert tok["tokens"] == tokenizer.encode("héllo")
     status, detok = run(post(server.url, "/detokenize", {"tokens": tok["tokens"]}))

@@ -35,7 +35,7 @@ class OutputProcessor:
             for i, s in enumerate(seqs)]
         prompt_logprobs = list(group.prompt_logprobs) if group.prompt_logprobs is not None else None
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished,
-                             prompt_logprobs)
+                             prompt_logprobs, group.num_cached_tokens)
 
     @staticmethod
     def _delta_output(group: SequenceGroup, seqs: list[Sequence], finished: bool) -> RequestOutput:
@@ -56,4 +56,4 @@ class OutputProcessor:
             prompt_logprobs = group.prompt_logprobs[group.num_sent_prompt_logprobs:]
             group.num_sent_prompt_logprobs = len(group.prompt_logprobs)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished,
-                             prompt_logprobs)
+                             prompt_logprobs, group.num_cached_tokens)

@@ -374,6 +374,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             num_cached_tokens = self.block_manager.allocate(seq_group)
+            if seq_group.num_cached_tokens is None:  # a recompute after preemption is not the request's
+                seq_group.num_cached_tokens = num_cached_tokens
             for seq in seq_group.get_seqs(SequenceStatus.WAITING):
                 seq.status = SequenceStatus.RUNNING
                 seq.num_computed_tokens = num_cached_tokens

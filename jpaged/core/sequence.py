@@ -152,6 +152,7 @@ class SequenceGroup:
         self.prompt_logprobs: list[dict[int, float] | None] | None = \
             [None] if sampling_params.prompt_logprobs is not None else None
         self.num_sent_prompt_logprobs = 0  # RequestOutputKind.DELTA: entries already sent
+        self.num_cached_tokens: int | None = None  # prefix-cache hits at the first admission
 
     @property
     def prompt_token_ids(self) -> list[int]:
