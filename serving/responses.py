@@ -30,8 +30,14 @@ from serving.serving_engine import json_dumps, raise_generation_errors
 
 # Responses fields jpaged does not implement, with the value that asks for nothing (None: any
 # non-null value): asking for more is a 400 naming the field, as on the other endpoints.
-_UNSUPPORTED = {"background": False, "conversation": None, "prompt": None, "include": [], "top_logprobs": 0,
-                "max_tool_calls": None, "context_management": None}
+_UNSUPPORTED = {"background": False, "conversation": None, "prompt": None, "max_tool_calls": None,
+                "context_management": None}
+LOGPROBS = "message.output_text.logprobs"
+# OpenAI's other `include` values ask for parts of items this server never makes (searches,
+# images, encrypted reasoning): accepted, and nothing to add.
+_INCLUDE = (LOGPROBS, "reasoning.encrypted_content", "message.input_image.image_url", "file_search_call.results",
+            "web_search_call.results", "web_search_call.action.sources", "code_interpreter_call.outputs",
+            "computer_call_output.output.image_url")
 # Sampling fields beyond OpenAI's that vLLM's Responses endpoint also takes, passed on to chat.
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "user")
@@ -186,6 +192,17 @@ def response_format(body: dict) -> dict | None:
     return fmt  # "text", "json_object", or a type chat's check refuses
 
 
+def included_logprobs(body: dict, top_logprobs: int | None) -> int | None:
+    """How many likeliest tokens each output token's logprobs list (vLLM's rule: only when
+    `include` asks for message.output_text.logprobs; `top_logprobs` is 0 unless set)."""
+    include = field(body, "include", "array of strings", [])
+    for i, name in enumerate(include):
+        if name not in _INCLUDE:
+            raise APIError(f"'include' value {name!r:.80} is not supported; expected one of {list(_INCLUDE)}",
+                           param=f"include[{i}]", code="unsupported_parameter")
+    return (top_logprobs or 0) if LOGPROBS in include else None
+
+
 def check_fields(body: dict):
     for name, harmless in _UNSUPPORTED.items():
         value = body.get(name)
@@ -226,8 +243,11 @@ class OutputItems:
         self.calls = tool_calls.StreamedCalls(tools) if tools is not None else None
         self.items: list[dict] = []
         self.open: dict | None = None  # the item being written
+        self.logprobs: list[dict] = []  # of tokens whose text is still held back (a stop string maybe)
 
-    def add(self, text: str, finish_reason: str | None) -> list[dict]:
+    def add(self, text: str, finish_reason: str | None, logprobs: list[dict] | None = None) -> list[dict]:
+        """`logprobs`: the new tokens' (chat's `logprobs.content` entries), without tools only."""
+        self.logprobs += logprobs or []
         if self.calls is not None:
             delta, _ = self.calls.delta(text, finish_reason)
         else:
@@ -260,8 +280,12 @@ class OutputItems:
                                    "role": "assistant", "content": []})
             self.open["content"].append(_output_text(""))
             events.append({**self._where(), "type": "response.content_part.added", "part": _output_text("")})
-        self.open["content"][0]["text"] += text
-        events.append({**self._where(), "type": "response.output_text.delta", "delta": text, "logprobs": []})
+        part = self.open["content"][0]
+        part["text"] += text
+        part["logprobs"] += self.logprobs
+        events.append({**self._where(), "type": "response.output_text.delta", "delta": text,
+                       "logprobs": self.logprobs})
+        self.logprobs = []
         return events
 
     def _where(self) -> dict:
@@ -273,7 +297,10 @@ class OutputItems:
             return events
         if item["type"] == "message":
             part = item["content"][0]
-            events += [{**self._where(), "type": "response.output_text.done", "text": part["text"], "logprobs": []},
+            if self.logprobs:  # tokens whose text never came (half a character): the deltas still add up
+                events += self._text("")
+            events += [{**self._where(), "type": "response.output_text.done", "text": part["text"],
+                        "logprobs": list(part["logprobs"])},
                        {**self._where(), "type": "response.content_part.done", "part": dict(part)}]
         else:
             events.append({"type": "response.function_call_arguments.done", "item_id": item["id"],
@@ -319,14 +346,19 @@ class OpenAIServingResponses(OpenAIServingChat):
         history = self.responses.get(previous_id, "previous_response_id")[1] if previous_id is not None else []
         conversation = [*history, *input_messages(body)]
         tools, choice = chat_tools(body)
+        top_logprobs = self._check_logprobs(field(body, "top_logprobs", "integer"), "top_logprobs")
+        logprobs = included_logprobs(body, top_logprobs)
         chat = {"messages": ([{"role": "system", "content": instructions}] if instructions else []) + conversation,
                 "tools": tools, "tool_choice": choice, "parallel_tool_calls": body.get("parallel_tool_calls"),
                 "response_format": response_format(body), "max_tokens": max_output_tokens,
                 **{name: body[name] for name in _SAMPLING if name in body}}
         try:
-            ids, params, tool_calling = await self._chat_request(chat, stream)
+            ids, params, tool_calling = await self._chat_request(chat, stream, logprobs)
         except APIError as e:
             raise _renamed(e) from None
+        if logprobs is not None and tool_calling is not None:  # tokens would not map onto items' text
+            raise APIError(f"'include' {LOGPROBS!r} is not supported with tools (unless tool_choice is 'none')",
+                           param="include", code="unsupported_parameter")
         response_id = f"resp_{uuid.uuid4().hex}"
         fmt = (body.get("text") or {}).get("format") or {"type": "text"}
         response = {
@@ -337,7 +369,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             "previous_response_id": previous_id, "reasoning": None, "service_tier": body.get("service_tier") or "auto",
             "store": store and self.responses.size > 0, "temperature": params.temperature,
             "text": {"format": fmt}, "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
-            "top_logprobs": 0, "top_p": params.top_p, "truncation": body.get("truncation") or "disabled",
+            "top_logprobs": top_logprobs or 0, "top_p": params.top_p, "truncation": body.get("truncation") or "disabled",
             "usage": None, "user": body.get("user"), "metadata": body.get("metadata") or {}}
         output, kept = OutputItems(tool_calling), conversation if response["store"] else None
         streams = await self._add_requests(response_id, [ids], params, lora_request)
@@ -349,9 +381,14 @@ class OpenAIServingResponses(OpenAIServingChat):
             streams[0].abort()
         raise_generation_errors([final], params)
         c = final.outputs[0]
-        output.add(c.text, c.finish_reason)
+        output.add(c.text, c.finish_reason, self._logprobs(c, params))
         self._finish(response, final, output, kept)
         return web.json_response(response, dumps=json_dumps)
+
+    def _logprobs(self, c, params) -> list[dict] | None:
+        if params.logprobs is None:
+            return None
+        return self.logprobs.chat(c, range(len(c.token_ids)), params.logprobs)["content"]
 
     async def retrieve_response(self, request):
         return web.json_response(self.responses.get(request.match_info["response_id"])[0], dumps=json_dumps)
@@ -403,7 +440,7 @@ class OpenAIServingResponses(OpenAIServingChat):
                     await send({"type": "error", "code": "generation_error", "param": "text.format",
                                 "message": f"structured output failed during generation: {c.stop_reason}"})
                     break
-                for event in output.add(c.text, c.finish_reason):
+                for event in output.add(c.text, c.finish_reason, self._logprobs(c, stream.params)):
                     await send(event)
             else:
                 self._finish(response, stream.total, output, conversation)

@@ -32,6 +32,7 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather
          {"type": "function", "name": "get_time", "description": "The time in a zone",
           "parameters": {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}},
                          "required": ["tz"], "additionalProperties": False}}]
+LOGPROBS = "message.output_text.logprobs"
 ENUMS = {"get_weather": ("city", {"Paris", "Rome"}), "get_time": ("tz", {"UTC", "CET"})}
 
 
@@ -237,6 +238,28 @@ def test_streamed_function_call(server):
     assert final[0]["id"] == item_id and final[0]["status"] == "completed"
 
 
+def test_output_text_logprobs_are_the_chat_logprobs(server, client):
+    """include message.output_text.logprobs with top_logprobs: the output_text part's logprobs
+    are chat's logprobs.content for the same messages, whole and streamed (the deltas' lists add
+    up to the part's); top_logprobs alone asks for none (vLLM's rule)."""
+    body = {"model": "tiny", "input": "Count with me", "max_output_tokens": 10, "temperature": 0}
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": body["input"]}],
+                                          max_tokens=10, temperature=0, logprobs=True, top_logprobs=3)
+    expected = [e.model_dump() for e in chat.choices[0].logprobs.content]
+    r = client.responses.create(**body, include=[LOGPROBS, "reasoning.encrypted_content"], top_logprobs=3)
+    part = r.output[0].content[0]
+    assert r.output_text == chat.choices[0].message.content and r.top_logprobs == 3
+    assert [lp.model_dump() for lp in part.logprobs] == expected
+    assert len(expected) == r.usage.output_tokens and all(len(e["top_logprobs"]) == 3 for e in expected)
+    events = asyncio.run(_sse(server.url, {**body, "include": [LOGPROBS], "top_logprobs": 3}))
+    deltas = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    [done] = [e for e in events if e["type"] == "response.output_text.done"]
+    final_part = events[-1]["response"]["output"][0]["content"][0]
+    assert deltas == done["logprobs"] == final_part["logprobs"] == expected
+    plain = client.responses.create(**body, top_logprobs=3)
+    assert plain.output[0].content[0].logprobs == [] and plain.top_logprobs == 3
+
+
 def test_text_format_json_schema(client):
     schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer",
               "minimum": 0, "maximum": 9}}, "required": ["answer", "n"], "additionalProperties": False}
@@ -250,12 +273,15 @@ def test_text_format_json_schema(client):
 
 @pytest.mark.parametrize("body, param", [
     ({"background": True}, "background"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"include": ["message.output_text.logprobs", "everything"]}, "include[1]"),
+    ({"include": "message.output_text.logprobs"}, "include"),
+    ({"include": [LOGPROBS], "tools": TOOLS, "tool_choice": "required"}, "include"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
-    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": -1}, "top_logprobs"),
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"tools": [{"type": "function", "name": "f", "parameters": 3}]}, "tools[0].parameters"),
     ({"tool_choice": {"type": "function"}, "tools": TOOLS}, "tool_choice"),

@@ -193,9 +193,27 @@ def test_responses_api_on_real_weights(checkpoint):
         print(repr(second.output_text))
         assert second.output_text == text and second.usage.input_tokens == prompt_len
         with client.responses.stream(model="smollm2", instructions=system, input="What is the capital of France?",
-                                     max_output_tokens=40, temperature=0) as stream:
+                                     max_output_tokens=40, temperature=0, include=["message.output_text.logprobs"],
+                                     top_logprobs=2) as stream:
             deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
-            assert deltas == stream.get_final_response().output_text == first.output_text
+            streamed = stream.get_final_response()
+            assert deltas == streamed.output_text == first.output_text
+        # Its logprobs are transformers' log-softmax of each step's logits (float32 both).
+        text = tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                              {"role": "user", "content": "What is the capital of France?"}],
+                                             add_generation_prompt=True, tokenize=False)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([tokenizer.encode(text, add_special_tokens=False)]), max_new_tokens=40,
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True)
+        steps = [torch.log_softmax(logits[0].double(), -1) for logits in out.logits]
+        chosen = out.sequences[0, -len(steps):].tolist()
+        logprobs = streamed.output[0].content[0].logprobs
+        assert len(logprobs) == len(steps) == streamed.usage.output_tokens
+        for lp, step, token in zip(logprobs, steps, chosen):
+            assert bytes(lp.bytes) == tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(token)]) \
+                .encode() or token == tokenizer.eos_token_id
+            assert abs(lp.logprob - step[token].item()) < 2e-3, (lp, step[token])
+            assert [t.logprob for t in lp.top_logprobs] == pytest.approx(step.topk(2).values.tolist(), abs=2e-3)
 
         # A named tool: the real model fills in the city it was asked about; its call and the
         # tool's output come back as the next turn (the template gets the tool call and result).
