@@ -11,6 +11,7 @@ comes back as output items (a message, function calls), streamed as Responses ev
 Responses are kept (`store`, OpenAI's default true) in a bounded in-memory store of
 --responses-store-size entries, the oldest dropped first: `previous_response_id` continues a
 stored conversation (its input and output, not its instructions), GET returns a stored response.
+With `truncation: "auto"` a conversation too long for the context loses its oldest turns.
 """
 
 import collections
@@ -348,19 +349,26 @@ class OpenAIServingResponses(OpenAIServingChat):
         tools, choice = chat_tools(body)
         top_logprobs = self._check_logprobs(field(body, "top_logprobs", "integer"), "top_logprobs")
         logprobs = included_logprobs(body, top_logprobs)
-        chat = {"messages": ([{"role": "system", "content": instructions}] if instructions else []) + conversation,
-                "tools": tools, "tool_choice": choice, "parallel_tool_calls": body.get("parallel_tool_calls"),
-                "response_format": response_format(body), "max_tokens": max_output_tokens,
-                **{name: body[name] for name in _SAMPLING if name in body}}
+        fmt = response_format(body)
+
+        def chat_body(messages: list[dict]) -> dict:
+            return {"messages": ([{"role": "system", "content": instructions}] if instructions else []) + messages,
+                    "tools": tools, "tool_choice": choice, "parallel_tool_calls": body.get("parallel_tool_calls"),
+                    "response_format": fmt, "max_tokens": max_output_tokens,
+                    **{name: body[name] for name in _SAMPLING if name in body}}
+
         try:
-            ids, params, tool_calling = await self._chat_request(chat, stream, logprobs)
+            ids, params, tool_calling = await self._chat_request(chat_body(conversation), stream, logprobs)
         except APIError as e:
-            raise _renamed(e) from None
+            if body.get("truncation") != "auto" or e.code != "context_length_exceeded":
+                raise _renamed(e) from None
+            conversation, (ids, params, tool_calling) = await self._truncate(conversation, chat_body, stream,
+                                                                             logprobs, e)
         if logprobs is not None and tool_calling is not None:  # tokens would not map onto items' text
             raise APIError(f"'include' {LOGPROBS!r} is not supported with tools (unless tool_choice is 'none')",
                            param="include", code="unsupported_parameter")
         response_id = f"resp_{uuid.uuid4().hex}"
-        fmt = (body.get("text") or {}).get("format") or {"type": "text"}
+        text_format = (body.get("text") or {}).get("format") or {"type": "text"}
         response = {
             "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "background": False, "error": None, "incomplete_details": None, "instructions": instructions,
@@ -368,7 +376,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             "parallel_tool_calls": field(body, "parallel_tool_calls", "boolean", True),
             "previous_response_id": previous_id, "reasoning": None, "service_tier": body.get("service_tier") or "auto",
             "store": store and self.responses.size > 0, "temperature": params.temperature,
-            "text": {"format": fmt}, "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
+            "text": {"format": text_format}, "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
             "top_logprobs": top_logprobs or 0, "top_p": params.top_p, "truncation": body.get("truncation") or "disabled",
             "usage": None, "user": body.get("user"), "metadata": body.get("metadata") or {}}
         output, kept = OutputItems(tool_calling), conversation if response["store"] else None
@@ -384,6 +392,45 @@ class OpenAIServingResponses(OpenAIServingChat):
         output.add(c.text, c.finish_reason, self._logprobs(c, params))
         self._finish(response, final, output, kept)
         return web.json_response(response, dumps=json_dumps)
+
+    async def _truncate(self, conversation: list[dict], chat_body, stream: bool, logprobs: int | None,
+                        error: APIError):
+        """truncation 'auto': the conversation without as few of its oldest turns as make it fit
+        the context, with what its chat request makes. System messages and the last turn stay; an
+        assistant's tool calls go with their outputs. Found by bisection: a long history costs a
+        few renders. `error` is raised when even the shortest conversation is too long."""
+        turns = []
+        for i, m in enumerate(conversation):
+            if m["role"] == "system":
+                continue
+            if m["role"] == "tool" and turns and conversation[turns[-1][0]].get("tool_calls"):
+                turns[-1].append(i)
+            else:
+                turns.append([i])
+        droppable = turns[:-1]
+
+        async def attempt(k: int):
+            gone = {i for turn in droppable[:k] for i in turn}
+            messages = [m for i, m in enumerate(conversation) if i not in gone]
+            try:
+                return messages, await self._chat_request(chat_body(messages), stream, logprobs)
+            except APIError as e:
+                if e.code != "context_length_exceeded":
+                    raise _renamed(e) from None
+                return None
+
+        lo, hi = 0, len(droppable)  # dropping lo turns is too long; find the fewest that fit
+        best = await attempt(hi)
+        if best is None:
+            raise _renamed(error) from None
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            got = await attempt(mid)
+            if got is None:
+                lo = mid
+            else:
+                hi, best = mid, got
+        return best
 
     def _logprobs(self, c, params) -> list[dict] | None:
         if params.logprobs is None:

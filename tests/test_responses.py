@@ -260,6 +260,48 @@ def test_output_text_logprobs_are_the_chat_logprobs(server, client):
     assert plain.output[0].content[0].logprobs == [] and plain.top_logprobs == 3
 
 
+def test_truncation_auto_drops_the_oldest_turns(server, client):
+    """A conversation longer than the context (512): 'disabled' is a 400, 'auto' drops the
+    fewest oldest turns that make it fit (a function call with its output as one turn; the
+    developer message and the last turn stay), found here by trying each count in turn."""
+    rng = random.Random(SEED + 2)
+    print("seed", SEED + 2)
+
+    def words(n):
+        return " ".join(rng.choice(["sun", "rain", "hello", "paged", "blocks"]) for _ in range(n))
+
+    # (Responses items, the chat messages they mean) per turn; the developer message first.
+    system = ({"role": "developer", "content": "Be brief."}, {"role": "system", "content": "Be brief."})
+    turns = [[({"role": "user", "content": "time?"}, {"role": "user", "content": "time?"})],
+             [({"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": '{"tz": "UTC"}'},
+               {"role": "assistant", "content": ""}),
+              ({"type": "function_call_output", "call_id": "call_1", "output": "12:00"},
+               {"role": "tool", "content": "12:00"})]]
+    for i in range(14):
+        text = words(rng.randint(6, 12))
+        role = "user" if i % 2 == 0 else "assistant"
+        turns.append([({"role": role, "content": text}, {"role": role, "content": text})])
+    items = [system[0]] + [item for turn in turns for item, _ in turn]
+    body = {"model": "tiny", "input": items, "max_output_tokens": 8, "temperature": 0}
+    status, got = asyncio.run(_post(server.url, body))
+    assert_openai_error(status, got, 400, "input")
+    assert "context length" in got["error"]["message"]
+    for k in range(len(turns)):  # the fewest dropped turns that fit
+        messages = [system[1]] + [m for turn in turns[k:] for _, m in turn]
+        if prompt_len(messages) + 8 <= 512:
+            break
+    assert 1 <= k < len(turns) - 1, k  # the test needs some turns dropped, not all
+    r = client.responses.create(**body, truncation="auto")
+    assert r.truncation == "auto" and r.usage.input_tokens == prompt_len(messages), k
+    # Stored truncated: the next turn continues from what the model saw.
+    follow = client.responses.create(model="tiny", input="more", previous_response_id=r.id, max_output_tokens=4,
+                                     truncation="auto")
+    assert follow.usage.input_tokens <= 512 - 4
+    # One message longer than the context is too long whatever is dropped.
+    status, got = asyncio.run(_post(server.url, {"model": "tiny", "input": "x" * 600, "truncation": "auto"}))
+    assert_openai_error(status, got, 400, "input")
+
+
 def test_text_format_json_schema(client):
     schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer",
               "minimum": 0, "maximum": 9}}, "required": ["answer", "n"], "additionalProperties": False}
@@ -331,7 +373,8 @@ FIELDS = {
         {"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "name": "x", "schema": {"enum": ["a", "b"]}},
         {"type": "json_schema"}, {"type": "yaml"}, None, 3])}), ANY),
     "stream": st.booleans(), "store": st.one_of(st.booleans(), ANY),
-    "previous_response_id": st.one_of(st.just("resp_none"), ANY), "metadata": ANY, "truncation": ANY,
+    "previous_response_id": st.one_of(st.just("resp_none"), ANY), "metadata": ANY,
+    "truncation": st.one_of(st.sampled_from(["auto", "disabled"]), ANY),
     "reasoning": ANY, "include": ANY, "user": ANY, "seed": ANY, "top_k": ANY,
 }
 
