@@ -376,8 +376,9 @@ class OpenAIServingResponses(OpenAIServingChat):
             "parallel_tool_calls": field(body, "parallel_tool_calls", "boolean", True),
             "previous_response_id": previous_id, "reasoning": None, "service_tier": body.get("service_tier") or "auto",
             "store": store and self.responses.size > 0, "temperature": params.temperature,
-            "text": {"format": text_format}, "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
-            "top_logprobs": top_logprobs or 0, "top_p": params.top_p, "truncation": body.get("truncation") or "disabled",
+            "text": {"format": text_format}, "tool_choice": body.get("tool_choice") or "auto",
+            "tools": body.get("tools") or [], "top_logprobs": top_logprobs or 0, "top_p": params.top_p,
+            "truncation": body.get("truncation") or "disabled",
             "usage": None, "user": body.get("user"), "metadata": body.get("metadata") or {}}
         output, kept = OutputItems(tool_calling), conversation if response["store"] else None
         streams = await self._add_requests(response_id, [ids], params, lora_request)
@@ -459,7 +460,8 @@ class OpenAIServingResponses(OpenAIServingChat):
         if c.finish_reason == "length":
             response["incomplete_details"] = {"reason": "max_output_tokens"}
         prompt_tokens, output_tokens = len(final.prompt_token_ids), len(c.token_ids)
-        response["usage"] = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": final.num_cached_tokens or 0},
+        response["usage"] = {"input_tokens": prompt_tokens,
+                             "input_tokens_details": {"cached_tokens": final.num_cached_tokens or 0},
                              "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                              "total_tokens": prompt_tokens + output_tokens}
         if conversation is not None and response["status"] != "cancelled":
