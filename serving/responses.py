@@ -265,6 +265,8 @@ class OutputItems:
             events.append({"type": "response.function_call_arguments.delta", "item_id": self.open["id"],
                            "output_index": len(self.items) - 1, "delta": call["function"]["arguments"]})
         if finish_reason is not None:
+            if not self.items:  # no text at all (an end-of-sequence first): still one message, as vLLM's
+                events += self._text("")
             events += self._close("incomplete" if finish_reason == "length" else "completed")
         return events
 

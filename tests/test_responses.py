@@ -138,6 +138,24 @@ def test_streamed_events_add_up_to_the_response(server, client):
         assert stream.get_final_response().output_text == text
 
 
+def test_an_empty_answer_is_still_a_message(server, client):
+    """An end-of-sequence as the first token (forced by logit_bias): one message item with empty
+    text, whole and streamed, and that token's logprob reported."""
+    eos = tiny_tokenizer().eos_token_id
+    body = {"model": "tiny", "input": "Say nothing", "max_output_tokens": 5, "include": [LOGPROBS]}
+    r = client.responses.create(**body, extra_body={"logit_bias": {str(eos): 100}})
+    [item] = r.output
+    assert item.type == "message" and item.status == "completed" and r.status == "completed"
+    assert r.output_text == "" and r.usage.output_tokens == 1
+    [logprob] = item.content[0].logprobs
+    assert logprob.logprob > -1e-3  # the bias makes it all but certain
+    events = asyncio.run(_sse(server.url, {**body, "logit_bias": {str(eos): 100}}))
+    final = events[-1]["response"]
+    assert final["output"][0]["content"][0]["text"] == "" and final["output"][0]["content"][0]["logprobs"] \
+        == [logprob.model_dump()]
+    assert [e["type"] for e in events][2:4] == ["response.output_item.added", "response.content_part.added"]
+
+
 def test_previous_response_id_store_and_its_bound(client):
     first = client.responses.create(model="tiny", input="Hello there", instructions="Be terse.",
                                     max_output_tokens=6, temperature=0)
