@@ -13,6 +13,7 @@ reading request bodies in serving/request_body.py.
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -27,11 +28,10 @@ from aiohttp import web, web_protocol
 from jpaged import __version__
 from jpaged.config import MAX_LOGPROBS, RESPONSES_STORE_SIZE, EngineConfig
 from jpaged.engine.llm_engine import LLMEngine, StepFailedError
-from jpaged.lora.request import LoRARequest
 from serving import kv_page
 from serving.async_engine import AsyncLLMEngine, EngineDeadError
 from serving.completions import OpenAIServingCompletion
-from serving.lora import OpenAIServingLoRA
+from serving.lora import OpenAIServingLoRA, register_lora_modules
 from serving.metrics import Metrics
 from serving.protocol import APIError
 from serving.request_body import MAX_BODY_BYTES
@@ -63,8 +63,7 @@ class OpenAIServer(OpenAIServingCompletion, OpenAIServingResponses, OpenAIServin
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/metrics", self.metrics)
-        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
-        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
+        self.add_lora_routes(app)  # only with --enable-lora-runtime-updates (serving/lora.py)
         self.add_sleep_routes(app)
         kv_page.add_routes(app, self.engine, self.model_name)
         return app
@@ -117,7 +116,13 @@ class OpenAIServer(OpenAIServingCompletion, OpenAIServingResponses, OpenAIServin
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "jpaged",
-                "root": self.engine.engine.config.model, "max_model_len": self.max_model_len}
+                "root": self._model_root, "max_model_len": self.max_model_len}
+
+    @functools.cached_property
+    def _model_root(self) -> str:
+        """The checkpoint's hub id; a local directory is not shown (its name, not its path)."""
+        model = self.engine.engine.config.model
+        return self.model_name if os.path.exists(model) else model
 
     async def metrics(self, request):
         kv_usage = await self.engine.call(lambda e: e.kv_usage()) if self.engine.dead is None else None
@@ -148,6 +153,8 @@ class ServerOptions:
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     lora_modules: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (name, path): --lora-modules
+    enable_lora_runtime_updates: bool = False  # /v1/(un)load_lora_adapter (or VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    allowed_lora_paths: list[str] | None = None  # runtime loads only from under these directories
     responses_store_size: int = RESPONSES_STORE_SIZE  # stored /v1/responses results (0: none)
 
 
@@ -247,10 +254,7 @@ async def serve(engine: LLMEngine, options: ServerOptions) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # first thing: they replace run_server's start-up handler
         loop.add_signal_handler(sig, stop.set)
-    if options.lora_modules and engine.lora_manager is None:
-        raise ValueError("--lora-modules needs --enable-lora")
-    for i, (name, path) in enumerate(options.lora_modules):  # read and checked before serving (ids as the app's)
-        engine.lora_manager.add(LoRARequest(name, i + 1, path))
+    register_lora_modules(engine, options.lora_modules)  # read and checked before serving (ids as the app's)
     async_engine = AsyncLLMEngine(engine, Metrics(options.served_model_name))
     async_engine.on_dead = stop.set
     async_engine.start()

@@ -96,6 +96,7 @@ def cmd_serve(args) -> int:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details, log_requests=not args.disable_log_requests,
         log_stats=not args.disable_log_stats, allowed_origins=args.allowed_origins, ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile, lora_modules=parse_lora_modules(args.lora_modules),
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates, allowed_lora_paths=args.allowed_lora_paths,
         responses_store_size=args.responses_store_size)
     return run_server(EngineConfig(**engine_kwargs(args)), options)
 
@@ -162,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                         help="LoRA adapters served as models (with --enable-lora): name=path, or a JSON object "
                              "with name, path and base_model_name")
+    server.add_argument("--enable-lora-runtime-updates", action="store_true",
+                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
+                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, which also turns them on): clients can then "
+                             "make the server read adapters from local directories")
+    server.add_argument("--allowed-lora-paths", nargs="+", default=None, metavar="DIR",
+                        help="runtime adapter loads only from directories under these (real paths)")
     server.add_argument("--responses-store-size", type=int, default=RESPONSES_STORE_SIZE,
                         help="/v1/responses results kept in memory for previous_response_id and GET "
                              "/v1/responses/{id}, the oldest dropped first (0: none)")
