@@ -10,21 +10,21 @@ is written in place into its slice of the layer-stacked weight.
 """
 
 import dataclasses
-import json
 import logging
 import os
 import re
+import stat
 from typing import Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import safetensors
 from flax import nnx
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from jpaged import config
+from jpaged.file_safety import open_regular, read_json, safetensors_header
 from jpaged.models.gemma import GemmaForCausalLM
 from jpaged.models.layers import Linear, WeightTarget
 from jpaged.models.gpt2 import GPT2LMHeadModel
@@ -192,46 +192,94 @@ def _set_slice(param: nnx.Param, index: tuple[int, ...], value: np.ndarray, mesh
     param.set_value(_update_slice(stacked, index, sharding.put(value, slice_sharding)))
 
 
-def iter_safetensors(model_dir: str) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield the checkpoint's tensors one by one (sharded checkpoints via their index)."""
+def checkpoint_files(model_dir: str) -> list[str]:
+    """The checkpoint's .safetensors files (a sharded one's from its index), each inside
+    `model_dir`; ValueError naming the index or directory otherwise."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        index_json = read_json(index, index)
+        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index}: weight_map must be a JSON object of tensor name -> file name")
+        files = sorted(set(weight_map.values()))
+        outside = [f for f in files if os.path.isabs(f) or ".." in f.replace("\\", "/").split("/")]
+        if outside:
+            raise ValueError(f"{index}: weight_map names {outside[0][:80]!r}, not a file inside the checkpoint")
     else:
         files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}")
-    for file in files:
-        path, fp8 = os.path.join(model_dir, file), None
-        with safetensors.safe_open(path, framework="np") as f:
-            for name in f.keys():
-                if f.get_slice(name).get_dtype() in FP8_DTYPES:  # numpy has no fp8: read the bytes
-                    fp8 = fp8 or _Fp8Reader(path)
-                    yield name, fp8.read(name)
-                else:
-                    yield name, f.get_tensor(name)
+    return [os.path.join(model_dir, f) for f in files]
 
 
-FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+def iter_safetensors(model_dir: str) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield the checkpoint's tensors one by one (sharded checkpoints via their index). Every
+    file's header is checked against the file (jpaged/file_safety.py) before any tensor is read:
+    a truncated file, a malformed header or overlapping tensors are a ValueError naming the file."""
+    headers = [(path, safetensors_header(path, path)) for path in checkpoint_files(model_dir)]
+    for path, header in headers:
+        for name, entry in header.items():
+            if name != "__metadata__" and entry["dtype"] not in ST_DTYPES:
+                raise ValueError(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which jpaged does not read")
+    for path, header in headers:
+        yield from _read_tensors(path, header)
 
 
-class _Fp8Reader:
-    """fp8 tensors of a .safetensors file (8-byte header length, JSON header, data) as ml_dtypes
-    arrays, its header read once."""
+# safetensors' dtypes as numpy (ml_dtypes for the 8- and 16-bit floats numpy lacks), little-endian.
+ST_DTYPES = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": "<i2", "U16": "<u2", "I32": "<i4",
+             "U32": "<u4", "I64": "<i8", "U64": "<u8", "F16": "<f2", "F32": "<f4", "F64": "<f8",
+             "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
-    def __init__(self, path: str):
-        self.path = path
-        with open(path, "rb") as f:
-            self.data_start = 8 + int.from_bytes(f.read(8), "little")
-            self.header = json.loads(f.read(self.data_start - 8))
 
-    def read(self, name: str) -> np.ndarray:
-        entry = self.header[name]
-        start, end = entry["data_offsets"]
-        with open(self.path, "rb") as f:
-            f.seek(self.data_start + start)
-            return np.frombuffer(f.read(end - start), FP8_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+def _read_tensors(path: str, header: dict) -> Iterator[tuple[str, np.ndarray]]:
+    """`path`'s tensors, by name, read at the offsets of its checked `header` into fresh arrays
+    (no mapping of the file: one that shrinks while we read is a ValueError, not a crash)."""
+    with open_regular(path, path) as f:
+        data_start = 8 + int.from_bytes(f.read(8), "little")
+        for name in sorted(n for n in header if n != "__metadata__"):
+            entry = header[name]
+            begin, end = entry["data_offsets"]
+            array = np.empty(end - begin, np.uint8)
+            f.seek(data_start + begin)
+            if f.readinto(memoryview(array)) != end - begin:
+                raise ValueError(f"{path}: truncated while reading tensor {name!r}")
+            yield name, array.view(np.dtype(ST_DTYPES[entry["dtype"]])).reshape(entry["shape"])
+
+
+# Files transformers or jpaged may open in a checkpoint directory (config, weights, tokenizer).
+CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".jinja", ".tiktoken", ".py")
+
+
+def check_regular_files(model_dir: str):
+    """Every file of the checkpoint that may be read is a regular file (a FIFO would block start-up,
+    a link to a device such as /dev/zero never end): ValueError naming it otherwise."""
+    for name in sorted(os.listdir(model_dir)):
+        path = os.path.join(model_dir, name)
+        if name.endswith(CHECKPOINT_SUFFIXES) and not os.path.isdir(path):
+            try:
+                if not stat.S_ISREG(os.stat(path).st_mode):
+                    raise ValueError(f"{path}: not a regular file")
+            except OSError as e:
+                raise ValueError(f"{path}: cannot be read ({e.strerror})") from None
+
+
+def read_hf_config(model_dir: str) -> PretrainedConfig:
+    """config.json read safely (a bounded regular file, JSON of bounded depth) and its fields that
+    jpaged reads type-checked before transformers parses it; ValueError naming the file otherwise."""
+    path = os.path.join(model_dir, "config.json")
+    raw = read_json(path, path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    qc = raw.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise ValueError(f"{path}: quantization_config must be a JSON object, got {type(qc).__name__}")
+    for field in ("architectures",):
+        if field in raw and not (isinstance(raw[field], list) and all(isinstance(a, str) for a in raw[field])):
+            raise ValueError(f"{path}: {field} must be a list of strings")
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (ValueError, TypeError, KeyError, AttributeError, OSError) as e:
+        raise ValueError(f"{path}: transformers cannot read it ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def resolve_model_dir(model: str, revision: str | None = None) -> str:
@@ -267,7 +315,8 @@ def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", rev
         weights, tokenizer = tiny.tiny_weights(hf_config), tiny.tiny_tokenizer()
     else:
         model_dir = resolve_model_dir(model, revision)
-        hf_config = AutoConfig.from_pretrained(model_dir)
+        check_regular_files(model_dir)
+        hf_config = read_hf_config(model_dir)
         get_model_class(hf_config)  # fail on an unsupported architecture before reading any weights
         jdtype = resolve_dtype(dtype, hf_config)
         weights = iter_safetensors(model_dir)
