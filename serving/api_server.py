@@ -36,6 +36,7 @@ from serving.metrics import Metrics
 from serving.protocol import APIError
 from serving.request_body import MAX_BODY_BYTES
 from serving.responses import OpenAIServingResponses
+from serving.responses_store import RESPONSES_STORE_BYTES
 from serving.serving_engine import RETRY_AFTER_S, json_dumps
 from serving.sleep import SLEEP_ROUTES, OpenAIServingSleep
 from serving.tokenization import OpenAIServingTokenization
@@ -65,7 +66,7 @@ class OpenAIServer(OpenAIServingCompletion, OpenAIServingResponses, OpenAIServin
         app.router.add_get("/metrics", self.metrics)
         self.add_lora_routes(app)  # only with --enable-lora-runtime-updates (serving/lora.py)
         self.add_sleep_routes(app)
-        kv_page.add_routes(app, self.engine, self.model_name)
+        kv_page.add_routes(app, self.engine, self.model_name, self.api_key)
         return app
 
     # ------------------------------------------------------------------ middlewares
@@ -156,6 +157,7 @@ class ServerOptions:
     enable_lora_runtime_updates: bool = False  # /v1/(un)load_lora_adapter (or VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     allowed_lora_paths: list[str] | None = None  # runtime loads only from under these directories
     responses_store_size: int = RESPONSES_STORE_SIZE  # stored /v1/responses results (0: none)
+    responses_store_bytes: int = RESPONSES_STORE_BYTES  # ... and their bytes in all (0: none)
 
 
 STATS_INTERVAL_S = 10

@@ -15,6 +15,7 @@ import typing
 
 from jpaged import __version__
 from jpaged.config import MAX_LOGPROBS, RESPONSES_STORE_SIZE, EngineConfig
+from serving.responses_store import RESPONSES_STORE_BYTES
 from serving.tool_calls import TOOL_CALL_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -85,6 +86,8 @@ def cmd_serve(args) -> int:
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
     if args.responses_store_size < 0:
         raise ValueError(f"--responses-store-size {args.responses_store_size}; expected >= 0")
+    if args.responses_store_bytes < 0:
+        raise ValueError(f"--responses-store-bytes {args.responses_store_bytes}; expected >= 0")
     if not args.process_id:  # process 0 serves HTTP (multi-host)
         check_port(args.host, args.port)
     options = ServerOptions(
@@ -97,7 +100,7 @@ def cmd_serve(args) -> int:
         log_stats=not args.disable_log_stats, allowed_origins=args.allowed_origins, ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile, lora_modules=parse_lora_modules(args.lora_modules),
         enable_lora_runtime_updates=args.enable_lora_runtime_updates, allowed_lora_paths=args.allowed_lora_paths,
-        responses_store_size=args.responses_store_size)
+        responses_store_size=args.responses_store_size, responses_store_bytes=args.responses_store_bytes)
     return run_server(EngineConfig(**engine_kwargs(args)), options)
 
 
@@ -172,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--responses-store-size", type=int, default=RESPONSES_STORE_SIZE,
                         help="/v1/responses results kept in memory for previous_response_id and GET "
                              "/v1/responses/{id}, the oldest dropped first (0: none)")
+    server.add_argument("--responses-store-bytes", type=int, default=RESPONSES_STORE_BYTES,
+                        help="... and at most this many bytes of them (their JSON: request input and response), "
+                             "the oldest dropped first (0: none kept)")
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text for prompts and print it", formatter_class=formatter,

@@ -171,9 +171,9 @@ def parse_messages(body: dict, *, max_messages: int) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise APIError("'messages' must be a non-empty array of message objects", param="messages",
                        code="invalid_type")
-    if len(messages) > max_messages:  # each renders to at least one token
+    if len(messages) > max_messages:  # each renders to at least one token (Responses' truncation drops them)
         raise APIError(f"'messages' holds {len(messages)} messages; at most {max_messages} fit the context",
-                       param="messages")
+                       param="messages", code="context_length_exceeded")
     parsed = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -242,7 +242,7 @@ _UNSUPPORTED = {
 _KNOWN = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options",
           "prompt", "messages", "model", "max_tokens", "max_completion_tokens", "echo", "logprobs",
           "top_logprobs", "best_of", "stream", "add_generation_prompt", "stop", "add_special_tokens",
-          "logit_bias", "response_format", "guided_json", "tools", "tool_choice"}
+          "logit_bias", "response_format", "guided_json", "tools", "tool_choice", "max_tool_calls"}
 
 
 def check_fields(body: dict):
@@ -251,10 +251,40 @@ def check_fields(body: dict):
         value = body.get(name)
         if value is not None and value != harmless:
             raise APIError(f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+    check_metadata(body)
     known = _KNOWN | {name for name, _ in _SAMPLING_FIELDS} | set(_UNSUPPORTED)
     unknown = sorted(set(body) - known)
     if unknown:
         logger.debug("ignoring unknown request fields %s", unknown)
+
+
+# OpenAI's limits on `metadata` (Responses; Chat Completions, stored or not).
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def check_metadata(body: dict) -> dict:
+    """`metadata` ({} when absent or null): at most 16 string pairs, keys of at most 64 characters,
+    values of at most 512; anything else is a 400 naming `metadata`."""
+    metadata = body.get("metadata")
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise APIError(f"'metadata' must be an object of strings, got {type(metadata).__name__}", param="metadata",
+                       code="invalid_type")
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise APIError(f"'metadata' holds {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed",
+                       param="metadata", code="invalid_value")
+    for key, value in metadata.items():
+        if not isinstance(value, str):
+            raise APIError(f"'metadata' values must be strings; {key!r:.80} is {type(value).__name__}",
+                           param="metadata", code="invalid_type")
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise APIError(f"'metadata' keys must be at most {MAX_METADATA_KEY_CHARS} characters; {key!r:.80} has "
+                           f"{len(key)}", param="metadata", code="invalid_value")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise APIError(f"'metadata' values must be at most {MAX_METADATA_VALUE_CHARS} characters; the value of "
+                           f"{key!r:.80} has {len(value)}", param="metadata", code="invalid_value")
+    return metadata
 
 
 def parse_logit_bias(body: dict) -> dict[int, float] | None:

@@ -8,13 +8,12 @@ messages), `instructions` a system message first, flat function `tools` chat's t
 tool calling, structured output and every check are chat's (serving/chat.py). The completion
 comes back as output items (a message, function calls), streamed as Responses events.
 
-Responses are kept (`store`, OpenAI's default true) in a bounded in-memory store of
---responses-store-size entries, the oldest dropped first: `previous_response_id` continues a
+Responses are kept (`store`, OpenAI's default true) in an in-memory store bounded by count and bytes
+(serving/responses_store.py), the oldest dropped first: `previous_response_id` continues a
 stored conversation (its input and output, not its instructions), GET returns a stored response.
 With `truncation: "auto"` a conversation too long for the context loses its oldest turns.
 """
 
-import collections
 import itertools
 import json
 import re
@@ -25,14 +24,14 @@ from aiohttp import web
 
 from serving import tool_calls
 from serving.chat import OpenAIServingChat
-from serving.protocol import APIError, field
+from serving.protocol import APIError, check_metadata, field
 from serving.request_body import json_body
+from serving.responses_store import ResponseStore
 from serving.serving_engine import json_dumps, raise_generation_errors
 
 # Responses fields jpaged does not implement, with the value that asks for nothing (None: any
 # non-null value): asking for more is a 400 naming the field, as on the other endpoints.
-_UNSUPPORTED = {"background": False, "conversation": None, "prompt": None, "max_tool_calls": None,
-                "context_management": None}
+_UNSUPPORTED = {"background": False, "conversation": None, "prompt": None, "context_management": None}
 LOGPROBS = "message.output_text.logprobs"
 # OpenAI's other `include` values ask for parts of items this server never makes (searches,
 # images, encrypted reasoning): accepted, and nothing to add.
@@ -47,33 +46,6 @@ _PARAMS = [(re.compile(r"^messages"), "input"), (re.compile(r"^max_tokens"), "ma
            (re.compile(r"^response_format.*"), "text.format"), (re.compile(r"^(tools\[\d+\])\.function"), r"\1"),
            (re.compile(r"^tool_choice\.function"), "tool_choice")]
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
-
-
-class ResponseStore:
-    """Finished responses by id, with the chat messages that continue their conversation; at most
-    `size` (0: none kept), the oldest dropped first."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self._items: collections.OrderedDict[str, tuple[dict, list[dict]]] = collections.OrderedDict()
-
-    def put(self, response: dict, history: list[dict]):
-        if self.size <= 0:
-            return
-        self._items[response["id"]] = (response, history)
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
-
-    def get(self, response_id: str, param: str | None = None) -> tuple[dict, list[dict]]:
-        item = self._items.get(response_id)
-        if item is None:
-            raise APIError(f"Response with id {response_id!r:.100} not found.", status=404, param=param,
-                           code="response_not_found")
-        return item
-
-    def pop(self, response_id: str):
-        self.get(response_id)
-        del self._items[response_id]
 
 
 def _text(content, param: str) -> str:
@@ -217,9 +189,7 @@ def check_fields(body: dict):
     if truncation not in (None, "disabled", "auto"):
         raise APIError(f"'truncation' must be 'auto' or 'disabled', got {truncation!r:.80}", param="truncation",
                        code="invalid_value")
-    metadata = field(body, "metadata", "object", {})
-    if not all(isinstance(v, str) for v in metadata.values()):
-        raise APIError("'metadata' values must be strings", param="metadata", code="invalid_type")
+    check_metadata(body)
 
 
 def _renamed(e: APIError) -> APIError:
@@ -267,7 +237,10 @@ class OutputItems:
         if finish_reason is not None:
             if not self.items:  # no text at all (an end-of-sequence first): still one message, as vLLM's
                 events += self._text("")
-            events += self._close("incomplete" if finish_reason == "length" else "completed")
+            # Cut short: a message is unfinished, as are a named function's arguments (streamed as
+            # they come); other calls only ever appear whole.
+            whole = self.open is not None and self.open["type"] == "function_call" and self.calls.tools.function is None
+            events += self._close("incomplete" if finish_reason == "length" and not whole else "completed")
         return events
 
     def _start(self, item: dict) -> list[dict]:
@@ -330,7 +303,7 @@ def _output_text(text: str) -> dict:
 class OpenAIServingResponses(OpenAIServingChat):
     def __init__(self, engine, options):
         super().__init__(engine, options)
-        self.responses = ResponseStore(options.responses_store_size)
+        self.responses = ResponseStore(options.responses_store_size, options.responses_store_bytes)
 
     def add_responses_routes(self, app: web.Application):
         app.router.add_post("/v1/responses", self.create_response)
@@ -356,6 +329,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         def chat_body(messages: list[dict]) -> dict:
             return {"messages": ([{"role": "system", "content": instructions}] if instructions else []) + messages,
                     "tools": tools, "tool_choice": choice, "parallel_tool_calls": body.get("parallel_tool_calls"),
+                    "max_tool_calls": body.get("max_tool_calls"),
                     "response_format": fmt, "max_tokens": max_output_tokens,
                     **{name: body[name] for name in _SAMPLING if name in body}}
 
@@ -374,10 +348,11 @@ class OpenAIServingResponses(OpenAIServingChat):
         response = {
             "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "background": False, "error": None, "incomplete_details": None, "instructions": instructions,
-            "max_output_tokens": params.max_tokens, "max_tool_calls": None, "model": request["model"], "output": [],
+            "max_output_tokens": params.max_tokens, "max_tool_calls": body.get("max_tool_calls"),
+            "model": request["model"], "output": [],
             "parallel_tool_calls": field(body, "parallel_tool_calls", "boolean", True),
             "previous_response_id": previous_id, "reasoning": None, "service_tier": body.get("service_tier") or "auto",
-            "store": store and self.responses.size > 0, "temperature": params.temperature,
+            "store": store and self.responses.enabled, "temperature": params.temperature,
             "text": {"format": text_format}, "tool_choice": body.get("tool_choice") or "auto",
             "tools": body.get("tools") or [], "top_logprobs": top_logprobs or 0, "top_p": params.top_p,
             "truncation": body.get("truncation") or "disabled",
@@ -401,7 +376,8 @@ class OpenAIServingResponses(OpenAIServingChat):
         """truncation 'auto': the conversation without as few of its oldest turns as make it fit
         the context, with what its chat request makes. System messages and the last turn stay; an
         assistant's tool calls go with their outputs. Found by bisection: a long history costs a
-        few renders. `error` is raised when even the shortest conversation is too long."""
+        few renders (of at most max_model_len messages: more never fit, at any conversation length).
+        `error` is raised when even the shortest conversation is too long."""
         turns = []
         for i, m in enumerate(conversation):
             if m["role"] == "system":
@@ -423,6 +399,10 @@ class OpenAIServingResponses(OpenAIServingChat):
                 return None
 
         lo, hi = 0, len(droppable)  # dropping lo turns is too long; find the fewest that fit
+        left = len(conversation)  # each message is at least one token: more than the context never fit
+        while lo < hi and left - len(droppable[lo]) > self.max_model_len:
+            left -= len(droppable[lo])
+            lo += 1
         best = await attempt(hi)
         if best is None:
             raise _renamed(error) from None
@@ -472,8 +452,9 @@ class OpenAIServingResponses(OpenAIServingChat):
 
     async def _stream_response(self, request, response, stream, output: OutputItems, conversation: list[dict] | None):
         """Responses events (`event:` and `data:` lines, numbered from 0): response.created and
-        .in_progress, the items' events as the text grows, then response.completed with the
-        whole response (its status "incomplete" when max_output_tokens cut it short)."""
+        .in_progress, the items' events as the text grows, then the whole response in
+        response.completed, or in response.incomplete (as OpenAI sends it, with
+        incomplete_details.reason "max_output_tokens") when max_output_tokens cut it short."""
         http = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await http.prepare(request)
         numbers = itertools.count()
@@ -495,7 +476,8 @@ class OpenAIServingResponses(OpenAIServingChat):
                     await send(event)
             else:
                 self._finish(response, stream.total, output, conversation)
-                await send({"type": "response.completed", "response": response})
+                kind = "incomplete" if response["status"] == "incomplete" else "completed"
+                await send({"type": f"response.{kind}", "response": response})
         except ConnectionResetError:  # the client left: the caller aborts the request
             raise
         except Exception as e:  # the engine failed this request (or died): the stream says so and ends

@@ -17,6 +17,9 @@ import uuid
 
 from serving.protocol import MAX_JSON_DEPTH, APIError, field, json_depth
 
+# The most tool calls one completion makes unless `max_tool_calls` says otherwise (with parallel
+# calls), and the most `max_tool_calls` may ask for (the grammar of "required" grows with it).
+MAX_TOOL_CALLS, MAX_TOOL_CALLS_LIMIT = 8, 128
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
@@ -32,6 +35,10 @@ class ToolCalling:
     function: str | None = None
     parser: str | None = None
     parallel: bool = True  # parallel_tool_calls: false keeps a completion to one call
+    max_calls: int = 0  # the most calls a completion makes (0: MAX_TOOL_CALLS; 1 without parallel calls)
+
+    def __post_init__(self):
+        self.max_calls = 1 if not self.parallel else self.max_calls or MAX_TOOL_CALLS
 
 
 def parse_tools(body: dict, auto_parser: str | None) -> ToolCalling | None:
@@ -39,9 +46,17 @@ def parse_tools(body: dict, auto_parser: str | None) -> ToolCalling | None:
     "auto", which needs the server's tool-call parser: without one it is a 400, as in vLLM. A
     null tool_choice is the default. Any other shape than OpenAI's is a 400 naming the field.
     `parallel_tool_calls: false` allows one call: the grammar of "required" takes one element, and
-    the parser of "auto" reads the first call only (a named function is one call anyway)."""
+    the parser of "auto" reads the first call only (a named function is one call anyway).
+    Otherwise `max_tool_calls` (OpenAI's Responses field; default MAX_TOOL_CALLS) bounds the calls
+    the same way: the grammar of "required" ends the array there, so a model cannot repeat calls
+    until max_tokens."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = field(body, "parallel_tool_calls", "boolean", True)
+    max_calls = field(body, "max_tool_calls", "integer", MAX_TOOL_CALLS)
+    if not 1 <= max_calls <= MAX_TOOL_CALLS_LIMIT:
+        raise APIError(f"'max_tool_calls' must be between 1 and {MAX_TOOL_CALLS_LIMIT}, got {max_calls}",
+                       param="max_tool_calls", code="invalid_value")
+    max_calls = max_calls if parallel else 1
     _check_choice_shape(choice)
     if tools is not None and not isinstance(tools, list):
         raise APIError(f"'tools' must be an array of {_TOOL_SHAPE}, got {type(tools).__name__}: {tools!r:.80}",
@@ -68,13 +83,12 @@ def parse_tools(body: dict, auto_parser: str | None) -> ToolCalling | None:
             raise APIError("tool_choice 'auto' (the default with tools) needs the server started with "
                            "--enable-auto-tool-choice and --tool-call-parser; or use tool_choice 'required' "
                            "or name a function", param="tool_choice", code="unsupported_parameter")
-        return ToolCalling(None, parser=auto_parser, parallel=parallel)
+        return ToolCalling(None, parser=auto_parser, parallel=parallel, max_calls=max_calls)
     if choice == "required":
-        one_call = {} if parallel else {"maxItems": 1}
-        return ToolCalling({"type": "array", "minItems": 1, **one_call, "items": {"anyOf": [
+        return ToolCalling({"type": "array", "minItems": 1, "maxItems": max_calls, "items": {"anyOf": [
             {"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
              "required": ["name", "parameters"], "additionalProperties": False}
-            for name, parameters in functions.items()]}}, parallel=parallel)
+            for name, parameters in functions.items()]}}, parallel=parallel, max_calls=max_calls)
     name = choice["function"]["name"]  # _check_choice_shape: a named function
     if name not in functions:
         raise APIError(f"tool_choice names the function {name!r:.80}, which is not in 'tools' "
@@ -119,20 +133,19 @@ class Split:
 def split(text: str, tools: ToolCalling, final: bool) -> Split:
     """`text` (the completion so far; `final`: all of it) as content and calls. An unfinished text
     holds back what may still become a call; a finished one gives back as content whatever did not
-    parse as a call, so nothing the model wrote is lost. Without parallel calls, only the first
-    call counts (the text of later ones is dropped, not given back as content)."""
+    parse as a call, so nothing the model wrote is lost. Only the first `tools.max_calls` calls
+    count (1 without parallel calls; the text of later ones is dropped, not given back as content)."""
     result = _split(text, tools, final)
-    if not tools.parallel and len(result.calls) > 1:
-        return Split(result.content, result.calls[:1])
+    if len(result.calls) > tools.max_calls:
+        return Split(result.content, result.calls[:tools.max_calls])
     return result
 
 
 def _split(text: str, tools: ToolCalling, final: bool) -> Split:
     if tools.function is not None:  # the whole completion is the arguments, streamed as they come
         return Split("", [(tools.function, text)])
-    if tools.parser is None:  # "required": the elements of a JSON array, each once complete
-        calls, end = _calls(text, text.find("[") + 1, ",")
-        return Split(text[end:].strip().removesuffix("]").strip() if final else "", calls)
+    if tools.parser is None:  # "required": the elements of a JSON array, each once complete; the grammar
+        return Split("", _calls(text, text.find("[") + 1, ",")[0])  # makes it all: an unfinished one is dropped
     if tools.parser == "hermes":
         return _split_hermes(text, final)
     return _split_llama3_json(text, final)
@@ -217,7 +230,7 @@ def message(text: str, tools: ToolCalling, finish_reason: str | None) -> tuple[d
     called any)."""
     result = split(text, tools, final=True)
     if tools.function is not None and finish_reason != "stop":
-        result = Split(text, [])  # cut short: the arguments are not whole, so no call
+        result = Split("", [])  # cut short: the arguments are not whole, so no call (and no content)
     if not result.calls:
         return {"role": "assistant", "content": result.content}, finish_reason
     calls = [{"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}

@@ -17,6 +17,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from openai.types.responses import ResponseIncompleteEvent
 from test_server import Server
 from test_server_robustness import assert_healthy_and_idle, assert_openai_error, strict_json
 
@@ -115,14 +116,21 @@ async def _sse(url, body):
 
 
 def test_streamed_events_add_up_to_the_response(server, client):
-    body = {"model": "tiny", "input": "Tell me a story", "max_output_tokens": 10, "temperature": 0}
-    whole = client.responses.create(**body)
+    """Cut by max_output_tokens (ignore_eos makes sure), the stream ends with response.incomplete
+    as OpenAI's does (not response.completed), incomplete_details saying why; the SDK reads it as
+    its ResponseIncompleteEvent."""
+    sdk = {"model": "tiny", "input": "Tell me a story", "max_output_tokens": 10, "temperature": 0}
+    body = {**sdk, "ignore_eos": True}
+    whole = client.responses.create(**sdk, extra_body={"ignore_eos": True})
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
     events = asyncio.run(_sse(server.url, body))
     types = [e["type"] for e in events]
     assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"], types
     assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.completed"], types
+                          "response.incomplete"], types
+    assert events[-1]["response"]["status"] == "incomplete" and events[-2]["item"]["status"] == "incomplete"
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
     assert set(types[4:-4]) == {"response.output_text.delta"}
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
     deltas = [e for e in events if e["type"] == "response.output_text.delta"]
@@ -133,9 +141,15 @@ def test_streamed_events_add_up_to_the_response(server, client):
     assert all(e["item_id"] == item["id"] and e["output_index"] == 0 and e["content_index"] == 0
                and e["logprobs"] == [] for e in deltas)
     assert final["usage"] == whole.usage.model_dump(exclude_none=True) and final["status"] == whole.status
-    # The SDK's stream helper accepts the sequence and rebuilds the same response.
-    with client.responses.stream(**body) as stream:
-        assert stream.get_final_response().output_text == text
+    # The SDK parses the events as its own types, the last its ResponseIncompleteEvent.
+    streamed = list(client.responses.create(**sdk, stream=True, extra_body={"ignore_eos": True}))
+    assert isinstance(streamed[-1], ResponseIncompleteEvent) and streamed[-1].response.output_text == text
+    assert [type(e).__name__ for e in streamed].count("ResponseCompletedEvent") == 0
+    # A response that ends by itself still ends with response.completed, which the stream helper reads.
+    eos = tiny_tokenizer().eos_token_id
+    with client.responses.stream(**sdk, extra_body={"logit_bias": {str(eos): 100}}) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_text == "" and final.incomplete_details is None
 
 
 def test_an_empty_answer_is_still_a_message(server, client):
@@ -412,7 +426,8 @@ def test_fuzz_responses_never_fail_the_server(server, body):
         status, text = asyncio.run(stream())
         if status == 200:
             last = strict_json(text.strip().split("\n\n")[-1].split("\n")[1][len("data: "):])
-            assert last["type"] in ("response.completed", "error"), text[-500:]
+            assert last["type"] in ("response.completed", "response.incomplete", "error"), text[-500:]
+            assert (last["type"] == "response.incomplete") == (last.get("response", {}).get("status") == "incomplete")
             return
         got = strict_json(text)
     else:

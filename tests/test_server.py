@@ -2,6 +2,7 @@
 `openai` client. The server runs in a subprocess (`python -m serving.cli serve`), as users run it."""
 
 import asyncio
+import base64
 import json
 import os
 import random
@@ -150,6 +151,22 @@ def test_health_models_auth(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         status, text = run(get(server.url, "/v1/models", headers=headers))
         assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key"
+    # /kv follows --api-key too: the bearer key, or HTTP Basic with the key as password (what a
+    # browser sends on each reload once asked by WWW-Authenticate); nothing without it.
+    basic = {"Authorization": "Basic " + base64.b64encode(f"anyone:{API_KEY}".encode()).decode()}
+    for headers in (AUTH, basic):
+        status, text = run(get(server.url, "/kv", headers=headers))
+        assert status == 200 and "KV cache of tiny" in text, text[:200]
+    wrong = {"Authorization": "Basic " + base64.b64encode(b"anyone:wrong").decode()}
+
+    async def kv(headers):
+        async with aiohttp.ClientSession() as session:
+            async with session.get(server.url + "/kv", headers=headers) as r:
+                return r.status, r.headers.get("WWW-Authenticate", ""), await r.json()
+
+    for headers in ({}, {"Authorization": "Bearer wrong"}, wrong, {"Authorization": "Basic %%%"}):
+        status, challenge, body = run(kv(headers))
+        assert status == 401 and body["error"]["code"] == "invalid_api_key" and challenge.startswith("Basic ")
 
 
 def test_completions_stream_equals_non_stream(server):

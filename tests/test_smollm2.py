@@ -255,3 +255,55 @@ def test_responses_api_on_real_weights(checkpoint):
         assert result.final_output == first.output_text
     finally:
         assert server.stop() == 0, "".join(server.log[-30:])
+
+
+def test_agents_parallel_tool_calls_on_real_weights(checkpoint):
+    """openai-agents' Runner with parallel calls allowed and tool_choice 'required' on SmolLM2 (its
+    template renders no tools, so it repeats calls): the grammar's bound on the calls
+    (MAX_TOOL_CALLS) ends them, so the response completes; without it SmolLM2 called until the
+    context was full and the Runner failed with response.incomplete. Whole and streamed."""
+    import asyncio
+    import json
+    from typing import Literal
+
+    import openai
+    from test_server import Server
+
+    from serving.tool_calls import MAX_TOOL_CALLS
+
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    server = Server("--model", checkpoint, "--served-model-name", "smollm2", "--max-model-len", "1024",
+                    "--max-num-seqs", "2", "--enforce-eager")
+    try:
+        calls = []
+
+        @agents.function_tool
+        def get_weather(city: Literal["Paris", "Rome", "Oslo"]) -> str:
+            """The current weather in a city."""
+            calls.append(city)
+            return f"Sunny in {city}"
+
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        agent = agents.Agent(name="weather", instructions="Use the tools to answer.", tools=[get_weather],
+                             model=agents.OpenAIResponsesModel("smollm2", client),
+                             tool_use_behavior="stop_on_first_tool",
+                             model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=True,
+                                                                 temperature=0))
+
+        async def run():
+            whole = await agents.Runner.run(agent, "What is the weather like in Paris?")
+            streamed = agents.Runner.run_streamed(agent, "What is the weather like in Paris?")
+            async for _ in streamed.stream_events():
+                pass
+            return whole, streamed
+
+        whole, streamed = asyncio.run(run())
+        print(calls, whole.final_output)
+        assert whole.final_output == streamed.final_output == f"Sunny in {calls[0]}"
+        assert 2 <= len(calls) <= 2 * MAX_TOOL_CALLS and calls[0] == "Paris"
+        responses = [r for r in whole.raw_responses]
+        assert all(item.type == "function_call" and json.loads(item.arguments)["city"] in ("Paris", "Rome", "Oslo")
+                   for r in responses for item in r.output)
+    finally:
+        assert server.stop() == 0, "".join(server.log[-30:])

@@ -9,7 +9,9 @@ import string
 import pytest
 
 from serving.protocol import MAX_JSON_DEPTH, APIError
-from serving.tool_calls import StreamedCalls, ToolCalling, message, parse_tools
+from serving.tool_calls import MAX_TOOL_CALLS, StreamedCalls, ToolCalling, message, parse_tools
+
+SEED = 20261125
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -106,8 +108,51 @@ def test_named_function_streams_its_arguments():
         (name, arguments), = random_calls(rng, 1)
         tools = ToolCalling({"type": "object"}, function=name)
         assert stream(json.dumps(arguments), tools, rng) == ("", [(name, arguments)], "tool_calls")
-        msg, reason = message(json.dumps(arguments)[:-1], tools, "length")  # cut short: text, not a call
-        assert msg["content"] == json.dumps(arguments)[:-1] and reason == "length"
+        msg, reason = message(json.dumps(arguments)[:-1], tools, "length")  # cut short: no call, no content
+        assert msg == {"role": "assistant", "content": ""} and reason == "length"
+
+
+def test_required_cut_short_drops_the_unfinished_call():
+    """tool_choice "required" cut by max_tokens inside a call: the whole calls before it, never
+    the unfinished one as content (it was `content='{"name":"'` beside the calls), whole or
+    streamed, and finish_reason "length"."""
+    seed = random.randrange(2**32)
+    print("seed", seed)
+    rng = random.Random(seed)
+    tools = ToolCalling({"type": "array"})
+    for _ in range(30):
+        calls = random_calls(rng, rng.randint(1, 4))
+        text = write(calls, None)
+        cut = text[:rng.randint(1, len(text) - 1)]  # a cut anywhere before the closing "]"
+        ends = [1 + sum(len(json.dumps({"name": n, "parameters": a})) + 2 for n, a in calls[:i + 1]) - 2
+                for i in range(len(calls))]  # where each element of '[c1, c2, ...]' ends
+        whole = [call for call, end in zip(calls, ends) if end <= len(cut)]
+        msg, reason = message(cut, tools, "length")
+        assert reason == "length" and not msg["content"], (cut, msg)
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in msg.get("tool_calls", [])] == whole, cut
+        assert stream(cut, tools, rng, "length") == ("", whole, "length")
+
+
+def test_max_tool_calls_bounds_the_calls():
+    """The grammar of "required" takes at most max_tool_calls elements (MAX_TOOL_CALLS by default,
+    one without parallel calls), so a model cannot repeat calls until max_tokens; a parser reads
+    no more than that many either."""
+    body = {"tools": TOOLS, "tool_choice": "required"}
+    assert parse_tools(body, None).schema["maxItems"] == MAX_TOOL_CALLS
+    assert parse_tools({**body, "max_tool_calls": 3}, None).schema["maxItems"] == 3
+    assert parse_tools({**body, "max_tool_calls": 3, "parallel_tool_calls": False}, None).schema["maxItems"] == 1
+    for bad in (0, -1, 10**6, "3", 2.5, True):
+        with pytest.raises(APIError) as e:
+            parse_tools({**body, "max_tool_calls": bad}, None)
+        assert e.value.status == 400 and e.value.param == "max_tool_calls"
+    rng = random.Random(SEED)
+    calls = random_calls(rng, 5)
+    for parser in ("hermes", "llama3_json"):
+        tools = parse_tools({"tools": TOOLS, "max_tool_calls": 2}, parser)
+        msg, reason = message(write(calls, parser), tools, "stop")
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == \
+            calls[:2] and reason == "tool_calls" and not msg["content"]
 
 
 def test_parse_tools_choices():
@@ -120,7 +165,7 @@ def test_parse_tools_choices():
     assert parse_tools({**body, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
                        None).function == "get_weather"
     assert parse_tools({**body, "tool_choice": "required"}, None).schema["minItems"] == 1
-    assert "maxItems" not in parse_tools({**body, "tool_choice": "required"}, None).schema
+    assert parse_tools({**body, "tool_choice": "required"}, None).schema["maxItems"] == MAX_TOOL_CALLS
     # parallel_tool_calls false: the grammar of "required" takes one element.
     assert parse_tools({**body, "tool_choice": "required", "parallel_tool_calls": False}, None).schema["maxItems"] == 1
 
