@@ -17,6 +17,7 @@ from jpaged import __version__
 from jpaged.config import MAX_LOGPROBS, RESPONSES_STORE_SIZE, EngineConfig
 from serving.responses_store import RESPONSES_STORE_BYTES
 from serving.tool_calls import TOOL_CALL_PARSERS
+from serving.tool_templates import TOOL_CHAT_TEMPLATES, load_chat_template
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -88,11 +89,12 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--responses-store-size {args.responses_store_size}; expected >= 0")
     if args.responses_store_bytes < 0:
         raise ValueError(f"--responses-store-bytes {args.responses_store_bytes}; expected >= 0")
+    chat_template = load_chat_template(args.chat_template)  # a bad name or path: an error before loading
     if not args.process_id:  # process 0 serves HTTP (multi-host)
         check_port(args.host, args.port)
     options = ServerOptions(
         host=args.host, port=args.port, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
-        max_queue=args.max_queue, timeout_keep_alive=args.timeout_keep_alive, chat_template=args.chat_template,
+        max_queue=args.max_queue, timeout_keep_alive=args.timeout_keep_alive, chat_template=chat_template,
         max_logprobs=args.max_logprobs, enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
@@ -142,14 +144,17 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--timeout-keep-alive", type=float, default=30,
                         help="seconds a connection may idle or take to send a whole request")
     server.add_argument("--chat-template", default=None,
-                        help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
+                        help="a Jinja chat template, a file holding one, or a shipped tool template by name "
+                             f"({', '.join(TOOL_CHAT_TEMPLATES)}: tools rendered in the format of the "
+                             "--tool-call-parser of that name), instead of the tokenizer's")
     server.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS, choices=range(0, MAX_LOGPROBS + 1),
                         metavar=f"{{0..{MAX_LOGPROBS}}}",
                         help="most logprobs / top_logprobs a request may ask for")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="answer tool_choice 'auto' (OpenAI's default with tools); needs --tool-call-parser")
     server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                        help="the model's tool-call format: hermes (Hermes, Qwen 2.5/3), llama3_json (Llama 3.1+)")
+                        help="the model's tool-call format: hermes (Hermes, Qwen 2.5/3), llama3_json (Llama 3.1+), "
+                             "mistral (Mistral v0.3); --chat-template NAME renders tools in it")
     server.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                         help="tool_choice 'none': leave the tools out of the chat template (which renders them "
                              "by default)")

@@ -14,7 +14,8 @@ instance; a grammar only the empty completion satisfies); then a compile in a wo
 under a time budget and a memory bound (grammar_worker.py). `prepare` does all that, and blocks:
 the server calls it in a thread, so the event loop and the engine thread never wait on a grammar.
 A grammar that errors during generation ends its sequence with finish_reason "error" and the
-message as stop_reason, never with text that breaks the grammar.
+message as stop_reason, never with text that breaks the grammar. A JSON schema's numbers get a
+default range and precision where it sets none (number_bounds.py), so they end.
 """
 
 import collections
@@ -26,6 +27,7 @@ import threading
 import numpy as np
 
 from jpaged.core.grammar_worker import clean_error
+from jpaged.core.number_bounds import bound_numbers
 from jpaged.sampling_params import SamplingParams
 
 MAX_GRAMMAR_BYTES = 128 * 1024  # a JSON schema's text, a regex, or all choices together (OpenAI: ~120k)
@@ -61,11 +63,15 @@ def _guide_of(sp: SamplingParams) -> tuple[str, object] | None:
             except ValueError as e:
                 raise GuideError("guided_json", sp.guided_json, f"not valid JSON: {str(e)[:100]}") from None
         _check_schema(sp.guided_json, schema)
-        schema = _strict(schema)
+        try:  # numbers of bounded length unless the schema says otherwise (number_bounds.py)
+            schema = bound_numbers(_strict(schema))
+        except ValueError as e:
+            raise GuideError("guided_json", sp.guided_json, str(e)) from None
         if isinstance(schema, dict) and "x-guidance" not in schema:
             # Compact JSON: with free whitespace a model can pad forever instead of closing the object.
             schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
-        text = json.dumps(schema, sort_keys=True)
+        # Keys in the schema's order: llguidance writes an object's properties in that order.
+        text = json.dumps(schema)
         _check_size("guided_json", sp.guided_json, len(text))
         return "guided_json", text
     if sp.guided_regex is not None:
