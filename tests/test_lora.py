@@ -163,7 +163,7 @@ def test_server_serves_adapters_through_the_openai_sdk(checkpoint, tmp_path):
                 for i, (name, path) in enumerate([("base", None), *adapters.items()])}
     server = Server("--model", base_dir, "--served-model-name", "base", "--enable-lora", "--max-loras", "2",
                     "--max-lora-rank", "16", "--api-key", "k", "--max-model-len", "128", "--max-num-seqs", "8",
-                    "--max-num-batched-tokens", "64", "--enforce-eager",
+                    "--max-num-batched-tokens", "64", "--enforce-eager", "--enable-lora-runtime-updates",
                     "--lora-modules", f"attn-r4={adapters['attn-r4']}",
                     json.dumps({"name": "all-r8", "path": adapters["all-r8"], "base_model_name": "base"}))
     try:
