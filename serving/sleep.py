@@ -27,9 +27,12 @@ class OpenAIServingSleep(OpenAIServing):
 
     async def sleep(self, request):
         self._check_sleep_mode()
-        level = request.query.get("level", "1")
-        if level not in ("1", "2"):
-            raise APIError(f"level={level!r}; expected 1 or 2", param="level")
+        levels = request.query.getall("level", ["1"])
+        if len(levels) != 1:
+            raise APIError(f"level is given {len(levels)} times; expected once (1 or 2)", param="level")
+        level = levels[0]
+        if level not in ("1", "2"):  # exactly: "1 " (1%20), "01", "+1" are refused
+            raise APIError(f"level={level[:20]!r}; expected 1 or 2", param="level")
         await self._on_engine(lambda engine: sleep_mode.sleep(engine, int(level)))
         return web.Response()
 

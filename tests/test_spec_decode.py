@@ -310,6 +310,12 @@ def test_ngram_proposals():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
      "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens": 10**6}, r"num_speculative_tokens=1000000; expected an integer "
+                                                          r"in \[1, 32\]"),
+    ({"method": "ngram", "num_speculative_tokens": 33}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 10**9},
+     r"prompt_lookup_max=1000000000; expected an integer in \[1, 32\]"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 10**9}, "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown fields"),
     ("{not json", "not valid JSON"),
     ([1, 2], "must be a dict"),

@@ -65,13 +65,20 @@ def sleep(engine, level: int = 1):
 
 def wake_up(engine):
     """Weights (from the host copy, or the checkpoint read again) and a zeroed KV pool back on the
-    devices; nothing when awake."""
+    devices; nothing when awake. A checkpoint that cannot be read again (truncated, replaced by
+    another model's) is a ValueError naming the file, and leaves the engine asleep as it was."""
     if not is_sleeping(engine):
         return
     runner, state = engine.runner, None
-    if runner.state is None and runner.slept.host_state is None:  # level 2 and no load_weights since
-        state = nnx.split(load_model_of(engine.config).model)[1]
-    weights.wake_up(runner, state)
+    try:
+        if runner.state is None and runner.slept.host_state is None:  # level 2 and no load_weights since
+            state = nnx.split(load_model_of(engine.config).model)[1]
+        weights.wake_up(runner, state)
+    except ValueError as e:  # nothing changed: still asleep, and wake_up may be called again
+        if state is not None and runner.state is not state:
+            weights.free(state)
+        raise ValueError(f"wake_up: reading the checkpoint again failed: {e}. The engine is still asleep: fix "
+                         "the checkpoint and call wake_up again, or give every tensor with load_weights") from None
     logger.info("wake_up: %.1f MiB on the devices", device_bytes((runner.state, runner.kv_cache)) / 2**20)
 
 

@@ -35,7 +35,7 @@ from jpaged.models.opt import OPTForCausalLM
 from jpaged.models.phi3 import Phi3ForCausalLM
 from jpaged.parallel import sharding
 from jpaged.quantization.formats import Quantization, quantization_of
-from jpaged.quantization.scheme import QuantizedTensor, layout, model_memory_bytes, quantize_model
+from jpaged.quantization.scheme import QuantizedTensor, check_scales, layout, model_memory_bytes, quantize_model
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class LoadedModel:
 
 
 # An fp8 KV cache's per-layer scales in a checkpoint (compressed-tensors, ModelOpt): layer index, k or v.
+KV_SCALE_REACH = 448.0  # fp8 e4m3's largest value: the checkpoints' KV scales are calibrated for it
 KV_SCALE = re.compile(r".*\.(?:layers|h)\.(\d+)\.[a-z_]+\.(k_scale|v_scale)")
 
 
@@ -141,11 +142,13 @@ def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.nda
             if any(p.fullmatch(name) for p in ignored):
                 continue
             if (match := KV_SCALE.fullmatch(name)) and np.size(tensor) == 1:
+                check_scales(name, np.asarray(tensor, np.float32).reshape(()), KV_SCALE_REACH, dtype)
                 if kv_scales is not None:
                     kv_scales[int(match[1]), match[2]] = float(np.asarray(tensor, np.float32).reshape(()))
                 continue
             raise ValueError(f"unexpected tensor {name!r} (shape {tuple(tensor.shape)}) in checkpoint for "
                              f"{model_cls.__name__}")
+        check_finite([(name, tensor)])
         for target in specs[name]:
             if tuple(tensor.shape) != target.hf_shape:
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint, "
@@ -160,6 +163,44 @@ def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.nda
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) for {model_cls.__name__}: "
                          + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
     return model
+
+
+# A 16- or 8-bit float is NaN or infinite when its exponent bits are all ones (e4m3fn: only NaN,
+# all but the sign bit ones): tested on the bits, several times faster than np.isfinite on ml_dtypes.
+_NONFINITE_BITS = {np.dtype(np.float16): (np.uint16, 0x7C00, 0x7C00),
+                   np.dtype(ml_dtypes.bfloat16): (np.uint16, 0x7F80, 0x7F80),
+                   np.dtype(ml_dtypes.float8_e4m3fn): (np.uint8, 0x7F, 0x7F),
+                   np.dtype(ml_dtypes.float8_e5m2): (np.uint8, 0x7C, 0x7C)}
+
+
+def _host_finite(x: np.ndarray) -> bool:
+    if x.dtype in _NONFINITE_BITS:
+        view, mask, nonfinite = _NONFINITE_BITS[x.dtype]
+        return not ((np.ascontiguousarray(x).view(view) & mask) == nonfinite).any()
+    return bool(np.isfinite(x).all())
+
+
+def check_finite(named) -> None:
+    """ValueError naming the first float tensor of `named` [(name, tensor)] holding a NaN or an
+    infinity (a model with one serves garbage). Host arrays are checked on the host (about 1 ns a
+    value); jax arrays on their devices, only one bool each read back."""
+    on_device = []
+    for name, tensor in named:
+        if isinstance(tensor, QuantizedTensor):
+            tensor = tensor.values  # its scales are checked with their bounds (check_scales)
+        if isinstance(tensor, jax.Array):
+            if jnp.issubdtype(tensor.dtype, jnp.floating):
+                on_device.append((name, jnp.isfinite(tensor).all()))
+            continue
+        tensor = np.asarray(tensor)
+        floating = np.issubdtype(tensor.dtype, np.floating) or tensor.dtype in _NONFINITE_BITS
+        if floating and not _host_finite(tensor):
+            raise ValueError(f"tensor {name!r} holds NaN or infinite values")
+    if on_device:
+        with jax.transfer_guard_device_to_host("allow"):  # the flags only; the tensors stay where they are
+            flags = jax.device_get([flag for _, flag in on_device])
+        if bad := [name for (name, _), ok in zip(on_device, flags) if not ok]:
+            raise ValueError(f"tensor {bad[0]!r} holds NaN or infinite values")
 
 
 def place(target: WeightTarget, tensor, linear: Linear | None, dtype, mesh: jax.sharding.Mesh):
@@ -279,7 +320,11 @@ def read_hf_config(model_dir: str) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(model_dir)
     except (ValueError, TypeError, KeyError, AttributeError, OSError) as e:
-        raise ValueError(f"{path}: transformers cannot read it ({type(e).__name__}: {str(e)[:200]})") from None
+        raise ValueError(f"{path}: transformers cannot read it ({type(e).__name__}: {one_line(e)})") from None
+
+
+def one_line(e: BaseException, limit: int = 200) -> str:
+    return " ".join(str(e).split())[:limit]
 
 
 def resolve_model_dir(model: str, revision: str | None = None) -> str:
@@ -325,6 +370,9 @@ def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", rev
         except (OSError, ValueError, TypeError):
             logger.warning("no tokenizer found in %s: prompts must be token ids", model_dir)
             tokenizer = None
+        except Exception as e:  # e.g. a corrupt tokenizer.json (the tokenizers library's own exception)
+            raise ValueError(f"{model_dir}: the tokenizer cannot be read ({type(e).__name__}: {one_line(e)})") \
+                from None
     quant = quantization_of(hf_config, quantization)
     found = {}
     nn_model = build_model(hf_config, weights, dtype=jdtype, attention_backend=attention_backend, mesh=mesh,

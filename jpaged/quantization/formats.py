@@ -64,10 +64,32 @@ class Quantization:
                                  "precision: it quantizes only dense Linear layers")
             parts.setdefault(module, {})[leaf] = tensor
             if reader.complete(parts[module], quantized[module]):
-                yield f"{module}.weight", reader.read(module, parts.pop(module), quantized[module], self.config)
+                yield f"{module}.weight", _read_module(reader, module, parts.pop(module), quantized[module],
+                                                       self.config)
         if parts:
             module, found = next(iter(parts.items()))
             raise ValueError(f"the checkpoint's quantized {module!r} is incomplete: it has only {sorted(found)}")
+
+
+def _read_module(reader, module: str, found: dict, scheme: WeightScheme, config: dict) -> QuantizedTensor:
+    """One module's tensors read into a QuantizedTensor; a malformed one (wrong dtypes or shapes)
+    is a ValueError naming the module, never a numpy error without context."""
+    scale_name = f"{module}.{reader.scale_leaf}"
+    for leaf, tensor in found.items():
+        dtype = np.asarray(tensor).dtype
+        floating = np.issubdtype(dtype, np.floating) or dtype in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn)
+        if leaf == reader.scale_leaf and not floating:
+            raise ValueError(f"tensor {scale_name!r} has dtype {dtype}; scales are floating point")
+        if leaf in reader.integer_leaves and not np.issubdtype(dtype, np.integer):
+            raise ValueError(f"tensor {module}.{leaf!s} has dtype {dtype}; expected integers")
+    try:
+        qt = reader.read(module, found, scheme, config)
+    except (ValueError, IndexError, TypeError) as e:
+        message = str(e)
+        raise ValueError(message if module in message else f"the checkpoint's quantized {module!r}: {message}") \
+            from None
+    qt.scale_name = scale_name
+    return qt
 
 
 def _matches(pattern: str, module: str) -> bool:
@@ -83,17 +105,23 @@ def quantization_of(hf_config, quantization: str | None) -> Quantization | None:
     on-the-fly; ValueError naming the format for anything jpaged cannot read."""
     qc = getattr(hf_config, "quantization_config", None)
     if qc is not None and not isinstance(qc, dict):
+        if not hasattr(qc, "to_dict"):  # transformers' own config classes have one
+            raise ValueError(f"the checkpoint's quantization_config must be a JSON object, got {type(qc).__name__}")
         qc = qc.to_dict()
     found = None
     if qc:
         method = qc.get("quant_method")
-        if method == "compressed-tensors":
-            found = _compressed_tensors(qc)
-        elif method in ("awq", "gptq"):
-            found = _awq_gptq(method, qc)
-        else:
-            raise ValueError(f"the checkpoint's quantization_config has quant_method={method!r}; jpaged reads "
-                             "'compressed-tensors', 'awq' (GEMM) and 'gptq' checkpoints")
+        try:
+            if method == "compressed-tensors":
+                found = _compressed_tensors(qc)
+            elif method in ("awq", "gptq"):
+                found = _awq_gptq(method, qc)
+            else:
+                raise ValueError(f"the checkpoint's quantization_config has quant_method={str(method)[:40]!r}; "
+                                 "jpaged reads 'compressed-tensors', 'awq' (GEMM) and 'gptq' checkpoints")
+        except (TypeError, AttributeError, KeyError) as e:  # a field of another type than the format's
+            raise ValueError(f"the checkpoint's quantization_config is malformed ({type(e).__name__}: "
+                             f"{str(e)[:120]})") from None
     if quantization is None:
         return found
     if quantization not in QUANTIZATION_METHODS:
@@ -123,6 +151,10 @@ def _ct_scheme(group: dict, where: str) -> WeightScheme:
     if strategy not in ("tensor", "channel", "group"):
         raise ValueError(f"compressed-tensors {where}: weight strategy {strategy!r}; jpaged reads 'tensor', "
                          "'channel' and 'group'")
+    size = w.get("group_size")
+    if strategy == "group" and not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
+        raise ValueError(f"compressed-tensors {where}: strategy 'group' needs an integer group_size >= 1, "
+                         f"got {str(size)[:20]!r}")
     if kind == "float" and not w.get("symmetric", True):
         raise ValueError(f"compressed-tensors {where}: asymmetric fp8 weights are not supported")
     activations = None
@@ -138,10 +170,28 @@ def _ct_scheme(group: dict, where: str) -> WeightScheme:
                         zero_point=not w.get("symmetric", True), activations=activations)
 
 
+def _field(value, kind, where: str, default=None):
+    """`value` if it is a `kind` (None: `default`); ValueError naming quantization_config's field otherwise."""
+    if value is None:
+        return default
+    ok = (isinstance(value, list) and all(isinstance(x, str) for x in value)) if kind == "strings" else \
+        (isinstance(value, int) and not isinstance(value, bool)) if kind is int else isinstance(value, kind)
+    if not ok:
+        expected = {"strings": "a list of strings", dict: "a JSON object", int: "an integer", bool: "a boolean",
+                    str: "a string"}[kind]
+        raise ValueError(f"the checkpoint's quantization_config.{where} must be {expected}, got "
+                         f"{type(value).__name__}")
+    return value
+
+
 def _compressed_tensors(qc: dict) -> Quantization | None:
-    groups = qc.get("config_groups") or {}
+    groups = _field(qc.get("config_groups"), dict, "config_groups", {})
     schemes = []
     for key, group in groups.items():
+        _field(group, dict, f"config_groups.{key}")
+        for part in ("weights", "input_activations"):
+            _field(group.get(part), dict, f"config_groups.{key}.{part}")
+        _field(group.get("targets"), "strings", f"config_groups.{key}.targets")
         if not group.get("weights"):
             continue  # activation- or KV-only groups leave the weights alone
         fmt = group.get("format") or qc.get("format")
@@ -153,13 +203,15 @@ def _compressed_tensors(qc: dict) -> Quantization | None:
         raise ValueError("compressed-tensors sparse checkpoints (sparsity_config) are not supported")
     if not schemes:
         return None  # e.g. an fp8 KV cache scheme only (read by the loader as KV scales)
-    return Quantization("compressed-tensors", schemes, tuple(qc.get("ignore") or ()), qc)
+    return Quantization("compressed-tensors", schemes, tuple(_field(qc.get("ignore"), "strings", "ignore", ())), qc)
 
 
 class CompressedTensors:
     FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quantized")
     leaves = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
               "input_scale", "input_zero_point", "weight_global_scale")
+    scale_leaf = "weight_scale"
+    integer_leaves = ("weight_packed", "weight_zero_point", "weight_shape", "weight_g_idx")
 
     @staticmethod
     def complete(found: dict, scheme: WeightScheme) -> bool:
@@ -223,6 +275,10 @@ AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # nibble i of a word holds colum
 
 def _awq_gptq(method: str, qc: dict) -> Quantization:
     bits, group_size = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
+    _field(group_size, int, "group_size")
+    _field(qc.get("modules_to_not_convert"), "strings", "modules_to_not_convert")
+    for block in _field(qc.get("modules_in_block_to_quantize"), list, "modules_in_block_to_quantize", []):
+        _field(block, "strings", "modules_in_block_to_quantize[i]")
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm" or bits != 4:
@@ -244,6 +300,8 @@ def _awq_gptq(method: str, qc: dict) -> Quantization:
 
 class AWQ:
     leaves = ("qweight", "qzeros", "scales")
+    scale_leaf = "scales"
+    integer_leaves = ("qweight", "qzeros")
 
     @staticmethod
     def complete(found: dict, scheme) -> bool:
@@ -266,6 +324,8 @@ class AWQ:
 
 class GPTQ:
     leaves = ("qweight", "qzeros", "scales", "g_idx")
+    scale_leaf = "scales"
+    integer_leaves = ("qweight", "qzeros", "g_idx")
 
     @staticmethod
     def complete(found: dict, scheme) -> bool:

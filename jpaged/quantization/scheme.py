@@ -56,10 +56,37 @@ class QuantizedTensor:
     values: np.ndarray
     scale: np.ndarray
     zero: np.ndarray | None = None
+    scale_name: str = "weight_scale"  # the scale's tensor in the checkpoint, for errors
 
     @property
     def shape(self):
         return self.values.shape
+
+
+def check_scales(name: str, scale, reach: float, dtype) -> None:
+    """Scales (weight or KV cache) must be finite and > 0, and `reach` (the largest magnitude a
+    stored value times its scale stands for) times the largest scale must be finite in `dtype`, the
+    dtype the model computes in (3e38 is refused: 448 * 3e38 overflows float32), and the smallest
+    must not round to 0 in it; ValueError naming tensor `name` and its first bad value otherwise."""
+    scale = np.asarray(scale, np.float32)
+    limit = float(jnp.finfo(dtype).max) / reach
+    tiny = float(jnp.finfo(dtype).smallest_subnormal)
+    checks = (("not finite", ~np.isfinite(scale)), ("not > 0", ~(scale > 0)),
+              (f"larger than {limit:.3g} (x {reach:g} overflows {jnp.dtype(dtype).name})", scale > limit),
+              (f"rounds to 0 in {jnp.dtype(dtype).name}", scale < tiny / 2))
+    for problem, bad in checks:
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"tensor {name!r} has scale {float(scale[where])!r} at {where}: {problem}; scales "
+                             "must be finite and > 0")
+
+
+def reach(scheme: WeightScheme) -> float:
+    """The largest |value - zero| a stored weight of `scheme` can take."""
+    if scheme.qtype == "float8_e4m3fn":
+        return QTYPES[scheme.qtype]
+    bound = 1 << (BITS[scheme.qtype] - 1)  # int: [-bound, bound - 1]
+    return 2 * bound - 1 if scheme.zero_point else bound
 
 
 def tile_scale_shape(in_shape: tuple[int, ...], group_size: int | None) -> tuple[int, ...]:
@@ -135,6 +162,13 @@ def layout(linear: Linear, target, tensor) -> list[tuple[nnx.Param, np.ndarray]]
         tiles = tuple(k // s for k, s in zip(full.shape, scale_shape))
         return full[tuple(slice(None, None, t) for t in tiles)].astype(dtype)
 
+    check_scales(tensor.scale_name, tensor.scale, reach(scheme), linear.dtype)
+    if tensor.zero is not None:
+        bound = 1 << (BITS[scheme.qtype] - 1)
+        if (bad := (tensor.zero < -bound) | (tensor.zero >= bound)).any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"tensor {tensor.scale_name.rpartition('.')[0]!r} has zero point "
+                             f"{int(tensor.zero[where])} at {where}, outside [{-bound}, {bound - 1}]")
     values = np.asarray(target.convert(tensor.values))
     out = [(linear.kernel, pack_int4(values) if scheme.qtype == "int4" else values),
            (linear.kernel_scale, per_tile(tensor.scale, linear.dtype))]

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged.models.layers import Linear
-from jpaged.models.loader import place
+from jpaged.models.loader import check_finite, place
 
 
 def as_array(name: str, tensor):
@@ -59,6 +59,10 @@ def check_weights(model: nnx.Module, weights, require_all: bool = False) -> list
             raise ValueError(f"load_weights: {name!r} has dtype {tensor.dtype}; expected a floating-point array")
         seen.add(name)
         checked.append((name, tensor))
+    try:
+        check_finite(checked)
+    except ValueError as e:
+        raise ValueError(f"load_weights: {e}") from None
     if require_all and (missing := [n for n in specs if n not in seen]):
         raise ValueError(f"load_weights: the weights were dropped (sleep level 2): every tensor is needed; "
                          f"{len(missing)} missing, e.g. {missing[0]!r}")
@@ -120,7 +124,21 @@ def restore_weights(runner, state=None):
     runner.state, slept.host_state = state, None
 
 
+def check_like_slept(runner, state):
+    """`state` (the checkpoint read again) has the shapes and dtypes the weights had when they
+    were dropped, which the compiled steps were built for; ValueError otherwise."""
+    avals = runner.slept.avals
+    if jax.tree.structure(state) != jax.tree.structure(avals):
+        raise ValueError("the checkpoint no longer has the model's structure (was it replaced by another model?)")
+    for (path, new), old in zip(jax.tree.leaves_with_path(state), jax.tree.leaves(avals)):
+        if (new.shape, new.dtype) != (old.shape, old.dtype):
+            raise ValueError(f"the checkpoint's {jax.tree_util.keystr(path)} is {new.dtype}{list(new.shape)}; "
+                             f"the model was started with {old.dtype}{list(old.shape)}")
+
+
 def wake_up(runner, state=None):
+    if state is not None:
+        check_like_slept(runner, state)
     if runner.state is None:
         restore_weights(runner, state)
     slept = runner.slept

@@ -4,6 +4,12 @@ import dataclasses
 import json
 
 METHODS = ("ngram", "draft_model")
+# Bounds on the integers. Drafts per step: each is a row of every decoding sequence in the step (and
+# a draft model's step per draft); acceptance falls geometrically with the position, so beyond a
+# few tens a draft is almost never accepted. The n-gram lookup tries each n from prompt_lookup_max
+# down, each a pass over the context: the work per step grows with the context times the bound squared.
+MAX_SPECULATIVE_TOKENS = 32
+MAX_PROMPT_LOOKUP = 32  # a 4,096-token context with no repeat: 4.5 ms a sequence a step (64: 12 ms, 512: 0.5 s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +58,15 @@ class SpeculativeConfig:
             return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
         check("method", self.method in METHODS, f"one of {METHODS}")
-        check("num_speculative_tokens", positive_int(self.num_speculative_tokens), "an integer >= 1")
-        check("prompt_lookup_max", self.prompt_lookup_max is None or positive_int(self.prompt_lookup_max),
-              "an integer >= 1")
-        check("prompt_lookup_min", self.prompt_lookup_min is None or positive_int(self.prompt_lookup_min),
-              "an integer >= 1")
+        def at_most(x, bound):
+            return positive_int(x) and x <= bound
+
+        check("num_speculative_tokens", at_most(self.num_speculative_tokens, MAX_SPECULATIVE_TOKENS),
+              f"an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
+        check("prompt_lookup_max", self.prompt_lookup_max is None or at_most(self.prompt_lookup_max, MAX_PROMPT_LOOKUP),
+              f"an integer in [1, {MAX_PROMPT_LOOKUP}]")
+        check("prompt_lookup_min", self.prompt_lookup_min is None or at_most(self.prompt_lookup_min, MAX_PROMPT_LOOKUP),
+              f"an integer in [1, {MAX_PROMPT_LOOKUP}]")
         check("prompt_lookup_min", self.lookup_min <= self.lookup_max,
               f"<= prompt_lookup_max={self.lookup_max}")
         check("model", (self.model is None) == (self.method != "draft_model"),
