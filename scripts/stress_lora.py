@@ -85,9 +85,10 @@ async def burst(session, url, adapters, expected, n=8, max_tokens=8, headers=Non
     return problems
 
 
-async def churn(session, url, adapters, expected, *, streams=5000, names=8, loaders=8, clients=16, max_tokens=8,
+async def churn(session, url, adapters, expected, *, streams=5000, names=8, loaders=12, clients=16, max_tokens=8,
                 seed=0, headers=None) -> dict:
-    """Loads and unloads from `loaders` clients while `clients` clients run `streams` streams."""
+    """Loads and unloads from `loaders` clients while `clients` clients run streams until `streams`
+    were answered (each checked against its adapter alone)."""
     rng = random.Random(seed)
     tag = f"{rng.getrandbits(32):x}"
     path_of = {f"churn-{tag}-{i}": adapters[i % len(adapters)] for i in range(names)}
@@ -100,8 +101,8 @@ async def churn(session, url, adapters, expected, *, streams=5000, names=8, load
         """Loads a name, holds it a moment, unloads it (or another client's name was loaded first)."""
         while not done.is_set():
             name = r.choice(sorted(path_of))
-            for path, body, hold in (("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path_of[name]}, 1.0),
-                                     ("/v1/unload_lora_adapter", {"lora_name": name}, 0.1)):
+            for path, body, hold in (("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path_of[name]}, 0.5),
+                                     ("/v1/unload_lora_adapter", {"lora_name": name}, 0.05)):
                 status, text = await _post(session, url, path, body, headers)
                 counts[f"{path.split('_')[0][4:]} {status}"] += 1
                 if status >= 500 or (status == 400 and "already been loaded" not in text):
@@ -109,12 +110,15 @@ async def churn(session, url, adapters, expected, *, streams=5000, names=8, load
                 await asyncio.sleep(r.uniform(0, hold))
 
     async def client(r):
+        """Streams until `streams` were answered (a 404 or 400, the name not loaded now, counts not)."""
         while left[0] > 0:
-            left[0] -= 1
             name = r.choice(sorted(path_of))
             status, text, error = await complete(session, url, name, max_tokens, headers)
             counts[f"stream {status}"] += 1
+            if status != 200:
+                await asyncio.sleep(0.02)
             if status == 200:
+                left[0] -= 1
                 if error or text != expected[path_of[name]]:
                     counts["wrong"] += 1
                     wrong.append((name, os.path.basename(path_of[name]), text, "error event" if error else ""))
@@ -257,7 +261,7 @@ async def main(args) -> int:
                              loaders=args.loaders, clients=args.clients, max_tokens=args.max_tokens, seed=seed,
                              headers=headers)
         counts = result["counts"]
-        print(f"churn: {args.streams} streams from {args.clients} clients, {args.loaders} loaders over "
+        print(f"churn: {args.streams} answered streams from {args.clients} clients, {args.loaders} loaders over "
               f"{args.names} names in {result['seconds']:.1f} s")
         print("  ", counts)
         print(f"  wrong-adapter answers: {counts.get('wrong', 0)}; failures: {len(result['failures'])}")
@@ -270,8 +274,9 @@ async def main(args) -> int:
             for case, (status, seconds, message) in report["cases"].items():
                 print(f"  {case:22s} {status} in {seconds * 1e3:7.1f} ms: {message[:110]}")
                 failed |= status != 400
-            print(f"victim stream: {report['victim_chunks']} chunks, largest gap {report['victim_largest_gap_s'] * 1e3:.0f}"
-                  f" ms; /health: {report['health_answers']} answers, slowest {report['health_slowest_s'] * 1e3:.0f} ms")
+            print(f"victim stream: {report['victim_chunks']} chunks, largest gap "
+                  f"{report['victim_largest_gap_s'] * 1e3:.0f} ms; /health: {report['health_answers']} answers, "
+                  f"slowest {report['health_slowest_s'] * 1e3:.0f} ms")
         clean = await idle(session, args.url)
         print("engine idle with no KV block held:", clean)
         failed |= not clean
@@ -282,9 +287,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--adapters", nargs="+", required=True, help="PEFT adapter directories the server may read")
-    parser.add_argument("--streams", type=int, default=5000)
+    parser.add_argument("--streams", type=int, default=5000, help="answered (200) streams, each checked")
     parser.add_argument("--names", type=int, default=8, help="adapter names churned (name i -> adapter i %% n)")
-    parser.add_argument("--loaders", type=int, default=8, help="clients loading and unloading")
+    parser.add_argument("--loaders", type=int, default=12, help="clients loading and unloading")
     parser.add_argument("--clients", type=int, default=16, help="clients running streams")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--hostile-dir", default=None, help="where to build hostile adapters (under the server's "

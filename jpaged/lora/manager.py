@@ -6,10 +6,12 @@ wrong; a request id seen before reuses what was read). A server reads its adapte
 (`read`, in a worker thread: never on the engine thread) and hands them over with `register`:
 those are kept (compact, unpadded) until `remove`, so the engine thread never reads their files
 again. `remove` while requests still run with the adapter retires it: new requests with it are
-refused, the running ones finish with it, and it is forgotten once none is left. `slots(ids)` gives each adapter of a step
-its device slot: an adapter already in a slot keeps it; another takes a free slot or the least
-recently used one no adapter of this step holds, its weights written there by the runner's one
-`write_lora` executable (no compile). The scheduler puts at most max_loras adapters in a step.
+refused, the running ones finish with it, and it is forgotten once none is left.
+
+`slots(ids)` gives each adapter of a step its device slot: an adapter already in a slot keeps it;
+another takes a free slot or the least recently used one no adapter of this step holds, its
+weights written there by the runner's one `write_lora` executable (no compile). The scheduler
+puts at most max_loras adapters in a step.
 """
 
 import collections

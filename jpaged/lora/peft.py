@@ -159,7 +159,8 @@ def load_peft_adapter(path: str, max_lora_rank: int, *, download: bool = True, a
     for module, ab in parts.items():
         leaf = module.rsplit(".", 1)[-1]
         if leaf not in SUPPORTED_MODULES:
-            raise ValueError(f"lora_path={path!r}: LoRA on {module!r}; supported modules: {', '.join(SUPPORTED_MODULES)}")
+            raise ValueError(f"lora_path={path!r}: LoRA on {module!r}; supported modules: "
+                             f"{', '.join(SUPPORTED_MODULES)}")
         if set(ab) != {"A", "B"}:
             raise ValueError(f"lora_path={path!r}: {module!r} has lora_{'A' if 'B' in ab else 'B'} missing")
         (a_name, a), (b_name, b) = ab["A"], ab["B"]
