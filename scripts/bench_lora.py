@@ -17,6 +17,10 @@ import statistics
 import sys
 import tempfile
 import time
+from importlib.util import find_spec
+
+if __name__ == "__main__" and not (find_spec("torch") and find_spec("peft")):  # the adapters are made with PEFT
+    sys.exit('error: scripts/bench_lora.py needs torch and peft: pip install ".[reference]"')
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -46,6 +46,7 @@ GPU:
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
@@ -416,6 +417,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if (args.random_llama or args.backend != "jpaged") and importlib.util.find_spec("torch") is None:
+        sys.exit('error: bench_throughput.py --random-llama and --backend hf need torch (transformers builds '
+                 'and runs the models): pip install ".[reference]"')
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     tmp = None
     try:

@@ -11,11 +11,16 @@ Needs llmcompressor (and torch), which jpaged's tests do not install; run it in 
 
 import sys
 import tempfile
+from importlib.util import find_spec
 
-import torch
-from datasets import Dataset
-from llmcompressor import oneshot
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+if find_spec("llmcompressor") is None:  # not an extra of jpaged: its pins clash with the tests' torch
+    sys.exit("error: scripts/make_fp8_kv_checkpoint.py needs llmcompressor, in a virtualenv of its own: "
+             "python -m venv /tmp/lc && /tmp/lc/bin/pip install llmcompressor (then run it with /tmp/lc/bin/python)")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from llmcompressor import oneshot  # noqa: E402
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 RECIPE = """
 quant_stage:

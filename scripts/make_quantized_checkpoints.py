@@ -17,12 +17,17 @@ Needs llmcompressor (and torch), which jpaged's tests do not install; run it in 
 import os
 import sys
 import tempfile
+from importlib.util import find_spec
 
-import torch
-from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-from llmcompressor import oneshot
-from llmcompressor.modifiers.quantization import QuantizationModifier
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+if find_spec("llmcompressor") is None:  # not an extra of jpaged: its pins clash with the tests' torch
+    sys.exit("error: scripts/make_quantized_checkpoints.py needs llmcompressor, in a virtualenv of its own: "
+             "python -m venv /tmp/lc && /tmp/lc/bin/pip install llmcompressor (then run it with /tmp/lc/bin/python)")
+
+import torch  # noqa: E402
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
+from llmcompressor import oneshot  # noqa: E402
+from llmcompressor.modifiers.quantization import QuantizationModifier  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 
 def int_weights(bits: int, group_size: int | None, symmetric: bool = True) -> QuantizationArgs:

@@ -41,7 +41,10 @@ import platform
 import sys
 import time
 
-import numpy as np
+if __name__ == "__main__" and importlib.util.find_spec("matplotlib") is None:  # now, not after the run
+    sys.exit('error: scripts/reproduce_paper.py needs matplotlib for its figures: pip install ".[bench]"')
+
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

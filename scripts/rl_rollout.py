@@ -15,15 +15,20 @@ forwards are independent implementations of the same model: they should agree to
 """
 
 import argparse
+import sys
 import time
+from importlib.util import find_spec
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
+if find_spec("optax") is None:  # the trainer's optimizer
+    sys.exit('error: scripts/rl_rollout.py needs optax: pip install ".[rl]"')
 
-import jpaged
-from jpaged.models import tiny
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import jpaged  # noqa: E402
+from jpaged.models import tiny  # noqa: E402
 
 
 

@@ -17,9 +17,13 @@ the coupling's P(argmax(log p + g) == argmax(log q + g)) over `--draws` Gumbel v
 import argparse
 import os
 import sys
+from importlib.util import find_spec
 
-import numpy as np
-import torch
+if find_spec("torch") is None:  # the draft and target logits come from transformers' models
+    sys.exit('error: scripts/spec_coupling.py needs torch: pip install ".[reference]"')
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
