@@ -258,10 +258,11 @@ def test_responses_api_on_real_weights(checkpoint):
 
 
 def test_agents_parallel_tool_calls_on_real_weights(checkpoint):
-    """openai-agents' Runner with parallel calls allowed and tool_choice 'required' on SmolLM2 (its
-    template renders no tools, so it repeats calls): the grammar's bound on the calls
-    (MAX_TOOL_CALLS) ends them, so the response completes; without it SmolLM2 called until the
-    context was full and the Runner failed with response.incomplete. Whole and streamed."""
+    """openai-agents' Runner (which raises on an incomplete response) with parallel calls and
+    tool_choice 'required' on SmolLM2, pushed to keep calling by a bias towards the tokens that
+    continue the array (',' and '},'): the grammar's bound on the calls (MAX_TOOL_CALLS) ends them
+    and the run completes, whole and streamed; unbounded, SmolLM2 called until max_tokens and the
+    Runner failed with response.incomplete."""
     import asyncio
     import json
     from typing import Literal
@@ -285,11 +286,11 @@ def test_agents_parallel_tool_calls_on_real_weights(checkpoint):
             return f"Sunny in {city}"
 
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=True, temperature=0,
+                                        max_tokens=300, extra_body={"logit_bias": {"28": 100, "6663": 100}})
         agent = agents.Agent(name="weather", instructions="Use the tools to answer.", tools=[get_weather],
                              model=agents.OpenAIResponsesModel("smollm2", client),
-                             tool_use_behavior="stop_on_first_tool",
-                             model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=True,
-                                                                 temperature=0))
+                             tool_use_behavior="stop_on_first_tool", model_settings=settings)
 
         async def run():
             whole = await agents.Runner.run(agent, "What is the weather like in Paris?")
@@ -301,9 +302,9 @@ def test_agents_parallel_tool_calls_on_real_weights(checkpoint):
         whole, streamed = asyncio.run(run())
         print(calls, whole.final_output)
         assert whole.final_output == streamed.final_output == f"Sunny in {calls[0]}"
-        assert 2 <= len(calls) <= 2 * MAX_TOOL_CALLS and calls[0] == "Paris"
-        responses = [r for r in whole.raw_responses]
+        assert len(calls) == 2 * MAX_TOOL_CALLS
+        [response] = whole.raw_responses
         assert all(item.type == "function_call" and json.loads(item.arguments)["city"] in ("Paris", "Rome", "Oslo")
-                   for r in responses for item in r.output)
+                   for item in response.output)
     finally:
         assert server.stop() == 0, "".join(server.log[-30:])
