@@ -187,8 +187,28 @@ async def main(args):
     return 0 if healthy and idle and not failures and not five_xx else 1
 
 
+# ---------------------------------------------------------------------- LoRA attacks (issue 38)
+def lora_attacks(args) -> int:
+    """--lora-churn: scripts/stress_lora.py's churn (every answered stream checked against its
+    adapter alone) and, with --lora-hostile-dir, its hostile adapter files; the server needs
+    --enable-lora --enable-lora-runtime-updates (and --allowed-lora-paths over both directories)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import stress_lora
+
+    return asyncio.run(stress_lora.main(argparse.Namespace(
+        url=args.url, adapters=args.lora_churn, streams=args.lora_streams, names=8, loaders=12, clients=16,
+        max_tokens=8, hostile_dir=args.lora_hostile_dir, api_key=None, seed=args.seed)))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lora-churn", nargs="+", default=None, metavar="ADAPTER_DIR",
+                        help="also churn these PEFT adapters (scripts/stress_lora.py) after the other attacks")
+    parser.add_argument("--lora-streams", type=int, default=5000, help="answered streams of the LoRA churn")
+    parser.add_argument("--lora-hostile-dir", default=None, help="build hostile adapters here and load them")
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--requests", type=int, default=2000, help="random (often hostile) request bodies")
     parser.add_argument("--malformed", type=int, default=200,
@@ -199,4 +219,7 @@ if __name__ == "__main__":
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--long-tokens", type=int, default=200, help="tokens of the one long request")
     parser.add_argument("--seed", type=int, default=None)
-    raise SystemExit(asyncio.run(main(parser.parse_args())))
+    parsed = parser.parse_args()
+    code = asyncio.run(main(parsed))
+    lora_code = lora_attacks(parsed) if parsed.lora_churn else 0
+    raise SystemExit(code or lora_code)
