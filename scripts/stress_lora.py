@@ -33,8 +33,9 @@ async def _post(session, url, path, body, headers=None):
         return r.status, await r.text()
 
 
-async def complete(session, url, model, max_tokens, headers=None, stream=True):
-    """(status, text, error event seen): one greedy completion of PROMPT."""
+async def complete(session, url, model, max_tokens, headers=None, stream=True, started=None):
+    """(status, text, error event seen): one greedy completion of PROMPT (`started`, an
+    asyncio.Event, is set at its first streamed text)."""
     body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": stream}
     async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
@@ -52,6 +53,8 @@ async def complete(session, url, model, max_tokens, headers=None, stream=True):
                 error = True
             else:
                 text.append(event["choices"][0]["text"])
+                if started is not None and text[-1]:
+                    started.set()
         return 200, "".join(text), error
 
 

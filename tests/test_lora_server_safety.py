@@ -153,15 +153,16 @@ def test_unload_while_streaming_finishes_with_the_adapter(server, checkpoint):  
 
     async def scenario(session):
         url = server.url
-        expected = await stress_lora.expected_texts(session, url, paths, 60)
+        expected = await stress_lora.expected_texts(session, url, paths, 100)
         assert len(set(expected.values())) == len(expected)
         for i, path in enumerate(paths):
             assert (await stress_lora._post(session, url, "/v1/load_lora_adapter",
                                             {"lora_name": f"mid-{i}", "lora_path": path}))[0] == 200
-        stream = asyncio.create_task(stress_lora.complete(session, url, "mid-0", 60))
-        await asyncio.sleep(0.3)
+        started = asyncio.Event()
+        stream = asyncio.create_task(stress_lora.complete(session, url, "mid-0", 100, started=started))
+        await started.wait()
         assert (await stress_lora._post(session, url, "/v1/unload_lora_adapter", {"lora_name": "mid-0"}))[0] == 200
-        others = await asyncio.gather(*[stress_lora.complete(session, url, f"mid-{i}", 60) for i in (1, 2, 1, 2)])
+        others = await asyncio.gather(*[stress_lora.complete(session, url, f"mid-{i}", 100) for i in (1, 2, 1, 2)])
         status, text, error = await stream
         assert (status, text, error) == (200, expected[paths[0]], False)
         assert [o[1] for o in others] == [expected[paths[i]] for i in (1, 2, 1, 2)]
@@ -194,3 +195,39 @@ def test_churn_never_answers_with_another_adapter(server, checkpoint):  # noqa: 
     assert result["failures"] == [] and result["counts"].get("wrong", 0) == 0
     assert result["counts"].get("right", 0) > 0 and result["counts"].get("load 200", 0) > 0
     assert idle
+
+
+def test_manager_keeps_registered_adapters_and_retires_unloaded_ones():
+    """Without an engine: a registered adapter is rebuilt from what was read (its path is never
+    opened), one removed while a request runs with it stays usable by that request only, and is
+    forgotten once the request finished."""
+    import types
+
+    import numpy as np
+
+    from jpaged.lora.manager import LoRAManager
+    from jpaged.lora.peft import PeftAdapter
+    from jpaged.lora.request import LoRARequest
+
+    runner = types.SimpleNamespace(lora_linears={}, writes=[])
+    runner.write_lora_slot = lambda slot, weights: runner.writes.append(slot)
+    manager = LoRAManager({}, runner, max_loras=1, max_lora_rank=4, max_cpu_loras=1, dtype=np.float32)
+    a, b = LoRARequest("a", 1, "/nonexistent/a"), LoRARequest("b", 2, "/nonexistent/b")
+    manager.register(a, PeftAdapter(a.lora_path, 1, {}), {})
+    manager.register(b, PeftAdapter(b.lora_path, 1, {}), {})  # a leaves the host LRU (max_cpu_loras=1)
+    assert manager.slots({1: a}) == {1: 0}  # rebuilt from what was read: /nonexistent is never opened
+    with pytest.raises(ValueError, match="already names"):
+        manager.register(LoRARequest("c", 1, "/nonexistent/c"), PeftAdapter("c", 1, {}), {})
+    running = types.SimpleNamespace(lora_request=a, finished=False)
+    running.is_finished = lambda: running.finished
+    assert manager.remove(1, [running, types.SimpleNamespace(lora_request=None)])
+    with pytest.raises(ValueError, match="unloaded"):
+        manager.add(a)  # a new request naming it
+    assert manager.slots({2: b}) == {2: 0} and manager.slots({1: a}) == {1: 0}  # the running one still gets it
+    running.finished = True
+    manager.add(b)  # forgets a
+    with pytest.raises(ValueError, match="unloaded"):
+        manager.add(a)
+    with pytest.raises(ValueError, match="removed"):
+        manager.register(a, PeftAdapter(a.lora_path, 1, {}), {})  # ids are not reused
+    assert manager.requests() == [b] and runner.writes == [0, 0, 0]
