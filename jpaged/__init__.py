@@ -1,5 +1,12 @@
 """jpaged: PagedAttention LLM serving in JAX/Pallas, with vLLM's API."""
 
+import os
+
+# transformers advises installing PyTorch when it is absent ("PyTorch was not found. Models won't
+# be available..."): jpaged needs only its tokenizers and configs. Only transformers' advisory
+# warnings are off; its warnings are not. Set before anything imports transformers.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 from jpaged.lora.request import LoRARequest
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.sampling_params import RequestOutputKind, SamplingParams

@@ -46,7 +46,10 @@ class EngineConfig:
                                         "(default: scale 1.0)")
     gpu_memory_utilization: float = _option(0.9, "fraction of GPU memory the engine may use (weights + KV pool)")
     num_gpu_blocks_override: int | None = _option(None, "KV pool size in blocks, instead of sizing it from memory")
-    swap_space: float = _option(4, "GiB of host memory per device for swapped-out KV blocks")
+    swap_space: float | None = _option(None, "GiB of host memory per device for swapped-out KV blocks (default: 4 "
+                                       "on a GPU; on a CPU, where both are the same RAM, as much as the KV pool, "
+                                       "at most 4). A CPU's pool: $JPAGED_CPU_KVCACHE_SPACE GiB, else room for "
+                                       "max(32768 tokens, 4 x max_model_len)")
     max_num_seqs: int = _option(256, "most sequences in one step")
     max_num_batched_tokens: int | None = _option(None, "token budget of one step (default: max(2048, max_num_seqs))")
     max_model_len: int | None = _option(None, "context length, prompt + output (default: the model's)")
@@ -105,7 +108,7 @@ class EngineConfig:
         check("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "a fraction in (0, 1]")
         check("num_gpu_blocks_override", self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
               "None or >= 1")
-        check("swap_space", self.swap_space >= 0, ">= 0 (GiB)")
+        check("swap_space", self.swap_space is None or self.swap_space >= 0, "None or >= 0 (GiB)")
         check("max_num_seqs", self.max_num_seqs >= 1, ">= 1")
         check("max_num_batched_tokens", self.max_num_batched_tokens is None
               or self.max_num_batched_tokens >= self.max_num_seqs, f"None or >= max_num_seqs={self.max_num_seqs}")

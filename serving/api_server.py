@@ -202,9 +202,25 @@ def spec_decode_line(stats: dict, last: dict) -> str | None:
             f"Drafted: {proposed} tokens, Draft acceptance rate: {100 * accepted / max(proposed, 1):.1f}%")
 
 
+def stats_line(stats: dict, prompt_throughput: float, generation_throughput: float, platform: str) -> str:
+    """vLLM's periodic line. On a GPU, the pool is "GPU KV cache" and swap space "CPU KV cache" (as
+    vLLM says); elsewhere both are host memory: "KV cache" and "swap space" (vLLM's CPU backend
+    says "KV cache usage" too)."""
+    pool, swap = ("GPU KV cache", "CPU KV cache") if platform == "gpu" else ("KV cache", "swap space")
+    swapped = 1 - stats["num_free_cpu_blocks"] / stats["num_cpu_blocks"] if stats["num_cpu_blocks"] else 0
+    return (f"Avg prompt throughput: {prompt_throughput:.1f} tokens/s, Avg generation throughput: "
+            f"{generation_throughput:.1f} tokens/s, Running: {stats['num_running']} reqs, Swapped: "
+            f"{stats['num_swapped']} reqs, Pending: {stats['num_waiting']} reqs, {pool} usage: "
+            f"{100 * (1 - stats['num_free_gpu_blocks'] / stats['num_gpu_blocks']):.1f}%, {swap} usage: "
+            f"{100 * swapped:.1f}%")
+
+
 async def _log_stats(async_engine: AsyncLLMEngine):
     """vLLM's periodic line: throughput since the last line, queues and KV cache usage (and with
     speculative decoding, its acceptance since the last line)."""
+    import jax
+
+    platform = jax.devices()[0].platform
     metrics = async_engine.metrics
     last = (time.monotonic(), metrics.prompt_tokens, metrics.generation_tokens)
     last_stats = dict(async_engine.stats)
@@ -215,12 +231,8 @@ async def _log_stats(async_engine: AsyncLLMEngine):
         busy = stats["num_running"] or stats["num_waiting"] or stats["num_swapped"]
         if busy or (prompt, generation) != last[1:]:
             elapsed = now - last[0]
-            logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-                        "Running: %d reqs, Swapped: %d reqs, Pending: %d reqs, GPU KV cache usage: %.1f%%, "
-                        "CPU KV cache usage: %.1f%%", (prompt - last[1]) / elapsed, (generation - last[2]) / elapsed,
-                        stats["num_running"], stats["num_swapped"], stats["num_waiting"],
-                        100 * (1 - stats["num_free_gpu_blocks"] / stats["num_gpu_blocks"]),
-                        100 * (1 - stats["num_free_cpu_blocks"] / max(stats["num_cpu_blocks"], 1)))
+            logger.info("%s", stats_line(stats, (prompt - last[1]) / elapsed, (generation - last[2]) / elapsed,
+                                         platform))
             spec_line = spec_decode_line(stats, last_stats)
             if spec_line:
                 logger.info("%s", spec_line)

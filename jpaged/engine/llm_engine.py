@@ -27,7 +27,9 @@ from jpaged.core.sequence import Sequence, SequenceGroup
 from jpaged.core.step_needs import can_multi_step, can_overlap
 from jpaged.core.stop_checker import StopChecker
 from jpaged.core.structured_output import StructuredOutputManager
+from jpaged.engine.kv_pool_size import PoolSize, pool_size
 from jpaged.engine.request_validator import RequestValidator
+from jpaged.log_notes import explain_slow_compile_alarm
 from jpaged.lora.manager import LoRAManager, check_lora_request
 from jpaged.lora.model import add_lora_slots
 from jpaged.lora.request import LoRARequest
@@ -153,15 +155,18 @@ class LLMEngine:
         # Per device: its kv heads' part of every block (a draft's pages have the same blocks).
         bytes_per_block = kv_cache_spec.bytes_per_block + (draft.kv_cache_spec.bytes_per_block if draft else 0)
         # Every process must allocate the same pool: the smallest one that fits everywhere.
-        num_gpu_blocks = distributed.min_across_processes(self._num_gpu_blocks(bytes_per_block))
-        num_cpu_blocks = int(config.swap_space * 2**30 // bytes_per_block)
+        pool = self._pool_size(bytes_per_block)
+        num_gpu_blocks, num_cpu_blocks = distributed.min_across_processes(pool.num_gpu_blocks), pool.num_cpu_blocks
         kv_scales, scales = self._kv_scales(loaded, kv_cache_spec)
         logger.info("jpaged: %s (%s%s) on %s; weights %.1f MiB; KV pool: %d device blocks (%.1f MiB), %d host "
-                    "blocks of %d tokens (%.1f KiB each); KV cache %s%s", config.model, loaded.dtype.name,
+                    "blocks of %d tokens (%.1f KiB each; pool sized by %s); KV cache %s%s", config.model,
+                    loaded.dtype.name,
                     f", weights {loaded.quantization.describe()}" if loaded.quantization else "",
                     devices.describe(config.attention_backend), loaded.model_memory_bytes / 2**20,
                     num_gpu_blocks, num_gpu_blocks * bytes_per_block / 2**20,
-                    num_cpu_blocks, config.block_size, bytes_per_block / 1024, kv_cache_spec.dtype.name, scales)
+                    num_cpu_blocks, config.block_size, bytes_per_block / 1024, pool.how, kv_cache_spec.dtype.name,
+                    scales)
+        explain_slow_compile_alarm()
         self.kv_cache_dtype = kv_cache_spec.dtype.name
         self.block_manager = BlockManager(config.block_size, num_gpu_blocks, num_cpu_blocks,
                                           enable_caching=config.enable_prefix_caching,
@@ -256,24 +261,19 @@ class LLMEngine:
         return "\n".join([loaded.hf_config.to_json_string(), loaded.dtype.name, repr(options),
                           str(self.max_model_len)])
 
-    def _num_gpu_blocks(self, bytes_per_block: int) -> int:
-        if self.config.num_gpu_blocks_override:
-            return self.config.num_gpu_blocks_override
+    def _pool_size(self, bytes_per_block: int) -> PoolSize:
+        """The KV pool and swap space in blocks (kv_pool_size.py: a GPU's free memory, a CPU's rule)."""
         device = jax.devices()[0]
-        stats = device.memory_stats() if device.platform == "gpu" else None
-        if stats and "bytes_limit" in stats:
-            # Weights are already resident; leave (1 - utilization) of the device for activations.
-            budget = stats["bytes_limit"] * self.config.gpu_memory_utilization - stats["bytes_in_use"]
-        else:
-            # CPU: enough for every sequence at full length, but at most 5% of the RAM. Of the total,
-            # not the free RAM: the same pool size (step shapes) every start, so compiled steps are
-            # found in the on-disk cache.
-            needed = self.config.max_num_seqs * math.ceil(self.max_model_len / self.config.block_size) * bytes_per_block
-            budget = min(needed, 0.05 * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        num_blocks = int(budget // bytes_per_block)
-        if num_blocks < math.ceil(self.max_model_len / self.config.block_size):
-            logger.warning("only %d KV blocks fit: fewer than one max_model_len sequence needs", num_blocks)
-        return max(num_blocks, 1)
+        pool = pool_size(bytes_per_block=bytes_per_block, block_size=self.config.block_size,
+                         max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
+                         num_gpu_blocks_override=self.config.num_gpu_blocks_override,
+                         gpu_memory_utilization=self.config.gpu_memory_utilization,
+                         swap_space=self.config.swap_space,
+                         memory_stats=device.memory_stats() if device.platform == "gpu" else None,
+                         ram_bytes=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        if pool.num_gpu_blocks < math.ceil(self.max_model_len / self.config.block_size):
+            logger.warning("only %d KV blocks fit: fewer than one max_model_len sequence needs", pool.num_gpu_blocks)
+        return pool
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams,
