@@ -115,8 +115,9 @@ class OpenAIServing:
                 if not self._template_renders_tools:
                     logger.warning("the chat template does not render 'tools': the model is not told which tools "
                                    "it may call (tool_choice 'required' and named functions still constrain the "
-                                   "output to them). Pass a template that renders tools with --chat-template FILE, "
-                                   "as for vLLM (its examples/tool_chat_template_*.jinja)")
+                                   "output to them). Pass a template that renders tools: --chat-template hermes, "
+                                   "llama3_json or mistral (shipped with jpaged, matching --tool-call-parser), or "
+                                   "a FILE")
             return text
 
         text = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, render_and_check)
