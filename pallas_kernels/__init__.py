@@ -45,7 +45,7 @@ import functools
 
 import jax
 
-from pallas_kernels.cache_ops import copy_blocks, write_kv
+from pallas_kernels.cache_ops import as_dtype, copy_blocks, write_kv
 from pallas_kernels.xla import paged_attention_xla, ragged_paged_attention_xla
 
 __all__ = [
@@ -104,20 +104,26 @@ def _masking_family(backend: str, sliding_window, logits_soft_cap) -> str:
     return family
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "backend", "logits_soft_cap"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "backend", "logits_soft_cap",
+                                             "kv_dtype"))
 def paged_attention(q, k_pages, v_pages, block_tables, context_lens, *, scale=None, interpret=None, num_splits=None,
-                    backend="auto", sliding_window=None, logits_soft_cap=None):
+                    backend="auto", sliding_window=None, logits_soft_cap=None, kv_dtype=None):
     """Decode attention over paged K/V.
 
     q [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim]
     (q's dtype). Sequence s attends to tokens [0, context_lens[s]) of its
     pages. scale defaults to 1/sqrt(head_dim). num_splits (Pallas kernels)
     forces the number of split-K partitions; None picks it from the shapes.
+    kv_dtype: the pages hold that dtype's raw bits (write_kv; jpaged's pools on a CPU).
     """
     family = _masking_family(backend, sliding_window, logits_soft_cap)
     masking = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap) if family != "mosaic" else {}
     if family == "xla":
-        return paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, scale=scale, **masking)
+        return paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, scale=scale, kv_dtype=kv_dtype,
+                                   **masking)
+    # The Pallas kernels read typed pages (whole-pool views: raw pools exist only on a CPU, where
+    # these kernels run in interpret mode, for tests).
+    k_pages, v_pages = as_dtype(k_pages, kv_dtype), as_dtype(v_pages, kv_dtype)
     if family == "mosaic":
         from pallas_kernels.mosaic import paged_attention_mosaic as kernel
     else:
@@ -126,10 +132,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, context_lens, *, scale=No
                   interpret=_interpret(interpret), **masking)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "backend", "logits_soft_cap"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "backend", "logits_soft_cap", "kv_dtype"))
 def ragged_paged_attention(
     q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None, interpret=None, backend="auto",
-    sliding_window=None, logits_soft_cap=None
+    sliding_window=None, logits_soft_cap=None, kv_dtype=None
 ):
     """Causal attention of packed new tokens over paged K/V.
 
@@ -140,7 +146,8 @@ def ragged_paged_attention(
     masking = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap) if family != "mosaic" else {}
     if family == "xla":
         return ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, scale=scale,
-                                          **masking)
+                                          kv_dtype=kv_dtype, **masking)
+    k_pages, v_pages = as_dtype(k_pages, kv_dtype), as_dtype(v_pages, kv_dtype)
     if family == "mosaic":
         from pallas_kernels.mosaic import ragged_paged_attention_mosaic as kernel
     else:

@@ -16,7 +16,8 @@ cost follows the real contexts and not the block tables' width: callers may
 pass tables padded to the maximum width and compile one shape.
 Softmax is computed in fp32; rows with no visible key give zeros, not NaN.
 fp8 pages are widened to q's dtype as they are gathered (the caller folds the
-K scale into q and the V scale into the output).
+K scale into q and the V scale into the output). `kv_dtype`: the pages hold that
+dtype's raw bits (cache_ops.write_kv), reinterpreted as they are gathered.
 
 Optional, as the kernels: `sliding_window` w (an int or a traced int32 scalar)
 lets a query at position p see only keys in (p - w, p], and the loop starts at
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import tiling
+from pallas_kernels.cache_ops import as_dtype
 
 _HIGHEST = lax.Precision.HIGHEST  # no TF32 for fp32 inputs on GPU
 
@@ -104,9 +106,9 @@ def _first_key(starts, contexts):
     return jnp.where(jnp.any(live), jnp.min(jnp.where(live, starts, jnp.iinfo(jnp.int32).max)), 0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "logits_soft_cap"))
+@functools.partial(jax.jit, static_argnames=("scale", "logits_soft_cap", "kv_dtype"))
 def paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, *, scale=None, sliding_window=None,
-                        logits_soft_cap=None):
+                        logits_soft_cap=None, kv_dtype=None):
     """Decode attention: q [S, H, d] -> [S, H, d]; see paged_attention."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size = k_pages.shape[:3]
@@ -116,8 +118,8 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, *, scal
     scale = default_scale(scale, head_dim)
 
     def chunk_scores(chunk_tables, first_key):
-        k = _gather_pages(k_pages, chunk_tables).astype(q.dtype)  # [kvh, S, keys, d]; fp8 pages widened
-        v = _gather_pages(v_pages, chunk_tables).astype(q.dtype)
+        k = as_dtype(_gather_pages(k_pages, chunk_tables), kv_dtype).astype(q.dtype)  # [kvh, S, keys, d]; fp8 pages widened
+        v = as_dtype(_gather_pages(v_pages, chunk_tables), kv_dtype).astype(q.dtype)
         key = first_key + jnp.arange(k.shape[2])[None, :]
         key_ok = (key < context_lens[:, None]) & (key >= window_start[:, None])  # [S, keys]
         # Masking V too keeps non-finite garbage in unused (or freed) slots out of 0 * x.
@@ -140,9 +142,9 @@ def xla_query_tile(num_tokens: int, num_seqs: int) -> int:
     return min(128, tiling.next_pow2(avg))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "logits_soft_cap"))
+@functools.partial(jax.jit, static_argnames=("scale", "logits_soft_cap", "kv_dtype"))
 def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None,
-                               sliding_window=None, logits_soft_cap=None):
+                               sliding_window=None, logits_soft_cap=None, kv_dtype=None):
     """Ragged prefill: q [T, H, d] -> [T, H, d]; see ragged_paged_attention."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size = k_pages.shape[:3]
@@ -158,8 +160,8 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, 
     scale = default_scale(scale, head_dim)
 
     def chunk_scores(chunk_tables, first_key):
-        k = _gather_pages(k_pages, chunk_tables).astype(q.dtype)  # [kvh, NT, keys, d]; fp8 pages widened
-        v = _gather_pages(v_pages, chunk_tables).astype(q.dtype)
+        k = as_dtype(_gather_pages(k_pages, chunk_tables), kv_dtype).astype(q.dtype)  # [kvh, NT, keys, d]; fp8 pages widened
+        v = as_dtype(_gather_pages(v_pages, chunk_tables), kv_dtype).astype(q.dtype)
         key = first_key + jnp.arange(k.shape[2], dtype=jnp.int32)
         key_ok = (key[None, :] < tile_context[:, None]) & (key[None, :] >= tile_start[:, None])  # [NT, keys]
         v = jnp.where(key_ok[None, :, :, None], v, jnp.zeros((), v.dtype))

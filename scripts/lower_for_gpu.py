@@ -130,7 +130,10 @@ def _abstract_model(runner):
         if isinstance(node, Attention):
             node.ops = dataclasses.replace(node.ops, mesh=MESH)
     graphdef, state = nnx.split(model)
-    return graphdef, jax.tree.map(strip, state), jax.tree.map(strip, runner.kv_cache), strip(runner.last_tokens)
+    # A GPU's pool holds its dtype (the CPU's holds raw bits: KVCache.raw_of).
+    pages = jax.ShapeDtypeStruct(runner.kv_cache.k_pages.shape, runner.kv_cache.dtype)
+    kv_cache = jax.tree.map(strip, runner.kv_cache).replace(k_pages=pages, v_pages=pages, raw_of=None)
+    return graphdef, jax.tree.map(strip, state), kv_cache, strip(runner.last_tokens)
 
 
 def forward_cases():

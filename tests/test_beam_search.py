@@ -36,7 +36,8 @@ def reference_logprobs(llm):
     def forward(state, ids, n):
         model = nnx.merge(runner.graphdef, state)
         k = runner.kv_cache.k_pages  # a fresh pool of PAD // bs pages per layer
-        kv_cache = KVCache(*(jnp.zeros((k.shape[0], runner.num_layers * PAD // bs) + k.shape[2:], k.dtype),) * 2)
+        kv_cache = KVCache(*(jnp.zeros((k.shape[0], runner.num_layers * PAD // bs) + k.shape[2:], k.dtype),) * 2,
+                           raw_of=runner.kv_cache.raw_of)
         meta = AttentionMetadata(slot_mapping=jnp.where(pos < n, pos, -1),
                                  block_tables=jnp.arange(PAD // bs, dtype=jnp.int32)[None], context_lens=n[None],
                                  query_start_loc=jnp.stack([jnp.int32(0), n]))

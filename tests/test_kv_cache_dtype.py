@@ -91,9 +91,11 @@ def test_attention_with_fp8_pages_and_layer_scales(kv_cache_dtype):
     err = np.abs(np.asarray(out, np.float64) - ref).max()
     print(f"{kv_cache_dtype}: max abs err {err:.2e}")
     assert err < 1e-4
-    stored = np.asarray(cache.k_pages).astype(np.float64)[:, 4 + blocks[pos // page], pos % page]  # [kvh, n, d]
+    k_pages = np.asarray(cache.typed_pages()[0])  # on a CPU the pool holds raw bits (KVCache.raw_of)
+    assert k_pages.dtype == np.dtype(dtype)
+    stored = k_pages.astype(np.float64)[:, 4 + blocks[pos // page], pos % page]  # [kvh, n, d]
     np.testing.assert_array_equal(stored * k_scale[1], np.swapaxes(k_ref, 0, 1))
-    assert not np.asarray(cache.k_pages[:, :4]).astype(np.float32).any()  # layer 0: still zeros
+    assert not k_pages[:, :4].astype(np.float32).any()  # layer 0: still zeros
 
 
 def test_spec_bytes_and_pool_sizes_halve_against_bf16(caplog):

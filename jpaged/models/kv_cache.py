@@ -19,11 +19,11 @@ import numpy as np
 from flax import nnx
 
 from jpaged.config import KV_CACHE_DTYPES
-from pallas_kernels.cache_ops import FP8
+from pallas_kernels.cache_ops import FP8, RAW_BITS, as_dtype
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["k_pages", "v_pages", "k_scale", "v_scale", "scales_pending"], meta_fields=[])
+                   data_fields=["k_pages", "v_pages", "k_scale", "v_scale", "scales_pending"], meta_fields=["raw_of"])
 @dataclasses.dataclass
 class KVCache:
     k_pages: jax.Array
@@ -33,9 +33,22 @@ class KVCache:
     # bool[] with calculate_kv_scales: True until a step computed the scales from its K and V
     # (the runner clears it after the first step).
     scales_pending: jax.Array | None = None
+    # The pages hold the raw bits (unsigned ints of its width) of this dtype, None: of their own.
+    # On a CPU for dtypes narrower than 32 bits: XLA's CPU backend cannot scatter them in place
+    # (pallas_kernels.cache_ops.write_kv).
+    raw_of: np.dtype | None = None
 
     def replace(self, **changes) -> "KVCache":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype of the values the pages hold."""
+        return np.dtype(self.raw_of or self.k_pages.dtype)
+
+    def typed_pages(self) -> tuple[jax.Array, jax.Array]:
+        """k_pages and v_pages as `dtype` arrays (for tests and tools; the step reads raw ones)."""
+        return as_dtype(self.k_pages, self.raw_of), as_dtype(self.v_pages, self.raw_of)
 
 
 # kv_cache_dtype (vLLM's names) -> the pages' dtype; "auto" keeps the model's.
@@ -97,8 +110,10 @@ class KVCacheSpec:
                  calculate_scales: bool = False) -> KVCache:
         """Zeroed pages; fp8 ones with per-layer scales (`scales`: (k, v) f32[num_layers], else 1.0,
         or computed by the first step with `calculate_scales`)."""
-        shape = self.pool_shape(num_blocks)
-        cache = KVCache(jnp.zeros(shape, self.dtype, device=sharding), jnp.zeros(shape, self.dtype, device=sharding))
+        shape, raw = self.pool_shape(num_blocks), stores_raw_bits(self.dtype, sharding)
+        storage = RAW_BITS[self.dtype.itemsize] if raw else self.dtype
+        cache = KVCache(jnp.zeros(shape, storage, device=sharding), jnp.zeros(shape, storage, device=sharding),
+                        raw_of=self.dtype if raw else None)
         if self.quantized:
             replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
             k, v = scales if scales is not None else (np.ones(self.num_layers, np.float32),) * 2
@@ -107,6 +122,13 @@ class KVCacheSpec:
                                   scales_pending=jax.device_put(np.bool_(True), replicated) if calculate_scales
                                   else None)
         return cache
+
+
+def stores_raw_bits(dtype, sharding) -> bool:
+    """Whether a pool of `dtype` on `sharding`'s devices holds raw bits: on a CPU, for floats
+    narrower than 32 bits (see KVCache.raw_of)."""
+    platform = next(iter(sharding.device_set)).platform
+    return platform == "cpu" and np.dtype(dtype).itemsize < 4
 
 
 def max_scale(x, dtype, axis_name: str | None = None):

@@ -40,7 +40,8 @@ class AttentionOps:
         heads, pages = P(None, TP_AXIS, None), kv_cache_sharding(self.mesh).spec
         # check_vma=False: the Pallas kernels do not declare how they vary across the mesh.
         pool = KVCache(pages, pages, *(None if x is None else P() for x in
-                                       (kv_cache.k_scale, kv_cache.v_scale, kv_cache.scales_pending)))
+                                       (kv_cache.k_scale, kv_cache.v_scale, kv_cache.scales_pending)),
+                       raw_of=kv_cache.raw_of)
         return jax.shard_map(attend, mesh=self.mesh, in_specs=(heads, heads, heads, pool, P(), P()),
                              out_specs=(heads, pool), check_vma=False)(
             q, k, v, kv_cache, meta, sliding_window)
@@ -51,11 +52,12 @@ class AttentionOps:
         if kv_cache.k_scale is not None:  # fp8 pages: this layer's scales
             kv_cache, k_scale, v_scale = self._layer_scales(kv_cache, k, v, meta.layer)
         k_pages, v_pages = pallas_kernels.write_kv(kv_cache.k_pages, kv_cache.v_pages, k, v, meta.slot_mapping,
-                                                   k_scale, v_scale)
+                                                   k_scale, v_scale, kv_dtype=kv_cache.raw_of)
         kv_cache = kv_cache.replace(k_pages=k_pages, v_pages=v_pages)
         if k_scale is not None:  # q . (k8 * k_scale) = (q * k_scale) . k8: the kernels only widen fp8 pages
             q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
-        out = self._kernels(q, k_pages, v_pages, meta, sliding_window, scale, logits_soft_cap, decode_only)
+        out = self._kernels(q, k_pages, v_pages, meta, sliding_window, scale, logits_soft_cap, decode_only,
+                            kv_cache.raw_of)
         if v_scale is not None:  # sum_j p_j (v8_j * v_scale) = v_scale * sum_j p_j v8_j
             out = (out.astype(jnp.float32) * v_scale).astype(out.dtype)
         return out, kv_cache
@@ -69,16 +71,17 @@ class AttentionOps:
             return kv_cache, k_scale, v_scale
         axis = None if self.mesh is None else TP_AXIS
         pending = kv_cache.scales_pending
-        k_scale = jnp.where(pending, max_scale(k, kv_cache.k_pages.dtype, axis), k_scale)
-        v_scale = jnp.where(pending, max_scale(v, kv_cache.v_pages.dtype, axis), v_scale)
+        k_scale = jnp.where(pending, max_scale(k, kv_cache.dtype, axis), k_scale)
+        v_scale = jnp.where(pending, max_scale(v, kv_cache.dtype, axis), v_scale)
         kv_cache = kv_cache.replace(k_scale=kv_cache.k_scale.at[layer].set(k_scale),
                                     v_scale=kv_cache.v_scale.at[layer].set(v_scale))
         return kv_cache, k_scale, v_scale
 
-    def _kernels(self, q, k_pages, v_pages, meta, sliding_window, scale, logits_soft_cap, decode_only):
+    def _kernels(self, q, k_pages, v_pages, meta, sliding_window, scale, logits_soft_cap, decode_only, kv_dtype):
         args = (q, k_pages, v_pages, meta.block_tables, meta.context_lens)
         # pallas_kernels picks the kernels (interpret mode for Pallas ones off-GPU).
-        opts = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, backend=self.backend)
+        opts = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, backend=self.backend,
+                    kv_dtype=kv_dtype)
 
         def decode():
             return pallas_kernels.paged_attention(*args, **opts)

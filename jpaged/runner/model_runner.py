@@ -96,7 +96,7 @@ class ModelRunner:
         pool = jax.tree.map(lambda x: x.sharding, self.kv_cache)  # pages split on kv heads, scales replicated
         # Host pool for swapped-out pages, one per local shard, keyed by the shard's first kv head:
         # [layer, k/v, kv_heads / tp, cpu_blocks, block_size, head_dim].
-        self.host_kv = {index[0].start or 0: np.zeros(kv_cache_spec.host_shape(num_cpu_blocks), kv_cache_spec.dtype)
+        self.host_kv = {index[0].start or 0: np.zeros(kv_cache_spec.host_shape(num_cpu_blocks), self.kv_cache.k_pages.dtype)
                         for index in kv.addressable_devices_indices_map(kv_cache_spec.pool_shape(num_gpu_blocks)).values()}
         # Swapped pages in flight: [layer, k/v, kv_heads, blocks, block_size, head_dim], split on kv heads.
         self._pages_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, None, TP_AXIS))
@@ -253,8 +253,8 @@ class ModelRunner:
 
     def _swapped_pages_shape(self, num_blocks: int) -> jax.ShapeDtypeStruct:
         """Pages in flight between the pool and the host: [layers, k/v, kv_heads, blocks, page_size, head_dim]."""
-        spec = self.kv_cache_spec
-        return jax.ShapeDtypeStruct(spec.swapped_pages_shape(num_blocks), spec.dtype, sharding=self._pages_sharding)
+        return jax.ShapeDtypeStruct(self.kv_cache_spec.swapped_pages_shape(num_blocks), self.kv_cache.k_pages.dtype,
+                                    sharding=self._pages_sharding)
 
     def _executable(self, key):
         if key not in self._executables:
