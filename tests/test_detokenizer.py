@@ -1,7 +1,7 @@
 """Incremental detokenization and stop strings (jpaged/core/detokenizer.py).
 
-Every run draws fresh random texts and token ids; the seed is in every failure message and can
-be fixed with JPAGED_TEST_SEED=<int>. Tokenizers: the built-in byte tokenizer of `tiny`, and three
+Random texts and token ids are drawn from one seed (conftest's DEFAULT_SEED, or JPAGED_TEST_SEED=<int>
+for another draw), named in every failure message. Tokenizers: the built-in byte tokenizer of `tiny`, and three
 trained here from a small corpus (no network): a GPT-2-style byte-level BPE, a Llama-2-style BPE
 with byte fallback (Prepend/Replace normalizer, Replace+ByteFallback+Fuse+Strip decoder) and a
 Unigram with the Metaspace pre-tokenizer and decoder.
@@ -21,8 +21,9 @@ from jpaged.core.detokenizer import (
     remove_last_delta, streamable_text)
 from jpaged.core.sequence import Sequence, SequenceStatus
 from jpaged.models.tiny import tiny_tokenizer
+from conftest import DEFAULT_SEED
 
-SEED = int(os.environ.get("JPAGED_TEST_SEED", random.SystemRandom().randrange(2**32)))
+SEED = int(os.environ.get("JPAGED_TEST_SEED") or DEFAULT_SEED)
 BOS, EOS = 256, 257  # tiny
 
 
