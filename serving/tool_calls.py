@@ -8,7 +8,10 @@ content and tool calls as it grows (the same split serves a finished text and a 
   - "hermes" (Hermes, Qwen 2.5/3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
     after optional content;
   - "llama3_json" (Llama 3.1+): a completion that is `{"name": ..., "parameters": {...}}` objects
-    (separated by ";", optionally after `<|python_tag|>`); any other completion is content.
+    (separated by ";", optionally after `<|python_tag|>`); any other completion is content;
+  - "mistral" (Mistral 7B v0.3, Nemo): `[TOOL_CALLS]` then a JSON array of
+    `{"name": ..., "arguments": {...}}` objects, after optional content.
+Chat templates that tell a model about tools in each format ship in serving/tool_templates/.
 """
 
 import dataclasses
@@ -20,9 +23,10 @@ from serving.protocol import MAX_JSON_DEPTH, APIError, field, json_depth
 # The most tool calls one completion makes unless `max_tool_calls` says otherwise (with parallel
 # calls), and the most `max_tool_calls` may ask for (the grammar of "required" grows with it).
 MAX_TOOL_CALLS, MAX_TOOL_CALLS_LIMIT = 8, 128
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
+_MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
 _decoder = json.JSONDecoder()
 
 
@@ -148,6 +152,8 @@ def _split(text: str, tools: ToolCalling, final: bool) -> Split:
         return Split("", _calls(text, text.find("[") + 1, ",")[0])  # makes it all: an unfinished one is dropped
     if tools.parser == "hermes":
         return _split_hermes(text, final)
+    if tools.parser == "mistral":
+        return _split_mistral(text, final)
     return _split_llama3_json(text, final)
 
 
@@ -176,6 +182,17 @@ def _split_llama3_json(text: str, final: bool) -> Split:
     if final and not calls:
         return Split(text, [])  # not a call after all: the model answered in text
     return Split(body[end:].strip() if final else "", calls)
+
+
+def _split_mistral(text: str, final: bool) -> Split:
+    start = text.find(_MISTRAL_TOOL_CALLS)
+    if start < 0:  # content; unfinished, a tail that may begin the tag waits
+        return Split(text if final else text[:len(text) - _partial_prefix(text, _MISTRAL_TOOL_CALLS)], [])
+    body = text[start + len(_MISTRAL_TOOL_CALLS):]
+    first = len(body) - len(body.lstrip())  # an array of calls, or one call object
+    calls, end = _calls(body, first + body.startswith("[", first), ",")
+    rest = body[end:].strip().removesuffix("]").strip() if final else ""
+    return Split(text[:start] + rest, calls)
 
 
 def _calls(text: str, pos: int, separator: str) -> tuple[list[tuple[str, str]], int]:
