@@ -105,6 +105,10 @@ def test_bad_tensors_change_nothing(checkpoints):
         "dtype": {norm: np.ones(64, np.int32)},
         "expected a numpy": {norm: [1.0] * 64},
         "no tensors given": {},
+        "'model.layers.0.input_layernorm.weight' holds NaN": {norm: np.full(64, np.nan, np.float32)},
+        "'model.layers.1.mlp.up_proj.weight' holds NaN or infinite": {  # checked on the device
+            "model.layers.1.mlp.up_proj.weight": jax.device_put(b["model.layers.1.mlp.up_proj.weight"]).at[2, 3].set(
+                np.inf)},
     }
     for message, bad in cases.items():
         with pytest.raises(ValueError, match=message):
@@ -157,12 +161,47 @@ def test_sleep_and_wake_up(checkpoints):
         jpaged.LLM(checkpoints["A"], **{**LIMITS, "enable_sleep_mode": False}).sleep(1)
 
 
-def test_server_sleep_routes(checkpoints):
+def test_wake_up_from_a_broken_checkpoint_stays_asleep(checkpoints, tmp_path):
+    """Sleep level 2 drops the weights; wake_up reads the checkpoint again. Truncated, or replaced
+    by another model's, it is a ValueError naming the file, the engine still asleep; once the file
+    is fixed wake_up works and the outputs are the same."""
+    import shutil
+
+    path = str(tmp_path / "A")
+    shutil.copytree(checkpoints["A"], path)
+    file = os.path.join(path, "model.safetensors")
+    data = open(file, "rb").read()
+    llm = jpaged.LLM(path, **LIMITS)
+    before = greedy(llm)
+    llm.sleep(2)
+    open(file, "wb").write(data[:len(data) * 2 // 3])
+    with pytest.raises(ValueError, match=rf"wake_up: .*{file}: tensor .* \(truncated\).* still asleep"):
+        llm.wake_up()
+    assert llm.is_sleeping()
+    with pytest.raises(ValueError, match="asleep"):
+        greedy(llm)
+    hf_reference.save_random_llama(tmp_path / "deeper", SEED, num_hidden_layers=3)  # the same names, one more layer
+    shutil.copy(tmp_path / "deeper" / "model.safetensors", file)
+    shutil.copy(tmp_path / "deeper" / "config.json", os.path.join(path, "config.json"))
+    with pytest.raises(ValueError, match="wake_up: .*the model was started with .* still asleep"):
+        llm.wake_up()
+    assert llm.is_sleeping()
+    shutil.copy(os.path.join(checkpoints["A"], "config.json"), os.path.join(path, "config.json"))
+    open(file, "wb").write(data)
+    llm.wake_up()
+    assert not llm.is_sleeping() and greedy(llm) == before
+
+
+def test_server_sleep_routes(checkpoints, tmp_path):
     import httpx
 
     from test_server import Server
 
-    args = ["--model", checkpoints["A"], "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
+    import shutil
+
+    model = str(tmp_path / "A")  # a copy: truncated below
+    shutil.copytree(checkpoints["A"], model)
+    args = ["--model", model, "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
             "--max-num-batched-tokens", "64", "--enable-prefix-caching", "--enforce-eager"]
     server = Server(*args, "--enable-sleep-mode", "--api-key", "k")
     auth = {"Authorization": "Bearer k"}
@@ -171,7 +210,7 @@ def test_server_sleep_routes(checkpoints):
             return httpx.request(method, server.url + path, headers=key, timeout=120, **kw)
 
         def complete():
-            r = call("POST", "/v1/completions", json={"model": checkpoints["A"], "prompt": prompts()[0],
+            r = call("POST", "/v1/completions", json={"model": model, "prompt": prompts()[0],
                                                       "max_tokens": 6, "temperature": 0})
             return r.status_code, r.json()
 
@@ -179,7 +218,9 @@ def test_server_sleep_routes(checkpoints):
         assert status == 200
         assert call("GET", "/is_sleeping").json() == {"is_sleeping": False}
         assert call("POST", "/sleep?level=1", key={}).status_code == 401
-        assert call("POST", "/sleep?level=3").status_code == 400
+        for query in ("level=3", "level=1%20", "level=1&level=2", "level=01", "level="):
+            r = call("POST", "/sleep?" + query)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "level", (query, r.text)
         assert call("POST", "/sleep?level=1").status_code == 200
         assert call("GET", "/is_sleeping").json() == {"is_sleeping": True}
         status, body = complete()
@@ -189,6 +230,18 @@ def test_server_sleep_routes(checkpoints):
         status, again = complete()
         assert status == 200 and again["choices"][0]["text"] == first["choices"][0]["text"]
         assert call("POST", "/reset_prefix_cache").status_code == 200
+        # Level 2, the checkpoint truncated meanwhile: wake_up is a 400 naming the file, still asleep.
+        file = os.path.join(model, "model.safetensors")
+        data = open(file, "rb").read()
+        assert call("POST", "/sleep?level=2").status_code == 200
+        open(file, "wb").write(data[:len(data) // 2])
+        r = call("POST", "/wake_up")
+        assert r.status_code == 400 and f"{file}: tensor" in r.json()["error"]["message"], r.text
+        assert call("GET", "/is_sleeping").json() == {"is_sleeping": True}
+        open(file, "wb").write(data)
+        assert call("POST", "/wake_up").status_code == 200
+        status, again = complete()
+        assert status == 200 and again["choices"][0]["text"] == first["choices"][0]["text"]
     finally:
         assert server.stop() == 0
     server = Server(*args)
