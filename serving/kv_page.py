@@ -14,6 +14,7 @@ for it, so any number of pollers cost the engine at most one map per SNAPSHOT_S.
 import asyncio
 import base64
 import binascii
+import gzip
 import hmac
 import html
 import time
@@ -49,12 +50,12 @@ class KVPage:
     def __init__(self, engine: AsyncLLMEngine, model_name: str, api_key: str | None,
                  clock=time.monotonic):
         self.engine, self.model_name, self.api_key, self.clock = engine, model_name, api_key, clock
-        self._page: str | None = None
+        self._page: tuple[bytes, bytes] | None = None  # the page in UTF-8, and gzipped
         self._taken = float("-inf")
         self._pending: asyncio.Future | None = None
         self.snapshots = 0  # maps taken (for tests and curiosity)
 
-    async def page(self) -> str:
+    async def page(self) -> tuple[bytes, bytes]:
         if self._page is not None and self.clock() - self._taken < SNAPSHOT_S:
             return self._page
         if self._pending is None:  # the first poller takes the snapshot; the others wait for it
@@ -67,7 +68,7 @@ class KVPage:
         if not future.cancelled():
             future.exception()  # retrieved: a failed snapshot is raised to its waiters, not logged again
 
-    async def _snapshot(self) -> str:
+    async def _snapshot(self) -> tuple[bytes, bytes]:
         kv_map, usage = await self.engine.call(lambda e: (e.kv_map(), e.kv_usage()))
         self.snapshots += 1
         allocated = usage.allocated_slots
@@ -75,11 +76,14 @@ class KVPage:
                    f"reserved, {usage.fragmented_slots} fragmented, {usage.free_slots} free"
                    + (f" ({usage.token_slots / allocated:.1%} of allocated slots hold tokens)" if allocated else ""))
         name = html.escape(self.model_name)
-        # The SVG of a large pool is a long string: made off the event loop, which serves the streams.
-        svg = await asyncio.get_running_loop().run_in_executor(None, kv_map.to_svg)
-        self._page = (f'<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" '
-                      f'content="{REFRESH_S}"><title>KV cache · {name}</title></head><body style="font-family:'
-                      f'sans-serif"><h2>KV cache of {name}</h2><p>{numbers}</p>{svg}</body></html>')
+
+        def render() -> tuple[bytes, bytes]:  # a large pool's SVG is long: made off the event loop
+            page = (f'<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" '
+                    f'content="{REFRESH_S}"><title>KV cache · {name}</title></head><body style="font-family:'
+                    f'sans-serif"><h2>KV cache of {name}</h2><p>{numbers}</p>{kv_map.to_svg()}</body></html>').encode()
+            return page, gzip.compress(page, compresslevel=1)  # sent to the many pollers that accept gzip
+
+        self._page = await asyncio.get_running_loop().run_in_executor(None, render)
         self._taken = self.clock()
         return self._page
 
@@ -88,7 +92,11 @@ class KVPage:
             error = APIError("Incorrect API key provided.", status=401, code="invalid_api_key")
             return web.json_response(error.to_json(), status=401,
                                      headers={"WWW-Authenticate": 'Basic realm="jpaged /kv: the API key as password"'})
-        return web.Response(text=await self.page(), content_type="text/html")
+        page, gzipped = await self.page()
+        if "gzip" in request.headers.get("Accept-Encoding", ""):
+            return web.Response(body=gzipped, content_type="text/html", charset="utf-8",
+                                headers={"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
+        return web.Response(body=page, content_type="text/html", charset="utf-8")
 
 
 def add_routes(app: web.Application, engine: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> KVPage:

@@ -2,6 +2,7 @@
 --api-key; one snapshot serves every poller for SNAPSHOT_S."""
 
 import asyncio
+import gzip
 import random
 import shutil
 import subprocess
@@ -118,7 +119,8 @@ def test_pollers_share_one_snapshot_per_interval():
 
     async def poll():
         pages = await asyncio.gather(*(page.page() for _ in range(20)))
-        assert len(set(pages)) == 1 and "KV cache of tiny" in pages[0]
+        assert len(set(pages)) == 1 and b"KV cache of tiny" in pages[0][0]
+        assert gzip.decompress(pages[0][1]) == pages[0][0]
         now[0] += rng.uniform(0, kv_page.SNAPSHOT_S / 3)
         await asyncio.gather(*(page.page() for _ in range(20)))
         assert engine.calls == 1
