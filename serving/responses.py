@@ -4,9 +4,10 @@
 A Responses request is read as the chat request it means: `input` items become chat messages
 (function_call items an assistant message's tool calls, function_call_output items tool
 messages), `instructions` a system message first, flat function `tools` chat's tools,
-`text.format` chat's `response_format`, `max_output_tokens` `max_tokens`; so the chat template,
-tool calling, structured output and every check are chat's (serving/chat.py). The completion
-comes back as output items (a message, function calls), streamed as Responses events.
+`text.format` chat's `response_format`, `max_output_tokens` `max_tokens` (`max_tool_calls` bounds
+the calls, serving/tool_calls.py); so the chat template, tool calling, structured output and every
+check are chat's (serving/chat.py). The completion comes back as output items (a message, function
+calls), streamed as Responses events (ending in response.incomplete when max_output_tokens cut it).
 
 Responses are kept (`store`, OpenAI's default true) in an in-memory store bounded by count and bytes
 (serving/responses_store.py), the oldest dropped first: `previous_response_id` continues a
