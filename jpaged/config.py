@@ -60,6 +60,10 @@ class EngineConfig:
                                  "('orca-max', 'orca-pow2', 'orca-oracle') or also batch per request ('static', "
                                  "FasterTransformer-like)", choices=KV_ALLOCATIONS)
     tensor_parallel_size: int = _option(1, "devices to split the model over (Megatron-style)")
+    devices: list | str | None = _option(None, "the devices this engine runs on, as jax device ids (--devices 2,3) "
+                                         "or, in Python, jax Devices: tensor_parallel_size of them, distinct, on "
+                                         "one platform; the mesh, weights, KV pool and compiled steps live there "
+                                         "(default: the first tensor_parallel_size devices)")
     attention_backend: str = _option("auto", "attention kernels: 'pallas' (Triton), 'mosaic' (Mosaic GPU, sm_90+), "
                                      "'xla' ('auto': Triton on GPU, XLA elsewhere)", choices=ATTENTION_BACKENDS)
     device: str | None = _option(None, "device platform ('cuda' or 'cpu'): that one or a clear error at start-up "
@@ -121,6 +125,11 @@ class EngineConfig:
               "'paged' with enable_prefix_caching (the baselines share no blocks)")
         check("tensor_parallel_size", isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
               "an integer >= 1")
+        self.devices = _device_list(self.devices)
+        check("devices", self.devices is None or len(self.devices) == self.tensor_parallel_size,
+              f"None or tensor_parallel_size={self.tensor_parallel_size} devices")
+        check("devices", self.devices is None or len({_device_id(d) for d in self.devices}) == len(self.devices),
+              "distinct devices")
         check("num_processes", self.num_processes is None or self.num_processes >= 1, "None or >= 1")
         check("process_id", self.process_id is None or self.process_id >= 0, "None or >= 0")
         check("attention_backend", self.attention_backend in ATTENTION_BACKENDS, f"one of {ATTENTION_BACKENDS}")
@@ -141,3 +150,30 @@ class EngineConfig:
               "False with speculative_config (not supported together yet)")
         check("grammar_compile_timeout", self.grammar_compile_timeout > 0, "> 0 (seconds)")
         check("grammar_compile_memory", self.grammar_compile_memory >= 64, ">= 64 (MiB)")
+
+
+def _device_id(device) -> int:
+    return device if isinstance(device, int) else device.id
+
+
+def _device_list(devices) -> list | None:
+    """`devices` as a list of ints and jax Devices: "2,3" (the command line) and a single id or
+    Device are accepted too. Whether they exist is checked when the engine starts (jax's backend
+    is not started here): sharding.resolve_devices."""
+    if devices is None:
+        return None
+    if isinstance(devices, str):
+        try:
+            return [int(part) for part in devices.replace(" ", "").split(",")] if devices.strip() else []
+        except ValueError:
+            raise ValueError(f"devices={devices!r}; expected device ids separated by commas, e.g. '2,3'") from None
+    if isinstance(devices, int) or hasattr(devices, "platform"):
+        devices = [devices]
+    try:
+        devices = list(devices)
+    except TypeError:
+        raise ValueError(f"devices={devices!r}; expected a list of device ids or jax Devices") from None
+    for device in devices:
+        if isinstance(device, bool) or not (isinstance(device, int) and device >= 0 or hasattr(device, "platform")):
+            raise ValueError(f"devices={devices!r}; expected a list of device ids (ints >= 0) or jax Devices")
+    return devices

@@ -1,4 +1,5 @@
 """The device platform the engine runs on: the `device` option, checked loudly at start-up.
+Which of its devices an engine uses is `EngineConfig.devices` (jpaged/parallel/sharding.py).
 
 jax falls back to the CPU without a word when its CUDA plugin fails to load; with
 device="cuda" that is an error here instead of a server that never touches its GPU.
@@ -35,12 +36,13 @@ def check(device: str | None):
                            "before anything in the process starts jax")
 
 
-def describe(attention_backend: str) -> str:
-    """Backend, device name and the attention kernels that will run, for the start-up log."""
-    device = jax.devices()[0]
+def describe(attention_backend: str, devices: list | None = None) -> str:
+    """Backend, the engine's devices (default: all of jax's) and the attention kernels that will
+    run, for the start-up log."""
+    devices = jax.devices() if devices is None else devices
     family = pallas_kernels.kernel_family(attention_backend)
     kernels = {"pallas": "Pallas/Triton", "mosaic": "Pallas/Mosaic GPU", "xla": "XLA"}[family]
     if family != "xla" and not pallas_kernels.targets_gpu():
         kernels += " (interpret mode)"
-    return (f"{jax.default_backend()} ({device.device_kind} x{jax.device_count()}), "
-            f"attention {attention_backend!r} -> {kernels}")
+    return (f"{jax.default_backend()} ({devices[0].device_kind} x{len(devices)}: devices "
+            f"{','.join(str(d.id) for d in devices)}), attention {attention_backend!r} -> {kernels}")

@@ -33,8 +33,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
                                help=field.metadata.get("help"))
-        else:  # dict options come as JSON (the engine parses them)
-            group.add_argument(flag, type=str if kind is dict else kind, default=field.default,
+        else:  # dict options come as JSON, lists as "2,3" (EngineConfig parses both)
+            group.add_argument(flag, type=str if kind in (dict, list) else kind, default=field.default,
                                help=field.metadata.get("help"), **extra)
 
 

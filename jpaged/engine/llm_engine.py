@@ -8,15 +8,12 @@ and swaps) -> runner (padded host arrays, precompiled jitted step: write KV, att
 import dataclasses
 import gc
 import logging
-import math
 import os
 import threading
 import time
 
-import jax
-
 from jpaged import devices
-from jpaged.config import HOST_ONLY_OPTIONS, EngineConfig
+from jpaged.config import EngineConfig
 from jpaged.core.block_manager import BlockManager
 from jpaged.core.detokenizer import Detokenizer
 from jpaged.core.kv_allocation import KVUsage, kv_usage
@@ -27,7 +24,7 @@ from jpaged.core.sequence import Sequence, SequenceGroup
 from jpaged.core.step_needs import can_multi_step, can_overlap
 from jpaged.core.stop_checker import StopChecker
 from jpaged.core.structured_output import StructuredOutputManager
-from jpaged.engine.kv_pool_size import PoolSize, pool_size
+from jpaged.engine import start_up
 from jpaged.engine.request_validator import RequestValidator
 from jpaged.log_notes import explain_slow_compile_alarm
 from jpaged.lora.manager import LoRAManager, check_lora_request
@@ -50,23 +47,6 @@ logger = logging.getLogger(__name__)
 
 # vLLM's default step token budget with chunked prefill.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-
-
-def derive_max_model_len(hf_config, requested: int | None) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
-    if requested is None:
-        if limit is None:
-            raise ValueError("max_model_len must be given: the model config has no max_position_embeddings")
-        return limit
-    if limit is not None and requested > limit:
-        raise ValueError(f"max_model_len={requested} exceeds the model's limit of {limit} positions")
-    return requested
-
-
-def executable_cache_dir() -> str:
-    """Where compiled steps are kept (~/.cache/jpaged/xla, or $JPAGED_CACHE_DIR), so a restart with
-    the same model and limits loads them instead of compiling (runner/executable_cache.py)."""
-    return os.environ.get("JPAGED_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "xla"))
 
 
 class StepFailedError(RuntimeError):
@@ -131,6 +111,7 @@ class LLMEngine:
         distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
         devices.check(config.device)
         loaded = load_model_of(config)
+        self.devices = start_up.engine_devices(loaded)  # config.devices resolved, in mesh order
         self.model_memory_bytes = loaded.model_memory_bytes
         self.tokenizer, self.hf_config = loaded.tokenizer, loaded.hf_config
         if config.tokenizer is not None:  # vLLM's --tokenizer: another directory or hub id
@@ -140,7 +121,7 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.structured_output = StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size,
                                                          config.grammar_compile_timeout, config.grammar_compile_memory)
-        self.max_model_len = derive_max_model_len(loaded.hf_config, config.max_model_len)
+        self.max_model_len = start_up.derive_max_model_len(loaded.hf_config, config.max_model_len)
         max_num_batched_tokens = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
         kv_cache_spec = KVCacheSpec.of_model(loaded.model, config.block_size,
                                              kv_dtype(config.kv_cache_dtype, loaded.dtype), config.tensor_parallel_size)
@@ -155,17 +136,11 @@ class LLMEngine:
         # Per device: its kv heads' part of every block (a draft's pages have the same blocks).
         bytes_per_block = kv_cache_spec.bytes_per_block + (draft.kv_cache_spec.bytes_per_block if draft else 0)
         # Every process must allocate the same pool: the smallest one that fits everywhere.
-        pool = self._pool_size(bytes_per_block)
+        pool = start_up.kv_pool_size(config, self.max_model_len, bytes_per_block, self.devices)
         num_gpu_blocks, num_cpu_blocks = distributed.min_across_processes(pool.num_gpu_blocks), pool.num_cpu_blocks
-        kv_scales, scales = self._kv_scales(loaded, kv_cache_spec)
-        logger.info("jpaged: %s (%s%s) on %s; weights %.1f MiB; KV pool: %d device blocks (%.1f MiB), %d host "
-                    "blocks of %d tokens (%.1f KiB each; pool sized by %s); KV cache %s%s", config.model,
-                    loaded.dtype.name,
-                    f", weights {loaded.quantization.describe()}" if loaded.quantization else "",
-                    devices.describe(config.attention_backend), loaded.model_memory_bytes / 2**20,
-                    num_gpu_blocks, num_gpu_blocks * bytes_per_block / 2**20,
-                    num_cpu_blocks, config.block_size, bytes_per_block / 1024, pool.how, kv_cache_spec.dtype.name,
-                    scales)
+        kv_scales, scales = start_up.kv_scales(config, loaded, kv_cache_spec)
+        start_up.log_start_up(config, loaded, self.devices, pool, num_gpu_blocks, bytes_per_block,
+                              kv_cache_spec.dtype.name, scales)
         explain_slow_compile_alarm()
         self.kv_cache_dtype = kv_cache_spec.dtype.name
         self.block_manager = BlockManager(config.block_size, num_gpu_blocks, num_cpu_blocks,
@@ -188,15 +163,19 @@ class LLMEngine:
         shape = dict(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                      num_speculative_tokens=spec_config.num_speculative_tokens if spec_config else 0)
-        cache_dir, fingerprint = executable_cache_dir() if config.executable_cache else None, self._model_fingerprint(loaded)
+        cache_dir = start_up.executable_cache_dir() if config.executable_cache else None
+        fingerprint = start_up.model_fingerprint(config, loaded, self.max_model_len)
         # The draft's proposals: its multi-step loop of k steps.
         draft_runner = ModelRunner(draft.loaded, draft.kv_cache_spec, **shape,
                                    num_scheduler_steps=spec_config.num_speculative_tokens,
-                                   executable_cache=ExecutableCache(cache_dir, f"{fingerprint}\ndraft\n"
-                                                                    f"{self._model_fingerprint(draft.loaded)}"),
+                                   executable_cache=ExecutableCache(cache_dir, f"{fingerprint}\ndraft\n" + start_up
+                                                                    .model_fingerprint(config, draft.loaded,
+                                                                                       self.max_model_len),
+                                                                    self.devices),
                                    is_draft=True) if draft else None
         self.runner = ModelRunner(loaded, kv_cache_spec, **shape, num_scheduler_steps=config.num_scheduler_steps,
-                                  executable_cache=ExecutableCache(cache_dir, fingerprint), kv_scales=kv_scales,
+                                  executable_cache=ExecutableCache(cache_dir, fingerprint, self.devices),
+                                  kv_scales=kv_scales,
                                   calculate_kv_scales=kv_cache_spec.quantized and config.calculate_kv_scales,
                                   draft=draft_runner)
         self.lora_manager = LoRAManager(lora_targets, self.runner, max_loras=config.max_loras,
@@ -236,44 +215,6 @@ class LLMEngine:
                            "executable cache bypassed", hits, e)
             self.runner.bypass_executable_cache()
             self.runner.warm_up(stop)
-
-    def _kv_scales(self, loaded, spec: KVCacheSpec):
-        """An fp8 cache's per-layer scales from the checkpoint (None: 1.0 or calculated), and
-        where they come from, for the start-up line (vLLM's order: calculate_kv_scales, the
-        checkpoint, 1.0)."""
-        if not spec.quantized:
-            return None, ""
-        if self.config.calculate_kv_scales:
-            return None, ", scales calculated from the first step"
-        if loaded.kv_scales is None:
-            return None, ", scales 1.0 (none in the checkpoint; calculate_kv_scales computes them)"
-        if len(loaded.kv_scales[0]) != spec.num_layers:
-            raise ValueError(f"the checkpoint has KV cache scales for {len(loaded.kv_scales[0])} layers; the model "
-                             f"has {spec.num_layers}")
-        return loaded.kv_scales, ", scales from the checkpoint"
-
-    def _model_fingerprint(self, loaded) -> str:
-        """What shapes the compiled steps besides their arguments' shapes and jpaged's source: the
-        model's config (constants such as rope_theta and eps are baked in), dtype, the engine's
-        options and the derived max_model_len (LongRoPE picks its factors by it)."""
-        options = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)
-                   if f.name not in HOST_ONLY_OPTIONS}
-        return "\n".join([loaded.hf_config.to_json_string(), loaded.dtype.name, repr(options),
-                          str(self.max_model_len)])
-
-    def _pool_size(self, bytes_per_block: int) -> PoolSize:
-        """The KV pool and swap space in blocks (kv_pool_size.py: a GPU's free memory, a CPU's rule)."""
-        device = jax.devices()[0]
-        pool = pool_size(bytes_per_block=bytes_per_block, block_size=self.config.block_size,
-                         max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
-                         num_gpu_blocks_override=self.config.num_gpu_blocks_override,
-                         gpu_memory_utilization=self.config.gpu_memory_utilization,
-                         swap_space=self.config.swap_space,
-                         memory_stats=device.memory_stats() if device.platform == "gpu" else None,
-                         ram_bytes=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        if pool.num_gpu_blocks < math.ceil(self.max_model_len / self.config.block_size):
-            logger.warning("only %d KV blocks fit: fewer than one max_model_len sequence needs", pool.num_gpu_blocks)
-        return pool
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams,

@@ -57,7 +57,8 @@ def add_lora_slots(model: nnx.Module, mesh, max_loras: int, max_lora_rank: int) 
         b_shape = kernel.shape[:lead] + (max_loras, max_lora_rank) + linear.out_shape
         for attr, shape, logical in (("lora_a", a_shape, axes[:lead] + ("lora_slots",) + in_axes + ("lora_rank",)),
                                      ("lora_b", b_shape, axes[:lead] + ("lora_slots", "lora_rank") + out_axes)):
-            zeros = jax.device_put(jnp.zeros(shape, linear.dtype), sharding.logical_sharding(mesh, logical, shape))
+            # Made in place on the mesh (never first on the default device, which may be another engine's).
+            zeros = jnp.zeros(shape, linear.dtype, device=sharding.logical_sharding(mesh, logical, shape))
             setattr(linear, attr, nnx.Param(zeros, logical_axes=logical))
     return targets
 

@@ -344,15 +344,16 @@ def load_model_of(config) -> LoadedModel:
     """The model an EngineConfig names, as it asks (the engine's start, and a wake-up that reads it again)."""
     return load_model(config.model, dtype=config.dtype, attention_backend=config.attention_backend,
                       revision=config.revision, tensor_parallel_size=config.tensor_parallel_size,
-                      max_model_len=config.max_model_len, quantization=config.quantization)
+                      max_model_len=config.max_model_len, quantization=config.quantization, devices=config.devices)
 
 
 def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", revision: str | None = None,
                tensor_parallel_size: int = 1, max_model_len: int | None = None,
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, devices: list | None = None) -> LoadedModel:
     """`quantization`: None (what the checkpoint's quantization_config says, if anything), "fp8" or
-    "int8" (quantize a float checkpoint while loading), or the checkpoint's own method name."""
-    mesh = sharding.make_mesh(tensor_parallel_size)  # fails on too few devices before reading anything
+    "int8" (quantize a float checkpoint while loading), or the checkpoint's own method name.
+    `devices`: the mesh's (default: the first tensor_parallel_size)."""
+    mesh = sharding.make_mesh(tensor_parallel_size, devices)  # fails on too few devices before reading anything
     if model == "tiny":
         from jpaged.models import tiny
         hf_config = tiny.tiny_config()

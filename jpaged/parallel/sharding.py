@@ -28,9 +28,14 @@ LOGICAL_AXIS_RULES = {
 }
 
 
-def make_mesh(tensor_parallel_size: int) -> Mesh:
-    """A 1-D mesh of `tensor_parallel_size` devices. Multi-host: every process runs every step, so
-    each contributes the same number of its devices (the first ones)."""
+def make_mesh(tensor_parallel_size: int, devices: list | None = None) -> Mesh:
+    """A 1-D mesh of `tensor_parallel_size` devices: `devices` (ids or jax Devices, in mesh order;
+    checked by `resolve_devices`), else the first ones. Multi-host: every process runs every step,
+    so each contributes the same number of its devices (by default its first ones)."""
+    if devices is not None:
+        chosen = resolve_devices(devices, tensor_parallel_size)
+        # Auto axes: XLA propagates the weights' shardings through the model (GSPMD).
+        return Mesh(np.array(chosen), (TP_AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
     devices, processes = jax.devices(), jax.process_count()
     if tensor_parallel_size > len(devices):
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} exceeds the {len(devices)} available "
@@ -43,8 +48,39 @@ def make_mesh(tensor_parallel_size: int) -> Mesh:
     if len(chosen) < tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs {per_process} device(s) on each of the "
                          f"{processes} processes; some have fewer")
-    # Auto axes: XLA propagates the weights' shardings through the model (GSPMD).
     return Mesh(np.array(chosen), (TP_AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def resolve_devices(devices: list, tensor_parallel_size: int) -> list:
+    """The jax Devices that `devices` names (ids are jax's global device ids, looked up among the
+    default backend's devices): tensor_parallel_size of them, distinct, on jax's default
+    platform, and with several processes the same number on each. ValueError naming `devices`."""
+    available = {d.id: d for d in jax.devices()}
+
+    def refuse(why: str):
+        raise ValueError(f"devices={devices!r}: {why}")
+
+    if len(devices) != tensor_parallel_size:
+        refuse(f"{len(devices)} device(s) for tensor_parallel_size={tensor_parallel_size}")
+    resolved = []
+    for device in devices:
+        if isinstance(device, int) and not isinstance(device, bool):
+            if device not in available:
+                refuse(f"no device {device}; jax has {sorted(available)} ({jax.default_backend()})")
+            device = available[device]
+        elif not isinstance(device, jax.Device):
+            refuse(f"{device!r} is neither a device id nor a jax Device")
+        resolved.append(device)
+    if len({d.id for d in resolved}) != len(resolved):
+        refuse("a device is named twice")
+    platforms = {d.platform for d in resolved}
+    if platforms != {jax.default_backend()}:
+        refuse(f"devices on {sorted(platforms)}; the engine runs on jax's default platform, "
+               f"{jax.default_backend()!r} (one platform for all)")
+    per_process = [sum(d.process_index == p for d in resolved) for p in range(jax.process_count())]
+    if len(set(per_process)) != 1:
+        refuse(f"every process must hold the same number of them (each runs every step); they hold {per_process}")
+    return resolved
 
 
 def tp_size(mesh: Mesh | None) -> int:

@@ -2,8 +2,9 @@
 
 jax's persistent compilation cache saves XLA's compile only: every start still traces and lowers
 each step to find its cache key, about a second per step for a 30-layer model on a CPU. Here a compiled executable is serialized (jax.experimental.serialize_executable)
-under a key made of everything that determines it: the jax and jaxlib versions, the backend and its
-devices, XLA's flags, the source of jpaged and its kernels, the model's fingerprint (its config and dtype), the
+under a key made of everything that determines it: the jax and jaxlib versions, the backend and the
+engine's devices (their ids: an executable runs on the devices it was compiled for), XLA's flags,
+the source of jpaged and its kernels, the model's fingerprint (its config and dtype), the
 executable's name, and its abstract arguments (shapes, dtypes, shardings, tree structure). Any
 change makes a new key, so a stale executable is never loaded. Compiles here bypass jax's own cache:
 an executable it loaded serializes without its CPU kernels (jax 0.10: "Function wrapped_iota not
@@ -71,12 +72,16 @@ class ExecutableCache:
     """`compile(name, jitted, args)`: the jitted function's executable for `args` (arrays or
     ShapeDtypeStructs), from `directory` when an earlier run left it there. directory=None: compile."""
 
-    def __init__(self, directory: str | None, model_fingerprint: str):
+    def __init__(self, directory: str | None, model_fingerprint: str, devices: list | None = None):
+        """`devices`: the engine's (its mesh's, in mesh order; default: all of jax's). An
+        executable is compiled for its devices: their ids are part of the key, so one compiled
+        for devices 2,3 is never loaded for 0,1 (nor on 2,3 in the other order)."""
         # Multi-host executables span other processes' devices: those always compile.
         self.directory = directory if jax.process_count() == 1 else None
-        devices = jax.devices()
+        self.devices = list(jax.devices() if devices is None else devices)
         self._prefix = "\n".join([jax.__version__, jaxlib.__version__, jax.default_backend(),
-                                  ",".join(sorted({d.device_kind for d in devices})), str(len(devices)),
+                                  ",".join(sorted({d.device_kind for d in self.devices})),
+                                  f"{jax.device_count()} devices; {','.join(str(d.id) for d in self.devices)}",
                                   os.environ.get("XLA_FLAGS", ""),
                                   str(jax.config.jax_enable_x64), str(jax.config.jax_default_matmul_precision),
                                   source_fingerprint(), model_fingerprint])
@@ -110,7 +115,9 @@ class ExecutableCache:
         try:
             with self.loading():
                 device_ids, serialized = pickle.loads(payload)
-                devices = {d.id: d for d in jax.devices()}
+                devices = {d.id: d for d in self.devices}  # the key names them: a file that names others
+                if not set(device_ids) <= devices.keys():  # is foreign (or damaged past its checksum)
+                    raise ValueError(f"it runs on devices {device_ids}, this engine on {sorted(devices)}")
                 executable = serialize_executable.deserialize_and_load(
                     *serialized, execution_devices=[devices[i] for i in device_ids])
         except Exception as e:  # written by this key but not loadable here: compile it again

@@ -1,6 +1,6 @@
 """The draft model (`{"method": "draft_model", "model": ..., "num_speculative_tokens": k}`): a
 smaller checkpoint with the target's vocabulary, loaded as the target is (dtype, tensor
-parallelism, attention backend).
+parallelism, attention backend) on the target's devices.
 
 Its KV pages: a pool of its own layout with the same number of blocks, addressed by the target's
 block tables (the block manager manages one set of block ids; a block holds both models' K/V of
@@ -44,7 +44,8 @@ def load_draft_model(config, target: LoadedModel, max_model_len: int) -> DraftMo
     vocabulary, its positions and its attention window (ValueError naming speculative_config.model)."""
     name = config.speculative_config.model
     loaded = load_model(name, dtype=config.dtype, attention_backend=config.attention_backend,
-                        tensor_parallel_size=config.tensor_parallel_size, max_model_len=config.max_model_len)
+                        tensor_parallel_size=config.tensor_parallel_size, max_model_len=config.max_model_len,
+                        devices=list(target.mesh.devices.flat))  # the target's devices, in its mesh order
 
     def refuse(why: str):
         raise ValueError(f"speculative_config.model={name!r} {why}")

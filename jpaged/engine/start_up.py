@@ -1,0 +1,97 @@
+"""What the engine decides once at start-up, from the loaded model, its options and its devices:
+the context length, the KV pool's size, an fp8 pool's scales, the executable cache's directory and
+key, and the start-up line that says all of it."""
+
+import dataclasses
+import logging
+import math
+import os
+
+import jax
+
+from jpaged import devices as device_platform
+from jpaged.config import HOST_ONLY_OPTIONS, EngineConfig
+from jpaged.engine.kv_pool_size import PoolSize, pool_size
+from jpaged.models.kv_cache import KVCacheSpec
+
+logger = logging.getLogger("jpaged.engine.llm_engine")  # the engine's own lines
+
+
+def derive_max_model_len(hf_config, requested: int | None) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    if requested is None:
+        if limit is None:
+            raise ValueError("max_model_len must be given: the model config has no max_position_embeddings")
+        return limit
+    if limit is not None and requested > limit:
+        raise ValueError(f"max_model_len={requested} exceeds the model's limit of {limit} positions")
+    return requested
+
+
+def executable_cache_dir() -> str:
+    """Where compiled steps are kept (~/.cache/jpaged/xla, or $JPAGED_CACHE_DIR), so a restart with
+    the same model and limits loads them instead of compiling (runner/executable_cache.py)."""
+    return os.environ.get("JPAGED_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "xla"))
+
+
+def engine_devices(loaded) -> list:
+    """The engine's devices: its mesh's, in mesh order (EngineConfig.devices, else the first
+    tensor_parallel_size). Everything the engine places or sizes is on these."""
+    return list(loaded.mesh.devices.flat)
+
+
+def tightest_memory_stats(devices: list) -> dict | None:
+    """The memory stats of this process's device with the least room (every device holds its
+    shard of every block), or None off a GPU."""
+    stats = [d.memory_stats() for d in devices if d.platform == "gpu" and d.process_index == jax.process_index()]
+    stats = [s for s in stats if s and "bytes_limit" in s]
+    return min(stats, key=lambda s: s["bytes_limit"] - s["bytes_in_use"]) if stats else None
+
+
+def kv_pool_size(config: EngineConfig, max_model_len: int, bytes_per_block: int, devices: list) -> PoolSize:
+    """The KV pool and swap space in blocks (kv_pool_size.py: a GPU's free memory, a CPU's rule),
+    sized on the engine's devices."""
+    pool = pool_size(bytes_per_block=bytes_per_block, block_size=config.block_size, max_model_len=max_model_len,
+                     max_num_seqs=config.max_num_seqs, num_gpu_blocks_override=config.num_gpu_blocks_override,
+                     gpu_memory_utilization=config.gpu_memory_utilization, swap_space=config.swap_space,
+                     memory_stats=tightest_memory_stats(devices),
+                     ram_bytes=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    if pool.num_gpu_blocks < math.ceil(max_model_len / config.block_size):
+        logger.warning("only %d KV blocks fit: fewer than one max_model_len sequence needs", pool.num_gpu_blocks)
+    return pool
+
+
+def kv_scales(config: EngineConfig, loaded, spec: KVCacheSpec):
+    """An fp8 cache's per-layer scales from the checkpoint (None: 1.0 or calculated), and
+    where they come from, for the start-up line (vLLM's order: calculate_kv_scales, the
+    checkpoint, 1.0)."""
+    if not spec.quantized:
+        return None, ""
+    if config.calculate_kv_scales:
+        return None, ", scales calculated from the first step"
+    if loaded.kv_scales is None:
+        return None, ", scales 1.0 (none in the checkpoint; calculate_kv_scales computes them)"
+    if len(loaded.kv_scales[0]) != spec.num_layers:
+        raise ValueError(f"the checkpoint has KV cache scales for {len(loaded.kv_scales[0])} layers; the model "
+                         f"has {spec.num_layers}")
+    return loaded.kv_scales, ", scales from the checkpoint"
+
+
+def model_fingerprint(config: EngineConfig, loaded, max_model_len: int) -> str:
+    """What shapes the compiled steps besides their arguments' shapes, jpaged's source and the
+    devices (the executable cache keys those itself): the model's config (constants such as
+    rope_theta and eps are baked in), dtype, the engine's options and the derived max_model_len
+    (LongRoPE picks its factors by it)."""
+    options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+               if f.name not in HOST_ONLY_OPTIONS and f.name != "devices"}
+    return "\n".join([loaded.hf_config.to_json_string(), loaded.dtype.name, repr(options), str(max_model_len)])
+
+
+def log_start_up(config: EngineConfig, loaded, devices: list, pool: PoolSize, num_gpu_blocks: int,
+                 bytes_per_block: int, kv_cache_dtype: str, scales: str):
+    logger.info("jpaged: %s (%s%s) on %s; weights %.1f MiB; KV pool: %d device blocks (%.1f MiB), %d host "
+                "blocks of %d tokens (%.1f KiB each; pool sized by %s); KV cache %s%s", config.model,
+                loaded.dtype.name, f", weights {loaded.quantization.describe()}" if loaded.quantization else "",
+                device_platform.describe(config.attention_backend, devices), loaded.model_memory_bytes / 2**20,
+                num_gpu_blocks, num_gpu_blocks * bytes_per_block / 2**20, pool.num_cpu_blocks, config.block_size,
+                bytes_per_block / 1024, pool.how, kv_cache_dtype, scales)
