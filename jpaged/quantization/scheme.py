@@ -167,7 +167,7 @@ def layout(linear: Linear, target, tensor) -> list[tuple[nnx.Param, np.ndarray]]
         bound = 1 << (BITS[scheme.qtype] - 1)
         if (bad := (tensor.zero < -bound) | (tensor.zero >= bound)).any():
             where = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(f"tensor {tensor.scale_name.rpartition('.')[0]!r} has zero point "
+            raise ValueError(f"the checkpoint's quantized {tensor.scale_name.rpartition('.')[0]!r} has zero point "
                              f"{int(tensor.zero[where])} at {where}, outside [{-bound}, {bound - 1}]")
     values = np.asarray(target.convert(tensor.values))
     out = [(linear.kernel, pack_int4(values) if scheme.qtype == "int4" else values),
