@@ -89,12 +89,27 @@ def test_two_engines_on_disjoint_devices_generate_side_by_side(tp, devices_a, de
 
 
 def test_explicit_devices_equal_the_default_engine():
-    """An engine on device 6 computes what the default engine (device 0) computes, token for token."""
+    """Engines on device 6 (with LoRA slots) and 7 (with a draft model) compute what the default
+    engine (device 0) computes, token for token, and keep everything, the LoRA slots and the draft's
+    weights and pool included, on their device."""
     default = jpaged.LLM("tiny", **LIMITS)
     assert default.llm_engine.devices == [jax.devices()[0]]
-    on_six = jpaged.LLM("tiny", devices=[jax.devices()[6]], **LIMITS)  # a jax Device works as an id does
-    assert on_six.llm_engine.runner.kv_cache.k_pages.sharding.device_set == {jax.devices()[6]}
-    assert generate(on_six) == generate(default)
+    reference = generate(default)
+    six, seven = jax.devices()[6], jax.devices()[7]
+    with_lora = jpaged.LLM("tiny", devices=[six], enable_lora=True, **LIMITS)  # a jax Device works as an id does
+    lora_slots = [leaf for path, leaf in jax.tree.leaves_with_path(with_lora.llm_engine.runner.state)
+                  if "lora_a" in jax.tree_util.keystr(path) or "lora_b" in jax.tree_util.keystr(path)]
+    assert lora_slots and all(slot.sharding.device_set == {six} for slot in lora_slots)
+    assert all(array.sharding.device_set == {six} for array in arrays_of(with_lora))
+    assert generate(with_lora) == reference
+    draft = {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2}
+    with_draft = jpaged.LLM("tiny", devices=[7], speculative_config=draft, **LIMITS)
+    draft_runner = with_draft.llm_engine.runner.draft
+    assert [d.id for d in draft_runner.mesh.devices.flat] == [7]
+    draft_arrays = [a for a in jax.tree.leaves((draft_runner.kv_cache, draft_runner.state)) if isinstance(a, jax.Array)]
+    assert all(a.sharding.device_set == {seven} for a in draft_arrays + arrays_of(with_draft))
+    assert generate(with_draft) == reference
+    assert with_draft.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
 @pytest.mark.parametrize("kwargs,why", [

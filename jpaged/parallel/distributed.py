@@ -5,6 +5,14 @@ broadcasts the operation's host inputs, and the other processes (followers) run 
 operation on their devices (SPMD). The transport is `broadcast_object`: pickled bytes summed over
 the processes by one precompiled collective (process 0's bytes plus the others' zeros), so no
 channel besides jax.distributed's own is needed.
+
+Devices: `EngineConfig.devices` holds jax's global device ids, the same list on every process
+(the same command runs everywhere); each process must hold the same number of them
+(`sharding.resolve_devices`), and the mesh spans them in the order given (default: each process's
+first tensor_parallel_size / processes devices). Process-wide whatever the engine's devices:
+jax.distributed is joined once per process, and the broadcast collective spans every device of
+every process (one BROADCAST_CHUNK buffer each). Each process follows one engine
+(`ModelRunner.lead` / `follow`): one engine per process on several hosts.
 """
 
 import functools
