@@ -184,7 +184,7 @@ def check_finite(named) -> None:
     """ValueError naming the first float tensor of `named` [(name, tensor)] holding a NaN or an
     infinity (a model with one serves garbage). Host arrays are checked on the host (about 1 ns a
     value); jax arrays on their devices, only one bool each read back."""
-    on_device = []
+    on_device = []  # (name, flag): the flags read back together, one transfer
     for name, tensor in named:
         if isinstance(tensor, QuantizedTensor):
             tensor = tensor.values  # its scales are checked with their bounds (check_scales)
