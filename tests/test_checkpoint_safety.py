@@ -107,6 +107,11 @@ def inconsistent(header):
     header[name]["shape"] = [header[name]["shape"][0] * 2] + header[name]["shape"][1:]
 
 
+def huge_header_length(path):
+    with open(os.path.join(path, "model.safetensors"), "r+b") as f:
+        f.write((1 << 40).to_bytes(8, "little"))
+
+
 def deep_json(file):
     open(file, "w").write("[" * 100_000 + "]" * 100_000)
 
@@ -122,8 +127,7 @@ MALFORMED = {
     "overlapping offsets": (lambda p: edit_tensors(p, lambda t: None, overlap), r"model\.safetensors: .* overlap"),
     "inconsistent offsets": (lambda p: edit_tensors(p, lambda t: None, inconsistent),
                              r"model\.safetensors: tensor .* spans \d+ bytes; dtype F32 and shape"),
-    "header length": (lambda p: open(os.path.join(p, "model.safetensors"), "r+b").write((1 << 40).to_bytes(8, "little")),
-                      r"model\.safetensors: header length \d+ does not fit the file"),
+    "header length": (huge_header_length, r"model\.safetensors: header length \d+ does not fit the file"),
     "fifo weights": (lambda p: replace_file(p, "model.safetensors", os.mkfifo), r"model\.safetensors: not a regular"),
     "fifo config": (lambda p: replace_file(p, "config.json", os.mkfifo), r"config\.json: not a regular file"),
     "tokenizer is /dev/zero": (lambda p: replace_file(p, "tokenizer.json", lambda f: os.symlink("/dev/zero", f)),
