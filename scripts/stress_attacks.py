@@ -202,8 +202,9 @@ async def responses_attack(session, url, tally, store_bytes, pid=None, concurren
                 except ValueError as e:
                     tally.failures.append(("truncation stream", count, "error event", str(e)))
                     continue
+                reason = (final.get("incomplete_details") or {}).get("reason")
                 if final["status"] not in ("completed", "incomplete") or (
-                        final["status"] == "incomplete" and final["incomplete_details"]["reason"] != "max_output_tokens"):
+                        final["status"] == "incomplete" and reason != "max_output_tokens"):
                     tally.failures.append(("truncation", count, final["status"], text[-300:]))
             print(f"  truncation {truncation} {'stream ' if stream else ''}{count} messages: {status} in "
                   f"{time.monotonic() - start:.1f} s", flush=True)

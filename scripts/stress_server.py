@@ -5,16 +5,41 @@ polled. Prints what a supervisor would want to know: status counts (any 5xx is a
 running or waiting, no KV block held).
 
     python scripts/stress_server.py --url http://127.0.0.1:8000 --requests 2000 --disconnects 400
+
+Then issue 38's attacks (scripts/stress_attacks.py): /kv pollers, Responses limits and store
+bytes, sleep mode (when the server has --enable-sleep-mode); with --lora-churn, LoRA churn and
+hostile adapter files (scripts/stress_lora.py); with --startup-attacks, malformed checkpoints
+and configs at start-up (scripts/stress_checkpoints.py; needs no server). --start-server "ARGS"
+starts `jpaged serve ARGS` itself (its RSS is then checked) and stops it at the end. Every
+attack at once, on the tiny model:
+
+    python scripts/stress_server.py --startup-attacks --lora-churn tiny --lora-streams 300 \
+        --lora-hostile-dir /tmp/hostile --start-server "--model tiny --api-key KEY --enable-sleep-mode \
+        --enable-lora --enable-lora-runtime-updates --allowed-lora-paths /tmp/hostile \
+        --responses-store-bytes 67108864 --max-model-len 4096"
+
+The last line sums it up: requests, 5xx, engine alive, leaked KV blocks, failures.
 """
 
 import argparse
 import asyncio
 import collections
 import json
+import os
 import random
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
 import time
+import urllib.request
 
 import aiohttp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import stress_attacks  # noqa: E402
+import stress_checkpoints  # noqa: E402
 
 HOSTILE_VALUES = [None, True, False, -1, 0, 1, 2**31, -2**63, 2**70, 1e308, -1e308, 0.5, "", "x", "\ud800", [],
                   [1, -1], [2**64], {}, {"a": 1}, "never"]
@@ -103,7 +128,8 @@ async def main(args):
     done = asyncio.Event()
     timeout = aiohttp.ClientTimeout(total=600)
 
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
         async def poll_health():
             while not done.is_set():
                 start = time.monotonic()
@@ -184,32 +210,147 @@ async def main(args):
     print(f"engine alive: {healthy}; idle with no KV block held: {idle}")
     for failure in failures[:5]:
         print("FAILURE:", failure)
-    return 0 if healthy and idle and not failures and not five_xx else 1
+    return {"requests": sum(v for k, v in statuses.items() if not str(k).startswith("/health")), "5xx": five_xx,
+            "failures": len(failures), "alive": healthy, "idle": idle}
 
 
-# ---------------------------------------------------------------------- LoRA attacks (issue 38)
+# ---------------------------------------------------------------------- issue 38's attacks
 def lora_attacks(args) -> int:
     """--lora-churn: scripts/stress_lora.py's churn (every answered stream checked against its
     adapter alone) and, with --lora-hostile-dir, its hostile adapter files; the server needs
-    --enable-lora --enable-lora-runtime-updates (and --allowed-lora-paths over both directories)."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    --enable-lora --enable-lora-runtime-updates (and --allowed-lora-paths over both directories).
+    `--lora-churn tiny`: three random adapters of the tiny model, built under --lora-dir."""
     import stress_lora
 
+    adapters, hostile = args.lora_churn, args.lora_hostile_dir
+    if adapters == ["tiny"]:
+        adapters = stress_checkpoints.make_tiny_adapters(os.path.join(args.lora_dir, "adapters"))
+        if hostile is None:
+            hostile = os.path.join(args.lora_dir, "hostile")
+            shutil.rmtree(hostile, ignore_errors=True)  # FIFOs of an earlier run would block the rebuild
     return asyncio.run(stress_lora.main(argparse.Namespace(
-        url=args.url, adapters=args.lora_churn, streams=args.lora_streams, names=8, loaders=12, clients=16,
-        max_tokens=8, hostile_dir=args.lora_hostile_dir, api_key=None, seed=args.seed)))
+        url=args.url, adapters=adapters, streams=args.lora_streams, names=8, loaders=12, clients=16,
+        max_tokens=8, hostile_dir=hostile, api_key=args.api_key, seed=args.seed)))
+
+
+def start_server(args) -> subprocess.Popen:
+    """`jpaged serve ARGS` on a free port; args.url, api_key, store bytes and pid taken from it."""
+    words = shlex.split(args.start_server)
+    known = argparse.ArgumentParser(add_help=False)
+    known.add_argument("--api-key")
+    known.add_argument("--responses-store-bytes", type=int)
+    known.add_argument("--allowed-lora-paths", nargs="+")
+    flags = known.parse_known_args(words)[0]
+    if args.lora_churn == ["tiny"] and flags.allowed_lora_paths is None:
+        words += ["--allowed-lora-paths", args.lora_dir]
+    os.makedirs(args.lora_dir, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(args.server_log, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", *words, "--host", "127.0.0.1", "--port",
+                             str(port)], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
+    args.url, args.server_pid = f"http://127.0.0.1:{port}", proc.pid
+    args.api_key = args.api_key or flags.api_key
+    args.store_bytes = flags.responses_store_bytes or args.store_bytes
+    print(f"starting jpaged serve {' '.join(words)} on port {port} (log: {args.server_log})", flush=True)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(args.url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(2)
+    proc.kill()
+    raise SystemExit(f"error: the server did not start (exit {proc.poll()}); see {args.server_log}")
+
+
+async def final_check(url) -> dict:
+    """Alive (/health), idle (nothing running, waiting or swapped) and the KV blocks still held."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                async with session.get(url + "/health") as r:
+                    alive = r.status == 200
+                async with session.get(url + "/metrics") as r:
+                    values = {line.rsplit(" ", 1)[0].split("{")[0]: float(line.rsplit(" ", 1)[1])
+                              for line in (await r.text()).splitlines() if line and not line.startswith("#")}
+            except aiohttp.ClientError:
+                return {"alive": False, "busy": None, "leaked_blocks": None}
+            busy = sum(values.get(f"jpaged:{k}", 0) for k in ("num_requests_running", "num_requests_waiting",
+                                                               "num_requests_swapped"))
+            leaked = values.get("jpaged:num_gpu_blocks_in_use", 0)
+            if (busy == 0 and leaked == 0) or time.monotonic() > deadline:
+                return {"alive": alive, "busy": int(busy), "leaked_blocks": int(leaked),
+                        "cpu_cache": values.get("jpaged:cpu_cache_usage_perc", 0)}
+            await asyncio.sleep(0.5)
+
+
+def run_all(args) -> int:
+    lines, failed = [], False
+    if args.startup_attacks:
+        ok, total = stress_checkpoints.startup_attacks(workers=args.startup_workers)
+        lines.append(f"start-up attacks: {ok}/{total} exited 2 with one error line and no traceback")
+        failed |= ok != total
+    if args.no_server_attacks:
+        print("\nSUMMARY\n  " + "\n  ".join(lines))
+        return 1 if failed else 0
+    server = start_server(args) if args.start_server else None
+    try:
+        generic = asyncio.run(main(args))
+        lines.append(f"generic attacks: {generic['requests']} requests, {generic['5xx']} 5xx, "
+                     f"{generic['failures']} failures, alive {generic['alive']}, idle {generic['idle']}")
+        failed |= bool(generic["5xx"] or generic["failures"] or not generic["alive"] or not generic["idle"])
+        attacks = [a for a in ("kv", "responses", "sleep") if a in args.attacks]
+        tally = asyncio.run(stress_attacks.run(args.url, args.api_key, attacks=attacks, store_bytes=args.store_bytes,
+                                               pid=args.server_pid, kv_pollers=args.kv_pollers,
+                                               sleep_seconds=args.sleep_churn_seconds, seed=args.seed or 0))
+        print("issue 38 attacks, statuses:", dict(sorted(tally.statuses.items())))
+        for failure in tally.failures[:20]:
+            print("FAILURE:", failure)
+        lines += tally.notes
+        lines.append(f"issue 38 attacks ({', '.join(attacks)}): {tally.requests} requests, {tally.five_xx} 5xx, "
+                     f"{len(tally.failures)} failures")
+        failed |= bool(tally.five_xx or tally.failures)
+        if args.lora_churn:
+            lora_code = lora_attacks(args)
+            lines.append(f"LoRA churn and hostile adapters (scripts/stress_lora.py): "
+                         f"{'ok' if lora_code == 0 else 'FAILED'}")
+            failed |= lora_code != 0
+        end = asyncio.run(final_check(args.url))
+        lines.append(f"engine alive: {end['alive']}; requests unfinished: {end['busy']}; leaked KV blocks: "
+                     f"{end['leaked_blocks']}")
+        failed |= not end["alive"] or end["busy"] != 0 or end["leaked_blocks"] != 0
+    finally:
+        if server is not None:
+            died = server.poll()
+            server.terminate()
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+            with open(args.server_log, errors="replace") as f:
+                log = f.read()
+            lines.append(f"server process: {'alive' if died is None else f'DIED (exit {died})'} until stopped; "
+                         f"tracebacks in its log: {log.count('Traceback')}")
+            failed |= died is not None or "Traceback" in log
+    print("\nSUMMARY\n  " + "\n  ".join(lines))
+    print("RESULT:", "FAILED" if failed else "ok")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lora-churn", nargs="+", default=None, metavar="ADAPTER_DIR",
-                        help="also churn these PEFT adapters (scripts/stress_lora.py) after the other attacks")
-    parser.add_argument("--lora-streams", type=int, default=5000, help="answered streams of the LoRA churn")
-    parser.add_argument("--lora-hostile-dir", default=None, help="build hostile adapters here and load them")
     parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--api-key", default=None, help="the server's --api-key (sent on every request)")
+    parser.add_argument("--start-server", default=None, metavar="ARGS",
+                        help="start `jpaged serve ARGS` on a free port, attack it, stop it (--url is ignored)")
+    parser.add_argument("--server-log", default="/tmp/jpaged-stress-server.log", help="its output")
+    parser.add_argument("--server-pid", type=int, default=None,
+                        help="the server's pid on this machine, for its RSS (known with --start-server)")
     parser.add_argument("--requests", type=int, default=2000, help="random (often hostile) request bodies")
     parser.add_argument("--malformed", type=int, default=200,
                         help="requests with a malformed field (MALFORMED), each of which must get a 4xx")
@@ -218,8 +359,26 @@ if __name__ == "__main__":
     parser.add_argument("--disconnects", type=int, default=400, help="clients that leave within 100 ms")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--long-tokens", type=int, default=200, help="tokens of the one long request")
+    parser.add_argument("--attacks", nargs="*", default=["kv", "responses", "sleep"],
+                        help="issue 38's attacks to run (scripts/stress_attacks.py; sleep is skipped without "
+                             "--enable-sleep-mode)")
+    parser.add_argument("--kv-pollers", type=int, default=20, help="clients polling /kv around a victim stream")
+    parser.add_argument("--store-bytes", type=int, default=256 << 20,
+                        help="the server's --responses-store-bytes (read from --start-server's ARGS)")
+    parser.add_argument("--sleep-churn-seconds", type=float, default=30.0)
+    parser.add_argument("--lora-churn", nargs="+", default=None, metavar="ADAPTER_DIR",
+                        help="also churn these PEFT adapters (scripts/stress_lora.py) after the other attacks "
+                             "('tiny': three random adapters of the tiny model, built under --lora-dir)")
+    parser.add_argument("--lora-streams", type=int, default=5000, help="answered streams of the LoRA churn")
+    parser.add_argument("--lora-hostile-dir", default=None, help="build hostile adapters here and load them "
+                        "(with --lora-churn tiny: LORA_DIR/hostile)")
+    parser.add_argument("--lora-dir", default="/tmp/jpaged-stress-lora",
+                        help="where --lora-churn tiny builds its adapters (the server must allow it: --start-server "
+                             "adds --allowed-lora-paths LORA_DIR when its ARGS name none)")
+    parser.add_argument("--startup-attacks", action="store_true",
+                        help="first start jpaged on malformed checkpoints and configs (scripts/stress_checkpoints.py)")
+    parser.add_argument("--startup-workers", type=int, default=2, help="start-ups run at once")
+    parser.add_argument("--no-server-attacks", action="store_true",
+                        help="only the start-up attacks: no server needed")
     parser.add_argument("--seed", type=int, default=None)
-    parsed = parser.parse_args()
-    code = asyncio.run(main(parsed))
-    lora_code = lora_attacks(parsed) if parsed.lora_churn else 0
-    raise SystemExit(code or lora_code)
+    raise SystemExit(run_all(parser.parse_args()))
