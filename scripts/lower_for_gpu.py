@@ -27,7 +27,7 @@ import jpaged
 import pallas_kernels as pk
 from jpaged.models.layers import Attention
 from jpaged.parallel.sharding import TP_AXIS
-from jpaged.runner import model_runner, step_functions
+from jpaged.runner import step_functions
 from jpaged.runner.input_batch import layout_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,7 +171,7 @@ def forward_cases():
         # 64 tokens: the ragged kernel alone.
         for tokens in (32,) if spec else (8, 64):
             layout = layout_of(runner._abstract_inputs(tokens))
-            forward = functools.partial(model_runner._forward, graphdef, PartitionSpec(), layout=layout)
+            forward = functools.partial(step_functions.forward, graphdef, PartitionSpec(), layout=layout)
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
             label = f"forward {backend_label} {'decode or mixed' if tokens == 8 else 'mixed'} tokens={tokens}"
             yield label, (lambda f=forward, a=(state, kv_cache, packed, last_tokens):
@@ -193,7 +193,7 @@ def forward_cases():
         else:
             steps, label = 4, f"multi-step decode {backend_label} tokens=8 steps=4"
         layout = layout_of(runner._abstract_multi_step_inputs(8))
-        multi_step = functools.partial(model_runner._multi_step, graphdef, PartitionSpec(), layout=layout,
+        multi_step = functools.partial(step_functions.multi_step, graphdef, PartitionSpec(), layout=layout,
                                        num_steps=steps)
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
         yield label, (lambda f=multi_step, a=(state, kv_cache, packed, last_tokens):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jpaged
-from jpaged.runner.model_runner import BLOCK_OP_SIZES
+from jpaged.runner.buckets import BLOCK_OP_SIZES
 
 BS = 16
 

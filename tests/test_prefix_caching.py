@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jpaged
-from jpaged.runner.model_runner import every_layer
+from jpaged.runner.kv_transfer import every_layer
 
 BS = 16
 LIMITS = dict(block_size=BS, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128, enforce_eager=True)

@@ -37,7 +37,8 @@ from jpaged.models.paged_attention import check_kernels
 from jpaged.outputs import RequestOutput
 from jpaged.parallel import distributed
 from jpaged.runner.executable_cache import ExecutableCache
-from jpaged.runner.model_runner import ModelRunner, SeqInput
+from jpaged.runner.model_runner import ModelRunner
+from jpaged.runner.prepare_inputs import SeqInput
 from jpaged.runner.sampler import SamplingRow
 from jpaged.sampling_params import SamplingParams
 from jpaged.spec_decode.draft_model import load_draft_model, propose_drafts

@@ -53,14 +53,11 @@ from jpaged.models.loader import LoadedModel
 from jpaged.parallel import distributed
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, replicated
 from jpaged.runner import kv_transfer, sampler, step_functions
-from jpaged.runner.buckets import BLOCK_OP_SIZES, BLOCK_OPS, HISTORY_UPLOAD_ROWS, Buckets  # noqa: F401 (re-exported)
+from jpaged.runner.buckets import HISTORY_UPLOAD_ROWS, Buckets
 from jpaged.runner.executable_cache import ExecutableCache
 from jpaged.runner.input_batch import InputBatch, Layout, layout_of, pack
-from jpaged.runner.kv_transfer import every_layer  # noqa: F401 (re-exported)
-from jpaged.runner.prepare_inputs import PENDING_TOKEN, SeqInput, prepare_inputs  # noqa: F401 (re-exported)
+from jpaged.runner.prepare_inputs import SeqInput, prepare_inputs
 from jpaged.runner.step_functions import HistoryInputs, StepHandle, StepInputs, unpack_output
-# The jitted step functions under their old names (scripts/lower_for_gpu.py lowers them).
-from jpaged.runner.step_functions import forward as _forward, multi_step as _multi_step  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
