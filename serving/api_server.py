@@ -24,6 +24,7 @@ import time
 from http import HTTPStatus
 
 from aiohttp import web, web_protocol
+from aiohttp.http_exceptions import HttpProcessingError
 
 from jpaged import __version__
 from jpaged.config import MAX_LOGPROBS, RESPONSES_STORE_SIZE, EngineConfig
@@ -165,10 +166,19 @@ STATS_INTERVAL_S = 10
 
 class _RequestHandler(web_protocol.RequestHandler):
     """aiohttp answers requests it cannot parse (a bad request line, oversized headers, a broken
-    chunked body) before any middleware runs, in plain text: answer in OpenAI's shape instead."""
+    chunked body) before any middleware runs, in plain text: answer in OpenAI's shape instead.
+    aiohttp logs each at ERROR with a traceback, though it is the client's doing and gets a 4xx:
+    one WARNING line instead, so that no client can fill the log with tracebacks."""
 
     def handle_error(self, request, status=500, exc=None, message=None):
-        super().handle_error(request, status, exc, message)  # logs, and refuses if a response began
+        if 400 <= status < 500 and isinstance(exc, HttpProcessingError):
+            self.logger.warning("bad HTTP request from %s (%d): %s: %.200s", request.remote, status,
+                                type(exc).__name__, " ".join(str(exc.message).split()))
+            if request.writer.output_size > 0:  # as aiohttp: the connection is broken
+                raise ConnectionError("Response is sent already, cannot send another response with the error "
+                                      "message")
+        else:
+            super().handle_error(request, status, exc, message)  # logs, and refuses if a response began
         reason = HTTPStatus(status).phrase
         response = web.json_response(APIError(f"{reason}: {exc or message or reason}", status=status).to_json(),
                                      status=status)

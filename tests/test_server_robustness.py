@@ -239,6 +239,42 @@ def test_a_client_that_left_is_not_a_server_error(caplog):
     assert response.status == 500 and any(r.levelno == logging.ERROR for r in caplog.records)
 
 
+def test_malformed_http_is_one_warning_line_not_a_traceback(caplog):
+    """A request line or header over aiohttp's 8,190 bytes (stress_server's sleep?level=1...1) is
+    the client's doing: a 400 in OpenAI's shape and one WARNING line, not an ERROR with a traceback
+    per request (issue 38: a client could fill the log)."""
+    from aiohttp import web
+
+    from serving.api_server import _AppRunner
+
+    async def attempt(raw: bytes) -> bytes:
+        runner = _AppRunner(web.Application())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
+            writer.write(raw)
+            await writer.drain()
+            received = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            return received
+        finally:
+            await runner.cleanup()
+
+    for raw in (b"POST /sleep?level=" + b"1" * 10000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+                b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 10000 + b"\r\n\r\n"):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            received = asyncio.run(attempt(raw))
+        head, _, body = received.partition(b"\r\n\r\n")
+        assert re.match(rb"HTTP/1\.[01] 400 ", head), received[:200]
+        assert_openai_error(400, strict_json(body.decode()), 400)
+        logged = [r for r in caplog.records if r.name == "aiohttp.server"]
+        assert [r.levelno for r in logged] == [logging.WARNING], [(r.levelname, r.getMessage()) for r in logged]
+        assert not any(r.exc_info for r in caplog.records) and "LineTooLong" in logged[0].getMessage()
+
+
 # ---------------------------------------------------------------------- malformed fields (issue 30)
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
