@@ -13,12 +13,13 @@ and configs at start-up (scripts/stress_checkpoints.py; needs no server). --star
 starts `jpaged serve ARGS` itself (its RSS is then checked) and stops it at the end. Every
 attack at once, on the tiny model:
 
-    python scripts/stress_server.py --startup-attacks --lora-churn tiny --lora-streams 300 \
-        --lora-hostile-dir /tmp/hostile --start-server "--model tiny --api-key KEY --enable-sleep-mode \
-        --enable-lora --enable-lora-runtime-updates --allowed-lora-paths /tmp/hostile \
-        --responses-store-bytes 67108864 --max-model-len 4096"
+    python scripts/stress_server.py --startup-attacks --lora-churn tiny --lora-streams 300 --seed 38 \
+        --start-server "--model tiny --api-key KEY --enable-sleep-mode --enable-lora \
+        --enable-lora-runtime-updates --responses-store-bytes 67108864 --max-model-len 4096"
 
-The last line sums it up: requests, 5xx, engine alive, leaked KV blocks, failures.
+(--lora-churn tiny builds three tiny adapters and the hostile ones under --lora-dir, which
+--start-server adds as --allowed-lora-paths.) The SUMMARY at the end: requests, 5xx and failures
+of each part, engine alive, requests unfinished, leaked KV blocks, tracebacks in the server's log.
 """
 
 import argparse
