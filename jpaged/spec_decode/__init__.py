@@ -3,12 +3,15 @@ decoding sequence, the target model verifies them all in one forward, and the re
 keeps exactly the target's distribution.
 
   config.py     SpeculativeConfig: the options, checked (ValueError naming the field)
-  ngram.py      prompt lookup: the tokens that followed the last occurrence of the sequence's
-                own suffix (host, numpy)
-  draft_model.py  a smaller checkpoint of the same vocabulary: loaded and checked here; its
-                pages, forward and proposals are the runner's (ModelRunner.draft, .propose),
-                drafted after scheduling and the step's block moves (propose_drafts, which
-                Scheduler.set_drafts puts in the plan in place of the reserved ones)
+  proposer.py   the Proposer interface: drafts while scheduling or after the plan's block moves,
+                and the hooks the target's runner calls (each step's K/V forward, pools that
+                share block ids for copies and swaps, device operations, warm-up, sleep)
+  ngram.py      NgramProposer, prompt lookup: the tokens that followed the last occurrence of
+                the sequence's own suffix (host, numpy)
+  draft_model.py  DraftModelProposer, a smaller checkpoint of the same vocabulary: loaded and
+                checked here; it owns the draft's ModelRunner (pages, forward, executables) and
+                drafts after scheduling and the step's block moves (Scheduler.set_drafts puts
+                them in the plan in place of the reserved ones)
   speculator.py which sequences speculate and how many drafts they take this step, and the
                 counters (stats(), Prometheus); the acceptance is Scheduler._accept's
 
