@@ -91,6 +91,8 @@ class ModelRunner:
         self.num_layers = num_layers = kv_cache_spec.num_layers
         kv, rep = kv_cache_sharding(self.mesh), replicated(self.mesh)
         self._replicated = rep
+        self.proposer = proposer if proposer is not None else Proposer()
+        self.pools = [self] + self.proposer.shared_pools()  # KV pools addressed by the same block ids
         self.kv_cache: KVCache = kv_cache_spec.allocate(num_gpu_blocks, kv, kv_scales, calculate_kv_scales)
         pool = jax.tree.map(lambda x: x.sharding, self.kv_cache)  # pages split on kv heads, scales replicated
         # Host pool for swapped-out pages, one per local shard, keyed by the shard's first kv head:
@@ -111,9 +113,15 @@ class ModelRunner:
         self.token_history = jnp.full((max_num_seqs, max_model_len), -1, jnp.int32, device=rep)
         self._history: dict[int, tuple[int, int]] = {}
         # Each takes its inputs packed in one int32 array (one transfer), unpacked by `layout`.
+        # `return_hidden`: the forward also returns the sampled rows' hidden states, kept in
+        # `hidden_states` (on the device) for a proposer that drafts from them (EAGLE-style).
+        # Off unless the proposer asks: other engines' executables are unchanged.
+        self.return_hidden = self.proposer.needs_hidden_states
+        self.hidden_states = None
         self._forward = lambda layout: jax.jit(
-            functools.partial(step_functions.forward, self.graphdef, rep, layout=layout),
-            donate_argnums=(1,), out_shardings=(rep, pool))
+            functools.partial(step_functions.forward, self.graphdef, rep, layout=layout,
+                              return_hidden=self.return_hidden),
+            donate_argnums=(1,), out_shardings=(rep, pool, rep) if self.return_hidden else (rep, pool))
         self._sample = lambda layout: jax.jit(functools.partial(step_functions.sample, layout=layout),
                                               out_shardings=(rep, rep, rep), donate_argnums=(2, 3))
         self._history_writer = jax.jit(step_functions.write_history, out_shardings=rep, donate_argnums=(0,))
@@ -124,8 +132,6 @@ class ModelRunner:
             functools.partial(step_functions.multi_step, self.graphdef, rep, layout=layout,
                               num_steps=num_scheduler_steps),
             donate_argnums=(1, 3), out_shardings=(rep, pool, rep))
-        self.proposer = proposer if proposer is not None else Proposer()
-        self.pools = [self] + self.proposer.shared_pools()  # KV pools addressed by the same block ids
         self._kv_forward = lambda layout: jax.jit(functools.partial(step_functions.forward_kv, self.graphdef, layout=layout),
                                                   donate_argnums=(1,), out_shardings=pool)
         self.executable_cache = executable_cache or ExecutableCache(None, "")
@@ -365,8 +371,10 @@ class ModelRunner:
 
     def _run_step(self, key, inputs: np.ndarray, smeta: np.ndarray):
         num_tokens, full = key
-        logits, self.kv_cache = self._executable(("forward", num_tokens))(self.state, self.kv_cache, inputs,
-                                                                          self.last_tokens)
+        logits, self.kv_cache, *hidden = self._executable(("forward", num_tokens))(self.state, self.kv_cache, inputs,
+                                                                                   self.last_tokens)
+        if hidden:
+            self.hidden_states = hidden[0]
         self.proposer.forward_kv(num_tokens, inputs, self.last_tokens)  # (before last_tokens is donated)
         if self.kv_cache.scales_pending is not None and not self._kv_scales_computed:
             self._kv_scales_computed = True  # this step computed them: later steps keep them
@@ -381,11 +389,10 @@ class ModelRunner:
         self.token_history = self._executable(("write_history", len(rows)))(self.token_history, rows, tokens)
 
     def run_kv_forward(self, num_tokens: int, inputs: np.ndarray, last_tokens):
-        """A step's K/V-only forward over these pages (a draft model's, beside the target's step)."""
+        """Another runner's step's K/V-only forward over these pages (a draft model's)."""
         self.kv_cache = self._executable(("kv_forward", num_tokens))(self.state, self.kv_cache, inputs, last_tokens)
 
-    def run_multi_step(self, num_tokens: int, inputs: np.ndarray):
-        """The multi-step decode loop (a draft model's proposals)."""
+    def run_multi_step(self, num_tokens: int, inputs: np.ndarray):  # (a draft model's proposals)
         return self._run_multi_step(num_tokens, inputs)
 
     def _run_multi_step(self, num_tokens: int, inputs: np.ndarray):

@@ -25,6 +25,9 @@ class Proposer:
     # True: `propose` drafts after the plan's block moves (the scheduler reserves DRAFT_PENDING);
     # False: `draft` drafts while scheduling.
     drafts_after_scheduling = False
+    # True: the target's forward also returns its sampled rows' hidden states
+    # (ModelRunner.hidden_states, on the device), for a proposer that drafts from them.
+    needs_hidden_states = False
 
     # ------------------------------------------------------------------ drafts
     def draft(self, token_ids: list[int], k: int) -> list[int]:

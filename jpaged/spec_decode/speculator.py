@@ -34,8 +34,8 @@ class Speculator:
         """Drafts for the group's next step, at most `max_drafts` (empty: it decodes one token;
         a proposer that drafts after scheduling: DRAFT_PENDING placeholders). Only a lone
         sequence that decodes its last token speculates (no beams or forks); no draft runs past
-        max_tokens or max_model_len, nor past the first one its grammar rejects. (min_tokens: each row bans EOS and stop ids
-        by its own output position.)"""
+        max_tokens or max_model_len, nor past the first one its grammar rejects. (min_tokens:
+        each row bans EOS and stop ids by its own output position.)"""
         sp = group.sampling_params
         if max_drafts < 1 or len(group.seqs) != 1 or not RequestNeeds.of(sp).speculate:
             return []
