@@ -159,7 +159,8 @@ class LLMEngine:
         # Speculative decoding's proposer (spec_decode/proposer.py); a draft model's owns its runner.
         self.proposer = DraftModelProposer(
             draft, ExecutableCache(cache_dir, f"{fingerprint}\ndraft\n" + start_up.model_fingerprint(
-                config, draft.loaded, self.max_model_len), self.devices), **shape) if draft else \
+                config, draft.loaded, self.max_model_len), self.devices),
+            target_lora=lora_targets is not None, **shape) if draft else \
             NgramProposer(spec_config) if spec_config else None
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,

@@ -217,8 +217,8 @@ class ModelRunner:
         if key[0] == "forward":
             layout = layout_of(self._abstract_inputs(key[1]))
             return self._forward(layout), (self.state, self.kv_cache, self._packed(layout), self.last_tokens)
-        if key[0] == "kv_forward":
-            layout = layout_of(self._abstract_inputs(key[1]))
+        if key[0] == "kv_forward":  # over another runner's step: its inputs carry LoRA slots if its do
+            layout = layout_of(self._abstract_inputs(key[1], lora="lora" in key))
             return self._kv_forward(layout), (self.state, self.kv_cache, self._packed(layout), self.last_tokens)
         if key[0] == "multi_step":
             layout = layout_of(self._abstract_multi_step_inputs(key[1]))
@@ -266,14 +266,14 @@ class ModelRunner:
             self._executables[key] = self._compile(key)
         return self._executables[key]
 
-    def _abstract_inputs(self, num_tokens: int) -> StepInputs:
+    def _abstract_inputs(self, num_tokens: int, lora: bool | None = None) -> StepInputs:
         num_seqs = self.buckets.seqs(num_tokens)
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
         decode = jax.ShapeDtypeStruct((), jnp.bool_) if num_seqs == num_tokens else None
         attn = AttentionMetadata(i32((num_tokens,)), i32((num_seqs, self.buckets.width)), i32((num_seqs,)),
                                  i32((num_seqs + 1,)), decode)
         return StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn, i32((self.buckets.sample_rows(num_tokens),)),
-                          i32((num_tokens,)), i32((num_tokens,)) if self.lora_linears else None)
+                          i32((num_tokens,)), i32((num_tokens,)) if (lora if lora is not None else self.lora_linears) else None)
 
     def _abstract_multi_step_inputs(self, num_tokens: int):
         """A K-step decode's inputs: the first step's, its sampler metadata (fast variant) and
@@ -388,9 +388,10 @@ class ModelRunner:
     def _write_history(self, rows: np.ndarray, tokens: np.ndarray):
         self.token_history = self._executable(("write_history", len(rows)))(self.token_history, rows, tokens)
 
-    def run_kv_forward(self, num_tokens: int, inputs: np.ndarray, last_tokens):
-        """Another runner's step's K/V-only forward over these pages (a draft model's)."""
-        self.kv_cache = self._executable(("kv_forward", num_tokens))(self.state, self.kv_cache, inputs, last_tokens)
+    def run_kv_forward(self, num_tokens: int, inputs: np.ndarray, last_tokens, lora: bool = False):
+        """Another runner's step's K/V-only forward over these pages (a draft's); `lora`: its inputs carry LoRA slots."""
+        key = ("kv_forward", num_tokens) + (("lora",) if lora else ())
+        self.kv_cache = self._executable(key)(self.state, self.kv_cache, inputs, last_tokens)
 
     def run_multi_step(self, num_tokens: int, inputs: np.ndarray):  # (a draft model's proposals)
         return self._run_multi_step(num_tokens, inputs)

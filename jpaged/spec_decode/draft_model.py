@@ -74,12 +74,12 @@ def load_draft_model(config, target: LoadedModel, max_model_len: int) -> DraftMo
     return DraftModel(loaded, spec)
 
 
-def draft_keys(buckets):
+def draft_keys(buckets, lora: bool = False):
     """A draft model's executables: its K/V-only forward over each token bucket of the target's
     steps, its k-step proposal loop (multi_step with k = num_scheduler_steps) per decode bucket,
-    and the block operations on its pages."""
+    and the block operations on its pages. `lora`: the target's step inputs carry LoRA slots."""
     for tokens in buckets.tokens:
-        yield ("kv_forward", tokens)
+        yield ("kv_forward", tokens) + (("lora",) if lora else ())
     for tokens in buckets.decode_tokens:
         yield ("multi_step", tokens)
     for op in BLOCK_OPS:
@@ -93,8 +93,11 @@ class DraftModelProposer(Proposer):
 
     drafts_after_scheduling = True
 
-    def __init__(self, draft: DraftModel, executable_cache, **shape):
-        """`shape`: the target runner's (its blocks, sequences, tokens, lengths and drafts)."""
+    def __init__(self, draft: DraftModel, executable_cache, target_lora: bool = False, **shape):
+        """`shape`: the target runner's (its blocks, sequences, tokens, lengths and drafts);
+        `target_lora`: the target has LoRA slots (its steps' inputs carry each token's slot; the
+        draft has no adapters: its drafts are the base model's, verified by the adapted target)."""
+        self.target_lora = target_lora
         self.runner = ModelRunner(draft.loaded, draft.kv_cache_spec, **shape,
                                   num_scheduler_steps=shape["num_speculative_tokens"], executable_cache=executable_cache)
 
@@ -103,13 +106,13 @@ class DraftModelProposer(Proposer):
         return [self.runner]
 
     def forward_kv(self, num_tokens: int, inputs, last_tokens):
-        self.runner.run_kv_forward(num_tokens, inputs, last_tokens)  # the step's tokens' K/V in the draft's pages
+        self.runner.run_kv_forward(num_tokens, inputs, last_tokens, self.target_lora)  # the step's tokens' K/V in the draft's pages
 
     def device_ops(self) -> dict:
         return {"propose": self.runner.run_multi_step}
 
     def warm_up(self, stop=None):
-        self.runner.warm_up(stop, list(draft_keys(self.runner.buckets)))
+        self.runner.warm_up(stop, list(draft_keys(self.runner.buckets, self.target_lora)))
 
     def bypass_executable_cache(self):
         self.runner.bypass_executable_cache()
