@@ -287,7 +287,8 @@ class LLMEngine:
 
     def _can_overlap(self, dispatched: _Dispatched) -> bool:
         """Whether the next step may be scheduled before `dispatched` is read (step_needs.py)."""
-        return (self.config.async_scheduling and not dispatched.failed
+        return (self.config.async_scheduling and not dispatched.failed  # (verified drafts: accepted count unknown)
+                and (self.proposer is None or not any(s.spec_token_ids for s in dispatched.plan.scheduled_seq_groups))
                 and can_overlap(self.scheduler, {id(s.group) for s in dispatched.steps}, self.max_model_len))
 
     def _dispatch(self, plan: SchedulerOutputs, multi_step: bool, previous: _Dispatched | None) -> _Dispatched:

@@ -30,6 +30,12 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         return limit is None or num_running_seqs <= limit
 
+    def may_draft(self, groups) -> bool:
+        """Whether the next step may give any of the running `groups` drafts (async scheduling
+        then waits for the last step's tokens: step_needs.can_overlap)."""
+        return self.enabled(sum(g.num_unfinished_seqs() for g in groups)) and \
+            any(len(g.seqs) == 1 and RequestNeeds.of(g.sampling_params).speculate for g in groups)
+
     def propose(self, group: SequenceGroup, max_drafts: int) -> list[int]:
         """Drafts for the group's next step, at most `max_drafts` (empty: it decodes one token;
         a proposer that drafts after scheduling: DRAFT_PENDING placeholders). Only a lone
