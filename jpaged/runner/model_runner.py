@@ -168,7 +168,8 @@ class ModelRunner:
             if stop is not None and stop.is_set():
                 raise SystemExit(0)
 
-        keys = [k for k in (self.buckets.keys() if keys is None else keys) if k not in self._executables] + ([("write_lora",)] if self.lora_linears else [])
+        keys = [k for k in (self.buckets.keys() if keys is None else keys) if k not in self._executables] \
+            + ([("write_lora",)] if self.lora_linears else [])
         cache = self.executable_cache
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jpaged-compile") as pool, \
                 tqdm(total=len(keys), desc="Compiling step buckets", unit="shape") as progress:
