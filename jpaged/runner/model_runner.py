@@ -115,13 +115,12 @@ class ModelRunner:
         # Each takes its inputs packed in one int32 array (one transfer), unpacked by `layout`.
         # `return_hidden`: the forward also returns the sampled rows' hidden states, kept in
         # `hidden_states` (on the device) for a proposer that drafts from them (EAGLE-style).
-        # Off unless the proposer asks: other engines' executables are unchanged.
+        # Off unless the proposer asks: other engines' executables are unchanged (on: keys ("forward", n, "hidden")).
         self.return_hidden = self.proposer.needs_hidden_states
         self.hidden_states = None
-        self._forward = lambda layout: jax.jit(
-            functools.partial(step_functions.forward, self.graphdef, rep, layout=layout,
-                              return_hidden=self.return_hidden),
-            donate_argnums=(1,), out_shardings=(rep, pool, rep) if self.return_hidden else (rep, pool))
+        self._forward = lambda layout, hidden: jax.jit(
+            functools.partial(step_functions.forward, self.graphdef, rep, layout=layout, return_hidden=hidden),
+            donate_argnums=(1,), out_shardings=(rep, pool, rep) if hidden else (rep, pool))
         self._sample = lambda layout: jax.jit(functools.partial(step_functions.sample, layout=layout),
                                               out_shardings=(rep, rep, rep), donate_argnums=(2, 3))
         self._history_writer = jax.jit(step_functions.write_history, out_shardings=rep, donate_argnums=(0,))
@@ -168,7 +167,7 @@ class ModelRunner:
             if stop is not None and stop.is_set():
                 raise SystemExit(0)
 
-        keys = [k for k in (self.buckets.keys() if keys is None else keys) if k not in self._executables] \
+        keys = [k for k in (self.buckets.keys(self.return_hidden) if keys is None else keys) if k not in self._executables] \
             + ([("write_lora",)] if self.lora_linears else [])
         cache = self.executable_cache
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jpaged-compile") as pool, \
@@ -217,7 +216,7 @@ class ModelRunner:
         """The jitted function executable `key` compiles, and its (abstract) arguments."""
         if key[0] == "forward":
             layout = layout_of(self._abstract_inputs(key[1]))
-            return self._forward(layout), (self.state, self.kv_cache, self._packed(layout), self.last_tokens)
+            return self._forward(layout, "hidden" in key), (self.state, self.kv_cache, self._packed(layout), self.last_tokens)
         if key[0] == "kv_forward":  # over another runner's step: its inputs carry LoRA slots if its do
             layout = layout_of(self._abstract_inputs(key[1], lora="lora" in key))
             return self._kv_forward(layout), (self.state, self.kv_cache, self._packed(layout), self.last_tokens)
@@ -372,8 +371,8 @@ class ModelRunner:
 
     def _run_step(self, key, inputs: np.ndarray, smeta: np.ndarray):
         num_tokens, full = key
-        logits, self.kv_cache, *hidden = self._executable(("forward", num_tokens))(self.state, self.kv_cache, inputs,
-                                                                                   self.last_tokens)
+        key = ("forward", num_tokens) + (("hidden",) if self.return_hidden else ())
+        logits, self.kv_cache, *hidden = self._executable(key)(self.state, self.kv_cache, inputs, self.last_tokens)
         if hidden:
             self.hidden_states = hidden[0]
         self.proposer.forward_kv(num_tokens, inputs, self.last_tokens)  # (before last_tokens is donated)
