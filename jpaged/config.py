@@ -146,8 +146,6 @@ class EngineConfig:
         check("max_cpu_loras", self.max_cpu_loras is None or (isinstance(self.max_cpu_loras, int)
                                                               and self.max_cpu_loras >= self.max_loras),
               f"None or an integer >= max_loras={self.max_loras}")
-        check("enable_lora", not (self.enable_lora and self.speculative_config is not None),
-              "False with speculative_config (not supported together yet)")
         check("grammar_compile_timeout", self.grammar_compile_timeout > 0, "> 0 (seconds)")
         check("grammar_compile_memory", self.grammar_compile_memory >= 64, ">= 64 (MiB)")
 

@@ -179,7 +179,7 @@ def forward_cases():
         if spec:
             assert runner._abstract_inputs(32).logits_indices.shape == (32,)  # a row per token
         if spec == "draft_model":  # the draft's K/V-only forward over that step, and its proposals
-            draft = runner.draft
+            draft = runner.proposer.runner  # the draft model's runner, owned by its proposer
             graphdef, state, kv_cache, _ = _abstract_model(draft)
             layout = layout_of(draft._abstract_inputs(32))
             forward_kv = functools.partial(step_functions.forward_kv, graphdef, layout=layout)

@@ -104,7 +104,7 @@ def test_explicit_devices_equal_the_default_engine():
     assert generate(with_lora) == reference
     draft = {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2}
     with_draft = jpaged.LLM("tiny", devices=[7], speculative_config=draft, **LIMITS)
-    draft_runner = with_draft.llm_engine.runner.draft
+    draft_runner = with_draft.llm_engine.proposer.runner
     assert [d.id for d in draft_runner.mesh.devices.flat] == [7]
     draft_arrays = [a for a in jax.tree.leaves((draft_runner.kv_cache, draft_runner.state)) if isinstance(a, jax.Array)]
     assert all(a.sharding.device_set == {seven} for a in draft_arrays + arrays_of(with_draft))

@@ -15,7 +15,7 @@ import pytest
 
 import jpaged
 from jpaged.spec_decode import SpeculativeConfig
-from jpaged.spec_decode import ngram, speculator
+from jpaged.spec_decode import ngram
 
 VOCAB = 259  # the tiny model's
 LIMITS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
@@ -36,7 +36,7 @@ def draft_from(monkeypatch, references, rng, wrong=0.3):
                 return [t if rng.random() >= wrong else (t + 1) % VOCAB for t in output[done:done + k]]
         return []
 
-    monkeypatch.setattr(speculator, "propose_ngram", propose)
+    monkeypatch.setattr(ngram, "propose_ngram", propose)
 
 
 def generate(llm, prompts, sp):
@@ -261,7 +261,7 @@ def test_sampled_distribution_matches_without_speculation(monkeypatch):
         done = len(token_ids) - len(prompt)
         return list(greedy[done:done + k]) if done < len(greedy) else []
 
-    monkeypatch.setattr(speculator, "propose_ngram", propose)
+    monkeypatch.setattr(ngram, "propose_ngram", propose)
     num = 1500
     sp = jpaged.SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     counts = {}

@@ -50,8 +50,11 @@ def can_overlap(scheduler, step_groups: set[int], max_model_len: int) -> bool:
     or is swapped out (no admission), every sequence can take a block (no preemption), none is
     sure to end with its pending token (no slot past its end) and, with prefix caching, none
     fills a block with it (the block's hash needs the token)."""
-    # Speculative decoding: drafts are proposed from the last token, so it must be on the host.
-    if scheduler.waiting or scheduler.swapped or scheduler.speculator is not None:
+    # Speculative decoding: drafts are proposed from the last token, so it must be on the host
+    # whenever the next step may take drafts (the speculator's policy); otherwise (above
+    # disable_by_batch_size, or no request that speculates) steps overlap as without it.
+    spec = scheduler.speculator
+    if scheduler.waiting or scheduler.swapped or (spec is not None and spec.may_draft(scheduler.running)):
         return False
     bm = scheduler.block_manager
     caching, num_seqs = bm.enable_caching, 0

@@ -41,7 +41,8 @@ from jpaged.runner.model_runner import ModelRunner
 from jpaged.runner.prepare_inputs import SeqInput
 from jpaged.runner.sampler import SamplingRow
 from jpaged.sampling_params import SamplingParams
-from jpaged.spec_decode.draft_model import load_draft_model, propose_drafts
+from jpaged.spec_decode.draft_model import DraftModelProposer, load_draft_model
+from jpaged.spec_decode.ngram import NgramProposer
 from jpaged.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
@@ -150,35 +151,33 @@ class LLMEngine:
                                           sliding_window=common_sliding_window(loaded.model))
         # Debug mode (the tests turn it on): check the block pool's invariants after every step.
         self.check_invariants = os.environ.get("JPAGED_CHECK_INVARIANTS", "0") not in ("", "0")
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
-                                   preemption_mode=config.preemption_mode,
-                                   stop_checker=StopChecker(self.max_model_len, getattr(self.tokenizer, "eos_token_id", None),
-                                                            self.detokenizer, self.structured_output),
-                                   speculator=Speculator(spec_config, self.max_model_len,
-                                                         self.structured_output) if spec_config else None,
-                                   max_loras=config.max_loras if config.enable_lora else None)
-        self.request_validator = RequestValidator(self.hf_config.vocab_size, self.max_model_len, config,
-                                                  self.block_manager)
-        self.output_processor = OutputProcessor(self.scheduler.stop_checker)
         shape = dict(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                      num_speculative_tokens=spec_config.num_speculative_tokens if spec_config else 0)
         cache_dir = start_up.executable_cache_dir() if config.executable_cache else None
         fingerprint = start_up.model_fingerprint(config, loaded, self.max_model_len)
-        # The draft's proposals: its multi-step loop of k steps.
-        draft_runner = ModelRunner(draft.loaded, draft.kv_cache_spec, **shape,
-                                   num_scheduler_steps=spec_config.num_speculative_tokens,
-                                   executable_cache=ExecutableCache(cache_dir, f"{fingerprint}\ndraft\n" + start_up
-                                                                    .model_fingerprint(config, draft.loaded,
-                                                                                       self.max_model_len),
-                                                                    self.devices),
-                                   is_draft=True) if draft else None
+        # Speculative decoding's proposer (spec_decode/proposer.py); a draft model's owns its runner.
+        self.proposer = DraftModelProposer(
+            draft, ExecutableCache(cache_dir, f"{fingerprint}\ndraft\n" + start_up.model_fingerprint(
+                config, draft.loaded, self.max_model_len), self.devices),
+            target_lora=lora_targets is not None, **shape) if draft else \
+            NgramProposer(spec_config) if spec_config else None
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
+                                   preemption_mode=config.preemption_mode,
+                                   stop_checker=StopChecker(self.max_model_len, getattr(self.tokenizer, "eos_token_id", None),
+                                                            self.detokenizer, self.structured_output),
+                                   speculator=Speculator(spec_config, self.max_model_len, self.structured_output,
+                                                         self.proposer) if spec_config else None,
+                                   max_loras=config.max_loras if config.enable_lora else None)
+        self.request_validator = RequestValidator(self.hf_config.vocab_size, self.max_model_len, config,
+                                                  self.block_manager)
+        self.output_processor = OutputProcessor(self.scheduler.stop_checker)
         self.runner = ModelRunner(loaded, kv_cache_spec, **shape, num_scheduler_steps=config.num_scheduler_steps,
                                   executable_cache=ExecutableCache(cache_dir, fingerprint, self.devices),
                                   kv_scales=kv_scales,
                                   calculate_kv_scales=kv_cache_spec.quantized and config.calculate_kv_scales,
-                                  draft=draft_runner)
+                                  proposer=self.proposer)
         self.lora_manager = LoRAManager(lora_targets, self.runner, max_loras=config.max_loras,
                                         max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
                                         dtype=loaded.dtype) if lora_targets else None
@@ -209,7 +208,7 @@ class LLMEngine:
         try:
             self.runner.warm_up(stop)
         except Exception as e:
-            hits = self.runner.executable_cache.hits + (self.runner.draft.executable_cache.hits if self.runner.draft else 0)
+            hits = self.runner.executable_cache.hits + self.runner.proposer.executable_cache_hits
             if hits == 0:
                 raise
             logger.warning("start-up failed after loading %d cached executables (%r); retrying once with the "
@@ -288,7 +287,8 @@ class LLMEngine:
 
     def _can_overlap(self, dispatched: _Dispatched) -> bool:
         """Whether the next step may be scheduled before `dispatched` is read (step_needs.py)."""
-        return (self.config.async_scheduling and not dispatched.failed
+        return (self.config.async_scheduling and not dispatched.failed  # (verified drafts: accepted count unknown)
+                and (self.proposer is None or not any(s.spec_token_ids for s in dispatched.plan.scheduled_seq_groups))
                 and can_overlap(self.scheduler, {id(s.group) for s in dispatched.steps}, self.max_model_len))
 
     def _dispatch(self, plan: SchedulerOutputs, multi_step: bool, previous: _Dispatched | None) -> _Dispatched:
@@ -299,8 +299,8 @@ class LLMEngine:
             self.runner.swap_out(plan.blocks_to_swap_out)
             self.runner.swap_in(plan.blocks_to_swap_in)
             self.runner.copy_blocks(plan.blocks_to_copy)
-            if self.runner.draft is not None:  # after the block moves: a victim's pages leave before drafts take its blocks
-                propose_drafts(plan, self.scheduler, self.runner, self._seed)
+            if self.proposer is not None:  # after the block moves: a victim's pages leave before drafts take its blocks
+                self.proposer.propose(plan, self.scheduler, self.runner, self._seed)
             failed: dict[int, tuple[SequenceGroup, Exception]] = {}
             steps = []
             lora_slots = self.lora_manager.slots_of(plan.scheduled_seq_groups) if self.lora_manager else {}

@@ -53,8 +53,7 @@ def sleep(engine, level: int = 1):
     if is_sleeping(engine):
         raise ValueError("the engine is already asleep")
     _check_idle(engine, "sleep")
-    if engine.runner.draft is not None:
-        raise ValueError("sleep is not supported with a draft model (speculative_config method 'draft_model')")
+    engine.runner.proposer.check_sleep()
     if level == 2 and engine.lora_manager is not None:
         raise ValueError("sleep(level=2) is not supported with enable_lora: the adapters' slots would be lost")
     before = device_bytes((engine.runner.state, engine.runner.kv_cache))

@@ -73,25 +73,13 @@ class Buckets:
         """Token buckets a multi-step decode runs in (a token and a sequence row each)."""
         return [t for t in self.tokens if t <= self.max_num_seqs]
 
-    def draft_keys(self):
-        """A draft model's executables (spec_decode): its K/V-only forward over each token bucket
-        of the target's steps, its k-step proposal loop (multi_step with k = num_scheduler_steps)
-        per decode bucket, and the block operations on its pages."""
-        for tokens in self.tokens:
-            yield ("kv_forward", tokens)
-        for tokens in self.decode_tokens:
-            yield ("multi_step", tokens)
-        for op in BLOCK_OPS:
-            for num_blocks in BLOCK_OP_SIZES:
-                yield (op, num_blocks)
-
-    def keys(self):
+    def keys(self, hidden: bool = False):
         """Every executable: the model forward per token bucket, the sampler per (rows, full on/off),
         each block operation per padded size, and with multi-step decode the K-step decode loop
         per bucket of decode steps (tokens <= max_num_seqs). Compiling the forward and the sampler
         apart keeps the count additive, not a product."""
-        for tokens in self.tokens:
-            yield ("forward", tokens)
+        for tokens in self.tokens:  # (`hidden`: forwards that also return the sampled rows' hidden states)
+            yield ("forward", tokens) + (("hidden",) if hidden else ())
         if self.num_scheduler_steps > 1:
             for tokens in self.decode_tokens:
                 yield ("multi_step", tokens)

@@ -58,6 +58,7 @@ from jpaged.runner.executable_cache import ExecutableCache
 from jpaged.runner.input_batch import InputBatch, Layout, layout_of, pack
 from jpaged.runner.prepare_inputs import SeqInput, prepare_inputs
 from jpaged.runner.step_functions import HistoryInputs, StepHandle, StepInputs, unpack_output
+from jpaged.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +70,12 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, kv_cache_spec: KVCacheSpec, *, num_gpu_blocks: int, num_cpu_blocks: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_scheduler_steps: int = 1,
                  executable_cache: ExecutableCache | None = None, kv_scales=None, calculate_kv_scales: bool = False,
-                 num_speculative_tokens: int = 0, draft: "ModelRunner | None" = None, is_draft: bool = False):
+                 num_speculative_tokens: int = 0, proposer: Proposer | None = None):
         """`kv_scales`: fp8 pages' per-layer (k, v) scales from the checkpoint; else 1.0, or
-        computed by the first step with `calculate_kv_scales`. `draft`: a draft model's runner
-        (spec_decode, `is_draft`, num_scheduler_steps = k): its pages have the same blocks as
-        these, every step runs its K/V-only forward too, and block copies and swaps move both."""
+        computed by the first step with `calculate_kv_scales`. `proposer`: speculative decoding's
+        (spec_decode/proposer.py): the runner calls its hooks (each step's K/V forward, warm-up,
+        device operations), and block copies and swaps iterate over `pools`, these pages and
+        the proposer's pools that share their block ids."""
         self.kv_cache_spec, self.num_gpu_blocks = kv_cache_spec, num_gpu_blocks
         self.block_size = block_size = kv_cache_spec.block_size
         self.vocab_size = loaded.hf_config.vocab_size
@@ -89,6 +91,8 @@ class ModelRunner:
         self.num_layers = num_layers = kv_cache_spec.num_layers
         kv, rep = kv_cache_sharding(self.mesh), replicated(self.mesh)
         self._replicated = rep
+        self.proposer = proposer if proposer is not None else Proposer()
+        self.pools = [self] + self.proposer.shared_pools()  # KV pools addressed by the same block ids
         self.kv_cache: KVCache = kv_cache_spec.allocate(num_gpu_blocks, kv, kv_scales, calculate_kv_scales)
         pool = jax.tree.map(lambda x: x.sharding, self.kv_cache)  # pages split on kv heads, scales replicated
         # Host pool for swapped-out pages, one per local shard, keyed by the shard's first kv head:
@@ -109,9 +113,14 @@ class ModelRunner:
         self.token_history = jnp.full((max_num_seqs, max_model_len), -1, jnp.int32, device=rep)
         self._history: dict[int, tuple[int, int]] = {}
         # Each takes its inputs packed in one int32 array (one transfer), unpacked by `layout`.
-        self._forward = lambda layout: jax.jit(
-            functools.partial(step_functions.forward, self.graphdef, rep, layout=layout),
-            donate_argnums=(1,), out_shardings=(rep, pool))
+        # `return_hidden`: the forward also returns the sampled rows' hidden states, kept in
+        # `hidden_states` (on the device) for a proposer that drafts from them (EAGLE-style).
+        # Off unless the proposer asks: other engines' executables are unchanged (on: keys ("forward", n, "hidden")).
+        self.return_hidden = self.proposer.needs_hidden_states
+        self.hidden_states = None
+        self._forward = lambda layout, hidden: jax.jit(
+            functools.partial(step_functions.forward, self.graphdef, rep, layout=layout, return_hidden=hidden),
+            donate_argnums=(1,), out_shardings=(rep, pool, rep) if hidden else (rep, pool))
         self._sample = lambda layout: jax.jit(functools.partial(step_functions.sample, layout=layout),
                                               out_shardings=(rep, rep, rep), donate_argnums=(2, 3))
         self._history_writer = jax.jit(step_functions.write_history, out_shardings=rep, donate_argnums=(0,))
@@ -122,7 +131,6 @@ class ModelRunner:
             functools.partial(step_functions.multi_step, self.graphdef, rep, layout=layout,
                               num_steps=num_scheduler_steps),
             donate_argnums=(1, 3), out_shardings=(rep, pool, rep))
-        self.draft, self.is_draft = draft, is_draft
         self._kv_forward = lambda layout: jax.jit(functools.partial(step_functions.forward_kv, self.graphdef, layout=layout),
                                                   donate_argnums=(1,), out_shardings=pool)
         self.executable_cache = executable_cache or ExecutableCache(None, "")
@@ -140,27 +148,27 @@ class ModelRunner:
 
     @property
     def num_compilations(self) -> int:
-        return len(self._executables) + (self.draft.num_compilations if self.draft else 0)
+        return len(self._executables) + self.proposer.num_compilations
 
     def is_alive(self) -> bool:
         """False once the KV pages are gone: a step that failed after donating them."""
-        return not any(pages.is_deleted() for pages in jax.tree.leaves(self.kv_cache)) and \
-            (self.draft is None or self.draft.is_alive())
+        return not any(pages.is_deleted() for pages in jax.tree.leaves(self.kv_cache)) and self.proposer.is_alive()
 
-    def warm_up(self, stop: threading.Event | None = None):
+    def warm_up(self, stop: threading.Event | None = None, keys=None):
         """Compile every bucket now, so serving never compiles. A pipeline: this thread traces and
         lowers the next executables (Python) while one worker thread runs XLA's compiles (C++,
         without the GIL), one at a time as before: 26.0 -> 23.6 s for the quick start's 22 on two
         cores. Not several compiles at once: on a GPU they would autotune side by side, and
         tracing in several threads once hung in CI. `stop` (set by the server's SIGTERM handler)
         is checked between shapes: the handler's own SystemExit is lost when the signal lands in
-        a garbage-collector callback, and this is where start-up then unwinds instead."""
+        a garbage-collector callback, and this is where start-up then unwinds instead. `keys`:
+        the executables to compile (default: every step of this runner's buckets)."""
         def check_stop():
             if stop is not None and stop.is_set():
                 raise SystemExit(0)
 
-        keys = [k for k in (self.buckets.draft_keys() if self.is_draft else self.buckets.keys())
-                if k not in self._executables] + ([("write_lora",)] if self.lora_linears else [])
+        keys = [k for k in (self.buckets.keys(self.return_hidden) if keys is None else keys) if k not in self._executables] \
+            + ([("write_lora",)] if self.lora_linears else [])
         cache = self.executable_cache
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jpaged-compile") as pool, \
                 tqdm(total=len(keys), desc="Compiling step buckets", unit="shape") as progress:
@@ -188,16 +196,14 @@ class ModelRunner:
             except BaseException:  # SIGTERM during the warm-up: wait for the running compile only
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise
-        if self.draft is not None:
-            self.draft.warm_up(stop)
+        self.proposer.warm_up(stop)
         self._warm = True
 
     def bypass_executable_cache(self):
         """Forget what warm_up loaded and load nothing more from disk (compiles still write)."""
         self._executables.clear()
         self.executable_cache.skip_loads = True
-        if self.draft is not None:
-            self.draft.bypass_executable_cache()
+        self.proposer.bypass_executable_cache()
 
     def _compile(self, key):
         return self.executable_cache.compile(repr(key), *self._jitted_and_args(key))
@@ -210,9 +216,9 @@ class ModelRunner:
         """The jitted function executable `key` compiles, and its (abstract) arguments."""
         if key[0] == "forward":
             layout = layout_of(self._abstract_inputs(key[1]))
-            return self._forward(layout), (self.state, self.kv_cache, self._packed(layout), self.last_tokens)
-        if key[0] == "kv_forward":
-            layout = layout_of(self._abstract_inputs(key[1]))
+            return self._forward(layout, "hidden" in key), (self.state, self.kv_cache, self._packed(layout), self.last_tokens)
+        if key[0] == "kv_forward":  # over another runner's step: its inputs carry LoRA slots if its do
+            layout = layout_of(self._abstract_inputs(key[1], lora="lora" in key))
             return self._kv_forward(layout), (self.state, self.kv_cache, self._packed(layout), self.last_tokens)
         if key[0] == "multi_step":
             layout = layout_of(self._abstract_multi_step_inputs(key[1]))
@@ -222,7 +228,7 @@ class ModelRunner:
             logits = jax.ShapeDtypeStruct((num_rows, self.vocab_size), jnp.float32, sharding=self._replicated)
             i32 = jax.ShapeDtypeStruct((num_rows,), jnp.int32)
             history = HistoryInputs(i32, i32, i32, i32) if full else None
-            layout = layout_of((self._sampling_metadata([], num_rows, full), i32, history))
+            layout = layout_of((self.sampling_metadata([], num_rows, full), i32, history))
             return self._sample(layout), (logits, self._packed(layout), self.last_tokens, self.token_history)
         if key[0] == "write_lora":
             slot = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
@@ -243,7 +249,7 @@ class ModelRunner:
         """Fill LoRA slot `slot` (jpaged/lora/manager.py): `weights` holds (A, B) per adaptable
         projection, in `lora_linears` order, zeros where the adapter leaves it alone. One
         executable, compiled at warm-up, whatever the adapter."""
-        self._dispatch("write_lora", np.int32(slot), weights)
+        self.dispatch_op("write_lora", np.int32(slot), weights)
 
     def _write_lora(self, slot, weights):
         self.state = self._executable(("write_lora",))(self.state, slot, weights)
@@ -260,21 +266,21 @@ class ModelRunner:
             self._executables[key] = self._compile(key)
         return self._executables[key]
 
-    def _abstract_inputs(self, num_tokens: int) -> StepInputs:
+    def _abstract_inputs(self, num_tokens: int, lora: bool | None = None) -> StepInputs:
         num_seqs = self.buckets.seqs(num_tokens)
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
         decode = jax.ShapeDtypeStruct((), jnp.bool_) if num_seqs == num_tokens else None
         attn = AttentionMetadata(i32((num_tokens,)), i32((num_seqs, self.buckets.width)), i32((num_seqs,)),
                                  i32((num_seqs + 1,)), decode)
         return StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn, i32((self.buckets.sample_rows(num_tokens),)),
-                          i32((num_tokens,)), i32((num_tokens,)) if self.lora_linears else None)
+                          i32((num_tokens,)), i32((num_tokens,)) if (lora if lora is not None else self.lora_linears) else None)
 
     def _abstract_multi_step_inputs(self, num_tokens: int):
         """A K-step decode's inputs: the first step's, its sampler metadata (fast variant) and
         sampled rows' last_tokens entries, and the slots of the K - 1 later steps' tokens."""
         inputs = self._abstract_inputs(num_tokens)
         num_rows = inputs.logits_indices.shape[0]
-        smeta = self._sampling_metadata([], num_rows, False)
+        smeta = self.sampling_metadata([], num_rows, False)
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
         return inputs, smeta, i32((num_rows,)), i32((self.buckets.num_scheduler_steps - 1, num_tokens))
 
@@ -282,7 +288,7 @@ class ModelRunner:
         """The abstract packed inputs of `layout`, replicated on every device."""
         return jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self._replicated)
 
-    def _sampling_metadata(self, rows, num_rows: int, full: bool) -> sampler.SamplingMetadata:
+    def sampling_metadata(self, rows, num_rows: int, full: bool) -> sampler.SamplingMetadata:
         """Fixed widths and logprob count, so the sampler has two variants: the fast one (no
         penalties, grammars or logprobs) and `full`, taken when any row needs one of them. The
         penalties' tokens are not sent: the full sampler reads them from the token history."""
@@ -332,7 +338,7 @@ class ModelRunner:
             for j, (row, ids) in enumerate(chunk):
                 upload_rows[j] = row
                 tokens[j, :len(ids)] = ids
-            self._dispatch("write_history", upload_rows, tokens)
+            self.dispatch_op("write_history", upload_rows, tokens)
         return history
 
     def dispatch(self, seqs: list[SeqInput], sampling_rows: list, multi_step: bool = False) -> "StepHandle":
@@ -345,36 +351,15 @@ class ModelRunner:
                               lora=bool(self.lora_linears))
         inputs, num_sample_rows = step.inputs, len(step.inputs.logits_indices)
         full = not multi_step and rows_need_full_sampler(sampling_rows)
-        smeta = self._sampling_metadata(sampling_rows, num_sample_rows, full)
+        smeta = self.sampling_metadata(sampling_rows, num_sample_rows, full)
         if not multi_step:
             history = self._history_inputs(seqs, step.rows, sampling_rows, num_sample_rows) if full else None
-            out = self._dispatch("run_step", (step.num_tokens, full), pack(inputs),
+            out = self.dispatch_op("run_step", (step.num_tokens, full), pack(inputs),
                                  pack((smeta, step.dst_rows, history)))
             return StepHandle(out, num_sample_rows, smeta.num_logprobs, step.num_rows)
-        out = self._dispatch("run_multi_step", step.num_tokens,
+        out = self.dispatch_op("run_multi_step", step.num_tokens,
                              pack((inputs, smeta, step.dst_rows, step.lookahead_slots)))
         return StepHandle(out, num_sample_rows, 0, step.num_rows, self.buckets.num_scheduler_steps)
-
-    def propose(self, seqs: list[SeqInput], sampling_rows: list, steps_of: list[int]) -> list[list[int]]:
-        """The draft model's proposals (spec_decode): from each sequence's last token (one
-        SeqInput token, one sample), `steps_of[i]` tokens, drafted one after another on the
-        device by the draft's k-step decode loop. Each row samples with the target row's key at
-        that output position (`sampling_rows`: the first one's), so a draft is the token the target
-        draws there when the two models agree, and verification keeps the target's draws
-        exactly (spec_decode/__init__.py). The blocks must hold slots for every drafted token."""
-        draft, drafts = self.draft, []
-        chunk = draft.buckets.decode_tokens[-1]  # a decode bucket holds at most this many sequences
-        for start in range(0, len(seqs), chunk):
-            part = slice(start, start + chunk)
-            step = prepare_inputs(seqs[part], draft.input_batch, draft.buckets, self.block_size, multi_step=True,
-                                  steps_of=steps_of[part])
-            num_rows = len(step.inputs.logits_indices)
-            smeta = draft._sampling_metadata(sampling_rows[part], num_rows, False)
-            out = self._dispatch("propose", step.num_tokens,
-                                 pack((step.inputs, smeta, step.dst_rows, step.lookahead_slots)))
-            outs = self.collect(StepHandle(out, num_rows, 0, step.num_rows, draft.buckets.num_scheduler_steps))
-            drafts += [[outs[j].token_ids[i] for j in range(k)] for i, k in enumerate(steps_of[part])]
-        return drafts
 
     @staticmethod
     def collect(handle: "StepHandle") -> list[sampler.SamplerOutput]:
@@ -386,12 +371,11 @@ class ModelRunner:
 
     def _run_step(self, key, inputs: np.ndarray, smeta: np.ndarray):
         num_tokens, full = key
-        logits, self.kv_cache = self._executable(("forward", num_tokens))(self.state, self.kv_cache, inputs,
-                                                                          self.last_tokens)
-        if self.draft is not None:  # the draft's pages take the step's tokens too (before last_tokens is donated)
-            draft = self.draft
-            draft.kv_cache = draft._executable(("kv_forward", num_tokens))(draft.state, draft.kv_cache, inputs,
-                                                                           self.last_tokens)
+        key = ("forward", num_tokens) + (("hidden",) if self.return_hidden else ())
+        logits, self.kv_cache, *hidden = self._executable(key)(self.state, self.kv_cache, inputs, self.last_tokens)
+        if hidden:
+            self.hidden_states = hidden[0]
+        self.proposer.forward_kv(num_tokens, inputs, self.last_tokens)  # (before last_tokens is donated)
         if self.kv_cache.scales_pending is not None and not self._kv_scales_computed:
             self._kv_scales_computed = True  # this step computed them: later steps keep them
             self.kv_cache = self.kv_cache.replace(
@@ -404,13 +388,21 @@ class ModelRunner:
     def _write_history(self, rows: np.ndarray, tokens: np.ndarray):
         self.token_history = self._executable(("write_history", len(rows)))(self.token_history, rows, tokens)
 
+    def run_kv_forward(self, num_tokens: int, inputs: np.ndarray, last_tokens, lora: bool = False):
+        """Another runner's step's K/V-only forward over these pages (a draft's); `lora`: its inputs carry LoRA slots."""
+        key = ("kv_forward", num_tokens) + (("lora",) if lora else ())
+        self.kv_cache = self._executable(key)(self.state, self.kv_cache, inputs, last_tokens)
+
+    def run_multi_step(self, num_tokens: int, inputs: np.ndarray):  # (a draft model's proposals)
+        return self._run_multi_step(num_tokens, inputs)
+
     def _run_multi_step(self, num_tokens: int, inputs: np.ndarray):
         out, self.kv_cache, self.last_tokens = self._executable(("multi_step", num_tokens))(
             self.state, self.kv_cache, inputs, self.last_tokens)
         return out
 
     # ------------------------------------------------------------------ multi-host
-    def _dispatch(self, op: str, *args):
+    def dispatch_op(self, op: str, *args):
         """Run device operation `op` on host inputs `args`; in a multi-host job the driver first
         sends it to the other processes, which run it in `follow`."""
         if self._multihost:
@@ -423,7 +415,7 @@ class ModelRunner:
         stubs the steps)."""
         ops = {"run_step": self._run_step, "run_multi_step": self._run_multi_step, "write_history": self._write_history,
                "copy_blocks": self._copy_blocks, "swap_out": self._swap_out, "swap_in": self._swap_in,
-               "propose": self.draft._run_multi_step if self.draft else None, "write_lora": self._write_lora}
+               "write_lora": self._write_lora, **self.proposer.device_ops()}
         return ops[op](*args)
 
     def follow(self):
@@ -457,31 +449,42 @@ class ModelRunner:
     def copy_blocks(self, pairs: list[tuple[int, int]]):
         # Chunks may run one after another: copy-on-write never chains copies within a step.
         for src, dst, _ in kv_transfer.padded_chunks(pairs):
-            self._dispatch("copy_blocks", src, dst)
+            self.dispatch_op("copy_blocks", src, dst)
 
     def _copy_blocks(self, src, dst):
+        for pool in self.pools:
+            pool.copy_pool_blocks(src, dst)
+
+    def copy_pool_blocks(self, src, dst):
+        """These pages' blocks `src` -> `dst`."""
         self.kv_cache = self._executable(("copy_blocks", len(src)))(self.kv_cache, src, dst)
-        if self.draft is not None:
-            self.draft._copy_blocks(src, dst)
 
     def swap_out(self, pairs: list[tuple[int, int]]):
         """Device pages -> host pool, for (gpu_block, cpu_block) pairs."""
         for gpu, cpu, n in kv_transfer.padded_chunks(pairs):
-            self._dispatch("swap_out", gpu, cpu[:n])
+            self.dispatch_op("swap_out", gpu, cpu[:n])
 
     def _swap_out(self, gpu, cpu):
+        for pool in self.pools:
+            pool.swap_pool_out(gpu, cpu)
+
+    def swap_pool_out(self, gpu, cpu):
+        """These pages' blocks `gpu` -> the host pool's `cpu`."""
         pages = self._executable(("swap_out", len(gpu)))(self.kv_cache, gpu)
         for shard in pages.addressable_shards:  # each shard's heads go to its own host pool
             self.host_kv[shard.index[2].start or 0][:, :, :, cpu] = np.asarray(shard.data)[:, :, :, :len(cpu)]
-        if self.draft is not None:
-            self.draft._swap_out(gpu, cpu)
 
     def swap_in(self, pairs: list[tuple[int, int]]):
         """Host pool -> device pages, for (cpu_block, gpu_block) pairs."""
         for cpu, gpu, n in kv_transfer.padded_chunks(pairs):
-            self._dispatch("swap_in", cpu[:n], gpu)
+            self.dispatch_op("swap_in", cpu[:n], gpu)
 
     def _swap_in(self, cpu, gpu):
+        for pool in self.pools:
+            pool.swap_pool_in(cpu, gpu)
+
+    def swap_pool_in(self, cpu, gpu):
+        """The host pool's blocks `cpu` -> these pages' `gpu`."""
         pool = next(iter(self.host_kv.values()))
 
         def local_pages(index):  # this shard's heads, padded to len(gpu) blocks
@@ -492,7 +495,5 @@ class ModelRunner:
         pages = jax.make_array_from_callback(self._swapped_pages_shape(len(gpu)).shape, self._pages_sharding,
                                              local_pages)
         self.kv_cache = self._executable(("swap_in", len(gpu)))(self.kv_cache, pages, gpu)
-        if self.draft is not None:
-            self.draft._swap_in(cpu, gpu)
 
 

@@ -42,11 +42,14 @@ class StepInputs:
     lora_slots: jax.Array | None = None  # int32[tokens]: each token's LoRA slot, -1: none (with LoRA enabled)
 
 
-def forward(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *, layout: Layout):
+def forward(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *, layout: Layout,
+            return_hidden: bool = False):
     """The model's part of a step: write the new K/V, attend, and the fp32 logits of the rows to
-    sample. They stay on the device for the sampler executable."""
+    sample. They stay on the device for the sampler executable. `return_hidden` (static): also
+    the final hidden states of those rows, [rows, hidden] (for a proposer that drafts from the
+    target's hidden states, EAGLE-style); off, the executable is the one it always was."""
     inputs = _with_pending_tokens(unpack(packed, layout), last_tokens)
-    return _model_logits(graphdef, logits_sharding, state, kv_cache, inputs)
+    return _model_logits(graphdef, logits_sharding, state, kv_cache, inputs, return_hidden)
 
 
 def forward_kv(graphdef, state, kv_cache, packed, last_tokens, *, layout: Layout):
@@ -65,13 +68,16 @@ def _with_pending_tokens(inputs: StepInputs, last_tokens) -> StepInputs:
     return dataclasses.replace(inputs, input_ids=input_ids)
 
 
-def _model_logits(graphdef, logits_sharding, state, kv_cache, inputs: StepInputs):
+def _model_logits(graphdef, logits_sharding, state, kv_cache, inputs: StepInputs, return_hidden: bool = False):
     model = nnx.merge(graphdef, state)
     with forward_context(ForwardContext(attn=inputs.attn, lora_slots=inputs.lora_slots)):  # what every layer may read of the step
         hidden, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache)
-    logits = model.compute_logits(hidden[inputs.logits_indices])
+    hidden = hidden[inputs.logits_indices]
     # Vocabulary-parallel logits are gathered: every device samples the same full rows.
-    return jax.lax.with_sharding_constraint(logits, logits_sharding), kv_cache
+    logits = jax.lax.with_sharding_constraint(model.compute_logits(hidden), logits_sharding)
+    if return_hidden:
+        return logits, kv_cache, jax.lax.with_sharding_constraint(hidden, logits_sharding)
+    return logits, kv_cache
 
 
 def sample(logits, packed, last_tokens, token_history, *, layout: Layout):

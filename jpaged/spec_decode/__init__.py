@@ -3,12 +3,15 @@ decoding sequence, the target model verifies them all in one forward, and the re
 keeps exactly the target's distribution.
 
   config.py     SpeculativeConfig: the options, checked (ValueError naming the field)
-  ngram.py      prompt lookup: the tokens that followed the last occurrence of the sequence's
-                own suffix (host, numpy)
-  draft_model.py  a smaller checkpoint of the same vocabulary: loaded and checked here; its
-                pages, forward and proposals are the runner's (ModelRunner.draft, .propose),
-                drafted after scheduling and the step's block moves (propose_drafts, which
-                Scheduler.set_drafts puts in the plan in place of the reserved ones)
+  proposer.py   the Proposer interface: drafts while scheduling or after the plan's block moves,
+                and the hooks the target's runner calls (each step's K/V forward, pools that
+                share block ids for copies and swaps, device operations, warm-up, sleep)
+  ngram.py      NgramProposer, prompt lookup: the tokens that followed the last occurrence of
+                the sequence's own suffix (host, numpy)
+  draft_model.py  DraftModelProposer, a smaller checkpoint of the same vocabulary: loaded and
+                checked here; it owns the draft's ModelRunner (pages, forward, executables) and
+                drafts after scheduling and the step's block moves (Scheduler.set_drafts puts
+                them in the plan in place of the reserved ones)
   speculator.py which sequences speculate and how many drafts they take this step, and the
                 counters (stats(), Prometheus); the acceptance is Scheduler._accept's
 
@@ -24,6 +27,12 @@ A draft model's drafts are drawn with the same keys as the target's rows (shared
 so the same rule emits exactly the target's draws (draft_model.py).
 Drafts that were rejected leave K/V past the sequence's computed tokens, which nothing reads and
 later tokens overwrite; prefix-cache hashes cover accepted tokens only.
+With LoRA, the target's rows verify with each request's adapter (a draft model drafts without
+adapters: fewer drafts are accepted, the output is the adapted target's). With async scheduling,
+a step that may take drafts waits for the last step's tokens (drafts start from the last token,
+and a step that verified drafts leaves the accepted count unknown until read): the speculator's
+`may_draft`, in step_needs.can_overlap; other steps (above disable_by_batch_size, requests that
+cannot speculate) overlap as without speculation.
 """
 
 from jpaged.spec_decode.config import SpeculativeConfig

@@ -9,6 +9,8 @@ runner copies and swaps both pools' blocks together, and the pool is sized on th
 bytes per block summed. The draft's pages stay level with the target's: every step runs the
 draft's K/V-only forward over the same tokens (prefill chunks, decodes, verified drafts), so
 wherever the target has K/V, the draft has too (a cached prefix, a swapped-in sequence).
+DraftModelProposer owns all of it: the draft's ModelRunner (weights, pages, executables), run
+through the hooks of the Proposer interface (proposer.py).
 
 A step's drafts: after scheduling (which reserves k lookahead slots per speculating sequence),
 the draft runs k decode steps in one device call (the multi-step loop) from each sequence's last
@@ -26,9 +28,13 @@ from jpaged.models.kv_cache import KVCacheSpec, kv_dtype
 from jpaged.models.layers import common_sliding_window
 from jpaged.models.loader import LoadedModel, load_model
 from jpaged.models.paged_attention import check_kernels
-from jpaged.runner.prepare_inputs import SeqInput
+from jpaged.runner.buckets import BLOCK_OP_SIZES, BLOCK_OPS
+from jpaged.runner.model_runner import ModelRunner
+from jpaged.runner.prepare_inputs import SeqInput, prepare_inputs
+from jpaged.runner.input_batch import pack
 from jpaged.runner.sampler import SamplingRow
-from jpaged.spec_decode.speculator import DRAFT_PENDING
+from jpaged.runner.step_functions import StepHandle
+from jpaged.spec_decode.proposer import DRAFT_PENDING, Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -68,27 +74,106 @@ def load_draft_model(config, target: LoadedModel, max_model_len: int) -> DraftMo
     return DraftModel(loaded, spec)
 
 
-def propose_drafts(plan, scheduler, runner, seed_of):
-    """The drafts of the groups `plan` reserved them for (DRAFT_PENDING), from the runner's draft
-    model, into the plan (Scheduler.set_drafts). `seed_of(params, seq)`: the seed the target's
-    rows sample with. If proposing fails, those groups decode without drafts this step."""
-    pending = [s for s in plan.scheduled_seq_groups if s.spec_token_ids[:1] == [DRAFT_PENDING]]
-    if not pending:
-        return
-    seqs, rows = [], []
-    for scheduled in pending:
-        group, seq = scheduled.seq_group, scheduled.seqs[0]
-        seqs.append(SeqInput(seq.seq_id, [seq.get_last_token_id()], seq.get_len() - 1,
-                             scheduler.block_manager.get_block_table(seq), 1))
-        # The key and sampling knobs of the target's first row (not its penalties, bans or grammar).
-        rows.append(SamplingRow(group.sampling_params, seed_of(group.sampling_params, seq), group.seqs.index(seq),
-                                seq.get_output_len()))
-    try:
-        drafts = runner.propose(seqs, rows, [len(s.spec_token_ids) for s in pending])
-    except Exception as e:
-        if not runner.is_alive():
-            raise
-        logger.warning("the draft model's proposals failed (%r): this step verifies no drafts", e)
-        drafts = [[] for _ in pending]
-    for scheduled, tokens in zip(pending, drafts):
-        scheduler.set_drafts(plan, scheduled, tokens)
+def draft_keys(buckets, lora: bool = False):
+    """A draft model's executables: its K/V-only forward over each token bucket of the target's
+    steps, its k-step proposal loop (multi_step with k = num_scheduler_steps) per decode bucket,
+    and the block operations on its pages. `lora`: the target's step inputs carry LoRA slots."""
+    for tokens in buckets.tokens:
+        yield ("kv_forward", tokens) + (("lora",) if lora else ())
+    for tokens in buckets.decode_tokens:
+        yield ("multi_step", tokens)
+    for op in BLOCK_OPS:
+        for num_blocks in BLOCK_OP_SIZES:
+            yield (op, num_blocks)
+
+
+class DraftModelProposer(Proposer):
+    """Drafts after scheduling, from the draft model's ModelRunner (`runner`, which it owns: built
+    with the target's shape and num_scheduler_steps = k, its pages sharing the target's block ids)."""
+
+    drafts_after_scheduling = True
+
+    def __init__(self, draft: DraftModel, executable_cache, target_lora: bool = False, **shape):
+        """`shape`: the target runner's (its blocks, sequences, tokens, lengths and drafts);
+        `target_lora`: the target has LoRA slots (its steps' inputs carry each token's slot; the
+        draft has no adapters: its drafts are the base model's, verified by the adapted target)."""
+        self.target_lora = target_lora
+        self.runner = ModelRunner(draft.loaded, draft.kv_cache_spec, **shape,
+                                  num_scheduler_steps=shape["num_speculative_tokens"], executable_cache=executable_cache)
+
+    # ------------------------------------------------------------------ the runner's hooks
+    def shared_pools(self) -> list:
+        return [self.runner]
+
+    def forward_kv(self, num_tokens: int, inputs, last_tokens):
+        self.runner.run_kv_forward(num_tokens, inputs, last_tokens, self.target_lora)  # the step's tokens' K/V in the draft's pages
+
+    def device_ops(self) -> dict:
+        return {"propose": self.runner.run_multi_step}
+
+    def warm_up(self, stop=None):
+        self.runner.warm_up(stop, list(draft_keys(self.runner.buckets, self.target_lora)))
+
+    def bypass_executable_cache(self):
+        self.runner.bypass_executable_cache()
+
+    @property
+    def num_compilations(self) -> int:
+        return self.runner.num_compilations
+
+    @property
+    def executable_cache_hits(self) -> int:
+        return self.runner.executable_cache.hits
+
+    def is_alive(self) -> bool:
+        return self.runner.is_alive()
+
+    def check_sleep(self):
+        raise ValueError("sleep is not supported with a draft model (speculative_config method 'draft_model')")
+
+    # ------------------------------------------------------------------ drafts
+    def propose(self, plan, scheduler, runner, seed_of):
+        """The drafts of the groups `plan` reserved them for (DRAFT_PENDING), into the plan
+        (Scheduler.set_drafts). If proposing fails, those groups decode without drafts this step."""
+        pending = [s for s in plan.scheduled_seq_groups if s.spec_token_ids[:1] == [DRAFT_PENDING]]
+        if not pending:
+            return
+        seqs, rows = [], []
+        for scheduled in pending:
+            group, seq = scheduled.seq_group, scheduled.seqs[0]
+            seqs.append(SeqInput(seq.seq_id, [seq.get_last_token_id()], seq.get_len() - 1,
+                                 scheduler.block_manager.get_block_table(seq), 1))
+            # The key and sampling knobs of the target's first row (not its penalties, bans or grammar).
+            rows.append(SamplingRow(group.sampling_params, seed_of(group.sampling_params, seq),
+                                    group.seqs.index(seq), seq.get_output_len()))
+        try:
+            drafts = self.draft_tokens(runner, seqs, rows, [len(s.spec_token_ids) for s in pending])
+        except Exception as e:
+            if not runner.is_alive():
+                raise
+            logger.warning("the draft model's proposals failed (%r): this step verifies no drafts", e)
+            drafts = [[] for _ in pending]
+        for scheduled, tokens in zip(pending, drafts):
+            scheduler.set_drafts(plan, scheduled, tokens)
+
+    def draft_tokens(self, target, seqs: list[SeqInput], sampling_rows: list, steps_of: list[int]) -> list[list[int]]:
+        """From each sequence's last token (one SeqInput token, one sample), `steps_of[i]` tokens,
+        drafted one after another on the device by the draft's k-step decode loop (run through
+        the `target` runner's dispatch: multi-host sends it). Each row samples with the target
+        row's key at that output position (`sampling_rows`: the first one's), so a draft is the
+        token the target draws there when the two models agree, and verification keeps the
+        target's draws exactly (spec_decode/__init__.py). The blocks must hold slots for every
+        drafted token."""
+        draft, drafts = self.runner, []
+        chunk = draft.buckets.decode_tokens[-1]  # a decode bucket holds at most this many sequences
+        for start in range(0, len(seqs), chunk):
+            part = slice(start, start + chunk)
+            step = prepare_inputs(seqs[part], draft.input_batch, draft.buckets, draft.block_size, multi_step=True,
+                                  steps_of=steps_of[part])
+            num_rows = len(step.inputs.logits_indices)
+            smeta = draft.sampling_metadata(sampling_rows[part], num_rows, False)
+            out = target.dispatch_op("propose", step.num_tokens,
+                                     pack((step.inputs, smeta, step.dst_rows, step.lookahead_slots)))
+            outs = target.collect(StepHandle(out, num_rows, 0, step.num_rows, draft.buckets.num_scheduler_steps))
+            drafts += [[outs[j].token_ids[i] for j in range(k)] for i, k in enumerate(steps_of[part])]
+        return drafts

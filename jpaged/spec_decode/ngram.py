@@ -5,6 +5,8 @@ requests (repeat, edit or quote a given text) continue what they copy."""
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from jpaged.spec_decode.proposer import Proposer
+
 
 def propose_ngram(token_ids, k: int, lookup_min: int, lookup_max: int) -> list[int]:
     """Up to k draft tokens after `token_ids` (empty: no earlier occurrence of any suffix)."""
@@ -20,3 +22,13 @@ def propose_ngram(token_ids, k: int, lookup_min: int, lookup_max: int) -> list[i
             follow = starts[-1] + n  # the latest occurrence: the text being copied now
             return tokens[follow:follow + k].tolist()
     return []
+
+
+class NgramProposer(Proposer):
+    """Drafts while scheduling, on the host; no device state."""
+
+    def __init__(self, config):
+        self.lookup_min, self.lookup_max = config.lookup_min, config.lookup_max
+
+    def draft(self, token_ids: list[int], k: int) -> list[int]:
+        return propose_ngram(token_ids, k, self.lookup_min, self.lookup_max)

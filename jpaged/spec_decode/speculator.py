@@ -4,16 +4,18 @@ and the counters of what was proposed and accepted."""
 from jpaged.core.sequence import SequenceGroup, SequenceStatus
 from jpaged.core.step_needs import RequestNeeds
 from jpaged.spec_decode.config import SpeculativeConfig
-from jpaged.spec_decode.ngram import propose_ngram
-
-# A draft model drafts after scheduling (its writes need the slots the scheduler allocates): the
-# plan reserves each sequence's drafts as this placeholder, and Scheduler.set_drafts puts them in.
-DRAFT_PENDING = -1
+from jpaged.spec_decode.ngram import NgramProposer
+from jpaged.spec_decode.proposer import DRAFT_PENDING, Proposer
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, structured_output=None):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, structured_output=None,
+                 proposer: Proposer | None = None):
+        """`proposer`: the engine's (spec_decode/proposer.py); by default config.method's n-gram
+        lookup, or DRAFT_PENDING placeholders for a draft model (the scheduler's tests)."""
         self.config = config
+        self.proposer = proposer if proposer is not None else \
+            NgramProposer(config) if config.method == "ngram" else None
         self.max_model_len = max_model_len
         self.structured_output = structured_output  # grammars cut drafts at their first invalid token
         # vLLM's counters: steps that verified drafts, drafts proposed, drafts accepted, and
@@ -28,12 +30,18 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         return limit is None or num_running_seqs <= limit
 
+    def may_draft(self, groups) -> bool:
+        """Whether the next step may give any of the running `groups` drafts (async scheduling
+        then waits for the last step's tokens: step_needs.can_overlap)."""
+        return self.enabled(sum(g.num_unfinished_seqs() for g in groups)) and \
+            any(len(g.seqs) == 1 and RequestNeeds.of(g.sampling_params).speculate for g in groups)
+
     def propose(self, group: SequenceGroup, max_drafts: int) -> list[int]:
         """Drafts for the group's next step, at most `max_drafts` (empty: it decodes one token;
-        a draft model's: DRAFT_PENDING placeholders). Only a lone sequence that decodes its last
-        token speculates (no beams or forks); no draft runs past max_tokens or max_model_len,
-        nor past the first one its grammar rejects. (min_tokens: each row bans EOS and stop ids
-        by its own output position.)"""
+        a proposer that drafts after scheduling: DRAFT_PENDING placeholders). Only a lone
+        sequence that decodes its last token speculates (no beams or forks); no draft runs past
+        max_tokens or max_model_len, nor past the first one its grammar rejects. (min_tokens:
+        each row bans EOS and stop ids by its own output position.)"""
         sp = group.sampling_params
         if max_drafts < 1 or len(group.seqs) != 1 or not RequestNeeds.of(sp).speculate:
             return []
@@ -44,10 +52,9 @@ class Speculator:
                 self.max_model_len - seq.get_len())
         if k < 1:
             return []
-        if self.config.method == "draft_model":
+        if self.proposer is None or self.proposer.drafts_after_scheduling:
             return [DRAFT_PENDING] * k
-        return self.check_drafts(group, propose_ngram(seq.get_token_ids(), k, self.config.lookup_min,
-                                                      self.config.lookup_max))
+        return self.check_drafts(group, self.proposer.draft(seq.get_token_ids(), k))
 
     def check_drafts(self, group: SequenceGroup, drafts: list[int]) -> list[int]:
         """The drafts up to the first one the group's grammar rejects."""

@@ -1,0 +1,74 @@
+"""The Proposer interface: what speculative decoding asks of a way to guess the next tokens.
+
+A proposer drafts at one of two times. At scheduling (`draft`: host-only proposers such as the
+n-gram lookup), the drafts go straight into the plan. After scheduling and the step's block moves
+(`drafts_after_scheduling`: a draft model, whose K/V writes need the slots the scheduler
+allocates), the scheduler reserves DRAFT_PENDING placeholders and `propose` puts the drafts in
+(`Scheduler.set_drafts`).
+
+A proposer with device state hooks into the target's runner (jpaged/runner/model_runner.py), which
+calls the hooks and knows nothing else of it: `shared_pools` are KV pools addressed by the
+target's block ids (block copies and swaps iterate over them with the runner's own), `forward_kv`
+sees every step's forward inputs (a draft model keeps its pages level with the target's),
+`device_ops` are its device operations by name (a multi-host driver sends those too),
+`warm_up` compiles its executables, and `check_sleep` refuses sleep when it cannot follow.
+The defaults are a proposer with no device state; `Proposer()` itself proposes nothing (the
+runner's default: no speculation).
+"""
+
+# A draft that comes after scheduling: the plan reserves each sequence's drafts as this
+# placeholder, and Scheduler.set_drafts puts them in.
+DRAFT_PENDING = -1
+
+
+class Proposer:
+    # True: `propose` drafts after the plan's block moves (the scheduler reserves DRAFT_PENDING);
+    # False: `draft` drafts while scheduling.
+    drafts_after_scheduling = False
+    # True: the target's forward also returns its sampled rows' hidden states
+    # (ModelRunner.hidden_states, on the device), for a proposer that drafts from them.
+    needs_hidden_states = False
+
+    # ------------------------------------------------------------------ drafts
+    def draft(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to k drafts after a sequence's `token_ids`, while scheduling (empty: none)."""
+        return []
+
+    def propose(self, plan, scheduler, runner, seed_of) -> None:
+        """The drafts of the groups `plan` reserved DRAFT_PENDING for, into the plan
+        (Scheduler.set_drafts), after the plan's block moves. `seed_of(params, seq)`: the seed
+        the target's rows sample with."""
+
+    # ------------------------------------------------------------------ the runner's hooks
+    def shared_pools(self) -> list:
+        """KV pools addressed by the target's block ids: each has copy_pool_blocks(src, dst),
+        swap_pool_out(gpu, cpu) and swap_pool_in(cpu, gpu) (a ModelRunner does)."""
+        return []
+
+    def forward_kv(self, num_tokens: int, inputs, last_tokens) -> None:
+        """Every target step's packed forward inputs (before `last_tokens` is donated)."""
+
+    def device_ops(self) -> dict:
+        """Device operations by name, run by the target runner's dispatch (multi-host: everywhere)."""
+        return {}
+
+    def warm_up(self, stop=None) -> None:
+        """Compile (or load) the proposer's executables."""
+
+    def bypass_executable_cache(self) -> None:
+        """Forget what warm_up loaded and load nothing more from disk."""
+
+    @property
+    def num_compilations(self) -> int:
+        return 0
+
+    @property
+    def executable_cache_hits(self) -> int:
+        return 0
+
+    def is_alive(self) -> bool:
+        """False once its device state is gone (a step that failed after donating it)."""
+        return True
+
+    def check_sleep(self) -> None:
+        """ValueError if the engine cannot sleep with this proposer."""
