@@ -7,12 +7,11 @@ Endpoints: GET /health, GET /v1/models, POST /v1/completions (serving/completion
 POST /v1/responses and GET / DELETE /v1/responses/{id} (serving/responses.py), GET /version,
 GET /metrics, GET /kv (serving/kv_page.py), POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 (serving/lora.py). What the endpoints share is in serving/serving_engine.py,
-reading request bodies in serving/request_body.py.
+reading request bodies in serving/request_body.py; the server's options in serving/server_options.py.
 """
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -27,7 +26,7 @@ from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import HttpProcessingError
 
 from jpaged import __version__
-from jpaged.config import MAX_LOGPROBS, RESPONSES_STORE_SIZE, EngineConfig
+from jpaged.config import EngineConfig
 from jpaged.engine.llm_engine import LLMEngine, StepFailedError
 from serving import kv_page
 from serving.async_engine import AsyncLLMEngine, EngineDeadError
@@ -37,16 +36,13 @@ from serving.metrics import Metrics
 from serving.protocol import APIError
 from serving.request_body import MAX_BODY_BYTES
 from serving.responses import OpenAIServingResponses
-from serving.responses_store import RESPONSES_STORE_BYTES
+from serving.server_options import ServerOptions
 from serving.serving_engine import RETRY_AFTER_S, json_dumps
 from serving.sleep import SLEEP_ROUTES, OpenAIServingSleep
 from serving.tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
 
-# Seconds a connection may sit idle or take to send a whole request (vLLM's --timeout-keep-alive):
-# then a half-sent head closes the connection and a half-sent body gets a 408.
-DEFAULT_TIMEOUT_KEEP_ALIVE_S = 30
 
 
 class OpenAIServer(OpenAIServingCompletion, OpenAIServingResponses, OpenAIServingTokenization, OpenAIServingLoRA,
@@ -133,34 +129,6 @@ class OpenAIServer(OpenAIServingCompletion, OpenAIServingResponses, OpenAIServin
 
 
 # ---------------------------------------------------------------------- running it
-@dataclasses.dataclass
-class ServerOptions:
-    """What `jpaged serve` takes besides the engine's options (vLLM's flag names)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str = "tiny"
-    api_key: str | None = None
-    max_queue: int | None = None
-    timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S
-    chat_template: str | None = None  # a template, or a file holding one
-    max_logprobs: int = MAX_LOGPROBS
-    enable_auto_tool_choice: bool = False  # tool_choice "auto", read by tool_call_parser
-    tool_call_parser: str | None = None  # one of tool_calls.TOOL_CALL_PARSERS
-    exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": the template gets no tools
-    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
-    log_requests: bool = True
-    log_stats: bool = True
-    allowed_origins: str | None = None  # comma-separated, or "*"
-    ssl_keyfile: str | None = None
-    ssl_certfile: str | None = None
-    lora_modules: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (name, path): --lora-modules
-    enable_lora_runtime_updates: bool = False  # /v1/(un)load_lora_adapter (or VLLM_ALLOW_RUNTIME_LORA_UPDATING)
-    allowed_lora_paths: list[str] | None = None  # runtime loads only from under these directories
-    responses_store_size: int = RESPONSES_STORE_SIZE  # stored /v1/responses results (0: none)
-    responses_store_bytes: int = RESPONSES_STORE_BYTES  # ... and their bytes in all (0: none)
-
-
 STATS_INTERVAL_S = 10
 
 

@@ -76,8 +76,9 @@ def check_port(host: str, port: int):
 
 
 def cmd_serve(args) -> int:
-    from serving.api_server import ServerOptions, run_server
+    from serving.api_server import run_server
     from serving.lora import parse_lora_modules
+    from serving.server_options import ServerOptions
 
     if args.model_tag is not None:  # `jpaged serve MODEL`, as vLLM
         args.model = args.model_tag

@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import time
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -28,9 +27,7 @@ from serving import protocol
 from serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from serving.logprobs import LogprobFormatter
 from serving.protocol import APIError, field
-
-if TYPE_CHECKING:
-    from serving.api_server import ServerOptions
+from serving.server_options import ServerOptions
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +56,7 @@ class ChoiceState:
 class OpenAIServing:
     """The state and helpers of the endpoints (serving/completions.py, chat.py, tokenization.py)."""
 
-    def __init__(self, engine: AsyncLLMEngine, options: "ServerOptions"):
+    def __init__(self, engine: AsyncLLMEngine, options: ServerOptions):
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
         self.vocab_size = engine.engine.hf_config.vocab_size

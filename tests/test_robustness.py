@@ -239,7 +239,8 @@ def test_server_exits_nonzero_when_the_engine_dies(llm, monkeypatch, capsys):
     /health a 503, and serve() returns 1 (the process exits non-zero for a supervisor to restart)."""
     import aiohttp
 
-    from serving.api_server import ServerOptions, serve
+    from serving.api_server import serve
+    from serving.server_options import ServerOptions
 
     def lost(*args):
         raise RuntimeError("device lost")

@@ -1,7 +1,8 @@
 """One beam search step over a group's beams (vLLM v0.4's _process_sequence_group_outputs).
 
 Called by Scheduler.update_from_output for a beam search group; it forks, appends, finishes,
-drops and frees through the scheduler, like the rest of the post-step update.
+drops and frees through the scheduler, like the rest of the post-step update. The scheduler
+imports this module, so this one knows it only as a `BeamScheduler`.
 """
 
 import typing
@@ -10,10 +11,20 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from jpaged.core.stop_checker import StopChecker
 from jpaged.sampling_params import SamplingParams
 
-if typing.TYPE_CHECKING:
-    from jpaged.core.scheduler import Scheduler
+
+class BeamScheduler(typing.Protocol):
+    """What a beam search step does through the scheduler (`Scheduler` is one)."""
+
+    stop_checker: StopChecker
+
+    def new_seq_id(self) -> int: ...
+
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None: ...
+
+    def free_seq(self, seq: Sequence) -> None: ...
 
 
 def top_logprobs(sp: SamplingParams, out, row: int) -> dict[int, float] | None:
@@ -23,7 +34,7 @@ def top_logprobs(sp: SamplingParams, out, row: int) -> dict[int, float] | None:
     return {int(t): float(lp) for t, lp in zip(out.top_ids[row, :sp.logprobs], out.top_logprobs[row, :sp.logprobs])}
 
 
-def beam_search_step(scheduler: "Scheduler", group: SequenceGroup, beams: list[tuple[Sequence, int]], out):
+def beam_search_step(scheduler: BeamScheduler, group: SequenceGroup, beams: list[tuple[Sequence, int]], out):
     """The 2 * best_of best (beam, token) candidates become children of their beams; the best
     best_of finished ones are kept aside and the best best_of live ones continue. A parent
     continues as its own last child; other children fork it (sharing its blocks) and dropped

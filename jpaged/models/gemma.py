@@ -11,9 +11,10 @@ scan's layer index.
 import jax.numpy as jnp
 from flax import nnx
 
-from jpaged.models.layers import (Attention, AttentionOps, Embedding, GatedMLP, HFWeights, LayerStack, Linear,
+from jpaged.models.layers import (Attention, Embedding, GatedMLP, HFWeights, LayerStack, Linear,
                                   RMSNorm, RopeConfig, sliding_windows)
 from jpaged.models.llama import LlamaForCausalLM
+from jpaged.models.paged_attention import AttentionOps
 
 
 class GemmaDecoderLayer(nnx.Module):

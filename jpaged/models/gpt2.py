@@ -4,8 +4,9 @@
 import jax.numpy as jnp
 from flax import nnx
 
-from jpaged.models.layers import (Attention, AttentionOps, Embedding, HFWeights, LayerNorm, LayerStack, MLP,
+from jpaged.models.layers import (Attention, Embedding, HFWeights, LayerNorm, LayerStack, MLP,
                                   WeightTarget)
+from jpaged.models.paged_attention import AttentionOps
 
 
 class GPT2Block(nnx.Module):

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged.config import KV_CACHE_DTYPES
+from jpaged.models.layers import Attention, LayerStack
 from pallas_kernels.cache_ops import FP8, RAW_BITS, as_dtype
 
 
@@ -76,8 +77,6 @@ class KVCacheSpec:
     @classmethod
     def of_model(cls, model: nnx.Module, block_size: int, dtype, tp_size: int = 1) -> "KVCacheSpec":
         """Read off the model's layer stack and attention layers (one spec for every layer)."""
-        from jpaged.models.layers import Attention, LayerStack
-
         nodes = [node for _, node in nnx.iter_graph(model)]
         stack = next(node for node in nodes if isinstance(node, LayerStack))
         num_kv_heads, head_dim = next(node for node in nodes if isinstance(node, Attention)).k_proj.out_shape

@@ -20,8 +20,6 @@ from flax import nnx
 
 from pallas_kernels.blocks import NO_WINDOW
 from jpaged.models.forward_context import forward_context, get_forward_context
-from jpaged.models.kv_cache import KVCache
-from jpaged.models.paged_attention import AttentionOps
 from jpaged.parallel.sharding import kv_head_replicas, tp_size
 
 
@@ -333,7 +331,8 @@ def apply_rope(x, positions, inv_freq, attention_factor=1.0):
 
 # ----------------------------------------------------------------------------- paged attention
 
-# (AttentionOps, the kernels' call site: paged_attention.py)
+# The kernels' call site (paged_attention.AttentionOps) comes in as `ops`, and the KV pool
+# (kv_cache.KVCache) as `kv_cache`: both modules read this one's layers, so it imports neither.
 
 class Attention(nnx.Module):
     """Multi-head attention with GQA/MQA over paged K/V, shared by every architecture.
@@ -345,7 +344,7 @@ class Attention(nnx.Module):
     the block tables.
     """
 
-    def __init__(self, hidden, num_heads, num_kv_heads, head_dim, *, ops: AttentionOps, dtype,
+    def __init__(self, hidden, num_heads, num_kv_heads, head_dim, *, ops, dtype,
                  qkv_bias=False, o_bias=False, rope: RopeConfig | tuple[RopeConfig, ...] | None = None, scale=None,
                  sliding_window: int | None | tuple[int | None, ...] = None, logits_soft_cap: float | None = None,
                  qk_norm: Callable[[], RMSNorm] | None = None):
@@ -372,7 +371,7 @@ class Attention(nnx.Module):
         self.v_proj = Linear((hidden,), (num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), use_bias=qkv_bias, dtype=dtype)
         self.o_proj = Linear((num_heads, head_dim), (hidden,), ("q_heads", "head_dim", "embed"), use_bias=o_bias, dtype=dtype)
 
-    def __call__(self, x, positions, kv_cache: KVCache):
+    def __call__(self, x, positions, kv_cache):
         meta = get_forward_context().attn
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None:
@@ -429,7 +428,7 @@ class LayerStack(nnx.Module):
                 node.set_value(jnp.zeros((num_layers,) + node.shape, node.dtype))
                 node.set_metadata(logical_axes=("layers",) + node.logical_axes)
 
-    def __call__(self, x, positions, kv_cache: KVCache):
+    def __call__(self, x, positions, kv_cache):
         graphdef, weights = nnx.split(self.layer)
         ctx = get_forward_context()
         num_pages, page_size = kv_cache.k_pages.shape[1:3]

@@ -7,8 +7,9 @@ sliding window covers every layer; Qwen2/3 window the layers their `layer_types`
 
 from flax import nnx
 
-from jpaged.models.layers import (Attention, AttentionOps, Embedding, GatedMLP, HFWeights, LayerStack, Linear,
+from jpaged.models.layers import (Attention, Embedding, GatedMLP, HFWeights, LayerStack, Linear,
                                   RMSNorm, RopeConfig, sliding_windows)
+from jpaged.models.paged_attention import AttentionOps
 
 
 def head_dim_of(cfg) -> int:

@@ -8,11 +8,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 import pallas_kernels
 from jpaged.models.forward_context import AttentionMetadata
 from jpaged.models.kv_cache import KVCache, KVCacheSpec, max_scale
+from jpaged.models.layers import Attention
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding
 
 
@@ -101,10 +103,6 @@ class AttentionOps:
 def check_kernels(model, spec: KVCacheSpec, dtype, backend: str) -> None:
     """A model or KV cache dtype the chosen kernels cannot take is a ValueError at start-up, not at
     the first step that traces them (enforce_eager compiles nothing before serving)."""
-    from flax import nnx
-
-    from jpaged.models.layers import Attention
-
     attention = next(node for _, node in nnx.iter_graph(model) if isinstance(node, Attention))
     num_heads, head_dim = attention.q_proj.out_shape
     pallas_kernels.check_supported(jax.ShapeDtypeStruct((1, num_heads, head_dim), dtype),
