@@ -43,10 +43,17 @@ class LLM:
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts")
-        # Only the final outputs are kept: the engine builds no others (vLLM does the same).
-        final_only = {}
-        params = [final_only.setdefault(id(sp), dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY))
-                  if isinstance(sp, SamplingParams) else sp for sp in params]
+        # Only the final outputs are kept: the engine builds no others (vLLM does the same). The
+        # caller's params are theirs: copies, one per run of the same object (one for all prompts
+        # when a single one is given).
+        final_only = []
+        for i, sp in enumerate(params):
+            if i and sp is params[i - 1]:
+                final_only.append(final_only[-1])
+            else:
+                final_only.append(dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+                                  if isinstance(sp, SamplingParams) else sp)
+        params = final_only
         engine = self.llm_engine
         order = {}
         try:

@@ -10,6 +10,7 @@ ones have the same length and the same number of computed tokens.
 import copy
 import enum
 
+from jpaged.core.request_needs import RequestNeeds
 from jpaged.sampling_params import SamplingParams
 
 
@@ -145,6 +146,7 @@ class SequenceGroup:
         self.lora_request = lora_request  # a LoRARequest: the adapter every sequence of it runs with
         self.seqs = seqs
         self.sampling_params = sampling_params
+        self.needs = RequestNeeds.of(sampling_params)  # once: the params do not change once added
         self.arrival_time = arrival_time
         self.prompt = prompt
         # Prompt logprobs, when asked for: None for the first token, then one dict per prompt token,

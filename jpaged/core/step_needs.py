@@ -1,6 +1,7 @@
 """What a step needs from the host: the one place that decides it.
 
-Per request (its SamplingParams alone, worked out once): whether each sampled token must reach
+Per request (its SamplingParams alone, worked out once: `SequenceGroup.needs`, a
+request_needs.RequestNeeds): whether each sampled token must reach
 the host before the next step is scheduled, and whether its rows need the full sampler. From
 those and the queues: whether the next step may be scheduled before this one's tokens are read
 (async scheduling's overlap) and whether a step may run K decode steps in one device call
@@ -8,38 +9,13 @@ those and the queues: whether the next step may be scheduled before this one's t
 adds its rule here, nowhere else.
 """
 
-import dataclasses
-
+from jpaged.core.request_needs import RequestNeeds
 from jpaged.core.sequence import SequenceStatus
-from jpaged.sampling_params import SamplingParams
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestNeeds:
-    # The next step's inputs depend on this step's token on the host: the penalties' token
-    # history, the grammar's next mask, beam search's choice of beams.
-    host_tokens: bool
-    # The sampler's full path (per-row history, masks, top logprobs) rather than the fast one.
-    full_sampler: bool
-    # Drafts may be verified for it: one sequence samples (no forks or beams). Penalties read
-    # the drafts before each row from the token history the runner uploads; a grammar gives each
-    # row the mask after them.
-    speculate: bool
-
-    @staticmethod
-    def of(sp: SamplingParams) -> "RequestNeeds":
-        """Memoized on the SamplingParams (it does not change once a request is added)."""
-        needs = sp.__dict__.get("_needs")
-        if needs is None:
-            host = sp.use_beam_search or sp.guided or sp.has_penalties
-            needs = sp.__dict__["_needs"] = RequestNeeds(host, host or sp.logprobs is not None,
-                                                         not sp.use_beam_search and sp.best_of == 1)
-        return needs
 
 
 def rows_need_full_sampler(rows) -> bool:
     """The runner's choice for a batch of SamplingRows (a prompt-logprob row, with its target
-    token, needs the full path too)."""
+    token, needs the full path too). Rows carry their params, not their group: worked out here."""
     return any(r.target_token_id >= 0 or RequestNeeds.of(r.params).full_sampler for r in rows)
 
 
@@ -60,7 +36,7 @@ def can_overlap(scheduler, step_groups: set[int], max_model_len: int) -> bool:
     caching, num_seqs = bm.enable_caching, 0
     for group in scheduler.running:
         sp = group.sampling_params
-        if id(group) not in step_groups or RequestNeeds.of(sp).host_tokens:
+        if id(group) not in step_groups or group.needs.host_tokens:
             return False
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             if (seq.num_pending_tokens != 1 or seq.get_output_len() >= sp.max_tokens
@@ -81,7 +57,7 @@ def can_multi_step(scheduler, num_steps: int, max_model_len: int) -> bool:
     seqs = []
     for group in scheduler.running:
         sp = group.sampling_params
-        if group.is_prefill() or RequestNeeds.of(sp).full_sampler:
+        if group.is_prefill() or group.needs.full_sampler:
             return False
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             if (seq.num_pending_tokens or seq.get_num_uncomputed_tokens() != 1

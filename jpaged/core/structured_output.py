@@ -26,7 +26,7 @@ import threading
 
 import numpy as np
 
-from jpaged.core.grammar_worker import clean_error
+from jpaged.core.grammar_worker import GrammarWorker, clean_error
 from jpaged.core.number_bounds import bound_numbers
 from jpaged.sampling_params import SamplingParams
 
@@ -35,22 +35,16 @@ MAX_ALTERNATIVES = 1024  # choices, enum values and anyOf/oneOf branches in one 
 MAX_PATTERNS = 32  # regexes inside one JSON schema (pattern, patternProperties keys)
 MAX_SCHEMA_DEPTH = 64  # nesting of a JSON schema's objects and arrays
 MAX_CACHED_GRAMMAR_BYTES = 512 * 2**20  # compiled grammars kept, by the memory their compile took
+MAX_CACHED_GUIDES = 64  # guides kept by their request's grammar text (StructuredOutputManager.guide)
 _INT64 = (-2**63, 2**63 - 1)
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
 def guide_of(sp: SamplingParams) -> tuple[str, object] | None:
     """(the field that asked for it, its value as the worker compiles it) of a guided request:
-    a JSON schema as compact text, strict (below); a regex; a list of choices. Worked out once per
-    SamplingParams (the validator, `prepare` and each new sequence ask; a schema is walked and
-    dumped each time otherwise), kept beside its fields, so dataclasses.replace starts afresh."""
-    guide = sp.__dict__.get("_guide")
-    if guide is None:
-        guide = sp.__dict__["_guide"] = _guide_of(sp)
-    return guide
-
-
-def _guide_of(sp: SamplingParams) -> tuple[str, object] | None:
+    a JSON schema as compact text, strict (below); a regex; a tuple of choices. Worked out afresh
+    on each call (a schema is walked and dumped): the engine asks its StructuredOutputManager's
+    `guide`, which keeps the last ones by the request's grammar text."""
     if sp.guided_json is not None:
         schema = sp.guided_json
         if isinstance(schema, str):
@@ -169,14 +163,14 @@ def _has_finite_instance(root) -> bool:
             node = node[part]
         return node
 
-    finite: dict[int, bool] = {}  # id(ref target) -> known finite; unknown targets: not yet
+    # A $ref's text -> its target known finite (a target is a function of the text); absent: not yet.
+    finite: dict[str, bool] = {}
 
     def check(node, depth=0) -> bool:
         if depth > MAX_SCHEMA_DEPTH or not isinstance(node, dict):
             return node is not False
         if "$ref" in node:
-            goal = target(node["$ref"])
-            if goal is not None and not finite.get(id(goal), False):
+            if target(node["$ref"]) is not None and not finite.get(node["$ref"], False):
                 return False
         if isinstance(node.get("allOf"), list) and not all(check(s, depth + 1) for s in node["allOf"]):
             return False
@@ -201,23 +195,23 @@ def _has_finite_instance(root) -> bool:
         return ok
 
     # Least fixpoint: a target is finite once its schema is, given the targets known finite so far.
-    targets = []
+    refs = {}  # each resolvable $ref's text -> its target
     stack = [root]
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
             goal = target(node.get("$ref"))
-            if goal is not None and all(goal is not t for t in targets):
-                targets.append(goal)
+            if goal is not None:
+                refs[node["$ref"]] = goal
             stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
     changed = True
     while changed:
         changed = False
-        for goal in targets:
-            if not finite.get(id(goal)) and check(goal):
-                finite[id(goal)] = changed = True
+        for ref, goal in refs.items():
+            if not finite.get(ref) and check(goal):
+                finite[ref] = changed = True
     return check(root)
 
 
@@ -245,6 +239,8 @@ class StructuredOutputManager:
         # guide -> (matcher, bytes its compile took), least recently used first; bounded in bytes.
         self._compiled: collections.OrderedDict = collections.OrderedDict()
         self._compiled_bytes = 0
+        # (field, the request's grammar as text) -> its guide_of, least recently used first.
+        self._guides: collections.OrderedDict = collections.OrderedDict()
         self._matchers: dict[int, object] = {}  # seq_id -> its matcher
         self._errors: dict[int, str] = {}  # seq_id -> the grammar engine's error that ended it
         self.bitmask_words = math.ceil(vocab_size / 32)
@@ -275,11 +271,9 @@ class StructuredOutputManager:
         """Check and compile the request's grammar (ValueError naming the field when it is not
         acceptable), so the engine finds it compiled. Blocks up to the compile budget: call it
         off the event loop."""
-        from jpaged.core.grammar_worker import GrammarWorker
-
         if self._hf_tokenizer is None:
             raise ValueError(f"{_guided_field(sp)}: structured output needs a tokenizer")
-        key = guide_of(sp)
+        key = self.guide(sp)
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
@@ -294,6 +288,30 @@ class StructuredOutputManager:
             raise GuideError(key[0], _guide(sp), "the grammar allows only an empty completion")
         self._add(key, grammar, cost)
         return key
+
+    def guide(self, sp: SamplingParams) -> tuple[str, object] | None:
+        """guide_of(sp), kept by the grammar's text: the server's thread, add_request and each new
+        sequence ask for the same request's (a large schema takes milliseconds to walk)."""
+        if not sp.guided:
+            return None
+        field = _guided_field(sp)
+        value = getattr(sp, field)
+        try:  # a schema object by its JSON text (in its key order, which the guide keeps)
+            text = json.dumps(value) if field == "guided_json" and not isinstance(value, str) else value
+        except (TypeError, ValueError, RecursionError):  # not JSON: guide_of says why
+            return guide_of(sp)
+        raw = (field, tuple(text) if isinstance(text, list) else text)
+        with self._lock:
+            guide = self._guides.get(raw)
+            if guide is not None:
+                self._guides.move_to_end(raw)
+                return guide
+        guide = guide_of(sp)
+        with self._lock:
+            self._guides[raw] = guide
+            while len(self._guides) > MAX_CACHED_GUIDES:
+                self._guides.popitem(last=False)
+        return guide
 
     def _add(self, key, grammar: str, cost: int):
         import llguidance

@@ -39,7 +39,7 @@ class LoRAManager:
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max_cpu_loras or max_loras
         self.dtype = dtype
-        self._linears = list(runner.lora_linears.values())
+        self._linears = list(runner.lora_linears.items())  # (nnx path, Linear), the runner's order
         self._read: collections.OrderedDict[int, tuple[LoRARequest, dict]] = collections.OrderedDict()
         self._slots: list[int | None] = [None] * max_loras  # lora_int_id held by each device slot
         self._used: collections.OrderedDict[int, None] = collections.OrderedDict()  # slot ids, least recent first
@@ -157,8 +157,8 @@ class LoRAManager:
             else:  # the least recently used slot this step does not need
                 slot = next(i for i in self._used if i not in out.values())
             weights = self._weights(requests[lora_id])  # read again if the host LRU let it go
-            self.runner.write_lora_slot(slot, [weights.get(id(linear)) or self._zeros(linear)
-                                               for linear in self._linears])
+            self.runner.write_lora_slot(slot, [weights.get(path) or self._zeros(linear)
+                                               for path, linear in self._linears])
             self.num_slot_writes += 1
             self._slots[slot] = lora_id
             out[lora_id] = slot

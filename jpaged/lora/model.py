@@ -19,15 +19,17 @@ import numpy as np
 from flax import nnx
 
 from jpaged.lora.peft import SUPPORTED_MODULES, PeftAdapter
-from jpaged.models.layers import Linear
+from jpaged.models.layers import Linear, kernel_path, linears_of
 from jpaged.parallel import sharding
 
 
 @dataclasses.dataclass
 class LoRATarget:
-    """Where a checkpoint module's adapter goes: `linear`'s LoRA weights at `layer` (None: not
-    stacked), its output stored `out_repeats` times (kv heads replicated for tensor parallelism)."""
+    """Where a checkpoint module's adapter goes: `linear`'s (at `path` in the model) LoRA weights
+    at `layer` (None: not stacked), its output stored `out_repeats` times (kv heads replicated for
+    tensor parallelism)."""
 
+    path: tuple
     linear: Linear
     layer: int | None
     out_repeats: int
@@ -36,19 +38,19 @@ class LoRATarget:
 def add_lora_slots(model: nnx.Module, mesh, max_loras: int, max_lora_rank: int) -> dict[str, LoRATarget]:
     """Give every adaptable projection of `model` its (zero) LoRA slots; returns the checkpoint
     module names they answer to ("model.layers.3.self_attn.q_proj" -> its target)."""
-    linears = {id(node.kernel): node for _, node in nnx.iter_graph(model) if isinstance(node, Linear)}
+    linears = linears_of(model)
     targets = {}
     for name, weights in model.hf_weights().items():
         module, _, leaf = name.rpartition(".")
         if leaf != "weight" or module.rsplit(".", 1)[-1] not in SUPPORTED_MODULES or len(weights) != 1:
             continue
         target = weights[0]
-        linear = linears.get(id(target.param))
-        if linear is None:
+        path = kernel_path(target.param, linears)
+        if path is None:
             continue
-        n_out = math.prod(linear.out_shape)
-        targets[module] = LoRATarget(linear, target.layer, n_out // target.hf_shape[0])
-    for linear in {id(t.linear): t.linear for t in targets.values()}.values():
+        n_out = math.prod(linears[path].out_shape)
+        targets[module] = LoRATarget(path, linears[path], target.layer, n_out // target.hf_shape[0])
+    for linear in {t.path: t.linear for t in targets.values()}.values():
         kernel = linear.kernel
         lead = kernel.ndim - len(linear.in_shape) - len(linear.out_shape)  # 1: stacked over layers
         axes = kernel.logical_axes
@@ -64,8 +66,8 @@ def add_lora_slots(model: nnx.Module, mesh, max_loras: int, max_lora_rank: int) 
 
 
 def slot_weights(adapter: PeftAdapter, targets: dict[str, LoRATarget], max_lora_rank: int,
-                 dtype) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """One slot's contents for every adaptable Linear (by id): (A [layers?, in..., R], B
+                 dtype) -> dict[tuple, tuple[np.ndarray, np.ndarray]]:
+    """One slot's contents for every adaptable Linear the adapter changes (by its nnx path): (A [layers?, in..., R], B
     [layers?, R, out...]), the adapter's rank zero-padded to R; ValueError for a module the
     model does not have or shapes that do not fit it."""
     out = {}
@@ -78,12 +80,12 @@ def slot_weights(adapter: PeftAdapter, targets: dict[str, LoRATarget], max_lora_
         if a.shape[1] != n_in or b.shape[0] != n_out:
             raise ValueError(f"lora_path={adapter.path!r}: {module!r} has lora_A {a.shape} and lora_B {b.shape}; "
                              f"the model's module maps {n_in} inputs to {n_out} outputs")
-        if id(linear) not in out:
+        if target.path not in out:
             kernel = linear.kernel
             lead = kernel.shape[:kernel.ndim - len(linear.in_shape) - len(linear.out_shape)]
-            out[id(linear)] = (np.zeros(lead + linear.in_shape + (max_lora_rank,), dtype),
+            out[target.path] = (np.zeros(lead + linear.in_shape + (max_lora_rank,), dtype),
                                np.zeros(lead + (max_lora_rank,) + linear.out_shape, dtype))
-        slot_a, slot_b = out[id(linear)]
+        slot_a, slot_b = out[target.path]
         index = () if target.layer is None else (target.layer,)
         hf_out = (linear.out_shape[0] // target.out_repeats,) + linear.out_shape[1:]
         b_out = b.T.reshape((rank,) + hf_out)

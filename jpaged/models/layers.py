@@ -142,6 +142,17 @@ class Linear(nnx.Module):
         return specs
 
 
+
+def linears_of(model: nnx.Module) -> dict[tuple, Linear]:
+    """The model's Linear layers by their nnx path."""
+    return {path: node for path, node in nnx.iter_graph(model) if isinstance(node, Linear)}
+
+
+def kernel_path(param: nnx.Param, linears: dict[tuple, Linear]) -> tuple | None:
+    """The path of the Linear in `linears` ({path: Linear}) whose kernel `param` is, or None.
+    nnx Params are unhashable; a model holds few Linears (its layers are stacked), so a scan."""
+    return next((path for path, linear in linears.items() if linear.kernel is param), None)
+
 class Embedding(nnx.Module):
     def __init__(self, num_embeddings, features, axes=("vocab", "embed"), *, dtype=jnp.float32):
         self.embedding = weight_param((num_embeddings, features), axes, dtype)

@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 from jpaged import config
 from jpaged.file_safety import open_regular, read_json, safetensors_header
 from jpaged.models.gemma import GemmaForCausalLM
-from jpaged.models.layers import Linear, WeightTarget
+from jpaged.models.layers import Linear, WeightTarget, kernel_path
 from jpaged.models.gpt2 import GPT2LMHeadModel
 from jpaged.models.paged_attention import AttentionOps
 from jpaged.models.llama import LlamaForCausalLM
@@ -153,10 +153,11 @@ def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.nda
             if tuple(tensor.shape) != target.hf_shape:
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint, "
                                  f"expected {target.hf_shape}")
-            if isinstance(tensor, QuantizedTensor) and id(target.param) not in quantized:
+            linear = quantized.get(kernel_path(target.param, quantized))
+            if isinstance(tensor, QuantizedTensor) and linear is None:
                 raise ValueError(f"tensor {name!r} is quantized in the checkpoint; jpaged's {model_cls.__name__} "
                                  "keeps it in full precision")
-            place(target, tensor, quantized.get(id(target.param)), dtype, mesh)
+            place(target, tensor, linear, dtype, mesh)
         seen.add(name)
     missing = [f"{n} (shape {specs[n][0].hf_shape})" for n in specs if n not in seen]
     if missing:

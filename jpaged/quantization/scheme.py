@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jpaged.models.layers import Linear
+from jpaged.models.layers import Linear, kernel_path, linears_of
 
 QTYPES = {"float8_e4m3fn": 448.0, "int8": 127.0, "int4": 7.0}
 BITS = {"float8_e4m3fn": 8, "int8": 8, "int4": 4}
@@ -202,20 +202,20 @@ def model_memory_bytes(model: nnx.Module) -> int:
     return device_bytes(nnx.state(model, nnx.Param))
 
 
-def quantize_model(model: nnx.Module, quantization) -> tuple[dict[int, Linear], dict[str, WeightScheme]]:
+def quantize_model(model: nnx.Module, quantization) -> tuple[dict[tuple, Linear], dict[str, WeightScheme]]:
     """Quantize the abstract model's Linear layers as `quantization` (formats.Quantization) says,
-    by their checkpoint module names. Returns the quantized Linears by id(kernel) and the schemes
-    of the modules whose tensors the checkpoint reader must assemble, by name."""
-    linears = {id(node.kernel): node for _, node in nnx.iter_graph(model) if isinstance(node, Linear)}
-    chosen, modules = {}, {}
+    by their checkpoint module names. Returns the quantized Linears by their nnx path and the
+    schemes of the modules whose tensors the checkpoint reader must assemble, by name."""
+    linears = linears_of(model)
+    chosen, modules = {}, {}  # chosen: path -> (scheme, the first module naming it, its Linear)
     for name, targets in model.hf_weights().items():
         module, _, leaf = name.rpartition(".")
         for target in targets if leaf == "weight" else ():
-            linear = linears.get(id(target.param))
-            if linear is None:
+            path = kernel_path(target.param, linears)
+            if path is None:
                 continue
             scheme = quantization.scheme_for(module)
-            first = chosen.setdefault(id(linear), (scheme, module, linear))
+            first = chosen.setdefault(path, (scheme, module, linears[path]))
             if first[0] != scheme:
                 raise ValueError(f"the checkpoint quantizes {module!r} as {scheme} but {first[1]!r} as {first[0]}: "
                                  "jpaged stacks the layers, so a projection must be quantized alike in every layer")
@@ -224,4 +224,4 @@ def quantize_model(model: nnx.Module, quantization) -> tuple[dict[int, Linear], 
     for scheme, _, linear in chosen.values():
         if scheme is not None:
             quantize_linear(linear, scheme)
-    return {id(linear.kernel): linear for scheme, _, linear in chosen.values() if scheme is not None}, modules
+    return {path: linear for path, (scheme, _, linear) in chosen.items() if scheme is not None}, modules

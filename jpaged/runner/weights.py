@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged.models.layers import Linear
+from jpaged.models.layers import kernel_path, linears_of
 from jpaged.models.loader import check_finite, place
 
 
@@ -73,11 +73,10 @@ def write_weights(runner, checked: list, dtype, mesh):
     """Write checked (name, array) pairs into the runner's state."""
     model = nnx.merge(runner.graphdef, runner.state)
     specs = model.hf_weights()
-    quantized = {id(node.kernel): node for _, node in nnx.iter_graph(model)
-                 if isinstance(node, Linear) and node.kernel_scale is not None}
+    quantized = {path: node for path, node in linears_of(model).items() if node.kernel_scale is not None}
     for name, tensor in checked:
         for target in specs[name]:
-            place(target, tensor, quantized.get(id(target.param)), dtype, mesh)
+            place(target, tensor, quantized.get(kernel_path(target.param, quantized)), dtype, mesh)
     runner.state = nnx.split(model)[1]
 
 

@@ -2,7 +2,6 @@
 and the counters of what was proposed and accepted."""
 
 from jpaged.core.sequence import SequenceGroup, SequenceStatus
-from jpaged.core.step_needs import RequestNeeds
 from jpaged.spec_decode.config import SpeculativeConfig
 from jpaged.spec_decode.ngram import NgramProposer
 from jpaged.spec_decode.proposer import DRAFT_PENDING, Proposer
@@ -34,7 +33,7 @@ class Speculator:
         """Whether the next step may give any of the running `groups` drafts (async scheduling
         then waits for the last step's tokens: step_needs.can_overlap)."""
         return self.enabled(sum(g.num_unfinished_seqs() for g in groups)) and \
-            any(len(g.seqs) == 1 and RequestNeeds.of(g.sampling_params).speculate for g in groups)
+            any(len(g.seqs) == 1 and g.needs.speculate for g in groups)
 
     def propose(self, group: SequenceGroup, max_drafts: int) -> list[int]:
         """Drafts for the group's next step, at most `max_drafts` (empty: it decodes one token;
@@ -43,7 +42,7 @@ class Speculator:
         max_tokens or max_model_len, nor past the first one its grammar rejects. (min_tokens:
         each row bans EOS and stop ids by its own output position.)"""
         sp = group.sampling_params
-        if max_drafts < 1 or len(group.seqs) != 1 or not RequestNeeds.of(sp).speculate:
+        if max_drafts < 1 or len(group.seqs) != 1 or not group.needs.speculate:
             return []
         seq = group.seqs[0]
         if seq.status is not SequenceStatus.RUNNING or seq.num_pending_tokens or seq.get_num_uncomputed_tokens() != 1:

@@ -1,0 +1,25 @@
+"""What one request needs of a step, from its SamplingParams alone: worked out once per request,
+when its SequenceGroup is made (`SequenceGroup.needs`); the step-level rules built on it are in
+step_needs.py. A module of its own because the group makes it and step_needs reads groups."""
+
+import dataclasses
+
+from jpaged.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestNeeds:
+    # The next step's inputs depend on this step's token on the host: the penalties' token
+    # history, the grammar's next mask, beam search's choice of beams.
+    host_tokens: bool
+    # The sampler's full path (per-row history, masks, top logprobs) rather than the fast one.
+    full_sampler: bool
+    # Drafts may be verified for it: one sequence samples (no forks or beams). Penalties read
+    # the drafts before each row from the token history the runner uploads; a grammar gives each
+    # row the mask after them.
+    speculate: bool
+
+    @staticmethod
+    def of(sp: SamplingParams) -> "RequestNeeds":
+        host = sp.use_beam_search or sp.guided or sp.has_penalties
+        return RequestNeeds(host, host or sp.logprobs is not None, not sp.use_beam_search and sp.best_of == 1)
