@@ -8,7 +8,7 @@ from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from jpaged.runner.sampler import SamplerOutput
 from jpaged.sampling_params import SamplingParams
-from jpaged.spec_decode import SpeculativeConfig
+from jpaged.spec_decode.config import SpeculativeConfig
 from jpaged.spec_decode.speculator import Speculator
 
 RUNNING, SWAPPED, WAITING = SequenceStatus.RUNNING, SequenceStatus.SWAPPED, SequenceStatus.WAITING

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jpaged
-from jpaged.spec_decode import SpeculativeConfig
+from jpaged.spec_decode.config import SpeculativeConfig
 from jpaged.spec_decode import ngram
 
 VOCAB = 259  # the tiny model's

@@ -165,5 +165,5 @@ def test_bad_draft_models_are_value_errors(tmp_path):
         with pytest.raises((ValueError, OSError), match=message):
             jpaged.LLM("tiny", speculative_config=config, enforce_eager=True, **LIMITS)
     # A bare "model" means a draft model (vLLM infers the method the same way).
-    from jpaged.spec_decode import SpeculativeConfig
+    from jpaged.spec_decode.config import SpeculativeConfig
     assert SpeculativeConfig.of(json.dumps({"model": "tiny", "num_speculative_tokens": 2})).method == "draft_model"

@@ -21,7 +21,7 @@ from flax import nnx
 
 import jpaged
 from jpaged.models.forward_context import AttentionMetadata, ForwardContext, forward_context
-from jpaged.parallel import LOGICAL_AXIS_RULES
+from jpaged.parallel.sharding import LOGICAL_AXIS_RULES
 
 LIMITS = dict(dtype="float32", block_size=8, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
               swap_space=0.002, enforce_eager=True)

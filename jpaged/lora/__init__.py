@@ -10,7 +10,3 @@ A token's adapter is its slot index (ForwardContext.lora_slots); Linear adds x·
 The scheduler keeps at most max_loras adapters in a step; a block's prefix-cache hash starts
 from its adapter, so two adapters never share K/V.
 """
-
-from jpaged.lora.request import LoRARequest
-
-__all__ = ["LoRARequest"]

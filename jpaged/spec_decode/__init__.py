@@ -34,7 +34,3 @@ and a step that verified drafts leaves the accepted count unknown until read): t
 `may_draft`, in step_needs.can_overlap; other steps (above disable_by_batch_size, requests that
 cannot speculate) overlap as without speculation.
 """
-
-from jpaged.spec_decode.config import SpeculativeConfig
-
-__all__ = ["SpeculativeConfig"]
