@@ -1,12 +1,20 @@
 """The code's shape (issue 40, item 4), read from the source with `ast`: no import cycle among
 jpaged/, serving/ and pallas_kernels/ (module-level, function-local and TYPE_CHECKING imports
 alike), no source file over 500 lines, and no `id(...)` call in jpaged/ or serving/ (state keyed
-by object ids breaks when an object dies and its id is reused)."""
+by object ids breaks when an object dies and its id is reused). And what the engine works out
+per request stays out of the user's SamplingParams."""
 
 import ast
+import copy
+import json
 import pathlib
 
 import pytest
+
+from jpaged.core.request_needs import RequestNeeds
+from jpaged.core.sequence import Sequence, SequenceGroup
+from jpaged.core.structured_output import MAX_CACHED_GUIDES, StructuredOutputManager, guide_of
+from jpaged.sampling_params import SamplingParams
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("jpaged", "serving", "pallas_kernels")
@@ -158,3 +166,49 @@ def test_find_cycle_on_made_up_packages(tmp_path, files, cycle):
 def test_id_calls_finds_the_builtin_only(tmp_path):
     write(tmp_path, {"m.py": "d = {id(x): x for x in xs}\nseq_id(1)\nobj.id(2)\n\n\ndef f():\n    return id(f)\n"})
     assert id_calls(tmp_path / "m.py") == [1, 7]
+
+
+# ------------------------------------------------------------------ the user's SamplingParams stay theirs
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/$defs/b"}},
+          "required": ["a"], "$defs": {"b": {"type": "array", "items": {"type": "string"}}}}
+
+
+@pytest.mark.parametrize("params, needs", [
+    # (host_tokens, full_sampler, speculate), by hand: the host needs each token for penalties, a
+    # grammar or beams; logprobs need the full sampler only; forks and beams do not speculate.
+    (dict(), (False, False, True)),
+    (dict(logprobs=2), (False, True, True)),
+    (dict(presence_penalty=0.5), (True, True, True)),
+    (dict(guided_json=SCHEMA), (True, True, True)),
+    (dict(n=2, temperature=1.0), (False, False, False)),
+    (dict(use_beam_search=True, best_of=2, temperature=0.0), (True, True, False)),
+])
+def test_request_needs_live_on_the_group_not_in_the_params(params, needs):
+    sp = SamplingParams(**params)
+    before = copy.deepcopy(vars(sp))
+    group = SequenceGroup("r", [Sequence(0, [1, 2, 3])], sp, 0.0)
+    assert group.needs == RequestNeeds(*needs)
+    assert vars(sp) == before
+
+
+def test_guides_are_kept_by_the_manager_not_in_the_params():
+    manager = StructuredOutputManager(None, vocab_size=100)
+    sp = SamplingParams(guided_json=SCHEMA)
+    before = copy.deepcopy(vars(sp))
+    guide = manager.guide(sp)
+    assert guide == guide_of(sp) and vars(sp) == before
+    # Another request with the same grammar finds it; another grammar gets its own.
+    assert manager.guide(SamplingParams(guided_json=copy.deepcopy(SCHEMA))) is guide
+    assert manager.guide(SamplingParams(guided_json=json.dumps(SCHEMA))) == guide_of(SamplingParams(
+        guided_json=json.dumps(SCHEMA)))
+    other = {**SCHEMA, "required": ["a", "b"]}
+    assert manager.guide(SamplingParams(guided_json=other)) == guide_of(SamplingParams(guided_json=other)) != guide
+    assert manager.guide(SamplingParams(guided_regex="[ab]+")) == ("guided_regex", "[ab]+")
+    assert manager.guide(SamplingParams(guided_choice=["x", "y"])) == ("guided_choice", ("x", "y"))
+    assert manager.guide(SamplingParams()) is None
+    # Bounded: the least recently used go first.
+    for i in range(MAX_CACHED_GUIDES):
+        manager.guide(SamplingParams(guided_regex=f"r{i}"))
+    assert manager.guide(SamplingParams(guided_json=SCHEMA)) is not guide
+    assert manager.guide(SamplingParams(guided_json=SCHEMA)) == guide
