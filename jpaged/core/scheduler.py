@@ -32,12 +32,11 @@ recompute instead of failing the step.
 
 import collections
 import dataclasses
-import functools
 import itertools
 
 from jpaged.core.beam_search import beam_search_step, top_logprobs
 from jpaged.core.block_manager import AllocStatus, BlockManager
-from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from jpaged.core.sequence import _FINISH_REASONS, Sequence, SequenceGroup, SequenceStatus
 from jpaged.core.stop_checker import StopChecker
 from jpaged.spec_decode.speculator import Speculator
 
@@ -58,7 +57,7 @@ class ScheduledSequenceGroup:
     # (token_chunk_size = 1 + drafts), each position sampling a row (samples = 1 + drafts).
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
 
-    @functools.cached_property
+    @property
     def sampled(self) -> list[tuple[Sequence, int]]:
         """(sequence, rows) of the sequences that sample."""
         return [(seq, n) for seq, n in zip(self.seqs, self.samples) if n]
@@ -193,16 +192,23 @@ class Scheduler:
             group.prompt_logprobs.append({**top, target: float(out.target_logprobs[r])})
         row += scheduled.prompt_rows
         if sp.use_beam_search:
-            if scheduled.sampled:
-                beam_search_step(self, group, [(seq, row + i) for i, (seq, _) in enumerate(scheduled.sampled)], out)
+            sampled = scheduled.sampled
+            if sampled:
+                beam_search_step(self, group, [(seq, row + i) for i, (seq, _) in enumerate(sampled)], out)
             return
-        for seq, samples in scheduled.sampled:
-            if seq.is_finished():  # stopped by its previous token, read after this step was dispatched
+        for seq, samples in zip(scheduled.seqs, scheduled.samples):
+            if not samples:
+                continue
+            if seq.status in _FINISH_REASONS:  # stopped by its previous token, read after this step was dispatched
                 row += samples
                 continue
             if scheduled.spec_token_ids:
                 self._accept(group, seq, scheduled.spec_token_ids, out, row)
                 row += samples
+                continue
+            if samples == 1:
+                self._append(group, seq, out, row)
+                row += 1
                 continue
             for s in [seq] + [self._fork(group, seq) for _ in range(samples - 1)]:
                 self._append(group, s, out, row)
@@ -246,7 +252,6 @@ class Scheduler:
         scheduled.spec_token_ids = drafts
         scheduled.token_chunk_size = 1 + len(drafts)
         scheduled.samples = [1 + len(drafts)]
-        scheduled.__dict__.pop("sampled", None)  # the cached property, derived from samples
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         child = parent.fork(self.new_seq_id())
@@ -258,8 +263,8 @@ class Scheduler:
     def _append(self, group: SequenceGroup, seq: Sequence, out, row: int):
         sp = group.sampling_params
         self.stop_checker.append_token(sp, seq, int(out.token_ids[row]), float(out.logprobs[row]),
-                                       top_logprobs(sp, out, row))
-        if seq.is_finished():
+                                       None if sp.logprobs is None else top_logprobs(sp, out, row))
+        if seq.status in _FINISH_REASONS:
             self.free_seq(seq)
 
     # ------------------------------------------------------------------ the plan
@@ -295,6 +300,7 @@ class Scheduler:
         queue, self.running = self.running, collections.deque()
         prefilling, swapped_out = [], []
         spare = self._spare_draft_tokens(queue, budget)
+        bm, pool = self.block_manager, self.block_manager.gpu_pool
         while queue:
             seq_group = queue.popleft()
             if seq_group.is_prefill():
@@ -302,7 +308,10 @@ class Scheduler:
                 self.running.append(seq_group)
                 continue
             drafts = self.speculator.propose(seq_group, spare) if spare else []
-            while not self.block_manager.can_append_slots(seq_group, num_lookahead_slots + len(drafts)):
+            # (can_append_slots / _append_slots with the running sequences listed once: every
+            # decoding group, every step)
+            running = seq_group.get_seqs(SequenceStatus.RUNNING)
+            while bm.num_blocks_to_append(running, num_lookahead_slots + len(drafts)) > pool.get_num_free_blocks():
                 if drafts:  # blocks are short: decode without drafts before preempting anyone
                     drafts = []
                     continue
@@ -311,9 +320,12 @@ class Scheduler:
                 if victim is seq_group:
                     break
             else:
-                self._append_slots(seq_group, out, num_lookahead_slots + len(drafts))
+                for seq in running:
+                    copies = bm.append_slots(seq, num_lookahead_slots + len(drafts))
+                    if copies:
+                        out.blocks_to_copy.extend(copies)
                 self.running.append(seq_group)
-                self._add(out, budget, seq_group, 1 + len(drafts), drafts)
+                self._add(out, budget, seq_group, 1 + len(drafts), drafts, running)
                 spare -= len(drafts)
         # Victims were taken latest first; keep the swapped queue in arrival order.
         self.swapped.extend(reversed(swapped_out))
@@ -409,14 +421,18 @@ class Scheduler:
         return seq_group.prompt_logprob_rows(start, start + chunk)
 
     def _add(self, out: SchedulerOutputs, budget: _Budget, seq_group: SequenceGroup, chunk: int,
-             drafts: list[int] | None = None):
-        running = seq_group.get_seqs(SequenceStatus.RUNNING)
-        for seq in running:
-            # The blocks this step fills are cached from now on. A group admitted later in this
-            # step may read them at once: every layer writes the step's new K/V before attending.
-            # (Drafts are not the sequence's tokens: no hash covers them.)
-            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + chunk - len(drafts or ()))
-            self.block_manager.free_out_of_window(seq)
+             drafts: list[int] | None = None, running: list[Sequence] | None = None):
+        """`running`: the group's running sequences, when the caller has listed them."""
+        if running is None:
+            running = seq_group.get_seqs(SequenceStatus.RUNNING)
+        bm = self.block_manager
+        if bm.enable_caching or bm.sliding_window is not None:  # (both no-ops otherwise)
+            for seq in running:
+                # The blocks this step fills are cached from now on. A group admitted later in this
+                # step may read them at once: every layer writes the step's new K/V before attending.
+                # (Drafts are not the sequence's tokens: no hash covers them.)
+                bm.cache_full_blocks(seq, seq.num_computed_tokens + chunk - len(drafts or ()))
+                bm.free_out_of_window(seq)
         num_tokens = chunk * len(running)
         scheduled = self._scheduled(seq_group, running, chunk, drafts)
         out.scheduled_seq_groups.append(scheduled)

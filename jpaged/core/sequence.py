@@ -103,7 +103,7 @@ class Sequence:
         return self.get_num_uncomputed_tokens() > 1
 
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISH_REASONS  # (not the status's property: one dict lookup, no call)
 
     def append_token_id(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None = None):
         """Append a sampled token: the oldest pending one, if any, now read."""
@@ -183,26 +183,39 @@ class SequenceGroup:
         return [seq for seq in self.seqs if seq.status is status]
 
     def get_unfinished_seqs(self) -> list[Sequence]:
-        return [seq for seq in self.seqs if not seq.is_finished()]
+        return [seq for seq in self.seqs if seq.status not in _FINISH_REASONS]
 
     def num_seqs(self, status: SequenceStatus | None = None) -> int:
         return len(self.get_seqs(status))
 
     def num_unfinished_seqs(self) -> int:
+        seqs = self.seqs
+        if len(seqs) == 1:  # (most groups: no list built)
+            return 0 if seqs[0].status in _FINISH_REASONS else 1
         return len(self.get_unfinished_seqs())
 
     def is_finished(self) -> bool:
         for seq in self.seqs:  # (a loop: called for every group several times a step)
-            if not seq.status.is_finished:
+            if seq.status not in _FINISH_REASONS:
                 return False
         return True
 
+    def _first_unfinished(self) -> Sequence:
+        """The first unfinished sequence (IndexError if none), without building a list."""
+        for seq in self.seqs:
+            if seq.status not in _FINISH_REASONS:
+                return seq
+        raise IndexError("the group has no unfinished sequence")
+
     def get_num_uncomputed_tokens(self) -> int:
         """Per sequence (the unfinished ones are in lockstep)."""
-        return self.get_unfinished_seqs()[0].get_num_uncomputed_tokens()
+        return self._first_unfinished().get_num_uncomputed_tokens()
 
     def is_prefill(self) -> bool:
-        return self.get_unfinished_seqs()[0].is_prefill()
+        seq = self._first_unfinished()
+        # Sequence.is_prefill, inlined: every running group asks every step.
+        return (len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_pending_tokens
+                - seq.num_computed_tokens) > 1
 
     def get_max_num_running_seqs(self) -> int:
         """Sequences this group will run at once: best_of from the start, since the engine forks

@@ -24,7 +24,12 @@ class StopChecker:
         whether the sequence stops there."""
         if top is not None:
             top[token] = logprob
-        seq.append_token_id(token, logprob, top)
+            seq.output_logprobs.append(top)
+        # (Sequence.append_token_id inlined: once per sampled token)
+        if seq.num_pending_tokens:
+            seq.num_pending_tokens -= 1
+        seq.output_token_ids.append(token)
+        seq.cumulative_logprob += logprob
         if self.detokenizer is not None:
             self.detokenizer.decode_sequence_incrementally(seq)
         grammar = self.structured_output.accept(seq.seq_id, token) if sp.guided else None
@@ -60,7 +65,7 @@ class StopChecker:
                 if matched is not None:
                     seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, matched
                     return
-        if output_len >= sp.max_tokens or seq.get_prompt_len() + output_len >= self.max_model_len:
+        if output_len >= sp.max_tokens or len(seq.prompt_token_ids) + output_len >= self.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
 
     def _drop_text_of_last_token(self, seq: Sequence):
