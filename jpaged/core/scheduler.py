@@ -217,13 +217,27 @@ class Scheduler:
     def _process_multi_step(self, scheduled: ScheduledSequenceGroup, outs: list, row: int):
         """A multi-step decode's K tokens per sequence (one sampling row each, no forks or
         beams): appended in order up to the sequence's stop; the rest are dropped."""
-        for seq, _ in scheduled.sampled:
-            for i, out in enumerate(outs):
-                if i:  # the token appended last was computed by this step
-                    seq.num_computed_tokens += 1
-                self._append(scheduled.seq_group, seq, out, row)
-                if seq.is_finished():
-                    break
+        group = scheduled.seq_group
+        sp = group.sampling_params
+        if sp.logprobs is not None:  # (never from the engine: the fast sampler has no top logprobs)
+            for seq, _ in scheduled.sampled:
+                for i, out in enumerate(outs):
+                    if i:  # the token appended last was computed by this step
+                        seq.num_computed_tokens += 1
+                    self._append(group, seq, out, row)
+                    if seq.is_finished():
+                        break
+                row += 1
+            return
+        for seq, samples in zip(scheduled.seqs, scheduled.samples):
+            if not samples:
+                continue
+            # K tokens in one call: up to the stop, as one by one (StopChecker.append_tokens).
+            num = self.stop_checker.append_tokens(sp, seq, [int(out.token_ids[row]) for out in outs],
+                                                  [float(out.logprobs[row]) for out in outs])
+            seq.num_computed_tokens += num - 1  # each token appended but the last was computed by this step
+            if seq.status in _FINISH_REASONS:
+                self.free_seq(seq)
             row += 1
 
     def _accept(self, group: SequenceGroup, seq: Sequence, drafts: list[int], out, row: int):

@@ -7,7 +7,7 @@ token; it never frees blocks (the scheduler does, for a sequence it finished).
 """
 
 from jpaged.core.detokenizer import Detokenizer
-from jpaged.core.sequence import Sequence, SequenceStatus
+from jpaged.core.sequence import _FINISH_REASONS, Sequence, SequenceStatus
 from jpaged.core.structured_output import StructuredOutputManager
 from jpaged.sampling_params import SamplingParams
 
@@ -34,6 +34,56 @@ class StopChecker:
             self.detokenizer.decode_sequence_incrementally(seq)
         grammar = self.structured_output.accept(seq.seq_id, token) if sp.guided else None
         self._check_stop(sp, seq, token, grammar)
+
+    def append_tokens(self, sp: SamplingParams, seq: Sequence, tokens: list[int], logprobs: list[float]) -> int:
+        """append_token for each of a multi-step decode's tokens (no top logprobs), in order, up to
+        the one the sequence stops at; returns how many were appended. Without stop strings or a
+        grammar (the text decides nothing) the stop is found from the ids first, and the tokens
+        before it are appended and detokenized in one pass."""
+        if sp.guided or (sp.stop and self.detokenizer is not None):
+            for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
+                self.append_token(sp, seq, token, logprob, None)
+                if seq.status in _FINISH_REASONS:
+                    return i + 1
+            return len(tokens)
+        # _check_stop's rules without a grammar or stop strings, token by token on the ids alone.
+        output_len, prompt_len = len(seq.output_token_ids), len(seq.prompt_token_ids)
+        eos = None if sp.ignore_eos else self.eos_token_id
+        stop_ids, min_tokens, max_tokens, max_model_len = sp.stop_token_ids, sp.min_tokens, sp.max_tokens, self.max_model_len
+        num, status, stop_reason = len(tokens), None, None
+        for i, token in enumerate(tokens):
+            output_len += 1
+            if output_len >= min_tokens and ((eos is not None and token == eos) or token in stop_ids):
+                num, status, stop_reason = i + 1, SequenceStatus.FINISHED_STOPPED, token
+                break
+            if output_len >= max_tokens or prompt_len + output_len >= max_model_len:
+                num, status = i + 1, SequenceStatus.FINISHED_LENGTH_CAPPED
+                break
+        # What append_token does for each of the `num` tokens.
+        seq.num_pending_tokens = max(seq.num_pending_tokens - num, 0)
+        cumulative = seq.cumulative_logprob
+        for logprob in logprobs[:num]:  # (in order: the same float sum as one by one)
+            cumulative += logprob
+        seq.cumulative_logprob = cumulative
+        output_ids = seq.output_token_ids
+        detokenizer = self.detokenizer
+        if stop_reason is None:
+            output_ids.extend(tokens[:num])
+            if detokenizer is not None:
+                detokenizer.decode_sequence_incrementally(seq)
+        else:  # the stop token's own text is not output: detokenized alone, then dropped
+            output_ids.extend(tokens[:num - 1])
+            if detokenizer is not None and num > 1:
+                detokenizer.decode_sequence_incrementally(seq)
+            output_ids.append(stop_reason)
+            if detokenizer is not None:
+                detokenizer.decode_sequence_incrementally(seq)
+            self._drop_text_of_last_token(seq)
+        if status is not None:
+            seq.status = status
+        if stop_reason is not None:
+            seq.stop_reason = stop_reason
+        return num
 
     def fork(self, sp: SamplingParams, parent: Sequence, child: Sequence):
         """`child` was forked from `parent` before the parent takes its own token: its grammar too."""
