@@ -184,9 +184,15 @@ class Detokenizer:
             seq.read_offset, seq.output_text = 0, ""
         pending = seq.output_token_ids[seq.read_offset:]
         seq.read_offset += len(pending)
-        pieces = []
-        for token_id in pending:
-            piece = self._stream_step(seq, token_id, skip_special_tokens)
+        pieces, stream, backend, vocab_size = [], seq.decode_stream, self._backend, self._vocab_size
+        for token_id in pending:  # (_stream_step inlined: a multi-step decode's K tokens)
+            if not 0 <= token_id < vocab_size:
+                continue
+            try:
+                piece = stream.step(backend, token_id)
+            except Exception:  # (the stream is dropped: _stream_step starts another)
+                piece = self._stream_step(seq, token_id, skip_special_tokens)
+                stream = seq.decode_stream
             if piece:
                 pieces.append(piece)
         return "".join(pieces)

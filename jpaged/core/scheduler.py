@@ -87,6 +87,14 @@ class _Budget:
     num_seqs: int
 
 
+def _as_list(values) -> list:
+    """Sampled ids or logprobs as Python numbers (the runner's are lists already; a model-free
+    step's are numpy arrays)."""
+    if isinstance(values, list):
+        return values
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, preemption_mode: str | None = None, stop_checker: StopChecker | None = None,
@@ -155,7 +163,7 @@ class Scheduler:
         pending = not scheduled.seq_group.sampling_params.use_beam_search
         for seq, samples in zip(scheduled.seqs, scheduled.samples):
             seq.num_computed_tokens += chunk
-            if seq.num_computed_tokens > seq.get_len():
+            if seq.num_computed_tokens > len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_pending_tokens:
                 raise ValueError(f"{seq} computed more tokens than it has")
             if samples == 1 and pending:
                 seq.num_pending_tokens += 1
@@ -167,6 +175,7 @@ class Scheduler:
         step ran drop its tokens. Returns the groups whose update raised, {id(group): (group,
         error)}: the caller aborts them; the others are updated."""
         failed = {}
+        columns = {}  # id(outs) of a multi-step decode -> per row, its K tokens and their logprobs
         for scheduled, outs, row in results:
             group = scheduled.seq_group
             if group.is_finished():
@@ -175,7 +184,11 @@ class Scheduler:
                 if len(outs) == 1:
                     self._process(scheduled, outs[0], row)
                 else:
-                    self._process_multi_step(scheduled, outs, row)
+                    rows = columns.get(id(outs))
+                    if rows is None:  # (transposed once for all the step's groups)
+                        rows = columns[id(outs)] = (list(zip(*(_as_list(o.token_ids) for o in outs))),
+                                                    list(zip(*(_as_list(o.logprobs) for o in outs))))
+                    self._process_multi_step(scheduled, outs, row, rows)
             except Exception as e:
                 failed[id(group)] = (group, e)
         self.free_finished_seq_groups()
@@ -206,17 +219,21 @@ class Scheduler:
                 self._accept(group, seq, scheduled.spec_token_ids, out, row)
                 row += samples
                 continue
-            if samples == 1:
-                self._append(group, seq, out, row)
+            if samples == 1:  # (_append inlined: once per sampled token)
+                self.stop_checker.append_token(sp, seq, int(out.token_ids[row]), float(out.logprobs[row]),
+                                               None if sp.logprobs is None else top_logprobs(sp, out, row))
+                if seq.status in _FINISH_REASONS:
+                    self.free_seq(seq)
                 row += 1
                 continue
             for s in [seq] + [self._fork(group, seq) for _ in range(samples - 1)]:
                 self._append(group, s, out, row)
                 row += 1
 
-    def _process_multi_step(self, scheduled: ScheduledSequenceGroup, outs: list, row: int):
+    def _process_multi_step(self, scheduled: ScheduledSequenceGroup, outs: list, row: int, rows=None):
         """A multi-step decode's K tokens per sequence (one sampling row each, no forks or
-        beams): appended in order up to the sequence's stop; the rest are dropped."""
+        beams): appended in order up to the sequence's stop; the rest are dropped. `rows`: the
+        outputs' (token ids, logprobs) per row, K each (update_from_output's transposition)."""
         group = scheduled.seq_group
         sp = group.sampling_params
         if sp.logprobs is not None:  # (never from the engine: the fast sampler has no top logprobs)
@@ -233,8 +250,11 @@ class Scheduler:
             if not samples:
                 continue
             # K tokens in one call: up to the stop, as one by one (StopChecker.append_tokens).
-            num = self.stop_checker.append_tokens(sp, seq, [int(out.token_ids[row]) for out in outs],
-                                                  [float(out.logprobs[row]) for out in outs])
+            if rows is not None:
+                num = self.stop_checker.append_tokens(sp, seq, rows[0][row], rows[1][row])
+            else:
+                num = self.stop_checker.append_tokens(sp, seq, [int(out.token_ids[row]) for out in outs],
+                                                      [float(out.logprobs[row]) for out in outs])
             seq.num_computed_tokens += num - 1  # each token appended but the last was computed by this step
             if seq.status in _FINISH_REASONS:
                 self.free_seq(seq)
@@ -325,7 +345,8 @@ class Scheduler:
             # (can_append_slots / _append_slots with the running sequences listed once: every
             # decoding group, every step)
             running = seq_group.get_seqs(SequenceStatus.RUNNING)
-            while bm.num_blocks_to_append(running, num_lookahead_slots + len(drafts)) > pool.get_num_free_blocks():
+            while (needed := bm.num_blocks_to_append(running, num_lookahead_slots + len(drafts))) \
+                    > pool.get_num_free_blocks():
                 if drafts:  # blocks are short: decode without drafts before preempting anyone
                     drafts = []
                     continue
@@ -334,10 +355,9 @@ class Scheduler:
                 if victim is seq_group:
                     break
             else:
-                for seq in running:
-                    copies = bm.append_slots(seq, num_lookahead_slots + len(drafts))
-                    if copies:
-                        out.blocks_to_copy.extend(copies)
+                if needed:  # (none: no new block and no copy-on-write, append_slots would do nothing)
+                    for seq in running:
+                        out.blocks_to_copy.extend(bm.append_slots(seq, num_lookahead_slots + len(drafts)))
                 self.running.append(seq_group)
                 self._add(out, budget, seq_group, 1 + len(drafts), drafts, running)
                 spare -= len(drafts)

@@ -46,19 +46,25 @@ class StopChecker:
                 if seq.status in _FINISH_REASONS:
                     return i + 1
             return len(tokens)
-        # _check_stop's rules without a grammar or stop strings, token by token on the ids alone.
-        output_len, prompt_len = len(seq.output_token_ids), len(seq.prompt_token_ids)
+        # _check_stop's rules without a grammar or stop strings, on the ids alone: the length cap
+        # falls on token `limit` - 1; a stop token counts from the one that makes min_tokens.
+        output_len = len(seq.output_token_ids)
+        limit = min(sp.max_tokens, self.max_model_len - len(seq.prompt_token_ids)) - output_len
+        end = min(len(tokens), max(limit, 1))  # tokens that may be appended
+        num, status, stop_reason = end, None, None
         eos = None if sp.ignore_eos else self.eos_token_id
-        stop_ids, min_tokens, max_tokens, max_model_len = sp.stop_token_ids, sp.min_tokens, sp.max_tokens, self.max_model_len
-        num, status, stop_reason = len(tokens), None, None
-        for i, token in enumerate(tokens):
-            output_len += 1
-            if output_len >= min_tokens and ((eos is not None and token == eos) or token in stop_ids):
-                num, status, stop_reason = i + 1, SequenceStatus.FINISHED_STOPPED, token
-                break
-            if output_len >= max_tokens or prompt_len + output_len >= max_model_len:
-                num, status = i + 1, SequenceStatus.FINISHED_LENGTH_CAPPED
-                break
+        stop_ids = sp.stop_token_ids
+        if eos is not None or stop_ids:
+            first = max(sp.min_tokens - output_len - 1, 0)
+            window = tokens[first:end]
+            if (eos is not None and eos in window) or (stop_ids and not set(stop_ids).isdisjoint(window)):
+                for i in range(first, end):  # (rare: only when one is there)
+                    token = tokens[i]
+                    if token == eos or token in stop_ids:
+                        num, status, stop_reason = i + 1, SequenceStatus.FINISHED_STOPPED, token
+                        break
+        if status is None and limit <= len(tokens):
+            status = SequenceStatus.FINISHED_LENGTH_CAPPED
         # What append_token does for each of the `num` tokens.
         seq.num_pending_tokens = max(seq.num_pending_tokens - num, 0)
         cumulative = seq.cumulative_logprob
