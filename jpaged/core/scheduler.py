@@ -41,7 +41,7 @@ from jpaged.core.stop_checker import StopChecker
 from jpaged.spec_decode.speculator import Speculator
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # (one per group every step)
 class ScheduledSequenceGroup:
     """A group's share of a step: its running sequences compute positions [start, start + chunk);
     then `prompt_rows` logits rows for prompt logprobs come first, and each sequence in `sampled`
@@ -486,7 +486,7 @@ class Scheduler:
             return ScheduledSequenceGroup(seq_group, chunk, start, 0, running, [chunk], spec_token_ids=drafts)
         end = start + chunk
         prompt_rows = seq_group.prompt_logprob_rows(start, end) if seq_group.prompt_logprobs is not None else 0
-        if end != first.get_len():  # a prefill chunk short of the end: nothing sampled (lockstep)
+        if end != len(first.prompt_token_ids) + len(first.output_token_ids) + first.num_pending_tokens:  # get_len()  # a prefill chunk short of the end: nothing sampled (lockstep)
             return ScheduledSequenceGroup(seq_group, chunk, start, prompt_rows, running, [0] * len(running))
         sp = seq_group.sampling_params
         fresh = len(seq_group.seqs) == 1 and not first.output_token_ids

@@ -221,8 +221,11 @@ class SequenceGroup:
         """Sequences this group will run at once: best_of from the start, since the engine forks
         the single prompt sequence into best_of sequences as soon as the prompt is computed (and
         beam search may keep up to best_of beams alive until it stops)."""
-        if self.sampling_params.use_beam_search or (len(self.seqs) == 1 and not self.seqs[0].output_token_ids):
-            return self.sampling_params.best_of
+        seqs, sp = self.seqs, self.sampling_params
+        if sp.use_beam_search:
+            return sp.best_of
+        if len(seqs) == 1:  # (num_unfinished_seqs inlined: every running group, every step)
+            return sp.best_of if not seqs[0].output_token_ids else 0 if seqs[0].status in _FINISH_REASONS else 1
         return self.num_unfinished_seqs()
 
     def __repr__(self):
