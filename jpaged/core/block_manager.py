@@ -280,7 +280,8 @@ class BlockManager:
         # Shared block to write -> how many of these sequences write into it (a dict, not a
         # Counter: one is made per running group every step).
         sharers: dict[int, int] = {}
-        blocks, size = pool.blocks, self.block_size  # (_write_span and ref_cnt inlined: every running group, every step)
+        # (_write_span and ref_cnt inlined: every running group, every step)
+        blocks, size = pool.blocks, self.block_size
         for seq in seqs:
             table = tables[seq.seq_id]
             seq_len = len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_pending_tokens

@@ -136,10 +136,13 @@ class Detokenizer:
                 # sampled token.
                 seq.read_offset += 1
                 token_id = output_ids[-1]
-                try:
-                    delta = (stream.step(self._backend, token_id) if 0 <= token_id < self._vocab_size else None) or ""
-                except Exception:  # (the stream is dropped: _stream_step starts another)
-                    delta = self._stream_step(seq, token_id, skip_special_tokens) or ""
+                if not 0 <= token_id < self._vocab_size:
+                    delta = ""  # an id the tokenizer does not know (a padded vocabulary): no text
+                else:
+                    try:
+                        delta = stream.step(self._backend, token_id) or ""
+                    except Exception:
+                        delta = self._restart_stream(seq, token_id, skip_special_tokens) or ""
             else:
                 delta = self._stream(seq, skip_special_tokens)
         else:
@@ -185,27 +188,23 @@ class Detokenizer:
         pending = seq.output_token_ids[seq.read_offset:]
         seq.read_offset += len(pending)
         pieces, stream, backend, vocab_size = [], seq.decode_stream, self._backend, self._vocab_size
-        for token_id in pending:  # (_stream_step inlined: a multi-step decode's K tokens)
+        for token_id in pending:
             if not 0 <= token_id < vocab_size:
-                continue
+                continue  # an id the tokenizer does not know (a padded vocabulary): no text
             try:
                 piece = stream.step(backend, token_id)
-            except Exception:  # (the stream is dropped: _stream_step starts another)
-                piece = self._stream_step(seq, token_id, skip_special_tokens)
+            except Exception:
+                piece = self._restart_stream(seq, token_id, skip_special_tokens)
                 stream = seq.decode_stream
             if piece:
                 pieces.append(piece)
         return "".join(pieces)
 
-    def _stream_step(self, seq: Any, token_id: int, skip_special_tokens: bool) -> str | None:
-        """One output token through the sequence's DecodeStream: its new text (None or "": none yet)."""
-        if not 0 <= token_id < self._vocab_size:
-            return None  # an id the tokenizer does not know (a padded vocabulary): no text
-        try:
-            return seq.decode_stream.step(self._backend, token_id)
-        except Exception:  # a prefix the library cannot extend: go on without the context
-            seq.decode_stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-            return seq.decode_stream.step(self._backend, token_id)
+    def _restart_stream(self, seq: Any, token_id: int, skip_special_tokens: bool) -> str | None:
+        """The sequence's DecodeStream could not take `token_id` (a prefix the library cannot
+        extend): go on without the context, from that token."""
+        seq.decode_stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        return seq.decode_stream.step(self._backend, token_id)
 
     def _init_from_prompt(self, seq: Any, skip_special_tokens: bool):
         tail = seq.prompt_token_ids[-PROMPT_TAIL_TOKENS:]

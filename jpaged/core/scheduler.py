@@ -486,7 +486,8 @@ class Scheduler:
             return ScheduledSequenceGroup(seq_group, chunk, start, 0, running, [chunk], spec_token_ids=drafts)
         end = start + chunk
         prompt_rows = seq_group.prompt_logprob_rows(start, end) if seq_group.prompt_logprobs is not None else 0
-        if end != len(first.prompt_token_ids) + len(first.output_token_ids) + first.num_pending_tokens:  # get_len()  # a prefill chunk short of the end: nothing sampled (lockstep)
+        # A prefill chunk short of the end: nothing sampled (lockstep). (first.get_len(), inlined)
+        if end != len(first.prompt_token_ids) + len(first.output_token_ids) + first.num_pending_tokens:
             return ScheduledSequenceGroup(seq_group, chunk, start, prompt_rows, running, [0] * len(running))
         sp = seq_group.sampling_params
         fresh = len(seq_group.seqs) == 1 and not first.output_token_ids
