@@ -280,12 +280,18 @@ class BlockManager:
         # Shared block to write -> how many of these sequences write into it (a dict, not a
         # Counter: one is made per running group every step).
         sharers: dict[int, int] = {}
+        # (_write_span and ref_cnt inlined: every running group, every step)
+        blocks, size = pool.blocks, self.block_size
         for seq in seqs:
             table = tables[seq.seq_id]
-            first, end = self._write_span(seq, num_lookahead_slots)
-            num_required += max(end - len(table), 0)  # < 0: slots reserved ahead
-            for i in range(first, min(len(table), end)):
-                if pool.ref_cnt(table[i]) > 1:
+            seq_len = len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_pending_tokens
+            first, end = (seq_len - 1) // size, -(-(seq_len + num_lookahead_slots) // size)
+            num_held = len(table)
+            if end > num_held:
+                num_required += end - num_held
+                end = num_held  # (< 0: slots reserved ahead)
+            for i in range(first, end):  # the written blocks: never out of the window, so held
+                if blocks[table[i]].ref_cnt > 1:
                     sharers[table[i]] = sharers.get(table[i], 0) + 1
         if not sharers:
             return num_required
@@ -309,9 +315,10 @@ class BlockManager:
         table = self.gpu_tables[seq.seq_id]
         first, end = self._write_span(seq, num_lookahead_slots)
         copies = []
+        blocks = self.gpu_pool.blocks
         for i in range(first, min(len(table), end)):
             shared = table[i]
-            if self.gpu_pool.ref_cnt(shared) > 1:
+            if blocks[shared].ref_cnt > 1:  # (ref_cnt inlined: a written block is held, so handed out)
                 if not self.get_num_free_gpu_blocks():
                     raise NoFreeBlocksError(f"{seq} needs a block to copy block {shared} into; none is free")
                 table[i] = self.gpu_pool.allocate()

@@ -130,7 +130,21 @@ class Detokenizer:
         Updates seq.tokens / prefix_offset / read_offset. Returns "" while a character is
         unfinished; the held text comes out with the token that completes it."""
         if self._is_fast:
-            delta = self._stream(seq, skip_special_tokens)
+            stream, output_ids = seq.decode_stream, seq.output_token_ids
+            if stream is not None and seq.read_offset == len(output_ids) - 1:
+                # One new token, the common case (_stream's loop without its lists): once per
+                # sampled token.
+                seq.read_offset += 1
+                token_id = output_ids[-1]
+                if not 0 <= token_id < self._vocab_size:
+                    delta = ""  # an id the tokenizer does not know (a padded vocabulary): no text
+                else:
+                    try:
+                        delta = stream.step(self._backend, token_id) or ""
+                    except Exception:
+                        delta = self._restart_stream(seq, token_id, skip_special_tokens) or ""
+            else:
+                delta = self._stream(seq, skip_special_tokens)
         else:
             if seq.tokens is None:
                 self._init_from_prompt(seq, skip_special_tokens)
@@ -139,7 +153,7 @@ class Detokenizer:
             delta = "".join([self._step(seq, t, skip_special_tokens) for t in seq.output_token_ids[done - prompt_len:]])
         if delta:
             seq.output_text += delta
-        setattr(seq, _NEW_CHARS_ATTR, len(delta))
+        seq._detok_new_char_count = len(delta)  # (_NEW_CHARS_ATTR)
         return delta
 
     def check_stop_strings(self, seq: Any, stop: Iterable[str], new_char_count: int | None = None) -> str | None:
@@ -173,18 +187,24 @@ class Detokenizer:
             seq.read_offset, seq.output_text = 0, ""
         pending = seq.output_token_ids[seq.read_offset:]
         seq.read_offset += len(pending)
-        pieces = []
+        pieces, stream, backend, vocab_size = [], seq.decode_stream, self._backend, self._vocab_size
         for token_id in pending:
-            if not 0 <= token_id < self._vocab_size:
+            if not 0 <= token_id < vocab_size:
                 continue  # an id the tokenizer does not know (a padded vocabulary): no text
             try:
-                piece = seq.decode_stream.step(self._backend, token_id)
-            except Exception:  # a prefix the library cannot extend: go on without the context
-                seq.decode_stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-                piece = seq.decode_stream.step(self._backend, token_id)
+                piece = stream.step(backend, token_id)
+            except Exception:
+                piece = self._restart_stream(seq, token_id, skip_special_tokens)
+                stream = seq.decode_stream
             if piece:
                 pieces.append(piece)
         return "".join(pieces)
+
+    def _restart_stream(self, seq: Any, token_id: int, skip_special_tokens: bool) -> str | None:
+        """The sequence's DecodeStream could not take `token_id` (a prefix the library cannot
+        extend): go on without the context, from that token."""
+        seq.decode_stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        return seq.decode_stream.step(self._backend, token_id)
 
     def _init_from_prompt(self, seq: Any, skip_special_tokens: bool):
         tail = seq.prompt_token_ids[-PROMPT_TAIL_TOKENS:]

@@ -5,7 +5,7 @@ Reads the sequences the scheduler's update_from_output updated; it writes only w
 """
 
 from jpaged.core.detokenizer import streamable_text
-from jpaged.core.sequence import Sequence, SequenceGroup
+from jpaged.core.sequence import _FINISH_REASONS, Sequence, SequenceGroup
 from jpaged.core.stop_checker import StopChecker
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.sampling_params import RequestOutputKind
@@ -18,21 +18,24 @@ class OutputProcessor:
     def request_output(self, group: SequenceGroup) -> RequestOutput | None:
         """The group's output after a step, as its output_kind asks (None: nothing to send)."""
         sp = group.sampling_params
-        seqs = group.get_seqs()
+        seqs = group.seqs  # (read only: not copied)
         finished = group.is_finished()
-        if sp.output_kind is RequestOutputKind.FINAL_ONLY and not finished:
+        kind = sp.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        if sp.output_kind is RequestOutputKind.DELTA:
+        if kind is RequestOutputKind.DELTA:
             return self._delta_output(group, seqs, finished)
         if sp.use_beam_search:  # the n best beams (all finished ones once the search is over)
             seqs = sorted(seqs, key=lambda s: self.stop_checker.beam_score(sp, s), reverse=True)[:sp.n]
         elif finished and len(seqs) > sp.n:  # best_of: keep the n most likely
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:sp.n]
-        completions = [CompletionOutput(
-            index=i, text=s.output_text, token_ids=list(s.output_token_ids), cumulative_logprob=s.cumulative_logprob,
-            logprobs=list(s.output_logprobs) if sp.logprobs is not None else None,
-            finish_reason=s.status.finish_reason, stop_reason=s.stop_reason)
-            for i, s in enumerate(seqs)]
+        logprobs = sp.logprobs is not None
+        # (positional CompletionOutput fields, the status's finish_reason looked up directly: every
+        # request, every step)
+        completions = [CompletionOutput(i, s.output_text, list(s.output_token_ids), s.cumulative_logprob,
+                                        list(s.output_logprobs) if logprobs else None,
+                                        _FINISH_REASONS.get(s.status), s.stop_reason)
+                       for i, s in enumerate(seqs)]
         prompt_logprobs = list(group.prompt_logprobs) if group.prompt_logprobs is not None else None
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished,
                              prompt_logprobs, group.num_cached_tokens)
@@ -42,14 +45,16 @@ class OutputProcessor:
         """What is new since the group's last output: tokens, their logprobs, and the text that can
         no longer turn into a stop string (all of it once the sequence is finished)."""
         sp = group.sampling_params
+        stop, logprobs = sp.stop, sp.logprobs is not None
         completions = []
         for i, s in enumerate(seqs):
-            text = s.output_text if s.is_finished() else streamable_text(s, sp.stop)
+            finish_reason = _FINISH_REASONS.get(s.status)
+            # streamable_text: all of it once finished or without stop strings
+            text = s.output_text if finish_reason is not None or not stop else streamable_text(s, stop)
+            sent = s.num_sent_tokens
             completions.append(CompletionOutput(
-                index=i, text=text[s.num_sent_chars:], token_ids=s.output_token_ids[s.num_sent_tokens:],
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=s.output_logprobs[s.num_sent_tokens:] if sp.logprobs is not None else None,
-                finish_reason=s.status.finish_reason, stop_reason=s.stop_reason))
+                i, text[s.num_sent_chars:], s.output_token_ids[sent:], s.cumulative_logprob,
+                s.output_logprobs[sent:] if logprobs else None, finish_reason, s.stop_reason))
             s.num_sent_tokens, s.num_sent_chars = len(s.output_token_ids), len(text)
         prompt_logprobs = None
         if group.prompt_logprobs is not None:

@@ -32,17 +32,16 @@ recompute instead of failing the step.
 
 import collections
 import dataclasses
-import functools
 import itertools
 
 from jpaged.core.beam_search import beam_search_step, top_logprobs
 from jpaged.core.block_manager import AllocStatus, BlockManager
-from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from jpaged.core.sequence import _FINISH_REASONS, Sequence, SequenceGroup, SequenceStatus
 from jpaged.core.stop_checker import StopChecker
 from jpaged.spec_decode.speculator import Speculator
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # (one per group every step)
 class ScheduledSequenceGroup:
     """A group's share of a step: its running sequences compute positions [start, start + chunk);
     then `prompt_rows` logits rows for prompt logprobs come first, and each sequence in `sampled`
@@ -58,7 +57,7 @@ class ScheduledSequenceGroup:
     # (token_chunk_size = 1 + drafts), each position sampling a row (samples = 1 + drafts).
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
 
-    @functools.cached_property
+    @property
     def sampled(self) -> list[tuple[Sequence, int]]:
         """(sequence, rows) of the sequences that sample."""
         return [(seq, n) for seq, n in zip(self.seqs, self.samples) if n]
@@ -86,6 +85,14 @@ class _Budget:
 
     num_tokens: int
     num_seqs: int
+
+
+def _as_list(values) -> list:
+    """Sampled ids or logprobs as Python numbers (the runner's are lists already; a model-free
+    step's are numpy arrays)."""
+    if isinstance(values, list):
+        return values
+    return values.tolist() if hasattr(values, "tolist") else list(values)
 
 
 class Scheduler:
@@ -156,7 +163,7 @@ class Scheduler:
         pending = not scheduled.seq_group.sampling_params.use_beam_search
         for seq, samples in zip(scheduled.seqs, scheduled.samples):
             seq.num_computed_tokens += chunk
-            if seq.num_computed_tokens > seq.get_len():
+            if seq.num_computed_tokens > len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_pending_tokens:
                 raise ValueError(f"{seq} computed more tokens than it has")
             if samples == 1 and pending:
                 seq.num_pending_tokens += 1
@@ -168,6 +175,7 @@ class Scheduler:
         step ran drop its tokens. Returns the groups whose update raised, {id(group): (group,
         error)}: the caller aborts them; the others are updated."""
         failed = {}
+        columns = {}  # id(outs) of a multi-step decode -> per row, its K tokens and their logprobs
         for scheduled, outs, row in results:
             group = scheduled.seq_group
             if group.is_finished():
@@ -176,7 +184,11 @@ class Scheduler:
                 if len(outs) == 1:
                     self._process(scheduled, outs[0], row)
                 else:
-                    self._process_multi_step(scheduled, outs, row)
+                    rows = columns.get(id(outs))
+                    if rows is None:  # (transposed once for all the step's groups)
+                        rows = columns[id(outs)] = (list(zip(*(_as_list(o.token_ids) for o in outs))),
+                                                    list(zip(*(_as_list(o.logprobs) for o in outs))))
+                    self._process_multi_step(scheduled, outs, row, rows)
             except Exception as e:
                 failed[id(group)] = (group, e)
         self.free_finished_seq_groups()
@@ -193,31 +205,59 @@ class Scheduler:
             group.prompt_logprobs.append({**top, target: float(out.target_logprobs[r])})
         row += scheduled.prompt_rows
         if sp.use_beam_search:
-            if scheduled.sampled:
-                beam_search_step(self, group, [(seq, row + i) for i, (seq, _) in enumerate(scheduled.sampled)], out)
+            sampled = scheduled.sampled
+            if sampled:
+                beam_search_step(self, group, [(seq, row + i) for i, (seq, _) in enumerate(sampled)], out)
             return
-        for seq, samples in scheduled.sampled:
-            if seq.is_finished():  # stopped by its previous token, read after this step was dispatched
+        for seq, samples in zip(scheduled.seqs, scheduled.samples):
+            if not samples:
+                continue
+            if seq.status in _FINISH_REASONS:  # stopped by its previous token, read after this step was dispatched
                 row += samples
                 continue
             if scheduled.spec_token_ids:
                 self._accept(group, seq, scheduled.spec_token_ids, out, row)
                 row += samples
                 continue
+            if samples == 1:  # (_append inlined: once per sampled token)
+                self.stop_checker.append_token(sp, seq, int(out.token_ids[row]), float(out.logprobs[row]),
+                                               None if sp.logprobs is None else top_logprobs(sp, out, row))
+                if seq.status in _FINISH_REASONS:
+                    self.free_seq(seq)
+                row += 1
+                continue
             for s in [seq] + [self._fork(group, seq) for _ in range(samples - 1)]:
                 self._append(group, s, out, row)
                 row += 1
 
-    def _process_multi_step(self, scheduled: ScheduledSequenceGroup, outs: list, row: int):
+    def _process_multi_step(self, scheduled: ScheduledSequenceGroup, outs: list, row: int, rows=None):
         """A multi-step decode's K tokens per sequence (one sampling row each, no forks or
-        beams): appended in order up to the sequence's stop; the rest are dropped."""
-        for seq, _ in scheduled.sampled:
-            for i, out in enumerate(outs):
-                if i:  # the token appended last was computed by this step
-                    seq.num_computed_tokens += 1
-                self._append(scheduled.seq_group, seq, out, row)
-                if seq.is_finished():
-                    break
+        beams): appended in order up to the sequence's stop; the rest are dropped. `rows`: the
+        outputs' (token ids, logprobs) per row, K each (update_from_output's transposition)."""
+        group = scheduled.seq_group
+        sp = group.sampling_params
+        if sp.logprobs is not None:  # (never from the engine: the fast sampler has no top logprobs)
+            for seq, _ in scheduled.sampled:
+                for i, out in enumerate(outs):
+                    if i:  # the token appended last was computed by this step
+                        seq.num_computed_tokens += 1
+                    self._append(group, seq, out, row)
+                    if seq.is_finished():
+                        break
+                row += 1
+            return
+        for seq, samples in zip(scheduled.seqs, scheduled.samples):
+            if not samples:
+                continue
+            # K tokens in one call: up to the stop, as one by one (StopChecker.append_tokens).
+            if rows is not None:
+                num = self.stop_checker.append_tokens(sp, seq, rows[0][row], rows[1][row])
+            else:
+                num = self.stop_checker.append_tokens(sp, seq, [int(out.token_ids[row]) for out in outs],
+                                                      [float(out.logprobs[row]) for out in outs])
+            seq.num_computed_tokens += num - 1  # each token appended but the last was computed by this step
+            if seq.status in _FINISH_REASONS:
+                self.free_seq(seq)
             row += 1
 
     def _accept(self, group: SequenceGroup, seq: Sequence, drafts: list[int], out, row: int):
@@ -246,7 +286,6 @@ class Scheduler:
         scheduled.spec_token_ids = drafts
         scheduled.token_chunk_size = 1 + len(drafts)
         scheduled.samples = [1 + len(drafts)]
-        scheduled.__dict__.pop("sampled", None)  # the cached property, derived from samples
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         child = parent.fork(self.new_seq_id())
@@ -258,8 +297,8 @@ class Scheduler:
     def _append(self, group: SequenceGroup, seq: Sequence, out, row: int):
         sp = group.sampling_params
         self.stop_checker.append_token(sp, seq, int(out.token_ids[row]), float(out.logprobs[row]),
-                                       top_logprobs(sp, out, row))
-        if seq.is_finished():
+                                       None if sp.logprobs is None else top_logprobs(sp, out, row))
+        if seq.status in _FINISH_REASONS:
             self.free_seq(seq)
 
     # ------------------------------------------------------------------ the plan
@@ -295,6 +334,7 @@ class Scheduler:
         queue, self.running = self.running, collections.deque()
         prefilling, swapped_out = [], []
         spare = self._spare_draft_tokens(queue, budget)
+        bm, pool = self.block_manager, self.block_manager.gpu_pool
         while queue:
             seq_group = queue.popleft()
             if seq_group.is_prefill():
@@ -302,7 +342,11 @@ class Scheduler:
                 self.running.append(seq_group)
                 continue
             drafts = self.speculator.propose(seq_group, spare) if spare else []
-            while not self.block_manager.can_append_slots(seq_group, num_lookahead_slots + len(drafts)):
+            # (can_append_slots / _append_slots with the running sequences listed once: every
+            # decoding group, every step)
+            running = seq_group.get_seqs(SequenceStatus.RUNNING)
+            while (needed := bm.num_blocks_to_append(running, num_lookahead_slots + len(drafts))) \
+                    > pool.get_num_free_blocks():
                 if drafts:  # blocks are short: decode without drafts before preempting anyone
                     drafts = []
                     continue
@@ -311,9 +355,11 @@ class Scheduler:
                 if victim is seq_group:
                     break
             else:
-                self._append_slots(seq_group, out, num_lookahead_slots + len(drafts))
+                if needed:  # (none: no new block and no copy-on-write, append_slots would do nothing)
+                    for seq in running:
+                        out.blocks_to_copy.extend(bm.append_slots(seq, num_lookahead_slots + len(drafts)))
                 self.running.append(seq_group)
-                self._add(out, budget, seq_group, 1 + len(drafts), drafts)
+                self._add(out, budget, seq_group, 1 + len(drafts), drafts, running)
                 spare -= len(drafts)
         # Victims were taken latest first; keep the swapped queue in arrival order.
         self.swapped.extend(reversed(swapped_out))
@@ -409,14 +455,18 @@ class Scheduler:
         return seq_group.prompt_logprob_rows(start, start + chunk)
 
     def _add(self, out: SchedulerOutputs, budget: _Budget, seq_group: SequenceGroup, chunk: int,
-             drafts: list[int] | None = None):
-        running = seq_group.get_seqs(SequenceStatus.RUNNING)
-        for seq in running:
-            # The blocks this step fills are cached from now on. A group admitted later in this
-            # step may read them at once: every layer writes the step's new K/V before attending.
-            # (Drafts are not the sequence's tokens: no hash covers them.)
-            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + chunk - len(drafts or ()))
-            self.block_manager.free_out_of_window(seq)
+             drafts: list[int] | None = None, running: list[Sequence] | None = None):
+        """`running`: the group's running sequences, when the caller has listed them."""
+        if running is None:
+            running = seq_group.get_seqs(SequenceStatus.RUNNING)
+        bm = self.block_manager
+        if bm.enable_caching or bm.sliding_window is not None:  # (both no-ops otherwise)
+            for seq in running:
+                # The blocks this step fills are cached from now on. A group admitted later in this
+                # step may read them at once: every layer writes the step's new K/V before attending.
+                # (Drafts are not the sequence's tokens: no hash covers them.)
+                bm.cache_full_blocks(seq, seq.num_computed_tokens + chunk - len(drafts or ()))
+                bm.free_out_of_window(seq)
         num_tokens = chunk * len(running)
         scheduled = self._scheduled(seq_group, running, chunk, drafts)
         out.scheduled_seq_groups.append(scheduled)
@@ -436,7 +486,8 @@ class Scheduler:
             return ScheduledSequenceGroup(seq_group, chunk, start, 0, running, [chunk], spec_token_ids=drafts)
         end = start + chunk
         prompt_rows = seq_group.prompt_logprob_rows(start, end) if seq_group.prompt_logprobs is not None else 0
-        if end != first.get_len():  # a prefill chunk short of the end: nothing sampled (lockstep)
+        # A prefill chunk short of the end: nothing sampled (lockstep). (first.get_len(), inlined)
+        if end != len(first.prompt_token_ids) + len(first.output_token_ids) + first.num_pending_tokens:
             return ScheduledSequenceGroup(seq_group, chunk, start, prompt_rows, running, [0] * len(running))
         sp = seq_group.sampling_params
         fresh = len(seq_group.seqs) == 1 and not first.output_token_ids

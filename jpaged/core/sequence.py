@@ -104,7 +104,7 @@ class Sequence:
         return self.get_num_uncomputed_tokens() > 1
 
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISH_REASONS  # (not the status's property: one dict lookup, no call)
 
     def append_token_id(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None = None):
         """Append a sampled token: the oldest pending one, if any, now read."""
@@ -185,33 +185,49 @@ class SequenceGroup:
         return [seq for seq in self.seqs if seq.status is status]
 
     def get_unfinished_seqs(self) -> list[Sequence]:
-        return [seq for seq in self.seqs if not seq.is_finished()]
+        return [seq for seq in self.seqs if seq.status not in _FINISH_REASONS]
 
     def num_seqs(self, status: SequenceStatus | None = None) -> int:
         return len(self.get_seqs(status))
 
     def num_unfinished_seqs(self) -> int:
+        seqs = self.seqs
+        if len(seqs) == 1:  # (most groups: no list built)
+            return 0 if seqs[0].status in _FINISH_REASONS else 1
         return len(self.get_unfinished_seqs())
 
     def is_finished(self) -> bool:
         for seq in self.seqs:  # (a loop: called for every group several times a step)
-            if not seq.status.is_finished:
+            if seq.status not in _FINISH_REASONS:
                 return False
         return True
 
+    def _first_unfinished(self) -> Sequence:
+        """The first unfinished sequence (IndexError if none), without building a list."""
+        for seq in self.seqs:
+            if seq.status not in _FINISH_REASONS:
+                return seq
+        raise IndexError("the group has no unfinished sequence")
+
     def get_num_uncomputed_tokens(self) -> int:
         """Per sequence (the unfinished ones are in lockstep)."""
-        return self.get_unfinished_seqs()[0].get_num_uncomputed_tokens()
+        return self._first_unfinished().get_num_uncomputed_tokens()
 
     def is_prefill(self) -> bool:
-        return self.get_unfinished_seqs()[0].is_prefill()
+        seq = self._first_unfinished()
+        # Sequence.is_prefill, inlined: every running group asks every step.
+        return (len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_pending_tokens
+                - seq.num_computed_tokens) > 1
 
     def get_max_num_running_seqs(self) -> int:
         """Sequences this group will run at once: best_of from the start, since the engine forks
         the single prompt sequence into best_of sequences as soon as the prompt is computed (and
         beam search may keep up to best_of beams alive until it stops)."""
-        if self.sampling_params.use_beam_search or (len(self.seqs) == 1 and not self.seqs[0].output_token_ids):
-            return self.sampling_params.best_of
+        seqs, sp = self.seqs, self.sampling_params
+        if sp.use_beam_search:
+            return sp.best_of
+        if len(seqs) == 1:  # (num_unfinished_seqs inlined: every running group, every step)
+            return sp.best_of if not seqs[0].output_token_ids else 0 if seqs[0].status in _FINISH_REASONS else 1
         return self.num_unfinished_seqs()
 
     def __repr__(self):
