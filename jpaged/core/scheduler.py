@@ -161,11 +161,11 @@ class Scheduler:
             if samples == 1 and pending:
                 seq.num_pending_tokens += 1
 
-    def update_from_output(self, results) -> dict[int, tuple[SequenceGroup, Exception]]:
+    def update_from_output(self, results) -> dict[str, tuple[SequenceGroup, Exception]]:
         """Every sequence-state change a step's sampled rows make. `results`: for each group
         read, (its ScheduledSequenceGroup, the step's SamplerOutputs: one, or K for a multi-step
         decode, the group's first row in them). Groups that finished or were aborted while the
-        step ran drop its tokens. Returns the groups whose update raised, {id(group): (group,
+        step ran drop its tokens. Returns the groups whose update raised, {request_id: (group,
         error)}: the caller aborts them; the others are updated."""
         failed = {}
         for scheduled, outs, row in results:
@@ -178,7 +178,7 @@ class Scheduler:
                 else:
                     self._process_multi_step(scheduled, outs, row)
             except Exception as e:
-                failed[id(group)] = (group, e)
+                failed[group.request_id] = (group, e)
         self.free_finished_seq_groups()
         return failed
 

@@ -218,8 +218,6 @@ class SamplingMetadata:
                    do_guided=bool(do_guided),
                    do_penalties=bool(do_penalties), num_logprobs=int(num_logprobs))
 
-    from_params = from_rows  # the name used in the design brief
-
 
 class SamplingRow(NamedTuple):
     """One real row of `SamplingMetadata.from_rows` (a plain tuple in this order works too)."""
