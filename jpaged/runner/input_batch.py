@@ -41,10 +41,12 @@ class InputBatch:
         self.row_of: dict[int, int] = {}  # seq_id -> row
         self.seq_ids = [-1] * max_rows  # row -> seq_id (-1: free)
         # The block table each row holds: the manager's list (identity tells a new one), its length and last block.
-        self._tables: list[list[int] | None] = [None] * max_rows
-        self._lengths = [0] * max_rows
-        self._lasts = [-1] * max_rows
+        self.tables: list[list[int] | None] = [None] * max_rows
+        self.lengths = [0] * max_rows
+        self.lasts = [-1] * max_rows
         self._free = list(range(max_rows - 1, -1, -1))
+        # The step that last scheduled each row (StepBuilder.build frees the rows it did not).
+        self.step, self.stamps = 0, [0] * max_rows
         n = max_rows + 1  # + the neutral row
         self.temperature = np.zeros(n, np.float32)
         self.top_k = np.full(n, -1, np.int32)
@@ -64,15 +66,22 @@ class InputBatch:
         self.num_stop = np.zeros(n, np.int32)
         self.lora_slot = np.full(n, -1, np.int32)
         self.full_sampler = np.zeros(n, np.bool_)
-        # Python lists, read per sequence each step (cheaper than numpy scalars).
+        # Python lists, read per sequence each step (cheaper than numpy scalars): penalties; neither
+        # penalties nor a grammar (nothing per step but the token); seq_index and LoRA slot (as above).
         self.penalised = [False] * max_rows
+        self.plain = [True] * max_rows
         self.seq_index_of = [0] * max_rows
+        self.lora_slot_of = [-1] * max_rows
         # What the device's token history row holds: (seq_id, number of tokens), or None.
         self.history: list[tuple[int, int] | None] = [None] * max_rows
 
     @property
     def num_rows(self) -> int:
         return len(self.row_of)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
 
     def add(self, seq_id: int, sp: SamplingParams | None = None, seed: int = 0, seq_index: int = 0,
             lora_slot: int = -1, key_only: bool = False) -> int:
@@ -83,13 +92,14 @@ class InputBatch:
             raise ValueError(f"seq_id {seq_id} already has a row")
         row = self._free.pop()
         self.row_of[seq_id], self.seq_ids[row] = row, seq_id
-        self._tables[row], self._lengths[row], self._lasts[row] = None, 0, -1
+        self.tables[row], self.lengths[row], self.lasts[row] = None, 0, -1
         self.history[row] = None
         self.seq_index[row] = self.seq_index_of[row] = seq_index
-        self.lora_slot[row] = lora_slot
+        self.lora_slot[row] = self.lora_slot_of[row] = lora_slot
+        self.stamps[row] = self.step
         if sp is None:
             self._copy_knobs(row, self.neutral)
-            self.penalised[row] = False
+            self.penalised[row], self.plain[row] = False, True
             return row
         self.temperature[row], self.top_k[row], self.top_p[row], self.min_p[row] = \
             sp.temperature, sp.top_k, sp.top_p, sp.min_p
@@ -110,6 +120,7 @@ class InputBatch:
         self.num_stop[row] = len(stops)
         self.full_sampler[row] = RequestNeeds.of(sp).full_sampler  # (once per row: not per step)
         self.penalised[row] = sp.has_penalties
+        self.plain[row] = not (sp.has_penalties or sp.guided)
         return row
 
     def _copy_knobs(self, row: int, src: int):
@@ -121,7 +132,7 @@ class InputBatch:
     def free(self, seq_id: int):
         row = self.row_of.pop(seq_id)
         self.seq_ids[row] = -1
-        self._tables[row] = self.history[row] = None
+        self.tables[row] = self.history[row] = None
         self._free.append(row)
 
     def free_absent(self, present):
@@ -132,15 +143,15 @@ class InputBatch:
     def set_table(self, row: int, table: list[int]):
         """Bring the row's block table up to the block manager's `table` (its own list)."""
         n = len(table)
-        if self._tables[row] is not table or n < self._lengths[row]:
+        if self.tables[row] is not table or n < self.lengths[row]:
             start = 0  # a new table
-        elif n == self._lengths[row] and table[-1] == self._lasts[row]:
+        elif n == self.lengths[row] and table[-1] == self.lasts[row]:
             return
         else:
-            start = self._lengths[row] - 1  # grown, or its last block replaced
+            start = self.lengths[row] - 1  # grown, or its last block replaced
         if n > start:
             self.block_tables[row, start:n] = table[start:]
-        self._tables[row], self._lengths[row], self._lasts[row] = table, n, table[-1] if n else -1
+        self.tables[row], self.lengths[row], self.lasts[row] = table, n, table[-1] if n else -1
 
     def rows(self, seq_ids: Sequence[int], tables: Sequence[list[int]]) -> np.ndarray:
         """Each sequence's row (neutral knobs if new), its block table up to date; sequences not

@@ -302,21 +302,22 @@ class ModelRunner:
         step = DispatchedStep(plan, [], [], failed)
         if not batch.groups:
             return step
+        groups = batch.groups
         try:
             step.handles.append(self.dispatch(batch, multi_step))
-            step.results = [(g.scheduled, 0, g.rows[0]) for g in batch.groups]
+            step.results = [(scheduled, 0, row) for scheduled, _, row in groups]
         except Exception:
             if len(batch.groups) == 1 or not self.is_alive():
                 raise
-            for k, g in enumerate(batch.groups):
+            for k, (scheduled, _, _) in enumerate(groups):
                 try:
                     step.handles.append(self.dispatch(batch.group(k), multi_step))
                 except Exception as e:
                     if not self.is_alive():
                         raise
-                    failed[g.scheduled.seq_group.request_id] = (g.scheduled.seq_group, e)
+                    failed[scheduled.seq_group.request_id] = (scheduled.seq_group, e)
                     continue
-                step.results.append((g.scheduled, len(step.handles) - 1, 0))
+                step.results.append((scheduled, len(step.handles) - 1, 0))
         return step
 
     def dispatch(self, batch: StepBatch, multi_step: bool = False) -> "StepHandle":

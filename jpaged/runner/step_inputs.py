@@ -27,15 +27,6 @@ from jpaged.runner.step_functions import HistoryInputs
 
 
 @dataclasses.dataclass
-class GroupSpan:
-    """Where one scheduled group lies in a StepBatch."""
-
-    scheduled: object  # its ScheduledSequenceGroup
-    seqs: tuple[int, int]  # [start, end) of its sequences
-    rows: tuple[int, int]  # [start, end) of its sampling rows
-
-
-@dataclasses.dataclass
 class StepBatch:
     """One step's inputs (or one group's share), lists kept in step order."""
 
@@ -46,17 +37,18 @@ class StepBatch:
     num_samples: list[int] = dataclasses.field(default_factory=list)
     num_prompt_rows: list[int] = dataclasses.field(default_factory=list)
     num_spec_tokens: list[int] = dataclasses.field(default_factory=list)
-    # Per sampling row: its InputBatch row (the neutral one for a prompt-logprob row), output
-    # position, and logprob target token (-1: none).
+    # Per sampling row: its InputBatch row (the neutral one for a prompt-logprob row) and output position.
     src: list[int] = dataclasses.field(default_factory=list)
     sample_index: list[int] = dataclasses.field(default_factory=list)
-    targets: list[int] = dataclasses.field(default_factory=list)
-    # Sparse, by sampling row: a fork's seq_index, a grammar's mask, a penalised row's history
-    # entry (row, sequence, draft index j, the sequence's drafts, whether the sampler appends its token).
+    # Sparse, by sampling row: a prompt-logprob row's target token, a fork's seq_index, a grammar's
+    # mask, a penalised row's history entry (draft index j, row, sequence, the sequence's drafts,
+    # whether the sampler appends its token).
+    targets: dict[int, int] = dataclasses.field(default_factory=dict)
     seq_index: dict[int, int] = dataclasses.field(default_factory=dict)
     masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
     history: dict[int, tuple] = dataclasses.field(default_factory=dict)
-    groups: list[GroupSpan] = dataclasses.field(default_factory=list)
+    # Per group: (its ScheduledSequenceGroup, its first sequence, its first sampling row).
+    groups: list[tuple] = dataclasses.field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -70,24 +62,24 @@ class StepBatch:
         for a in (self.rows, self.token_ids, self.start_pos, self.num_samples, self.num_prompt_rows,
                   self.num_spec_tokens):
             del a[n:]
-        for a in (self.src, self.sample_index, self.targets):
+        for a in (self.src, self.sample_index):
             del a[r:]
-        for d in (self.seq_index, self.masks, self.history):
+        for d in (self.targets, self.seq_index, self.masks, self.history):
             for i in [i for i in d if i >= r]:
                 del d[i]
 
     def group(self, k: int) -> "StepBatch":
         """Group k's share alone, its rows renumbered from 0."""
-        g = self.groups[k]
-        (s0, s1), (r0, r1) = g.seqs, g.rows
+        scheduled, s0, r0 = self.groups[k]
+        s1, r1 = self.groups[k + 1][1:] if k + 1 < len(self.groups) else (len(self.rows), len(self.src))
 
         def sparse(d):
             return {i - r0: v for i, v in d.items() if r0 <= i < r1}
 
         return StepBatch(self.rows[s0:s1], self.token_ids[s0:s1], self.start_pos[s0:s1], self.num_samples[s0:s1],
                          self.num_prompt_rows[s0:s1], self.num_spec_tokens[s0:s1], self.src[r0:r1],
-                         self.sample_index[r0:r1], self.targets[r0:r1], sparse(self.seq_index), sparse(self.masks),
-                         sparse(self.history), [GroupSpan(g.scheduled, (0, s1 - s0), (0, r1 - r0))])
+                         self.sample_index[r0:r1], sparse(self.targets), sparse(self.seq_index), sparse(self.masks),
+                         sparse(self.history), [(scheduled, 0, 0)])
 
 
 @dataclasses.dataclass
@@ -123,22 +115,53 @@ class StepBuilder:
 
     def build(self, plan, lora_slots: dict[int, int]) -> tuple[StepBatch, dict]:
         """The plan's StepBatch, and the groups whose inputs could not be built: {request_id:
-        (group, error)} (the others go on)."""
-        ib = self.input_batch
-        ib.free_absent({seq.seq_id for s in plan.scheduled_seq_groups for seq in s.seqs})
-        batch, failed = StepBatch(), {}
+        (group, error)} (the others go on). Rows of sequences not in the plan are freed."""
+        ib, batch, failed = self.input_batch, StepBatch(), {}
+        ib.step += 1
+        step, stamps, row_of, plain, lora = ib.step, ib.stamps, ib.row_of, ib.plain, ib.lora_slot_of
+        tables, lengths, lasts, set_table = ib.tables, ib.lengths, ib.lasts, ib.set_table
+        get_block_table = self.block_manager.get_block_table
+        rows, token_ids, start_pos, src, sample_index = batch.rows, batch.token_ids, batch.start_pos, batch.src, \
+            batch.sample_index
+        num_samples, num_prompt_rows, num_spec = batch.num_samples, batch.num_prompt_rows, batch.num_spec_tokens
         for scheduled in plan.scheduled_seq_groups:
-            lengths = batch._lengths()
+            group, seqs, first = scheduled.seq_group, scheduled.seqs, None
             try:
-                self._add_group(batch, scheduled, lora_slots)
+                # The common case inline: a lone sequence decoding one token with plain sampling.
+                if (scheduled.token_chunk_size == 1 and len(seqs) == 1 and len(group.seqs) == 1
+                        and not scheduled.prompt_rows and not scheduled.spec_token_ids
+                        and group.lora_request is None and scheduled.samples[0] == 1):
+                    seq = seqs[0]
+                    row = row_of.get(seq.seq_id)
+                    if row is not None and plain[row] and lora[row] == -1:
+                        stamps[row] = step
+                        table = get_block_table(seq)
+                        if tables[row] is not table or lengths[row] != len(table) or table[-1] != lasts[row]:
+                            set_table(row, table)
+                        batch.groups.append((scheduled, len(rows), len(src)))
+                        rows.append(row)
+                        token_ids.append([seq.get_last_token_id()])
+                        start_pos.append(scheduled.start)
+                        num_samples.append(1)
+                        num_prompt_rows.append(0)
+                        num_spec.append(0)
+                        src.append(row)
+                        sample_index.append(len(seq.output_token_ids) + seq.num_pending_tokens)
+                        continue
+                first = batch._lengths()
+                self._add_group(batch, scheduled, lora_slots, plan)
             except Exception as e:
-                batch._truncate(lengths)
-                failed[scheduled.seq_group.request_id] = (scheduled.seq_group, e)
+                if first is not None:  # (the inline case appends nothing before it can raise)
+                    batch._truncate(first)
+                failed[group.request_id] = (group, e)
                 continue
-            batch.groups.append(GroupSpan(scheduled, (lengths[0], len(batch.rows)), (lengths[1], len(batch.src))))
+            batch.groups.append((scheduled,) + first)
+        if len(row_of) > len(rows):  # rows of sequences that left: finished, aborted, preempted, not scheduled
+            for seq_id, row in [(i, r) for i, r in row_of.items() if stamps[r] != step]:
+                ib.free(seq_id)
         return batch, failed
 
-    def _add_group(self, batch: StepBatch, scheduled, lora_slots):
+    def _add_group(self, batch: StepBatch, scheduled, lora_slots, plan):
         ib, group, get_block_table = self.input_batch, scheduled.seq_group, self.block_manager.get_block_table
         sp, start, chunk, drafts = group.sampling_params, scheduled.start, scheduled.token_chunk_size, \
             scheduled.spec_token_ids
@@ -148,17 +171,21 @@ class StepBuilder:
             index = 0 if lone else group.seqs.index(seq)
             row = ib.row_of.get(seq.seq_id)
             if row is None:
+                if not ib.num_free:  # rows of sequences that left are freed after the step's walk: some now
+                    ib.free_absent({seq.seq_id for s in plan.scheduled_seq_groups for seq in s.seqs})
                 row = ib.add(seq.seq_id, sp, self.seed_of(sp, seq), index, lora_slot)
             else:
                 if ib.seq_index_of[row] != index:  # a beam group dropped a sequence
                     ib.seq_index[row] = ib.seq_index_of[row] = index
-                if ib.lora_slot[row] != lora_slot:
-                    ib.lora_slot[row] = lora_slot
+                if ib.lora_slot_of[row] != lora_slot:
+                    ib.lora_slot[row] = ib.lora_slot_of[row] = lora_slot
+            ib.stamps[row] = ib.step
             ib.set_table(row, get_block_table(seq))
             if scheduled.prompt_rows:  # a row per prompt position, reporting the next prompt token
                 batch.src.extend([ib.neutral] * scheduled.prompt_rows)
                 batch.sample_index.extend([0] * scheduled.prompt_rows)
-                batch.targets.extend(seq.prompt_token_ids[start + 1:start + 1 + scheduled.prompt_rows])
+                for i, target in enumerate(seq.prompt_token_ids[start + 1:start + 1 + scheduled.prompt_rows]):
+                    batch.targets[len(batch.src) - scheduled.prompt_rows + i] = target
             output_len = seq.get_output_len()
             if drafts:  # a row after the last token and after each draft, at consecutive output positions
                 token_ids = [seq.get_last_token_id(), *drafts]
@@ -184,7 +211,6 @@ class StepBuilder:
                     for j in range(samples):
                         batch.history[len(batch.src) + j] = (j,) + entry
                 batch.src.extend([row] * samples)
-                batch.targets.extend([-1] * samples)
             batch.rows.append(row)
             batch.token_ids.append(token_ids)
             batch.start_pos.append(start)
@@ -196,7 +222,7 @@ class StepBuilder:
 def needs_full_sampler(ib: InputBatch, batch: StepBatch) -> bool:
     """The full sampler (penalties, grammars, logprobs) when any row needs it: a request that
     asks (InputBatch.full_sampler, set when its row was added) or a prompt-logprob row."""
-    return any(t >= 0 for t in batch.targets) or bool(ib.full_sampler[batch.src].any())
+    return bool(batch.targets) or bool(ib.full_sampler[batch.src].any())
 
 
 def sampling_metadata(ib: InputBatch, batch: StepBatch | None, num_rows: int, full: bool, vocab_size: int,
@@ -219,7 +245,8 @@ def sampling_metadata(ib: InputBatch, batch: StepBatch | None, num_rows: int, fu
         for i, index in batch.seq_index.items():
             seq_index[i] = index
         sample_index[:n] = batch.sample_index
-        targets[:n] = batch.targets
+        for i, target in batch.targets.items():
+            targets[i] = target
         # min_tokens: EOS and stop_token_ids banned while the row's output position is below it.
         ban = np.flatnonzero(sample_index[:n] < ib.min_tokens[src[:n]])
         if len(ban):
