@@ -118,7 +118,8 @@ class StepBuilder:
         (group, error)} (the others go on). Rows of sequences not in the plan are freed."""
         ib, batch, failed = self.input_batch, StepBatch(), {}
         ib.step += 1
-        step, stamps, row_of, plain, lora = ib.step, ib.stamps, ib.row_of, ib.plain, ib.lora_slot_of
+        step, stamps, row_of, plain, lora, index_of = ib.step, ib.stamps, ib.row_of, ib.plain, ib.lora_slot_of, \
+            ib.seq_index_of
         tables, lengths, lasts, set_table = ib.tables, ib.lengths, ib.lasts, ib.set_table
         get_block_table = self.block_manager.get_block_table
         rows, token_ids, start_pos, src, sample_index = batch.rows, batch.token_ids, batch.start_pos, batch.src, \
@@ -133,7 +134,7 @@ class StepBuilder:
                         and group.lora_request is None and scheduled.samples[0] == 1):
                     seq = seqs[0]
                     row = row_of.get(seq.seq_id)
-                    if row is not None and plain[row] and lora[row] == -1:
+                    if row is not None and plain[row] and lora[row] == -1 and not index_of[row]:
                         stamps[row] = step
                         table = get_block_table(seq)
                         if tables[row] is not table or lengths[row] != len(table) or table[-1] != lasts[row]:
