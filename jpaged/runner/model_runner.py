@@ -6,11 +6,13 @@ merges them inside jit, so no Python object traversal happens per step. The KV p
 head_dim] (layer l's page p at l * num_pages + p; see LayerStack); it is donated to the step and
 comes back updated in place. Block copies and swaps move every layer's part of a page. A step is
 two device calls: the model forward (its logits stay on the device) and the sampler; only sampled
-ids and logprobs return to the host. Each call's inputs travel packed in one int32 array, built
-from the InputBatch (block tables kept across steps; see input_batch.py). `dispatch` returns
-before the device is done and `collect` reads the result, so the engine can prepare and dispatch
-the next step first: each row's sampled token also stays on the device (`last_tokens`), where the
-next step's forward takes it (a PENDING_TOKEN input).
+ids and logprobs return to the host. `execute(plan)` builds the step's inputs itself from the
+scheduler's plan over the persistent InputBatch (a row per scheduled sequence: block table,
+sampling knobs, LoRA slot, kept across steps; see input_batch.py, step_inputs.py); each call's
+inputs travel packed in one int32 array. It returns before the device is done and `collect`
+reads the result, so the engine can schedule and dispatch the next step first: each row's sampled
+token also stays on the device (`last_tokens`), where the next step's forward takes it (a
+PENDING_TOKEN input).
 
 Every step is padded to a bucket (see Buckets), block copies and swaps to a fixed size, and every
 executable is compiled ahead of time at warm-up, so serving never compiles; `num_compilations`
@@ -20,8 +22,9 @@ depend only on its row bucket and its full/fast switch, so the warm-up compiles 
 samplers, not their product.
 
 The runner orchestrates; the parts live beside it: the step shapes and executable keys in
-buckets.py, the jitted device functions in step_functions.py, the host-side padding of a step's
-inputs in prepare_inputs.py, block copies and swaps' device functions in kv_transfer.py.
+buckets.py, the jitted device functions in step_functions.py, the plan -> InputBatch rows and
+sampler metadata in step_inputs.py, the host-side padding of a step's inputs in
+prepare_inputs.py, block copies and swaps' device functions in kv_transfer.py.
 
 Tensor parallelism: weights and KV pages live on the loader's mesh (jpaged/parallel); the runner
 only gives every jitted function its shardings. Step inputs are replicated, the KV pages split
