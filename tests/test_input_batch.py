@@ -65,6 +65,7 @@ def test_pack_round_trips_every_dtype_inside_jit():
 # through SamplingMetadata.from_rows (what the engine did before the InputBatch kept the knobs).
 
 V = 300  # vocabulary: bitmask rows of 10 words
+HISTORY_LEN = 256  # the token history's width (max_model_len)
 
 
 class FakeBlockManager:
@@ -168,8 +169,9 @@ def test_step_inputs_equal_a_from_scratch_build_over_random_steps():
     """Random steps: groups join (a prompt in chunks, maybe with prompt-logprob rows and forks at
     its end), decode, take drafts, drop a sequence (beams), miss steps, finish; knobs of every
     kind (penalties, bias, min_tokens bans, grammars, LoRA slots). Each step's gathered sampler
-    metadata, full/fast choice, block tables and LoRA slots equal a from-scratch build, and the
-    InputBatch holds rows for exactly the step's sequences (freed rows are reused: no leak)."""
+    metadata, full/fast choice, block tables and LoRA slots equal a from-scratch build, the
+    penalties' token history holds every penalised row's tokens, and the InputBatch holds rows
+    for exactly the step's sequences (freed rows are reused: no leak)."""
     from jpaged.core.scheduler import ScheduledSequenceGroup, SchedulerOutputs
     from jpaged.core.sequence import Sequence, SequenceGroup
     from jpaged.runner import step_inputs
@@ -189,6 +191,7 @@ def test_step_inputs_equal_a_from_scratch_build_over_random_steps():
     ib = InputBatch(max_rows, width)
     builder = StepBuilder(ib, bm, grammars, stops, seed)
     groups, next_id, checked_full = [], 0, set()
+    device_history = np.full((max_rows, HISTORY_LEN), -1, np.int32)
     for step in range(250):
         stops.eos_token_id = None if step % 50 == 49 else 7  # (the tests move EOS)
         while len(groups) < 8 and rng.random() < 0.4:  # new requests
@@ -235,6 +238,32 @@ def test_step_inputs_equal_a_from_scratch_build_over_random_steps():
         for field in dataclasses.fields(SamplingMetadata):
             np.testing.assert_array_equal(np.asarray(getattr(meta, field.name)), np.asarray(getattr(want, field.name)),
                                           err_msg=field.name)
+        # The penalties' token history: after the uploads, each penalised row's history row holds
+        # its sequence's tokens (prompt, outputs, the drafts before it), as the device would.
+        appends = []
+        if full:
+            history = step_inputs.history_inputs(ib, batch, num_rows, HISTORY_LEN,
+                                                 lambda rows, tokens: device_history.__setitem__(
+                                                     rows[rows >= 0], tokens[rows >= 0]))
+            i = 0
+            for scheduled in plan.scheduled_seq_groups:
+                sp = scheduled.seq_group.sampling_params
+                for seq, samples in zip(scheduled.seqs, scheduled.samples):
+                    i += scheduled.prompt_rows
+                    for j in range(samples):
+                        if not sp.has_penalties:
+                            assert history.rows[i] == -1 and history.dst_rows[i] == -1
+                        else:
+                            tokens = seq.get_token_ids() + scheduled.spec_token_ids[:j]
+                            assert (history.rows[i], history.prompt_lens[i], history.lens[i]) == \
+                                (ib.row_of[seq.seq_id], seq.get_prompt_len(), len(tokens))
+                            assert device_history[history.rows[i], :len(tokens)].tolist() == tokens
+                            lone = samples == 1 and not scheduled.spec_token_ids
+                            assert history.dst_rows[i] == (history.rows[i] if lone else -1)
+                            if lone:  # the sampler appends the token it samples (the one appended below)
+                                appends.append((seq, history.rows[i], len(tokens)))
+                        i += 1
+            assert (history.rows[i:] == -1).all()
         # The sequences' inputs: rows, block tables, LoRA slots, tokens.
         assert len(batch.rows) == len(reference_seqs) and len(set(batch.rows)) == len(batch.rows)
         for k, (seq_id, tokens, start, table, samples, prompt_rows) in enumerate(reference_seqs):
@@ -275,6 +304,8 @@ def test_step_inputs_equal_a_from_scratch_build_over_random_steps():
                     bm.tables[child.seq_id] = list(table)
             if len(group.seqs) > 1 and rng.random() < 0.2:  # a beam dropped
                 group.seqs.pop(int(rng.integers(len(group.seqs))))
+        for seq, row, position in appends:
+            device_history[row, position] = seq.output_token_ids[position - seq.get_prompt_len()]
         groups = [g for g in groups if rng.random() > 0.05 and all(s.get_len() < 200 for s in g.seqs)]
     assert checked_full == {False, True}
 
