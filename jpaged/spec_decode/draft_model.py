@@ -178,8 +178,7 @@ class DraftModelProposer(Proposer):
             step = prepare_inputs(seqs[part], ib, draft.buckets, draft.block_size, multi_step=True,
                                   steps_of=steps_of[part])
             num_rows = len(step.inputs.logits_indices)
-            rows = StepBatch(src=step.rows.tolist(), sample_index=[r[3] for r in sampling_rows[part]],
-                             targets=[-1] * len(step.rows))
+            rows = StepBatch(src=step.rows.tolist(), sample_index=[r[3] for r in sampling_rows[part]])
             smeta = draft.sampling_metadata(rows, num_rows, False)
             out = target.dispatch_op("propose", step.num_tokens,
                                      pack((step.inputs, smeta, step.dst_rows, step.lookahead_slots)))
