@@ -355,3 +355,31 @@ def test_a_group_whose_inputs_fail_is_left_out_alone():
     assert ib.seeds[batch.src].tolist() == [0, 2]
     alone = batch.group(1)
     assert alone.rows == [ib.row_of[2]] and alone.src == [ib.row_of[2]] and alone.groups[0][0] is plan.scheduled_seq_groups[2]
+
+
+def test_a_draft_models_rows_take_the_key_and_knobs_alone():
+    """A draft model's rows (key_only): the target row's key and temperature / top-k/p / min-p,
+    no bias or bans, as a from-scratch SamplingRow with only those."""
+    from jpaged.runner import step_inputs
+    from jpaged.runner.input_batch import MAX_BANNED_TOKENS
+    from jpaged.runner.sampler import SamplingRow
+    from jpaged.runner.step_inputs import StepBatch
+
+    rng = np.random.default_rng()
+    ib = InputBatch(8, 4)
+    rows, src = [], []
+    from jpaged.sampling_params import SamplingParams
+
+    for k in range(6):  # (the first: a bias and min_tokens' bans the target's rows have, a draft's not)
+        sp = SamplingParams(temperature=0.5, logit_bias={3: 9.0}, min_tokens=30, max_tokens=40, stop_token_ids=[2]) if k == 0 \
+            else random_params(rng)
+        seed, index, position = int(rng.integers(1 << 31)), int(rng.integers(3)), int(rng.integers(20))
+        src.append(ib.add(100 + k, sp, seed, index, key_only=True))
+        rows.append(SamplingRow(sp, seed, index, position))
+    batch = StepBatch(src=src, sample_index=[r.sample_index for r in rows])
+    meta = step_inputs.sampling_metadata(ib, batch, 8, False, V, eos_token_id=7)
+    want = SamplingMetadata.from_rows(rows, 8, vocab_size=V, num_logprobs=0, do_penalties=False, prompt_width=0,
+                                      output_width=0, banned_width=MAX_BANNED_TOKENS, do_guided=False)
+    for field in dataclasses.fields(SamplingMetadata):
+        np.testing.assert_array_equal(np.asarray(getattr(meta, field.name)), np.asarray(getattr(want, field.name)),
+                                      err_msg=field.name)
