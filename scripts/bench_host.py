@@ -3,8 +3,8 @@
 N requests (~30 prompt tokens, EOS ignored) are admitted and prefilled; then `--steps` engine steps
 are timed, per decode step (with --num-scheduler-steps K, an engine step is K decode steps), split into
   scheduler  Scheduler.schedule
-  input      building the step's inputs (the engine's per-group part and the runner's arrays),
-             including the device call's dispatch
+  input      ModelRunner.execute: the runner building the step's inputs from the plan (its
+             InputBatch, the padded arrays, the sampler's metadata), including the device call's dispatch
   output     everything else in LLMEngine.step: appending the sampled ids, detokenizing, stop
              checks, RequestOutputs
 With `--device stub` (the default) the device is replaced by a function that returns random token
@@ -103,9 +103,7 @@ def measure(llm, num_seqs: int, steps: int, vocab_size: int, output_kind: str) -
         engine.step()
     timer = Timer()
     timer.wrap(engine.scheduler, "schedule", "scheduler")
-    for name in ("_group_inputs", "_execute", "_prepare"):  # whichever the engine has
-        if hasattr(engine, name):
-            timer.wrap(engine, name, "input")
+    timer.wrap(engine.runner, "execute", "input")
     seqs = [seq for group in engine.scheduler.running for seq in group.seqs]
     generated = -sum(seq.get_output_len() for seq in seqs)
     t = CLOCK()
@@ -114,9 +112,8 @@ def measure(llm, num_seqs: int, steps: int, vocab_size: int, output_kind: str) -
     total = CLOCK() - t
     # Per decode step (a multi-step decode's call counts as its K steps).
     decode_steps = (generated + sum(seq.get_output_len() for seq in seqs)) / num_seqs
-    for attr in ("schedule", "_group_inputs", "_execute", "_prepare"):  # unwrap
-        for obj in (engine, engine.scheduler):
-            obj.__dict__.pop(attr, None)
+    engine.scheduler.__dict__.pop("schedule", None)  # unwrap
+    engine.runner.__dict__.pop("execute", None)
     while engine.has_unfinished_requests():
         engine.step()
     ms = {phase: 1e3 * v / decode_steps for phase, v in timer.totals.items()}

@@ -132,10 +132,10 @@ def poison(monkeypatch, engine):
     """Make every device step that computes a prompt starting with token 250 raise."""
     dispatch = engine.runner.dispatch
 
-    def poisoned(seq_inputs, rows, *args):
-        if any(s.start_pos == 0 and s.token_ids[:1] == [250] for s in seq_inputs):
+    def poisoned(batch, *args):
+        if any(start == 0 and ids[:1] == [250] for start, ids in zip(batch.start_pos, batch.token_ids)):
             raise ZeroDivisionError("poisoned")
-        return dispatch(seq_inputs, rows, *args)
+        return dispatch(batch, *args)
 
     monkeypatch.setattr(engine.runner, "dispatch", poisoned)
 

@@ -371,7 +371,7 @@ def test_builder_from_rows():
     assert meta.banned_token_ids.shape == (4, 4)
     np.testing.assert_array_equal(meta.banned_token_ids[:2], [[0, 2, -1, -1], [-1, -1, -1, -1]])
 
-    plain = SamplingMetadata.from_params(rows[:2], 2, num_logprobs=0, banned_width=2)
+    plain = SamplingMetadata.from_rows(rows[:2], 2, num_logprobs=0, banned_width=2)
     assert not plain.do_penalties and plain.num_logprobs == 0
     assert plain.prompt_token_ids.shape == (2, 0) and plain.banned_token_ids.shape == (2, 2)
     assert SamplingMetadata.from_rows(rows[:1], 1, vocab_size=2).num_logprobs == 2

@@ -168,11 +168,11 @@ class Scheduler:
             if samples == 1 and pending:
                 seq.num_pending_tokens += 1
 
-    def update_from_output(self, results) -> dict[int, tuple[SequenceGroup, Exception]]:
+    def update_from_output(self, results) -> dict[str, tuple[SequenceGroup, Exception]]:
         """Every sequence-state change a step's sampled rows make. `results`: for each group
         read, (its ScheduledSequenceGroup, the step's SamplerOutputs: one, or K for a multi-step
         decode, the group's first row in them). Groups that finished or were aborted while the
-        step ran drop its tokens. Returns the groups whose update raised, {id(group): (group,
+        step ran drop its tokens. Returns the groups whose update raised, {request_id: (group,
         error)}: the caller aborts them; the others are updated."""
         failed = {}
         columns = {}  # id(outs) of a multi-step decode -> per row, its K tokens and their logprobs
@@ -190,7 +190,7 @@ class Scheduler:
                                                     list(zip(*(_as_list(o.logprobs) for o in outs))))
                     self._process_multi_step(scheduled, outs, row, rows)
             except Exception as e:
-                failed[id(group)] = (group, e)
+                failed[group.request_id] = (group, e)
         self.free_finished_seq_groups()
         return failed
 

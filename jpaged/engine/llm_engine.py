@@ -5,7 +5,6 @@ and swaps) -> runner (padded host arrays, precompiled jitted step: write KV, att
 -> sampled ids -> sequences updated, detokenized, stop checks -> RequestOutputs.
 """
 
-import dataclasses
 import gc
 import logging
 import os
@@ -19,7 +18,7 @@ from jpaged.core.detokenizer import Detokenizer
 from jpaged.core.kv_allocation import KVUsage, kv_usage
 from jpaged.core.kv_map import KVMap
 from jpaged.core.output_processor import OutputProcessor
-from jpaged.core.scheduler import ScheduledSequenceGroup, Scheduler, SchedulerOutputs
+from jpaged.core.scheduler import Scheduler, SchedulerOutputs
 from jpaged.core.sequence import Sequence, SequenceGroup
 from jpaged.core.step_needs import can_multi_step, can_overlap
 from jpaged.core.stop_checker import StopChecker
@@ -38,8 +37,7 @@ from jpaged.outputs import RequestOutput
 from jpaged.parallel import distributed
 from jpaged.runner.executable_cache import ExecutableCache
 from jpaged.runner.model_runner import ModelRunner
-from jpaged.runner.prepare_inputs import SeqInput
-from jpaged.runner.sampler import SamplingRow
+from jpaged.runner.step_inputs import DispatchedStep
 from jpaged.sampling_params import SamplingParams
 from jpaged.spec_decode.draft_model import DraftModelProposer, load_draft_model
 from jpaged.spec_decode.ngram import NgramProposer
@@ -58,33 +56,6 @@ class StepFailedError(RuntimeError):
     def __init__(self, request_ids: list[str], cause: BaseException, outputs: list[RequestOutput]):
         super().__init__(f"processing requests {request_ids} failed: {cause!r}")
         self.request_ids, self.outputs = request_ids, outputs
-
-
-@dataclasses.dataclass
-class GroupStep:
-    """One group's runner inputs for a step, built from its ScheduledSequenceGroup."""
-
-    scheduled: ScheduledSequenceGroup
-    seq_inputs: list[SeqInput] = dataclasses.field(default_factory=list)
-    rows: list[SamplingRow] = dataclasses.field(default_factory=list)  # prompt rows, then sampling rows
-
-    @property
-    def group(self) -> SequenceGroup:
-        return self.scheduled.seq_group
-
-
-@dataclasses.dataclass
-class _Dispatched:
-    """A step on its way through the device; the host has not read its sampled ids yet."""
-
-    plan: SchedulerOutputs
-    steps: list[GroupStep]
-    results: dict  # id(group) -> (StepHandle, the group's first row)
-    failed: dict  # id(group) -> (group, exception): groups whose inputs could not be built
-
-
-# Prompt-logprob rows report the model's own distribution: no penalty, bias or grammar.
-_PROMPT_ROW_PARAMS = SamplingParams(temperature=0)
 
 
 class LLMEngine:
@@ -177,7 +148,9 @@ class LLMEngine:
                                   executable_cache=ExecutableCache(cache_dir, fingerprint, self.devices),
                                   kv_scales=kv_scales,
                                   calculate_kv_scales=kv_cache_spec.quantized and config.calculate_kv_scales,
-                                  proposer=self.proposer)
+                                  proposer=self.proposer, block_manager=self.block_manager,
+                                  structured_output=self.structured_output, stop_checker=self.scheduler.stop_checker,
+                                  seed=config.seed)
         self.lora_manager = LoRAManager(lora_targets, self.runner, max_loras=config.max_loras,
                                         max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
                                         dtype=loaded.dtype) if lora_targets else None
@@ -191,7 +164,7 @@ class LLMEngine:
         gc.collect()
         gc.freeze()
         self._groups: dict[str, SequenceGroup] = {}
-        self._in_flight: _Dispatched | None = None  # async_scheduling: a step not read yet
+        self._in_flight: DispatchedStep | None = None  # async_scheduling: a step not read yet
 
     @property
     def eos_token_id(self) -> int | None:
@@ -285,31 +258,26 @@ class LLMEngine:
         self._in_flight = current
         return self._complete(previous) if previous is not None else []
 
-    def _can_overlap(self, dispatched: _Dispatched) -> bool:
+    def _can_overlap(self, dispatched: DispatchedStep) -> bool:
         """Whether the next step may be scheduled before `dispatched` is read (step_needs.py)."""
         return (self.config.async_scheduling and not dispatched.failed  # (verified drafts: accepted count unknown)
                 and (self.proposer is None or not any(s.spec_token_ids for s in dispatched.plan.scheduled_seq_groups))
-                and can_overlap(self.scheduler, {id(s.group) for s in dispatched.steps}, self.max_model_len))
+                and can_overlap(self.scheduler, {id(s.seq_group) for s, _, _ in dispatched.results},
+                                self.max_model_len))
 
-    def _dispatch(self, plan: SchedulerOutputs, multi_step: bool, previous: _Dispatched | None) -> _Dispatched:
-        """Make the plan's block copies and start its step on the device. Its tokens count as
-        computed from now on; each sequence's sampled token is pending until it is read. If the
-        block copies or a lone request's device step fail, the plan's requests are aborted."""
+    def _dispatch(self, plan: SchedulerOutputs, multi_step: bool, previous: DispatchedStep | None) -> DispatchedStep:
+        """Make the plan's block copies and start its step on the device (the runner builds its
+        inputs). Its tokens count as computed from now on; each sequence's sampled token is
+        pending until it is read. If the block copies or a lone request's device step fail, the
+        plan's requests are aborted."""
         try:
             self.runner.swap_out(plan.blocks_to_swap_out)
             self.runner.swap_in(plan.blocks_to_swap_in)
             self.runner.copy_blocks(plan.blocks_to_copy)
             if self.proposer is not None:  # after the block moves: a victim's pages leave before drafts take its blocks
-                self.proposer.propose(plan, self.scheduler, self.runner, self._seed)
-            failed: dict[int, tuple[SequenceGroup, Exception]] = {}
-            steps = []
+                self.proposer.propose(plan, self.scheduler, self.runner, self.runner.step_builder.seed_of)
             lora_slots = self.lora_manager.slots_of(plan.scheduled_seq_groups) if self.lora_manager else {}
-            for scheduled in plan.scheduled_seq_groups:
-                try:
-                    steps.append(self._group_inputs(scheduled, lora_slots))
-                except Exception as e:
-                    failed[id(scheduled.seq_group)] = (scheduled.seq_group, e)
-            results = self._execute(steps, failed, multi_step)
+            dispatched = self.runner.execute(plan, lora_slots, multi_step)
         except Exception as e:
             outputs = self._complete(previous) if previous is not None else []
             groups = [s.seq_group for s in plan.scheduled_seq_groups]
@@ -317,31 +285,30 @@ class LLMEngine:
             if not self.runner.is_alive():
                 raise
             raise StepFailedError([g.request_id for g in groups], e, outputs) from e
-        for step in steps:
-            if id(step.group) not in failed:
-                self.scheduler.on_dispatched(step.scheduled)
-        return _Dispatched(plan, steps, results, failed)
+        for scheduled, _, _ in dispatched.results:
+            self.scheduler.on_dispatched(scheduled)
+        return dispatched
 
-    def _complete(self, dispatched: _Dispatched) -> list[RequestOutput]:
+    def _complete(self, dispatched: DispatchedStep) -> list[RequestOutput]:
         """Read a dispatched step's sampled ids, have the scheduler update the sequences from them,
         and build the outputs. Groups that finished or were aborted meanwhile drop their tokens."""
-        failed, read, results = dispatched.failed, {}, []  # read: id(handle) -> outputs
-        for step in dispatched.steps:
-            group = step.group
-            if id(group) in failed or group.is_finished() or self._groups.get(group.request_id) is not group:
+        failed, results = dispatched.failed, []
+        read = [None] * len(dispatched.handles)  # each handle's outputs, read once
+        for scheduled, h, row in dispatched.results:
+            group = scheduled.seq_group
+            if group.request_id in failed or group.is_finished() or self._groups.get(group.request_id) is not group:
                 continue  # ended while this step ran: its tokens of this step are dropped
-            handle, row = dispatched.results[id(group)]
             try:
-                if id(handle) not in read:
-                    read[id(handle)] = self.runner.collect(handle)
+                if read[h] is None:
+                    read[h] = self.runner.collect(dispatched.handles[h])
             except Exception as e:
                 if not self.runner.is_alive():
                     raise
-                failed[id(group)] = (group, e)
+                failed[group.request_id] = (group, e)
                 continue
-            results.append((step.scheduled, read[id(handle)], row))
+            results.append((scheduled, read[h], row))
         failed.update(self.scheduler.update_from_output(results))
-        outputs = [o for scheduled, _, _ in results if id(scheduled.seq_group) not in failed
+        outputs = [o for scheduled, _, _ in results if scheduled.seq_group.request_id not in failed
                    for o in [self.output_processor.request_output(scheduled.seq_group)] if o is not None]
         for group in dispatched.plan.ignored_seq_groups:  # check_request keeps these out; a warning if one slips by
             logger.warning("request %s can never be scheduled: it ends with what it has", group.request_id)
@@ -363,80 +330,6 @@ class LLMEngine:
                      exc_info=cause)
         for group in groups:
             self.abort_request(group.request_id)
-
-    def _group_inputs(self, scheduled: ScheduledSequenceGroup, lora_slots: dict[int, int]) -> GroupStep:
-        """The runner's inputs for the group's share of the step: tokens to compute (a decode:
-        just the last one) and rows to sample, as the scheduler planned them; `lora_slots`: the
-        step's adapters' device slots."""
-        step, group, start, chunk = GroupStep(scheduled), scheduled.seq_group, scheduled.start, scheduled.token_chunk_size
-        lora_slot = lora_slots[group.lora_request.lora_int_id] if group.lora_request is not None else -1
-        for seq, samples in zip(scheduled.seqs, scheduled.samples):
-            # Prompt logprobs: a row per prompt position, reporting the next prompt token's logprob.
-            if scheduled.prompt_rows:
-                step.rows.extend(SamplingRow(_PROMPT_ROW_PARAMS, 0, target_token_id=seq.prompt_token_ids[p + 1])
-                                 for p in range(start, start + scheduled.prompt_rows))
-            drafts = scheduled.spec_token_ids
-            if drafts:  # a row after the last token and after each draft, at consecutive output positions
-                masks = self.structured_output.draft_bitmasks(seq.seq_id, group.sampling_params, drafts) \
-                    if group.sampling_params.guided else [None] * samples
-                step.rows.extend(self._sampling_row(group, seq, group.seqs.index(seq), i, masks[i])
-                                 for i in range(samples))
-                token_ids = [seq.get_last_token_id(), *drafts]
-            else:
-                for i in range(samples):  # a fresh prompt's forks: one row each
-                    step.rows.append(self._sampling_row(group, seq, i if samples > 1 else group.seqs.index(seq)))
-                token_ids = [seq.get_last_token_id()] if chunk == 1 and samples \
-                    else seq.get_token_ids()[start:start + chunk]
-            step.seq_inputs.append(SeqInput(seq.seq_id, token_ids, start, self.block_manager.get_block_table(seq),
-                                            samples, scheduled.prompt_rows, len(drafts), lora_slot))
-        return step
-
-    def _execute(self, steps: list[GroupStep], failed: dict, multi_step: bool) -> dict:
-        """Start the step for every group not failed yet: {id(group): (step handle, its first row)}.
-        If the batch fails, each group runs alone to find the one(s) at fault, which go to `failed`
-        (computing a group's tokens twice rewrites the same K/V into the same slots)."""
-        steps = [s for s in steps if id(s.group) not in failed]
-        seq_inputs = [x for s in steps for x in s.seq_inputs]
-        if not seq_inputs:
-            return {}
-        try:
-            out = self.runner.dispatch(seq_inputs, [r for s in steps for r in s.rows], multi_step)
-        except Exception:
-            if len(steps) == 1 or not self.runner.is_alive():
-                raise
-            results = {}
-            for s in steps:
-                try:
-                    results[id(s.group)] = (self.runner.dispatch(s.seq_inputs, s.rows, multi_step), 0)
-                except Exception as e:
-                    if not self.runner.is_alive():
-                        raise
-                    failed[id(s.group)] = (s.group, e)
-            return results
-        results, row = {}, 0
-        for s in steps:
-            results[id(s.group)] = (out, row)
-            row += len(s.rows)
-        return results
-
-    def _sampling_row(self, group: SequenceGroup, seq: Sequence, index: int, ahead: int = 0,
-                      allowed=None) -> SamplingRow:
-        """`ahead`: the row samples that many tokens after the sequence's end (after drafts);
-        `allowed`: its grammar mask there (default: the sequence's next-token mask)."""
-        sp = group.sampling_params
-        seed = self._seed(sp, seq)
-        banned = []
-        if sp.guided:  # the grammar decides when the completion may end (min_tokens gives way)
-            allowed = self.structured_output.bitmask(seq.seq_id, sp) if allowed is None else allowed
-        elif seq.get_output_len() + ahead < sp.min_tokens:
-            banned = list(sp.stop_token_ids) + ([self.eos_token_id] if self.eos_token_id is not None else [])
-        return SamplingRow(sp, seed, index, seq.get_output_len() + ahead, seq.prompt_token_ids, seq.output_token_ids,
-                           banned, sp.logit_bias, allowed)
-
-    def _seed(self, sp: SamplingParams, seq: Sequence) -> int:
-        """Unseeded requests draw from the engine seed and the sequence id; seeded ones only from
-        their own seed, so the same seed gives the same output whatever else runs."""
-        return sp.seed if sp.seed is not None else hash((self.config.seed, seq.seq_id)) & 0x7FFFFFFF
 
     # ------------------------------------------------------------------ stats
     def kv_usage(self) -> KVUsage:

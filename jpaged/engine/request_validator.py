@@ -7,7 +7,7 @@ from jpaged.config import EngineConfig
 from jpaged.core.block_manager import BlockManager
 from jpaged.core.structured_output import guide_of
 from jpaged.config import MAX_LOGPROBS
-from jpaged.runner.model_runner import MAX_BANNED_TOKENS
+from jpaged.runner.input_batch import MAX_BANNED_TOKENS
 from jpaged.sampling_params import SamplingParams
 
 

@@ -6,11 +6,13 @@ merges them inside jit, so no Python object traversal happens per step. The KV p
 head_dim] (layer l's page p at l * num_pages + p; see LayerStack); it is donated to the step and
 comes back updated in place. Block copies and swaps move every layer's part of a page. A step is
 two device calls: the model forward (its logits stay on the device) and the sampler; only sampled
-ids and logprobs return to the host. Each call's inputs travel packed in one int32 array, built
-from the InputBatch (block tables kept across steps; see input_batch.py). `dispatch` returns
-before the device is done and `collect` reads the result, so the engine can prepare and dispatch
-the next step first: each row's sampled token also stays on the device (`last_tokens`), where the
-next step's forward takes it (a PENDING_TOKEN input).
+ids and logprobs return to the host. `execute(plan)` builds the step's inputs itself from the
+scheduler's plan over the persistent InputBatch (a row per scheduled sequence: block table,
+sampling knobs, LoRA slot, kept across steps; see input_batch.py, step_inputs.py); each call's
+inputs travel packed in one int32 array. It returns before the device is done and `collect`
+reads the result, so the engine can schedule and dispatch the next step first: each row's sampled
+token also stays on the device (`last_tokens`), where the next step's forward takes it (a
+PENDING_TOKEN input).
 
 Every step is padded to a bucket (see Buckets), block copies and swaps to a fixed size, and every
 executable is compiled ahead of time at warm-up, so serving never compiles; `num_compilations`
@@ -20,8 +22,9 @@ depend only on its row bucket and its full/fast switch, so the warm-up compiles 
 samplers, not their product.
 
 The runner orchestrates; the parts live beside it: the step shapes and executable keys in
-buckets.py, the jitted device functions in step_functions.py, the host-side padding of a step's
-inputs in prepare_inputs.py, block copies and swaps' device functions in kv_transfer.py.
+buckets.py, the jitted device functions in step_functions.py, the plan -> InputBatch rows and
+sampler metadata in step_inputs.py, the host-side padding of a step's inputs in
+prepare_inputs.py, block copies and swaps' device functions in kv_transfer.py.
 
 Tensor parallelism: weights and KV pages live on the loader's mesh (jpaged/parallel); the runner
 only gives every jitted function its shardings. Step inputs are replicated, the KV pages split
@@ -43,8 +46,6 @@ from flax import nnx
 
 from tqdm.auto import tqdm
 
-from jpaged.config import MAX_LOGPROBS
-from jpaged.core.step_needs import rows_need_full_sampler
 from jpaged.models.forward_context import AttentionMetadata
 from jpaged.models.kv_cache import KVCache, KVCacheSpec
 from jpaged.lora.model import abstract_slot
@@ -52,30 +53,31 @@ from jpaged.models.layers import Linear
 from jpaged.models.loader import LoadedModel
 from jpaged.parallel import distributed
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, replicated
-from jpaged.runner import kv_transfer, sampler, step_functions
-from jpaged.runner.buckets import HISTORY_UPLOAD_ROWS, Buckets
+from jpaged.runner import kv_transfer, sampler, step_functions, step_inputs
+from jpaged.runner.buckets import Buckets
 from jpaged.runner.executable_cache import ExecutableCache
 from jpaged.runner.input_batch import InputBatch, Layout, layout_of, pack
-from jpaged.runner.prepare_inputs import SeqInput, prepare_inputs
+from jpaged.runner.prepare_inputs import prepare_step
 from jpaged.runner.step_functions import HistoryInputs, StepHandle, StepInputs, unpack_output
+from jpaged.runner.step_inputs import DispatchedStep, StepBatch, StepBuilder
 from jpaged.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
-
-# Tokens a row can forbid in one step (EOS and stop_token_ids while min_tokens is not reached).
-MAX_BANNED_TOKENS = 32
 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, kv_cache_spec: KVCacheSpec, *, num_gpu_blocks: int, num_cpu_blocks: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_scheduler_steps: int = 1,
                  executable_cache: ExecutableCache | None = None, kv_scales=None, calculate_kv_scales: bool = False,
-                 num_speculative_tokens: int = 0, proposer: Proposer | None = None):
+                 num_speculative_tokens: int = 0, proposer: Proposer | None = None, block_manager=None,
+                 structured_output=None, stop_checker=None, seed: int = 0):
         """`kv_scales`: fp8 pages' per-layer (k, v) scales from the checkpoint; else 1.0, or
         computed by the first step with `calculate_kv_scales`. `proposer`: speculative decoding's
         (spec_decode/proposer.py): the runner calls its hooks (each step's K/V forward, warm-up,
         device operations), and block copies and swaps iterate over `pools`, these pages and
-        the proposer's pools that share their block ids."""
+        the proposer's pools that share their block ids. What `execute` reads of the engine,
+        read only (step_inputs.StepBuilder): `block_manager` (block tables), `structured_output`
+        (grammar masks), `stop_checker` (EOS for min_tokens) and the engine `seed`."""
         self.kv_cache_spec, self.num_gpu_blocks = kv_cache_spec, num_gpu_blocks
         self.block_size = block_size = kv_cache_spec.block_size
         self.vocab_size = loaded.hf_config.vocab_size
@@ -104,14 +106,14 @@ class ModelRunner:
         self.buckets = Buckets.create(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size),
                                       num_scheduler_steps, num_speculative_tokens)
         self.input_batch = InputBatch(max_num_seqs, self.buckets.width)
+        self.step_builder = StepBuilder(self.input_batch, block_manager, structured_output, stop_checker, seed)
         # The token each InputBatch row sampled last, kept on the device: the next step can read it
         # before the host has (overlap).
         self.last_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=rep)
         # Penalties' tokens, kept on the device per InputBatch row (prompt, then outputs; the
         # full sampler appends each sampled token): sent once per sequence, not every step.
-        # `_history` says what each row holds: (seq_id, tokens).
+        # `InputBatch.history` says what each row holds: (seq_id, tokens).
         self.token_history = jnp.full((max_num_seqs, max_model_len), -1, jnp.int32, device=rep)
-        self._history: dict[int, tuple[int, int]] = {}
         # Each takes its inputs packed in one int32 array (one transfer), unpacked by `layout`.
         # `return_hidden`: the forward also returns the sampled rows' hidden states, kept in
         # `hidden_states` (on the device) for a proposer that drafts from them (EAGLE-style).
@@ -228,7 +230,7 @@ class ModelRunner:
             logits = jax.ShapeDtypeStruct((num_rows, self.vocab_size), jnp.float32, sharding=self._replicated)
             i32 = jax.ShapeDtypeStruct((num_rows,), jnp.int32)
             history = HistoryInputs(i32, i32, i32, i32) if full else None
-            layout = layout_of((self.sampling_metadata([], num_rows, full), i32, history))
+            layout = layout_of((self.sampling_metadata(None, num_rows, full), i32, history))
             return self._sample(layout), (logits, self._packed(layout), self.last_tokens, self.token_history)
         if key[0] == "write_lora":
             slot = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
@@ -280,7 +282,7 @@ class ModelRunner:
         sampled rows' last_tokens entries, and the slots of the K - 1 later steps' tokens."""
         inputs = self._abstract_inputs(num_tokens)
         num_rows = inputs.logits_indices.shape[0]
-        smeta = self.sampling_metadata([], num_rows, False)
+        smeta = self.sampling_metadata(None, num_rows, False)
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
         return inputs, smeta, i32((num_rows,)), i32((self.buckets.num_scheduler_steps - 1, num_tokens))
 
@@ -288,77 +290,59 @@ class ModelRunner:
         """The abstract packed inputs of `layout`, replicated on every device."""
         return jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self._replicated)
 
-    def sampling_metadata(self, rows, num_rows: int, full: bool) -> sampler.SamplingMetadata:
-        """Fixed widths and logprob count, so the sampler has two variants: the fast one (no
-        penalties, grammars or logprobs) and `full`, taken when any row needs one of them. The
-        penalties' tokens are not sent: the full sampler reads them from the token history."""
-        rows = [r._replace(prompt_token_ids=(), output_token_ids=()) if r.output_token_ids or r.prompt_token_ids
-                else r for r in rows] if full else rows
-        return sampler.SamplingMetadata.from_rows(rows, num_rows, vocab_size=self.vocab_size,
-                                                  num_logprobs=MAX_LOGPROBS if full else 0, do_penalties=full,
-                                                  prompt_width=0, output_width=0,
-                                                  banned_width=MAX_BANNED_TOKENS, do_guided=full)
+    def sampling_metadata(self, batch: StepBatch | None, num_rows: int, full: bool) -> sampler.SamplingMetadata:
+        """The step's sampler arrays, gathered from the InputBatch (step_inputs.py); `batch` None:
+        the padding alone (a warm-up's shapes)."""
+        return step_inputs.sampling_metadata(self.input_batch, batch, num_rows, full, self.vocab_size,
+                                             self.step_builder.eos_token_id)
 
-    def _history_inputs(self, seqs: list[SeqInput], rows: np.ndarray, sampling_rows: list,
-                        num_rows: int) -> HistoryInputs:
-        """The full sampler's history rows; first uploads the tokens of penalised sequences whose
-        row does not hold them (a new row, or tokens the sampler did not append: forks, beams)."""
-        history = HistoryInputs(*(np.full(num_rows, fill, np.int32) for fill in (-1, 0, 0, -1)))
-        uploads, k = {}, 0
-        for seq, row in zip(seqs, rows):
-            k += seq.num_prompt_rows
-            for i in range(k, k + seq.num_samples):
-                r = sampling_rows[i]
-                p = r.params
-                if not p.has_penalties:
+    def execute(self, plan, lora_slots: dict[int, int], multi_step: bool = False) -> DispatchedStep:
+        """Build the plan's inputs (step_inputs.py) and start its step on the device. Groups
+        whose inputs cannot be built are left out; if the batch fails to dispatch, each group
+        runs alone to find the one(s) at fault (computing a group's tokens twice rewrites the
+        same K/V into the same slots). `lora_slots`: the step's adapters' device slots."""
+        batch, failed = self.step_builder.build(plan, lora_slots)
+        step = DispatchedStep(plan, [], [], failed)
+        if not batch.groups:
+            return step
+        groups = batch.groups
+        try:
+            step.handles.append(self.dispatch(batch, multi_step))
+            step.results = [(scheduled, 0, row) for scheduled, _, row in groups]
+        except Exception:
+            if len(batch.groups) == 1 or not self.is_alive():
+                raise
+            for k, (scheduled, _, _) in enumerate(groups):
+                try:
+                    step.handles.append(self.dispatch(batch.group(k), multi_step))
+                except Exception as e:
+                    if not self.is_alive():
+                        raise
+                    failed[scheduled.seq_group.request_id] = (scheduled.seq_group, e)
                     continue
-                prompt_len, length = len(r.prompt_token_ids), len(r.prompt_token_ids) + len(r.output_token_ids)
-                if seq.num_spec_tokens:  # drafts: row j counts the outputs and the first j drafts
-                    j = i - k
-                    if j == 0:  # the row holds the drafts past the sequence's tokens: sent again next step
-                        uploads[int(row)] = list(r.prompt_token_ids) + list(r.output_token_ids) + seq.token_ids[1:]
-                        self._history.pop(int(row), None)
-                    history.rows[i], history.prompt_lens[i], history.lens[i] = row, prompt_len, length + j
-                    continue
-                if self._history.get(row) != (seq.seq_id, length):
-                    uploads[int(row)] = list(r.prompt_token_ids) + list(r.output_token_ids)
-                history.rows[i], history.prompt_lens[i], history.lens[i] = row, prompt_len, length
-                # The sampler appends a lone sample's token (a beam may take another token).
-                if seq.num_samples == 1 and not p.use_beam_search:
-                    history.dst_rows[i] = row
-                    self._history[int(row)] = (seq.seq_id, length + 1)
-                else:
-                    self._history.pop(int(row), None)
-            k += seq.num_samples
-        items = list(uploads.items())
-        for start in range(0, len(items), HISTORY_UPLOAD_ROWS):
-            chunk = items[start:start + HISTORY_UPLOAD_ROWS]
-            upload_rows = np.full(HISTORY_UPLOAD_ROWS, -1, np.int32)
-            tokens = np.full((HISTORY_UPLOAD_ROWS, self.max_model_len), -1, np.int32)
-            for j, (row, ids) in enumerate(chunk):
-                upload_rows[j] = row
-                tokens[j, :len(ids)] = ids
-            self.dispatch_op("write_history", upload_rows, tokens)
-        return history
+                step.results.append((scheduled, len(step.handles) - 1, 0))
+        return step
 
-    def dispatch(self, seqs: list[SeqInput], sampling_rows: list, multi_step: bool = False) -> "StepHandle":
-        """Start one step on the device and return at once. `sampling_rows` are the per-sample rows
-        for the sampler, in the order of the sequences' samples. `multi_step`: a decode step (one
+    def dispatch(self, batch: StepBatch, multi_step: bool = False) -> "StepHandle":
+        """Start one step on the device and return at once. `multi_step`: a decode step (one
         token and one sample per sequence, fast sampler) run num_scheduler_steps times in one
         device call, each step's sampled tokens the next one's inputs; the block tables must hold
         the later tokens' slots (the scheduler's lookahead slots)."""
-        step = prepare_inputs(seqs, self.input_batch, self.buckets, self.block_size, multi_step,
-                              lora=bool(self.lora_linears))
+        ib = self.input_batch
+        step = prepare_step(batch, ib, self.buckets, self.block_size, multi_step,
+                            lora_slots=ib.lora_slot[batch.rows] if self.lora_linears else None)
         inputs, num_sample_rows = step.inputs, len(step.inputs.logits_indices)
-        full = not multi_step and rows_need_full_sampler(sampling_rows)
-        smeta = self.sampling_metadata(sampling_rows, num_sample_rows, full)
+        full = not multi_step and step_inputs.needs_full_sampler(ib, batch)
+        smeta = self.sampling_metadata(batch, num_sample_rows, full)
         if not multi_step:
-            history = self._history_inputs(seqs, step.rows, sampling_rows, num_sample_rows) if full else None
+            history = step_inputs.history_inputs(
+                ib, batch, num_sample_rows, self.max_model_len,
+                lambda rows, tokens: self.dispatch_op("write_history", rows, tokens)) if full else None
             out = self.dispatch_op("run_step", (step.num_tokens, full), pack(inputs),
-                                 pack((smeta, step.dst_rows, history)))
+                                   pack((smeta, step.dst_rows, history)))
             return StepHandle(out, num_sample_rows, smeta.num_logprobs, step.num_rows)
         out = self.dispatch_op("run_multi_step", step.num_tokens,
-                             pack((inputs, smeta, step.dst_rows, step.lookahead_slots)))
+                               pack((inputs, smeta, step.dst_rows, step.lookahead_slots)))
         return StepHandle(out, num_sample_rows, 0, step.num_rows, self.buckets.num_scheduler_steps)
 
     @staticmethod

@@ -3,6 +3,8 @@ arrays of its bucket (token ids, positions, slots, block tables, logits rows, th
 its samples go to, and a multi-step decode's lookahead slots)."""
 
 import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -50,23 +52,48 @@ class PreparedStep:
 
 def prepare_inputs(seqs: list[SeqInput], input_batch: InputBatch, buckets: Buckets, block_size: int,
                    multi_step: bool = False, steps_of: list[int] | None = None, lora: bool = False) -> PreparedStep:
-    """Pad `seqs` to their token bucket; `input_batch` gives (and keeps) their block-table rows.
-    `multi_step`: one token and one sample per sequence (else ValueError), and the slots of the
-    later steps' tokens, positions pos + 1 .. pos + K - 1 (K: buckets.num_scheduler_steps);
-    `steps_of`: each sequence's steps that count (a draft model's proposals), its later
-    slots -1 (nothing written: they may lie past its blocks). `lora`: each token's LoRA slot too."""
-    n = len(seqs)
-    lens = np.fromiter((len(s.token_ids) for s in seqs), np.int32, n)
-    start_pos = np.fromiter((s.start_pos for s in seqs), np.int32, n)
-    num_samples = np.fromiter((s.num_samples for s in seqs), np.int32, n)
-    num_prompt_rows = np.fromiter((s.num_prompt_rows for s in seqs), np.int32, n)
+    """`prepare_step` over SeqInputs (a draft model's proposals): `input_batch` gives (and keeps)
+    their block-table rows."""
+    rows = input_batch.rows([s.seq_id for s in seqs], [s.block_table for s in seqs])
+    batch = StepSeqs(rows, [s.token_ids for s in seqs], [s.start_pos for s in seqs], [s.num_samples for s in seqs],
+                     [s.num_prompt_rows for s in seqs], [s.num_spec_tokens for s in seqs])
+    lora_slots = [s.lora_slot for s in seqs] if lora else None
+    return prepare_step(batch, input_batch, buckets, block_size, multi_step, steps_of, lora_slots)
+
+
+class StepSeqs(NamedTuple):
+    """A step's sequences as lists (step_inputs.StepBatch has these fields too)."""
+
+    rows: Sequence[int]  # each one's InputBatch row, its block table up to date
+    token_ids: list[list[int]]
+    start_pos: list[int]
+    num_samples: list[int]
+    num_prompt_rows: list[int]
+    num_spec_tokens: list[int]
+
+
+def prepare_step(seqs, input_batch: InputBatch, buckets: Buckets, block_size: int, multi_step: bool = False,
+                 steps_of: list[int] | None = None, lora_slots: Sequence[int] | np.ndarray | None = None
+                 ) -> PreparedStep:
+    """Pad `seqs` (a StepSeqs or a StepBatch: rows whose block tables `input_batch` holds) to
+    their token bucket. `multi_step`: one token and one sample per sequence (else ValueError),
+    and the slots of the later steps' tokens, positions pos + 1 .. pos + K - 1 (K:
+    buckets.num_scheduler_steps); `steps_of`: each sequence's steps that count (a draft model's
+    proposals), its later slots -1 (nothing written: they may lie past its blocks).
+    `lora_slots`: each sequence's LoRA slot (None: LoRA off, no slots sent)."""
+    n = len(seqs.rows)
+    token_ids = seqs.token_ids
+    lens = np.fromiter(map(len, token_ids), np.int32, n)
+    start_pos = np.array(seqs.start_pos, np.int32)
+    num_samples = np.array(seqs.num_samples, np.int32)
+    num_prompt_rows = np.array(seqs.num_prompt_rows, np.int32)
     num_rows = int(num_samples.sum() + num_prompt_rows.sum())
     num_tokens_real = int(lens.sum())
     # Enough token rows for the sequence rows and the sampling rows (both at most max_num_seqs).
     num_tokens = fit(buckets.tokens, max(num_tokens_real, n, num_rows))
     num_seqs = buckets.seqs(num_tokens)
 
-    rows = input_batch.rows([s.seq_id for s in seqs], [s.block_table for s in seqs])
+    rows = np.asarray(seqs.rows, np.int32)
     block_tables = np.zeros((num_seqs, buckets.width), np.int32)
     block_tables[:n] = input_batch.block_tables[rows]
     query_start_loc = np.full(num_seqs + 1, num_tokens_real, np.int32)
@@ -75,8 +102,8 @@ def prepare_inputs(seqs: list[SeqInput], input_batch: InputBatch, buckets: Bucke
     context_lens = np.zeros(num_seqs, np.int32)
     context_lens[:n] = start_pos + lens
     input_ids = np.zeros(num_tokens, np.int32)
-    input_ids[:num_tokens_real] = [t for s in seqs for t in s.token_ids] if num_tokens_real > n \
-        else [s.token_ids[0] for s in seqs]
+    input_ids[:num_tokens_real] = [t for ids in token_ids for t in ids] if num_tokens_real > n \
+        else [ids[0] for ids in token_ids]
     # Pending tokens come from the device: a decode token's sequence row in last_tokens.
     src_rows = np.full(num_tokens, -1, np.int32)
     pending = np.flatnonzero(input_ids[:num_tokens_real] == PENDING_TOKEN)
@@ -93,7 +120,7 @@ def prepare_inputs(seqs: list[SeqInput], input_batch: InputBatch, buckets: Bucke
     last = query_start_loc[1:n + 1] - 1
     # A sequence's single sample goes to its row of last_tokens (several: a fork, read by the host).
     dst_rows = np.full(len(logits_indices), -1, np.int32)
-    spec = np.fromiter((s.num_spec_tokens for s in seqs), np.int32, n)
+    spec = np.array(seqs.num_spec_tokens, np.int32)
     if num_prompt_rows.any() or spec.any():
         row = 0
         for i in range(n):
@@ -111,11 +138,11 @@ def prepare_inputs(seqs: list[SeqInput], input_batch: InputBatch, buckets: Bucke
 
     decode = np.bool_(num_tokens_real == n) if num_seqs == num_tokens else None
     attn = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, decode)
-    lora_slots = None
-    if lora:  # each token's adapter slot (LoRA enabled: every step carries them)
-        lora_slots = np.full(num_tokens, -1, np.int32)
-        lora_slots[:num_tokens_real] = np.repeat(np.fromiter((s.lora_slot for s in seqs), np.int32, n), lens)
-    inputs = StepInputs(input_ids, positions, attn, logits_indices, src_rows, lora_slots)
+    token_lora = None
+    if lora_slots is not None:  # each token's adapter slot (LoRA enabled: every step carries them)
+        token_lora = np.full(num_tokens, -1, np.int32)
+        token_lora[:num_tokens_real] = np.repeat(np.asarray(lora_slots, np.int32), lens)
+    inputs = StepInputs(input_ids, positions, attn, logits_indices, src_rows, token_lora)
     lookahead_slots = None
     if multi_step:
         if num_tokens_real != n or num_rows != n or num_seqs != num_tokens:

@@ -131,7 +131,9 @@ class SamplingMetadata:
                   output_width: int | None = None,
                   banned_width: int | None = None,
                   do_guided: bool | None = None) -> SamplingMetadata:
-        """Builds the host (numpy) metadata of one step; O(rows) Python plus vectorised fills.
+        """Builds the host (numpy) metadata of one step from per-row objects; O(rows) Python plus
+        vectorised fills. The runner does not call it: it gathers the same arrays from its
+        InputBatch by row (step_inputs.sampling_metadata); this is the tests' from-scratch reference.
 
         rows: one `SamplingRow` (or a plain tuple in its field order) per real sequence, in the
           step's row order; rows past len(rows) up to num_rows_padded are greedy padding.
@@ -156,15 +158,10 @@ class SamplingMetadata:
         if any(r.seed is None for r in rows):
             raise ValueError("every row needs an int seed (the engine draws one for unseeded requests)")
 
-        # This runs every step for every row: the knobs come from each distinct SamplingParams once
-        # (requests usually share a few), the per-row counters from one pass each.
-        distinct: dict[int, int] = {}
-        which = np.fromiter((distinct.setdefault(id(p), len(distinct)) for p in params), np.int64, n)
-        by_id = {id(p): p for p in params}
-        table = np.array([(0.0, -1, 1.0, 0.0, 0.0, 0.0, 1.0)]  # padding: greedy, every knob off
-                         + [(p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
-                             p.repetition_penalty) for p in (by_id[i] for i in distinct)], np.float32)
-        knobs = table[np.concatenate([which + 1, np.zeros(s - n, np.int64)])]
+        knobs = np.array([(p.temperature, p.top_k, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+                           p.repetition_penalty) for p in params]
+                         + [(0.0, -1, 1.0, 0.0, 0.0, 0.0, 1.0)] * (s - n),  # padding: greedy, every knob off
+                         np.float32).reshape(s, 7)
         temperature, top_p, min_p, presence, frequency, repetition = (
             np.ascontiguousarray(knobs[:, i]) for i in (0, 2, 3, 4, 5, 6))
         top_k = knobs[:, 1].astype(np.int32)
@@ -217,8 +214,6 @@ class SamplingMetadata:
                    target_token_ids=target_token_ids,
                    do_guided=bool(do_guided),
                    do_penalties=bool(do_penalties), num_logprobs=int(num_logprobs))
-
-    from_params = from_rows  # the name used in the design brief
 
 
 class SamplingRow(NamedTuple):

@@ -32,7 +32,7 @@ from jpaged.runner.buckets import BLOCK_OP_SIZES, BLOCK_OPS
 from jpaged.runner.model_runner import ModelRunner
 from jpaged.runner.prepare_inputs import SeqInput, prepare_inputs
 from jpaged.runner.input_batch import pack
-from jpaged.runner.sampler import SamplingRow
+from jpaged.runner.step_inputs import StepBatch
 from jpaged.runner.step_functions import StepHandle
 from jpaged.spec_decode.proposer import DRAFT_PENDING, Proposer
 
@@ -143,9 +143,10 @@ class DraftModelProposer(Proposer):
             group, seq = scheduled.seq_group, scheduled.seqs[0]
             seqs.append(SeqInput(seq.seq_id, [seq.get_last_token_id()], seq.get_len() - 1,
                                  scheduler.block_manager.get_block_table(seq), 1))
-            # The key and sampling knobs of the target's first row (not its penalties, bans or grammar).
-            rows.append(SamplingRow(group.sampling_params, seed_of(group.sampling_params, seq),
-                                    group.seqs.index(seq), seq.get_output_len()))
+            # The key and sampling knobs of the target's first row (not its penalties, bans or grammar):
+            # (params, seed, seq_index, sample_index).
+            rows.append((group.sampling_params, seed_of(group.sampling_params, seq), group.seqs.index(seq),
+                         seq.get_output_len()))
         try:
             drafts = self.draft_tokens(runner, seqs, rows, [len(s.spec_token_ids) for s in pending])
         except Exception as e:
@@ -160,7 +161,8 @@ class DraftModelProposer(Proposer):
         """From each sequence's last token (one SeqInput token, one sample), `steps_of[i]` tokens,
         drafted one after another on the device by the draft's k-step decode loop (run through
         the `target` runner's dispatch: multi-host sends it). Each row samples with the target
-        row's key at that output position (`sampling_rows`: the first one's), so a draft is the
+        row's key at that output position (`sampling_rows`: the first one's (params, seed,
+        seq_index, sample_index); the draft's InputBatch rows keep them), so a draft is the
         token the target draws there when the two models agree, and verification keeps the
         target's draws exactly (spec_decode/__init__.py). The blocks must hold slots for every
         drafted token."""
@@ -168,10 +170,16 @@ class DraftModelProposer(Proposer):
         chunk = draft.buckets.decode_tokens[-1]  # a decode bucket holds at most this many sequences
         for start in range(0, len(seqs), chunk):
             part = slice(start, start + chunk)
-            step = prepare_inputs(seqs[part], draft.input_batch, draft.buckets, draft.block_size, multi_step=True,
+            ib = draft.input_batch
+            ib.free_absent({s.seq_id for s in seqs[part]})
+            for s, (sp, seed, index, _) in zip(seqs[part], sampling_rows[part]):
+                if s.seq_id not in ib.row_of:
+                    ib.add(s.seq_id, sp, seed, index, key_only=True)
+            step = prepare_inputs(seqs[part], ib, draft.buckets, draft.block_size, multi_step=True,
                                   steps_of=steps_of[part])
             num_rows = len(step.inputs.logits_indices)
-            smeta = draft.sampling_metadata(sampling_rows[part], num_rows, False)
+            rows = StepBatch(src=step.rows.tolist(), sample_index=[r[3] for r in sampling_rows[part]])
+            smeta = draft.sampling_metadata(rows, num_rows, False)
             out = target.dispatch_op("propose", step.num_tokens,
                                      pack((step.inputs, smeta, step.dst_rows, step.lookahead_slots)))
             outs = target.collect(StepHandle(out, num_rows, 0, step.num_rows, draft.buckets.num_scheduler_steps))
