@@ -172,7 +172,7 @@ def test_step_inputs_equal_a_from_scratch_build_over_random_steps():
     metadata, full/fast choice, block tables and LoRA slots equal a from-scratch build, the
     penalties' token history holds every penalised row's tokens, and the InputBatch holds rows
     for exactly the step's sequences (freed rows are reused: no leak)."""
-    from jpaged.core.scheduler import ScheduledSequenceGroup, SchedulerOutputs
+    from jpaged.core.scheduler_output import ScheduledSequenceGroup, SchedulerOutputs
     from jpaged.core.sequence import Sequence, SequenceGroup
     from jpaged.runner import step_inputs
     from jpaged.runner.input_batch import InputBatch
@@ -312,7 +312,7 @@ def test_step_inputs_equal_a_from_scratch_build_over_random_steps():
 
 def test_rows_of_left_sequences_are_freed_and_reused():
     """Many steps of sequences coming and going never run out of rows."""
-    from jpaged.core.scheduler import ScheduledSequenceGroup, SchedulerOutputs
+    from jpaged.core.scheduler_output import ScheduledSequenceGroup, SchedulerOutputs
     from jpaged.core.sequence import Sequence, SequenceGroup
     from jpaged.runner.input_batch import InputBatch
     from jpaged.runner.step_inputs import StepBuilder
@@ -334,7 +334,7 @@ def test_rows_of_left_sequences_are_freed_and_reused():
 
 
 def test_a_group_whose_inputs_fail_is_left_out_alone():
-    from jpaged.core.scheduler import ScheduledSequenceGroup, SchedulerOutputs
+    from jpaged.core.scheduler_output import ScheduledSequenceGroup, SchedulerOutputs
     from jpaged.core.sequence import Sequence, SequenceGroup
     from jpaged.runner.input_batch import InputBatch
     from jpaged.runner.step_inputs import StepBuilder

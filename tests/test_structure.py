@@ -20,16 +20,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("jpaged", "serving", "pallas_kernels")
 MAX_LINES = 500
 
-# Files whose id() calls the `batch` branch removes (it rewrites them); the lead empties this list
-# after merging it. jpaged/core/step_needs.py: can_overlap takes the engine's {id(group)} set
-# until llm_engine.py passes request ids (the change is in llm_engine.py, which `batch` owns).
-PENDING_ON_BATCH = [
-    "jpaged/engine/llm_engine.py",
-    "jpaged/runner/sampler.py",
-    "jpaged/core/scheduler.py",
-    "jpaged/core/step_needs.py",
-]
-
 
 def modules(root: pathlib.Path = ROOT, packages=PACKAGES) -> dict[str, tuple[pathlib.Path, bool]]:
     """Dotted module name -> (its file, whether it is a package's __init__)."""
@@ -121,13 +111,8 @@ def test_no_file_over_500_lines():
 
 def test_no_id_calls():
     files = [p for d in ("jpaged", "serving") for p in sorted((ROOT / d).rglob("*.py"))]
-    pending = {str(p.relative_to(ROOT)) for p in files} & set(PENDING_ON_BATCH)
-    assert pending == set(PENDING_ON_BATCH), "PENDING_ON_BATCH names files that are gone"
-    calls = {rel: lines for p in files if (rel := str(p.relative_to(ROOT))) not in pending and (lines := id_calls(p))}
+    calls = {str(p.relative_to(ROOT)): lines for p in files if (lines := id_calls(p))}
     assert not calls, f"id() calls (file: lines): {calls}"
-    # An entry stays only while its file still needs it.
-    assert all(id_calls(ROOT / rel) for rel in PENDING_ON_BATCH), \
-        f"PENDING_ON_BATCH: these files have no id() call left: {[r for r in PENDING_ON_BATCH if not id_calls(ROOT / r)]}"
 
 
 # ------------------------------------------------------------------ the checks themselves

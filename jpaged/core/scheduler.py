@@ -36,47 +36,10 @@ import itertools
 
 from jpaged.core.beam_search import beam_search_step, top_logprobs
 from jpaged.core.block_manager import AllocStatus, BlockManager
+from jpaged.core.scheduler_output import ScheduledSequenceGroup, SchedulerOutputs
 from jpaged.core.sequence import _FINISH_REASONS, Sequence, SequenceGroup, SequenceStatus
 from jpaged.core.stop_checker import StopChecker
 from jpaged.spec_decode.speculator import Speculator
-
-
-@dataclasses.dataclass(slots=True)  # (one per group every step)
-class ScheduledSequenceGroup:
-    """A group's share of a step: its running sequences compute positions [start, start + chunk);
-    then `prompt_rows` logits rows for prompt logprobs come first, and each sequence in `sampled`
-    samples that many rows after them (a fresh prompt best_of at once: one per fork)."""
-
-    seq_group: SequenceGroup
-    token_chunk_size: int  # tokens each running sequence of the group computes this step
-    start: int = 0  # the running sequences' computed tokens before the step (they are in lockstep)
-    prompt_rows: int = 0
-    seqs: list[Sequence] = dataclasses.field(default_factory=list)  # the running sequences
-    samples: list[int] = dataclasses.field(default_factory=list)  # rows each of `seqs` samples (0: none)
-    # Speculative decoding: drafts for the group's one sequence, computed after its last token
-    # (token_chunk_size = 1 + drafts), each position sampling a row (samples = 1 + drafts).
-    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def sampled(self) -> list[tuple[Sequence, int]]:
-        """(sequence, rows) of the sequences that sample."""
-        return [(seq, n) for seq, n in zip(self.seqs, self.samples) if n]
-
-
-@dataclasses.dataclass
-class SchedulerOutputs:
-    scheduled_seq_groups: list[ScheduledSequenceGroup] = dataclasses.field(default_factory=list)
-    num_batched_tokens: int = 0
-    # Block copies to make before the step, in this order: swap out, swap in, copy-on-write.
-    blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (gpu, cpu)
-    blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (cpu, gpu)
-    blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst) on the device
-    ignored_seq_groups: list[SequenceGroup] = dataclasses.field(default_factory=list)  # now FINISHED_IGNORED
-    preempted: int = 0  # groups preempted this step
-
-    def is_empty(self) -> bool:
-        return not (self.scheduled_seq_groups or self.blocks_to_swap_out or self.blocks_to_swap_in
-                    or self.blocks_to_copy)
 
 
 @dataclasses.dataclass
@@ -175,7 +138,9 @@ class Scheduler:
         step ran drop its tokens. Returns the groups whose update raised, {request_id: (group,
         error)}: the caller aborts them; the others are updated."""
         failed = {}
-        columns = {}  # id(outs) of a multi-step decode -> per row, its K tokens and their logprobs
+        # A multi-step decode's outputs, transposed once for all the step's groups (they share the
+        # same list, read once): per row, its K tokens and their logprobs.
+        columns_of, columns = None, None
         for scheduled, outs, row in results:
             group = scheduled.seq_group
             if group.is_finished():
@@ -184,11 +149,10 @@ class Scheduler:
                 if len(outs) == 1:
                     self._process(scheduled, outs[0], row)
                 else:
-                    rows = columns.get(id(outs))
-                    if rows is None:  # (transposed once for all the step's groups)
-                        rows = columns[id(outs)] = (list(zip(*(_as_list(o.token_ids) for o in outs))),
-                                                    list(zip(*(_as_list(o.logprobs) for o in outs))))
-                    self._process_multi_step(scheduled, outs, row, rows)
+                    if columns_of is not outs:
+                        columns_of, columns = outs, (list(zip(*(_as_list(o.token_ids) for o in outs))),
+                                                     list(zip(*(_as_list(o.logprobs) for o in outs))))
+                    self._process_multi_step(scheduled, outs, row, columns)
             except Exception as e:
                 failed[group.request_id] = (group, e)
         self.free_finished_seq_groups()

@@ -9,19 +9,12 @@ those and the queues: whether the next step may be scheduled before this one's t
 adds its rule here, nowhere else.
 """
 
-from jpaged.core.request_needs import RequestNeeds
 from jpaged.core.sequence import SequenceStatus
 
 
-def rows_need_full_sampler(rows) -> bool:
-    """The runner's choice for a batch of SamplingRows (a prompt-logprob row, with its target
-    token, needs the full path too). Rows carry their params, not their group: worked out here."""
-    return any(r.target_token_id >= 0 or RequestNeeds.of(r.params).full_sampler for r in rows)
-
-
-def can_overlap(scheduler, step_groups: set[int], max_model_len: int) -> bool:
-    """Whether the next step can be scheduled before the step of `step_groups` (ids of its
-    groups) is read: each running group decodes one pending token per sequence with sampling
+def can_overlap(scheduler, step_groups: set[str], max_model_len: int) -> bool:
+    """Whether the next step can be scheduled before the step of `step_groups` (its groups'
+    request ids) is read: each running group decodes one pending token per sequence with sampling
     that needs no host state of it (no penalties, grammar, beam search or fork), nothing waits
     or is swapped out (no admission), every sequence can take a block (no preemption), none is
     sure to end with its pending token (no slot past its end) and, with prefix caching, none
@@ -36,7 +29,7 @@ def can_overlap(scheduler, step_groups: set[int], max_model_len: int) -> bool:
     caching, num_seqs = bm.enable_caching, 0
     for group in scheduler.running:
         sp = group.sampling_params
-        if id(group) not in step_groups or group.needs.host_tokens:
+        if group.request_id not in step_groups or group.needs.host_tokens:
             return False
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             if (seq.num_pending_tokens != 1 or seq.get_output_len() >= sp.max_tokens

@@ -18,7 +18,8 @@ from jpaged.core.detokenizer import Detokenizer
 from jpaged.core.kv_allocation import KVUsage, kv_usage
 from jpaged.core.kv_map import KVMap
 from jpaged.core.output_processor import OutputProcessor
-from jpaged.core.scheduler import Scheduler, SchedulerOutputs
+from jpaged.core.scheduler import Scheduler
+from jpaged.core.scheduler_output import SchedulerOutputs
 from jpaged.core.sequence import Sequence, SequenceGroup
 from jpaged.core.step_needs import can_multi_step, can_overlap
 from jpaged.core.stop_checker import StopChecker
@@ -262,7 +263,7 @@ class LLMEngine:
         """Whether the next step may be scheduled before `dispatched` is read (step_needs.py)."""
         return (self.config.async_scheduling and not dispatched.failed  # (verified drafts: accepted count unknown)
                 and (self.proposer is None or not any(s.spec_token_ids for s in dispatched.plan.scheduled_seq_groups))
-                and can_overlap(self.scheduler, {id(s.seq_group) for s, _, _ in dispatched.results},
+                and can_overlap(self.scheduler, {s.seq_group.request_id for s, _, _ in dispatched.results},
                                 self.max_model_len))
 
     def _dispatch(self, plan: SchedulerOutputs, multi_step: bool, previous: DispatchedStep | None) -> DispatchedStep:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.core.step_needs import RequestNeeds
+from jpaged.core.request_needs import RequestNeeds
 from jpaged.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 # Tokens a row can forbid in one step (EOS and stop_token_ids while min_tokens is not reached;

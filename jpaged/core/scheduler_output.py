@@ -1,0 +1,46 @@
+"""What the scheduler decides for one step (vLLM v1 keeps it apart too: `sched/output.py`): each
+scheduled group's share of the step, and the plan's block copies and swaps. The runner builds
+its inputs from it (runner/step_inputs.py); `Scheduler.update_from_output` takes it back with the
+sampled rows."""
+
+import dataclasses
+
+from jpaged.core.sequence import Sequence, SequenceGroup
+
+
+@dataclasses.dataclass(slots=True)  # (one per group every step)
+class ScheduledSequenceGroup:
+    """A group's share of a step: its running sequences compute positions [start, start + chunk);
+    then `prompt_rows` logits rows for prompt logprobs come first, and each sequence in `sampled`
+    samples that many rows after them (a fresh prompt best_of at once: one per fork)."""
+
+    seq_group: SequenceGroup
+    token_chunk_size: int  # tokens each running sequence of the group computes this step
+    start: int = 0  # the running sequences' computed tokens before the step (they are in lockstep)
+    prompt_rows: int = 0
+    seqs: list[Sequence] = dataclasses.field(default_factory=list)  # the running sequences
+    samples: list[int] = dataclasses.field(default_factory=list)  # rows each of `seqs` samples (0: none)
+    # Speculative decoding: drafts for the group's one sequence, computed after its last token
+    # (token_chunk_size = 1 + drafts), each position sampling a row (samples = 1 + drafts).
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def sampled(self) -> list[tuple[Sequence, int]]:
+        """(sequence, rows) of the sequences that sample."""
+        return [(seq, n) for seq, n in zip(self.seqs, self.samples) if n]
+
+
+@dataclasses.dataclass
+class SchedulerOutputs:
+    scheduled_seq_groups: list[ScheduledSequenceGroup] = dataclasses.field(default_factory=list)
+    num_batched_tokens: int = 0
+    # Block copies to make before the step, in this order: swap out, swap in, copy-on-write.
+    blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (gpu, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (cpu, gpu)
+    blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst) on the device
+    ignored_seq_groups: list[SequenceGroup] = dataclasses.field(default_factory=list)  # now FINISHED_IGNORED
+    preempted: int = 0  # groups preempted this step
+
+    def is_empty(self) -> bool:
+        return not (self.scheduled_seq_groups or self.blocks_to_swap_out or self.blocks_to_swap_in
+                    or self.blocks_to_copy)
