@@ -121,7 +121,7 @@ def random_params(rng):
 
 def reference_metadata(plan, bm, grammars, eos, seed):
     """The per-row SamplingRows of the plan, from scratch, and their from_rows metadata."""
-    from jpaged.core.step_needs import RequestNeeds
+    from jpaged.core.request_needs import RequestNeeds
     from jpaged.runner.input_batch import MAX_BANNED_TOKENS
     from jpaged.runner.sampler import SamplingRow
     from jpaged.sampling_params import SamplingParams
