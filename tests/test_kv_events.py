@@ -1,0 +1,214 @@
+"""KV events on the wire: a subscriber written only from vLLM's schema (its own msgspec structs,
+pyzmq) reads jpaged's batches, live and by replay; bad configurations are clear errors."""
+
+import json
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from jpaged.kv_events.config import KVEventsConfig, offset_endpoint
+from jpaged.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, external_block_hash
+from jpaged.kv_events.publisher import END_OF_REPLAY, NullEventPublisher, make_publisher
+
+
+# ---- vLLM's schema, restated (vllm/distributed/kv_events.py): what a router written for vLLM decodes.
+class VEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
+    events: list
+    data_parallel_rank: int | None = None
+
+
+class VEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class VBlockStored(VEvent, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class VBlockRemoved(VEvent, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class VAllBlocksCleared(VEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class VKVEventBatch(VEventBatch):
+    events: list[VBlockStored | VBlockRemoved | VAllBlocksCleared]
+
+
+DECODER = msgspec.msgpack.Decoder(VKVEventBatch)
+
+
+def random_batches(rng, count: int, block_size: int = 16):
+    batches, mine = [], []
+    for i in range(count):
+        events, theirs = [], []
+        for _ in range(int(rng.integers(1, 4))):
+            kind = int(rng.integers(0, 3))
+            hashes = [external_block_hash(rng.bytes(32)) for _ in range(int(rng.integers(1, 4)))]
+            if kind == 0:
+                tokens = rng.integers(0, 50_000, block_size * len(hashes)).tolist()
+                parent = None if rng.random() < 0.3 else external_block_hash(rng.bytes(32))
+                lora = None if rng.random() < 0.5 else (int(rng.integers(1, 9)), "adapter")
+                events.append(BlockStored(hashes, parent, tokens, block_size, lora and lora[0], "GPU", lora and lora[1]))
+                theirs.append(VBlockStored(hashes, parent, tokens, block_size, lora and lora[0], "GPU", lora and lora[1]))
+            elif kind == 1:
+                events.append(BlockRemoved(hashes, "GPU"))
+                theirs.append(VBlockRemoved(hashes, "GPU"))
+            else:
+                events.append(AllBlocksCleared())
+                theirs.append(VAllBlocksCleared())
+        batches.append(KVEventBatch(ts=1.7e9 + i, events=events))
+        mine.append(VKVEventBatch(ts=1.7e9 + i, events=theirs, data_parallel_rank=3))
+    return batches, mine
+
+
+def test_the_payload_is_byte_for_byte_vllms():
+    rng = np.random.default_rng()
+    ours, theirs = random_batches(rng, 20)
+    encoder = msgspec.msgpack.Encoder()
+    for a, b in zip(ours, theirs):
+        a.data_parallel_rank = 3
+        assert encoder.encode(a) == encoder.encode(b)
+        assert DECODER.decode(encoder.encode(a)) == b
+    # The optional trailing fields are left out when unset, as vLLM leaves them out.
+    stored = msgspec.msgpack.decode(encoder.encode(ours[0].events[0] if isinstance(ours[0].events[0], BlockStored)
+                                                   else BlockStored([1], None, [1], 1, None, "GPU", None)))
+    assert stored["type"] == "BlockStored" and "extra_keys" not in stored and "lora_name" in stored
+
+
+def test_block_hashes_as_vllm_publishes_them(monkeypatch):
+    digest = bytes(range(32))
+    assert external_block_hash(digest) == int.from_bytes(digest[-8:], "big")
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    assert external_block_hash(digest) == digest
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _replay(context, endpoint: str, start: int) -> list[tuple[int, bytes]]:
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    dealer.send_multipart((b"", start.to_bytes(8, "big")))
+    out = []
+    try:
+        while True:
+            assert dealer.poll(10_000), "no replay answer in 10 s"
+            _, seq, payload = dealer.recv_multipart()
+            if seq == END_OF_REPLAY:
+                assert payload == b""
+                return out
+            out.append((int.from_bytes(seq, "big"), payload))
+    finally:
+        dealer.close(linger=0)
+
+
+def test_live_batches_and_replay_of_the_missed_ones():
+    rng = np.random.default_rng()
+    port, replay_port = _free_port(), _free_port()
+    config = KVEventsConfig.of(json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}",
+                                           "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv",
+                                           "buffer_steps": 50}))
+    publisher = make_publisher(config, data_parallel_rank=0)
+    context = zmq.Context.instance()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    ours, theirs = random_batches(rng, 60)
+    for t in theirs:
+        t.data_parallel_rank = 0
+    try:
+        live, sent = [], 0
+        # A SUB socket sees nothing until its subscription reaches the PUB ("slow joiner"): batches
+        # go out one at a time until one arrives; those before it are what replay is for.
+        while not live:
+            assert sent < len(ours) - 10, "the subscriber never received a batch"
+            publisher.publish(ours[sent])
+            sent += 1
+            if sub.poll(200):
+                live.append(sub.recv_multipart())
+        for batch in ours[sent:]:
+            publisher.publish(batch)
+        while len(live) < len(ours) - int.from_bytes(live[0][1], "big"):
+            assert sub.poll(10_000), "a live batch did not arrive"
+            live.append(sub.recv_multipart())
+        first = int.from_bytes(live[0][1], "big")
+        for k, (topic, seq, payload) in enumerate(live):
+            assert topic == b"kv" and int.from_bytes(seq, "big") == first + k
+            assert DECODER.decode(payload) == theirs[first + k]
+        # Replay from 0: only the last buffer_steps batches are kept.
+        replayed = _replay(context, f"tcp://127.0.0.1:{replay_port}", 0)
+        assert [s for s, _ in replayed] == list(range(len(ours) - 50, len(ours)))
+        assert [DECODER.decode(p) for _, p in replayed] == theirs[-50:]
+        assert [s for s, _ in _replay(context, f"tcp://127.0.0.1:{replay_port}", 55)] == list(range(55, 60))
+    finally:
+        sub.close(linger=0)
+        publisher.shutdown()
+
+
+@pytest.mark.parametrize("value, field", [
+    ('{"enable_kv_cache_events": 1}', "enable_kv_cache_events"),
+    ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher"),
+    ('{"enable_kv_cache_events": true, "endpoint": "http://x:1"}', "endpoint"),
+    ('{"enable_kv_cache_events": true, "replay_endpoint": "tcp://*:5557"}', "replay_endpoint"),
+    ('{"buffer_steps": 0}', "buffer_steps"),
+    ('{"hwm": -1}', "hwm"),
+    ('{"max_queue_size": true}', "max_queue_size"),
+    ('{"topic": 3}', "topic"),
+    ('{"endpoints": "tcp://*:1"}', "unknown fields"),
+    ('[1]', "JSON object"),
+    ('{"enable_kv_cache_events": true,', "not valid JSON"),
+])
+def test_bad_configs_name_the_field(value, field):
+    with pytest.raises(ValueError, match=field):
+        KVEventsConfig.of(value)
+
+
+def test_defaults_and_the_null_publisher():
+    assert KVEventsConfig.of({}).publisher == "null" and not KVEventsConfig.of({}).enabled
+    config = KVEventsConfig.of({"enable_kv_cache_events": True})
+    assert config.publisher == "zmq" and config.endpoint == "tcp://*:5557" and config.enabled
+    assert isinstance(make_publisher(None), NullEventPublisher)
+    assert isinstance(make_publisher(KVEventsConfig.of({"enable_kv_cache_events": False})), NullEventPublisher)
+
+
+def test_each_data_parallel_rank_gets_its_own_address():
+    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
+    assert offset_endpoint("ipc:///tmp/kv", 2) == "ipc:///tmp/kv_dp2"
+    assert offset_endpoint(None, 2) is None
+    with pytest.raises(ValueError, match="no port"):
+        offset_endpoint("tcp://host", 1)
+
+
+def test_a_busy_address_fails_at_start_up():
+    port = _free_port()
+    config = KVEventsConfig.of({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
+    first = make_publisher(config)
+    try:
+        with pytest.raises(ValueError, match="cannot open"):
+            make_publisher(config)
+    finally:
+        first.shutdown()
