@@ -212,3 +212,62 @@ def test_a_busy_address_fails_at_start_up():
             make_publisher(config)
     finally:
         first.shutdown()
+
+
+# ---- The block pool's own stores and evictions, as events (the model-free engine of test_scheduler).
+@pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
+@pytest.mark.parametrize("seed", range(4))
+def test_events_replay_into_the_block_pools_prefix_cache(monkeypatch, preemption_mode, seed):
+    """After every step, a subscriber's view built only from the events (stored hashes added,
+    removed ones dropped, a clear empties it) equals the pool's prefix cache; each stored chain's
+    hashes recompute from its token ids and parent (raw hashes: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)."""
+    from test_scheduler import FakeEngine
+
+    from jpaged.core.block_manager import hash_block_tokens
+
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    rng = np.random.default_rng(seed)
+    print(f"seed {seed}")
+    engine = FakeEngine(block_size=4, num_gpu_blocks=int(rng.integers(12, 24)), num_cpu_blocks=32, max_num_seqs=6,
+                        preemption_mode=preemption_mode, enable_caching=True)
+    engine.bm.enable_kv_events()
+    families = [tuple(rng.integers(0, 1000, 24).tolist()) for _ in range(3)]
+    arrivals = {}
+    for i in range(16):
+        prefix = families[int(rng.integers(0, 3))][:int(rng.integers(0, 24))]
+        arrivals.setdefault(int(rng.integers(0, 20)), []).append(
+            (f"r{i}", int(rng.integers(len(prefix) + 1, 30)), int(rng.integers(1, 12)), int(rng.integers(1, 3)), prefix))
+    view: set = set()
+    counts = {"BlockStored": 0, "BlockRemoved": 0}
+    encoder = msgspec.msgpack.Encoder()
+
+    def check():
+        for event in DECODER.decode(encoder.encode(KVEventBatch(0.0, engine.bm.take_events()))).events:
+            if isinstance(event, VBlockStored):
+                counts["BlockStored"] += 1
+                assert event.block_size == 4 and len(event.token_ids) == 4 * len(event.block_hashes)
+                assert event.parent_block_hash is None or event.parent_block_hash in view
+                parent = event.parent_block_hash
+                for k, block_hash in enumerate(event.block_hashes):
+                    assert block_hash == hash_block_tokens(parent, event.token_ids[4 * k:4 * k + 4])
+                    assert block_hash not in view
+                    view.add(block_hash)
+                    parent = block_hash
+            elif isinstance(event, VBlockRemoved):
+                counts["BlockRemoved"] += 1
+                assert set(event.block_hashes) <= view
+                view.difference_update(event.block_hashes)
+            else:
+                view.clear()
+        assert view == set(engine.bm.gpu_pool.cached_blocks)
+
+    while engine.scheduler.has_unfinished_seqs() or arrivals:
+        for args in arrivals.pop(engine.num_steps, []):
+            engine.add(*args)
+        engine.step()
+        check()
+    print(counts)
+    assert counts["BlockStored"] > 0 and counts["BlockRemoved"] > 0
+    engine.bm.reset_prefix_cache()
+    check()
+    assert not view
