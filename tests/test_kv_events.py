@@ -271,3 +271,69 @@ def test_events_replay_into_the_block_pools_prefix_cache(monkeypatch, preemption
     engine.bm.reset_prefix_cache()
     check()
     assert not view
+
+
+def test_an_engine_publishes_its_prefix_cache():
+    """The tiny model with prefix caching and events on: the batches, read back by replay, rebuild
+    exactly the pool's prefix cache, with stores and evictions; a reset publishes AllBlocksCleared."""
+    import time
+
+    import jpaged
+    from jpaged.engine import sleep_mode
+
+    rng = np.random.default_rng()
+    port, replay_port = _free_port(), _free_port()
+    llm = jpaged.LLM("tiny", enforce_eager=True, enable_prefix_caching=True, block_size=8, max_model_len=256,
+                     num_gpu_blocks_override=16, max_num_seqs=4,
+                     kv_events_config={"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}",
+                                       "replay_endpoint": f"tcp://*:{replay_port}", "topic": "jpaged"})
+    engine = llm.llm_engine
+    publisher = engine.kv_event_publisher
+    published = []
+    send = publisher.publish
+    publisher.publish = lambda batch: (published.append(batch), send(batch))
+    try:
+        system = rng.integers(1, 200, 40).tolist()
+        prompts = [system[:int(rng.integers(8, 41))] + rng.integers(1, 200, int(rng.integers(1, 30))).tolist()
+                   for _ in range(8)]
+        params = jpaged.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        llm.generate(prompts, params, use_tqdm=False)
+        before_reset = {external_block_hash(h) for h in engine.block_manager.gpu_pool.cached_blocks}
+        sleep_mode.reset_prefix_cache(engine)
+        llm.generate(prompts[:3], params, use_tqdm=False)
+        cached = {external_block_hash(h) for h in engine.block_manager.gpu_pool.cached_blocks}
+        context = zmq.Context.instance()
+        deadline = time.monotonic() + 30
+        while True:  # the publisher thread sends in the background: ask until every batch is out
+            replayed = _replay(context, f"tcp://127.0.0.1:{replay_port}", 0)
+            if len(replayed) == len(published) or time.monotonic() > deadline:
+                break
+        assert [seq for seq, _ in replayed] == list(range(len(published)))
+        view, kinds, cleared_at = set(), [], None
+        for _, payload in replayed:
+            batch = DECODER.decode(payload)
+            assert batch.data_parallel_rank == 0
+            for event in batch.events:
+                kinds.append(type(event).__name__)
+                if isinstance(event, VBlockStored):
+                    assert event.block_size == 8 and event.medium == "GPU" and event.lora_id is None
+                    view.update(event.block_hashes)
+                elif isinstance(event, VBlockRemoved):
+                    view.difference_update(event.block_hashes)
+                else:
+                    assert view == before_reset
+                    view.clear()
+                    cleared_at = len(kinds)
+        print({k: kinds.count(k) for k in set(kinds)})
+        assert view == cached and cached
+        assert cleared_at is not None and "VBlockRemoved" in kinds and "VBlockStored" in kinds[cleared_at:]
+    finally:
+        engine.shutdown()
+
+
+def test_events_need_prefix_caching():
+    from jpaged.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_events_config"):
+        EngineConfig(kv_events_config='{"enable_kv_cache_events": true}')
+    assert EngineConfig(kv_events_config='{"enable_kv_cache_events": false}').kv_events_config.publisher == "null"
