@@ -5,6 +5,7 @@ import dataclasses
 from pallas_kernels import BACKENDS as ATTENTION_BACKENDS  # pallas: Triton kernels; mosaic: Mosaic GPU (sm_90+)
 
 from jpaged.core.kv_allocation import KV_ALLOCATIONS
+from jpaged.kv_events.config import KVEventsConfig
 from jpaged.spec_decode.config import SpeculativeConfig
 
 DEVICES = ("cuda", "cpu")
@@ -26,7 +27,7 @@ def _option(default, help: str, **metadata):
 
 # Options that change nothing a compiled step computes: left out of the executable cache's key.
 HOST_ONLY_OPTIONS = ("executable_cache", "grammar_compile_timeout", "grammar_compile_memory", "max_cpu_loras",
-                     "enable_sleep_mode")
+                     "enable_sleep_mode", "kv_events_config")
 
 
 @dataclasses.dataclass
@@ -79,6 +80,11 @@ class EngineConfig:
         None, "speculative decoding, vLLM's dict (a JSON object on the command line): "
         '{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m, '
         '"disable_by_batch_size": b}, or {"method": "draft_model", "model": PATH_OR_ID, "num_speculative_tokens": k}')
+    kv_events_config: dict | str | None = _option(
+        None, "publish the prefix cache's stores and evictions for KV-aware routers, vLLM's KVEventsConfig (a "
+        'JSON object on the command line): {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
+        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "", "buffer_steps": 10000, "hwm": 100000}; '
+        "needs enable_prefix_caching")
     enable_lora: bool = _option(False, "serve LoRA adapters (PEFT format) over the model: LoRARequest offline, "
                                 "--lora-modules or a request's model name on the server")
     max_loras: int = _option(1, "LoRA adapters one step can run (device slots)")
@@ -141,6 +147,9 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         check("num_scheduler_steps", self.num_scheduler_steps == 1 or self.speculative_config is None,
               "1 with speculative_config (a step verifies drafts, or decodes several tokens on the device)")
+        self.kv_events_config = KVEventsConfig.of(self.kv_events_config)
+        check("kv_events_config", self.kv_events_config is None or not self.kv_events_config.enabled
+              or self.enable_prefix_caching, "events only with enable_prefix_caching (they report the prefix cache)")
         check("max_loras", isinstance(self.max_loras, int) and self.max_loras >= 1, "an integer >= 1")
         check("max_lora_rank", isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1, "an integer >= 1")
         check("max_cpu_loras", self.max_cpu_loras is None or (isinstance(self.max_cpu_loras, int)

@@ -55,6 +55,7 @@ class AsyncLLMEngine:
         self._wakeup.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self.engine.shutdown)
 
     # ------------------------------------------------------------------ requests
     async def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,

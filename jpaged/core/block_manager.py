@@ -39,6 +39,7 @@ import hashlib
 from jpaged.core.block_pool import BlockPool, NoFreeBlocksError
 from jpaged.core.kv_allocation import kv_allocation_policy
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from jpaged.kv_events.events import MEDIUM_GPU, BlockStored, external_block_hash
 
 
 FREED_BLOCK = -1  # a table entry whose block fell out of the sliding window and was freed
@@ -114,6 +115,18 @@ class BlockManager:
         if self.gpu_tables or self.cpu_tables:
             raise ValueError("the prefix cache can be reset only when no request is running or swapped out")
         self.gpu_pool.reset_cache()
+
+    def enable_kv_events(self):
+        """Record the prefix cache's stores, evictions and clears for `take_events` (KV events)."""
+        self.gpu_pool.events = []
+
+    def take_events(self) -> list:
+        """The KV events since the last call, oldest first (none when events are off)."""
+        events = self.gpu_pool.events
+        if not events:
+            return []
+        self.gpu_pool.events = []
+        return events
 
     def get_num_cached_gpu_blocks(self) -> int:
         return self.gpu_pool.get_num_cached_blocks()
@@ -248,20 +261,38 @@ class BlockManager:
                 self.prefix_cache_hits += num_cached * self.block_size
         return num_cached * self.block_size
 
-    def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int):
+    def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int, lora=None):
         """Prefix caching: the sequence's first `num_computed_tokens` tokens are computed (or will
-        be by the end of this step); make the full blocks among them findable by hash."""
+        be by the end of this step); make the full blocks among them findable by hash. `lora`: the
+        sequence's LoRARequest, named in KV events."""
         if not self.enable_caching:
             return
         num_full = num_computed_tokens // self.block_size
         start = self._num_hashed_blocks[seq.seq_id]
         if num_full <= start:
             return
-        table = self.gpu_tables[seq.seq_id]
-        for block_id, block_hash in zip(table[start:num_full], self._block_hashes(seq, num_full)[start:]):
-            if block_id != FREED_BLOCK:  # swapped back in after its window moved on
-                self.gpu_pool.cache(block_id, block_hash)
+        table, hashes = self.gpu_tables[seq.seq_id], self._block_hashes(seq, num_full)
+        stored = [i for i in range(start, num_full)  # (a FREED_BLOCK: swapped back in after its window moved on)
+                  if table[i] != FREED_BLOCK and self.gpu_pool.cache(table[i], hashes[i])]
         self._num_hashed_blocks[seq.seq_id] = num_full
+        if stored and self.gpu_pool.events is not None:
+            self._stored_events(seq, hashes, stored, lora)
+
+    def _stored_events(self, seq: Sequence, hashes: list[bytes], stored: list[int], lora):
+        """One BlockStored per run of consecutive blocks cached now, chained to the block before it."""
+        size, token_ids, runs = self.block_size, seq.get_token_ids(), []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            self.gpu_pool.events.append(BlockStored(
+                [external_block_hash(hashes[i]) for i in run],
+                external_block_hash(hashes[run[0] - 1]) if run[0] else None,
+                token_ids[run[0] * size:(run[-1] + 1) * size], size,
+                lora.lora_int_id if lora is not None else None, MEDIUM_GPU,
+                lora.lora_name if lora is not None else None))
 
     # Decoding.
 

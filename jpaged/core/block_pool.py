@@ -8,6 +8,8 @@ v1 keeps block_pool.py apart from its KV cache manager.
 
 import collections
 
+from jpaged.kv_events.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, external_block_hash
+
 
 class NoFreeBlocksError(RuntimeError):
     """A pool ran out of blocks: the caller skipped the matching can_* check."""
@@ -39,6 +41,9 @@ class BlockPool:
         self.free_queue: collections.OrderedDict[int, Block] = collections.OrderedDict()  # freed since
         self.cached_blocks: dict[bytes, Block] = {}  # prefix hash -> the block holding it
         self.num_cached_free = 0  # free-queue blocks that keep a cached prefix (kept as it changes)
+        # KV events (jpaged/kv_events), when on: the prefix cache's changes not taken yet, in order.
+        # The block manager adds the stores (it knows their tokens); evictions and clears are here.
+        self.events: list | None = None
 
     def get_num_free_blocks(self) -> int:
         return self.num_blocks - len(self.blocks) + len(self.free_queue)
@@ -50,6 +55,8 @@ class BlockPool:
         elif self.free_queue:
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:  # evict the least recently used cached prefix
+                if self.events is not None:
+                    self.events.append(BlockRemoved([external_block_hash(block.block_hash)], MEDIUM_GPU))
                 del self.cached_blocks[block.block_hash]
                 block.block_hash = None
                 self.num_cached_free -= 1
@@ -73,13 +80,15 @@ class BlockPool:
             self.num_cached_free -= 1
         block.ref_cnt += 1
 
-    def cache(self, block_id: int, block_hash: bytes):
+    def cache(self, block_id: int, block_hash: bytes) -> bool:
         """Make a full, computed block findable by its prefix hash. The first block to hold a prefix
-        stays its only cached copy; a later duplicate is an ordinary block."""
+        stays its only cached copy; a later duplicate is an ordinary block. Whether it was cached now."""
         block = self._get(block_id)
         if block.block_hash is None and block_hash not in self.cached_blocks:
             block.block_hash = block_hash
             self.cached_blocks[block_hash] = block
+            return True
+        return False
 
     def reset_cache(self):
         """Forget every cached prefix (new weights make the cached K/V wrong); the blocks stay free."""
@@ -87,6 +96,8 @@ class BlockPool:
             block.block_hash = None
         self.cached_blocks.clear()
         self.num_cached_free = 0
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
 
     def get_num_cached_blocks(self) -> int:
         """Blocks nobody holds that keep a cached prefix (counted as free: evicted when needed)."""

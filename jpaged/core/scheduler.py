@@ -238,7 +238,7 @@ class Scheduler:
             seq.num_computed_tokens += 1
             accepted += 1
             # A block the accepted drafts filled is cached as a decode step's would be.
-            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
+            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens, group.lora_request)
         self.speculator.record(len(drafts), accepted)
 
     def set_drafts(self, out: SchedulerOutputs, scheduled: ScheduledSequenceGroup, drafts: list[int]):
@@ -429,7 +429,7 @@ class Scheduler:
                 # The blocks this step fills are cached from now on. A group admitted later in this
                 # step may read them at once: every layer writes the step's new K/V before attending.
                 # (Drafts are not the sequence's tokens: no hash covers them.)
-                bm.cache_full_blocks(seq, seq.num_computed_tokens + chunk - len(drafts or ()))
+                bm.cache_full_blocks(seq, seq.num_computed_tokens + chunk - len(drafts or ()), seq_group.lora_request)
                 bm.free_out_of_window(seq)
         num_tokens = chunk * len(running)
         scheduled = self._scheduled(seq_group, running, chunk, drafts)

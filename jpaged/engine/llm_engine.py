@@ -26,6 +26,8 @@ from jpaged.core.stop_checker import StopChecker
 from jpaged.core.structured_output import StructuredOutputManager
 from jpaged.engine import start_up
 from jpaged.engine.request_validator import RequestValidator
+from jpaged.kv_events.events import KVEventBatch
+from jpaged.kv_events.publisher import make_publisher
 from jpaged.log_notes import explain_slow_compile_alarm
 from jpaged.lora.manager import LoRAManager, check_lora_request
 from jpaged.lora.model import add_lora_slots
@@ -121,6 +123,11 @@ class LLMEngine:
                                           enable_caching=config.enable_prefix_caching,
                                           kv_allocation=config.kv_allocation, max_model_len=self.max_model_len,
                                           sliding_window=common_sliding_window(loaded.model))
+        # KV events (vLLM's wire format, jpaged/kv_events): the prefix cache's changes, published
+        # after every step for KV-aware routers. Opened now: a busy address fails the start-up.
+        self.kv_event_publisher = make_publisher(config.kv_events_config)
+        if config.kv_events_config is not None and config.kv_events_config.enabled:
+            self.block_manager.enable_kv_events()
         # Debug mode (the tests turn it on): check the block pool's invariants after every step.
         self.check_invariants = os.environ.get("JPAGED_CHECK_INVARIANTS", "0") not in ("", "0")
         shape = dict(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs,
@@ -320,11 +327,22 @@ class LLMEngine:
         for o in outputs:
             if o.finished and o.request_id in self._groups:
                 self._forget(self._groups.pop(o.request_id))
+        self.publish_kv_events()
         if self.check_invariants:
             self.block_manager.check_invariants()
         if failed:
             raise StepFailedError([group.request_id for group, _ in failed.values()], cause, outputs) from cause
         return outputs
+
+    def publish_kv_events(self):
+        """Send the prefix cache's stores, evictions and clears since the last call (KV events on)."""
+        events = self.block_manager.take_events()
+        if events:
+            self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
+
+    def shutdown(self):
+        """Flush and close what the engine opened outside the process (the KV events' sockets)."""
+        self.kv_event_publisher.shutdown()
 
     def _fail(self, groups: list[SequenceGroup], cause: Exception):
         logger.error("processing requests %s failed: %r; they are aborted", [g.request_id for g in groups], cause,

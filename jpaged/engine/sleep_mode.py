@@ -40,6 +40,7 @@ def load_weights(engine, named_weights):
         weights.restore_weights(runner)
     weights.write_weights(runner, checked, runner.dtype, runner.mesh)
     engine.block_manager.reset_prefix_cache()
+    engine.publish_kv_events()
     logger.info("load_weights: %d tensor(s) written", len(checked))
 
 
@@ -59,6 +60,7 @@ def sleep(engine, level: int = 1):
     before = device_bytes((engine.runner.state, engine.runner.kv_cache))
     weights.sleep(engine.runner, level)
     engine.block_manager.reset_prefix_cache()  # the pages are gone
+    engine.publish_kv_events()
     logger.info("sleep(level=%d): %.1f MiB freed on the devices", level, before / 2**20)
 
 
@@ -84,3 +86,4 @@ def wake_up(engine):
 def reset_prefix_cache(engine):
     _check_idle(engine, "reset_prefix_cache")
     engine.block_manager.reset_prefix_cache()
+    engine.publish_kv_events()

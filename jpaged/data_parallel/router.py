@@ -1,0 +1,97 @@
+"""Which replica serves a request (`--dp-routing prefix | least-loaded | round-robin`).
+
+`prefix` (the default) sends a request to the replica whose prefix cache holds the longest run of
+its leading full blocks, unless that replica is busier than the least-loaded one by more than
+`load_slack` requests (waiting + running): then the least-loaded one takes it, so one hot prefix
+cannot pile every request onto one replica. Ties go to the less loaded replica, then the lower
+rank. A request no replica has a block of goes to the least-loaded one.
+
+The router knows what a replica caches only from that replica's KV events (jpaged/kv_events:
+BlockStored adds hashes, BlockRemoved drops them, AllBlocksCleared empties the replica's set),
+never from where it sent requests. It hashes a request's blocks as the engines do
+(`block_manager.hash_block_tokens`, chained from the request's cache salt; a LoRA adapter salts
+its requests), in the events' external form, so adapters and salts separate prefixes here as in
+one engine. Loads come from the replicas' own counts (`set_load`).
+"""
+
+import itertools
+
+from jpaged.core.block_manager import hash_block_tokens
+from jpaged.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, external_block_hash
+
+POLICIES = ("prefix", "least-loaded", "round-robin")
+# Requests (waiting + running) the replica with the best prefix may have beyond the least-loaded
+# one and still take the request.
+DEFAULT_LOAD_SLACK = 8
+
+
+class Router:
+    def __init__(self, num_replicas: int, block_size: int, policy: str = "prefix",
+                 load_slack: int = DEFAULT_LOAD_SLACK):
+        if policy not in POLICIES:
+            raise ValueError(f"dp_routing={policy!r}; expected one of {POLICIES}")
+        if num_replicas < 1:
+            raise ValueError(f"data_parallel_size={num_replicas!r}; expected >= 1")
+        self.policy, self.block_size, self.load_slack = policy, block_size, load_slack
+        self.cached: list[set] = [set() for _ in range(num_replicas)]  # external block hashes, per replica
+        self.loads = [0] * num_replicas
+        self.up = [True] * num_replicas
+        self._turns = itertools.cycle(range(num_replicas))
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.cached)
+
+    # ---- what the replicas report
+    def on_events(self, rank: int, events):
+        cached = self.cached[rank]
+        for event in events:
+            if isinstance(event, BlockStored):
+                cached.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                cached.difference_update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                cached.clear()
+
+    def set_load(self, rank: int, load: int):
+        self.loads[rank] = load
+
+    def set_up(self, rank: int, up: bool):
+        """A replica down takes no requests; when it comes back its cache is empty (a new process)."""
+        self.up[rank] = up
+        self.cached[rank].clear()
+
+    # ---- the choice
+    def block_hashes(self, prompt_token_ids: list[int], cache_salt: bytes | None = None) -> list:
+        """The request's leading full blocks that a cache hit can cover (never the block of the
+        last prompt token, which is always computed), as the engines publish their hashes."""
+        size, hashes, parent = self.block_size, [], cache_salt
+        for i in range((len(prompt_token_ids) - 1) // size):
+            parent = hash_block_tokens(parent, prompt_token_ids[i * size:(i + 1) * size])
+            hashes.append(external_block_hash(parent))
+        return hashes
+
+    def matched_blocks(self, rank: int, hashes: list) -> int:
+        cached, n = self.cached[rank], 0
+        for block_hash in hashes:
+            if block_hash not in cached:
+                break
+            n += 1
+        return n
+
+    def route(self, prompt_token_ids: list[int], cache_salt: bytes | None = None) -> int:
+        """The rank that should serve this prompt."""
+        ranks = [r for r in range(self.num_replicas) if self.up[r]]
+        if not ranks:
+            raise RuntimeError("no data-parallel replica is up")
+        if self.policy == "round-robin":
+            return next(r for r in self._turns if self.up[r])
+        least = min(ranks, key=lambda r: (self.loads[r], r))
+        if self.policy == "least-loaded":
+            return least
+        hashes = self.block_hashes(prompt_token_ids, cache_salt)
+        matched = {r: self.matched_blocks(r, hashes) for r in ranks}
+        best = min(ranks, key=lambda r: (-matched[r], self.loads[r], r))
+        if matched[best] == 0 or self.loads[best] > self.loads[least] + self.load_slack:
+            return least
+        return best
