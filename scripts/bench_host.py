@@ -139,6 +139,9 @@ def main():
     model = micro_model(args.work_dir) if args.model == "micro" else args.model
     max_num_seqs = max(args.num_seqs)
     max_model_len = PROMPT_LEN + args.steps * kwargs.get("num_scheduler_steps", 1) + 16
+    # Every sequence's blocks fit: the figures are decode steps of max(--num-seqs) running sequences,
+    # not preemptions (a CPU's default pool, 32k tokens, holds 256 x 446 tokens of a K=8 run only in part).
+    kwargs.setdefault("num_gpu_blocks_override", max_num_seqs * -(-max_model_len // kwargs.get("block_size", 16)) + 64)
     llm = jpaged.LLM(model=model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                      enforce_eager=args.device == "stub", **kwargs)
     vocab_size = llm.llm_engine.hf_config.vocab_size
