@@ -499,6 +499,7 @@ async def _stream_text(url, path, body):
     return [strict_json(e) for e in events[:-1]]
 
 
+@pytest.mark.slow
 def test_sigterm_during_warm_up_exits_0(tmp_path):
     """SIGTERM while `jpaged serve` compiles its step buckets (a fresh executable cache: it
     compiles for a while) ends the process with status 0, as SIGTERM while serving does."""
