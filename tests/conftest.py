@@ -77,3 +77,21 @@ def pytest_collection_modifyitems(config, items):
     slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
     first = {name: i for i, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: (first.get(item.path.name, len(first)), -slow[item.path]))
+
+
+@pytest.fixture(scope="session")
+def shared_llm():
+    """`shared_llm(model, **kwargs)`: one jpaged.LLM per distinct arguments for the whole session
+    (per xdist worker), for tests that only generate greedily or with per-request seeds (what an
+    earlier test ran on it then changes nothing). A test that changes an engine builds its own."""
+    import jpaged
+
+    engines = {}
+
+    def get(model, **kwargs):
+        key = (model, repr(sorted(kwargs.items())))
+        if key not in engines:
+            engines[key] = jpaged.LLM(model, **kwargs)
+        return engines[key]
+
+    return get
