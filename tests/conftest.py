@@ -8,7 +8,12 @@ os.environ.setdefault("JPAGED_CHECK_INVARIANTS", "1")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+# One thread for torch's (OpenMP's) parallel loops: two xdist workers share the cores, and torch's
+# spinning threads on a busy core made one SmolLM2 forward take 4 s instead of 0.25 s.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+
+import collections  # noqa: E402
 import random  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -53,3 +58,40 @@ def test_seed(monkeypatch):
     np.random.seed(seed)
     random.seed(seed)
     return seed
+
+
+# The longest files (measured on two busy cores): started first, each on its own worker.
+LONGEST_FILES = ("test_smollm2.py", "test_smollm2_responses.py", "test_smollm2_server.py")
+
+
+def pytest_configure(config):
+    # pytest-xdist hands out files in the order collected (below: the slow ones first), not by
+    # their number of tests, so the longest files never start last and leave one worker idle.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files holding `slow` tests first (the real-model, cache-corruption, SIGTERM and multi-host
+    ones), most slow tests first; within a file, the order written."""
+    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
+    first = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: (first.get(item.path.name, len(first)), -slow[item.path]))
+
+
+@pytest.fixture(scope="session")
+def shared_llm():
+    """`shared_llm(model, **kwargs)`: one jpaged.LLM per distinct arguments for the whole session
+    (per xdist worker), for tests that only generate greedily or with per-request seeds (what an
+    earlier test ran on it then changes nothing). A test that changes an engine builds its own."""
+    import jpaged
+
+    engines = {}
+
+    def get(model, **kwargs):
+        key = (model, repr(sorted(kwargs.items())))
+        if key not in engines:
+            engines[key] = jpaged.LLM(model, **kwargs)
+        return engines[key]
+
+    return get

@@ -7,6 +7,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jpaged
 from jpaged.runner import executable_cache
@@ -52,6 +53,7 @@ def test_same_key_loads_and_any_change_compiles(tmp_path):
     del compiled
 
 
+@pytest.mark.slow
 def test_damaged_file_is_compiled_again(tmp_path, caplog):
     rng = np.random.default_rng()
     fn = jitted(3.0)
@@ -111,6 +113,7 @@ def _kept(tmp_path, name="m", scale=3.0, n=8):
     return path, fn, arguments
 
 
+@pytest.mark.slow
 def test_one_flipped_bit_anywhere_is_a_miss(tmp_path, caplog):
     """A bit flipped anywhere in the file (magic, lengths, key, checksum, payload) is found before
     pickle or XLA see the file: a miss, then compiled again and rewritten whole."""
@@ -138,6 +141,7 @@ def test_one_flipped_bit_anywhere_is_a_miss(tmp_path, caplog):
     assert path.read_bytes() != damaged and ExecutableCache(str(tmp_path), "m").load("step", arguments) is not None
 
 
+@pytest.mark.slow
 def test_truncated_swapped_and_odd_files_are_misses(tmp_path):
     seed = np.random.randint(2**31)
     print("seed", seed)
@@ -178,6 +182,7 @@ def test_truncated_swapped_and_odd_files_are_misses(tmp_path):
     np.testing.assert_allclose(total, np.asarray((x * 2).sum()), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_start_that_died_while_loading_loads_nothing_next_time(tmp_path, caplog):
     """A process killed inside XLA while loading (SIGABRT) leaves its marker: the next start on
     the host loads nothing, says so and removes it; the start after that loads again. A marker of
@@ -274,6 +279,7 @@ def _greedy(llm, seed):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+@pytest.mark.slow
 def test_engine_starts_over_a_damaged_cache(tmp_path, monkeypatch):
     """Every file of a warm cache damaged (each one: a flipped bit at a random offset, swapped
     with another file, or truncated): the engine starts, compiles exactly those, and generates

@@ -27,26 +27,26 @@ def server():
     assert s.stop() == 0, "".join(s.log[-30:])
 
 
-async def _victim(url, arrivals: list, started: asyncio.Event):
+async def _victim(url, log: list, started: asyncio.Event):
     body = {"model": "tiny", "prompt": "a victim", "max_tokens": 480, "temperature": 0, "ignore_eos": True,
             "stream": True}
     async with aiohttp.ClientSession() as session:
         async with session.post(url + "/v1/completions", json=body) as r:
             async for line in r.content:
                 if line.startswith(b"data: {"):
-                    arrivals.append(time.monotonic())
-                    if len(arrivals) == 5:
+                    log.append("chunk")
+                    if log.count("chunk") == 5:
                         started.set()
 
 
-async def _health_latencies(url, stop: asyncio.Event, latencies: list, answered: list):
+async def _health(url, stop: asyncio.Event, log: list, latencies: list):
     async with aiohttp.ClientSession() as session:
         while not stop.is_set():
-            start = time.monotonic()
+            start = time.monotonic()  # for the printout only
             async with session.get(url + "/health") as r:
                 assert r.status == 200
-            answered.append(time.monotonic())
-            latencies.append(answered[-1] - start)
+            latencies.append(time.monotonic() - start)
+            log.append("health")
             await asyncio.sleep(0.1)
 
 
@@ -57,34 +57,29 @@ def test_freezing_schema_leaves_health_and_streams_alone(server):
     schema = _all_of(21)
 
     async def scenario():
-        arrivals, latencies, answered, started, stop = [], [], [], asyncio.Event(), asyncio.Event()
-        victim = asyncio.create_task(_victim(server.url, arrivals, started))
+        log, latencies, started, stop = [], [], asyncio.Event(), asyncio.Event()
+        victim = asyncio.create_task(_victim(server.url, log, started))
         await asyncio.wait_for(started.wait(), 120)
-        health = asyncio.create_task(_health_latencies(server.url, stop, latencies, answered))
-        start = time.monotonic()
+        health = asyncio.create_task(_health(server.url, stop, log, latencies))
+        log.append("attack")
         status, body = await post(server.url, "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 4,
                                                                   "guided_json": schema}, headers=HEADERS)
-        elapsed = time.monotonic() - start
-        await asyncio.sleep(0.5)
+        log.append("refused")
         stop.set()
         await health
-        during = [t for t in arrivals if start <= t <= start + elapsed]
-        health_during = [t for t in answered if start <= t <= start + elapsed]
         await victim
-        return status, body, elapsed, arrivals, during, latencies, health_during
+        return status, body, log, latencies
 
-    status, body, elapsed, arrivals, during, latencies, health_during = run(scenario())
-    gaps = [b - a for a, b in zip(arrivals[4:], arrivals[5:])]
-    print(f"attack answered in {elapsed:.2f} s: {status} {body}; victim: {len(arrivals)} chunks, {len(during)} "
-          f"during the attack, largest gap {max(gaps):.3f} s; /health: {len(latencies)} polls, "
-          f"slowest {max(latencies):.3f} s")
+    status, body, log, latencies = run(scenario())
+    during = log[log.index("attack"):log.index("refused")]
+    print(f"attack: {status} {body}; victim: {log.count('chunk')} chunks, {during.count('chunk')} during the "
+          f"attack; /health: {len(latencies)} polls, {during.count('health')} during, slowest {max(latencies):.3f} s")
     assert_openai_error(status, body, 400)
     message = body["error"]["message"]
     assert message.startswith("guided_json=") and "grammar_compile_timeout=8" in message
     # The compile ran out its 8 s budget in the worker, and meanwhile the stream went on and
     # /health answered: orderings of events, not speeds.
-    assert len(arrivals) > 100 and len(during) > 0 and len(health_during) > 0
-    assert_healthy_and_idle(server.url)
+    assert log.count("chunk") > 100 and during.count("chunk") > 0 and during.count("health") > 0, log
 
 
 BAD_GRAMMARS = [  # (path, body): each a 400 before any generation

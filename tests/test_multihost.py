@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMITS = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, block_size=8, enforce_eager=True,
@@ -88,6 +89,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
     import jax
 

@@ -145,7 +145,7 @@ def test_malformed_bodies_get_openai_errors(server):
 
 def test_huge_requests_do_not_stall_the_event_loop(server):
     """While requests that used to freeze the server for seconds are refused, /health keeps
-    answering: every answer within 1 s."""
+    answering: /health answers arrive between the first huge request and the last one's answer."""
     huge = [
         ("/v1/completions", {"prompt": "hi", "n": 3000000, "temperature": 1}),
         ("/v1/completions", {"prompt": "x" * (15 * 2**20)}),
@@ -157,47 +157,63 @@ def test_huge_requests_do_not_stall_the_event_loop(server):
     ]
 
     async def scenario():
-        latencies, done = [], asyncio.Event()
+        log, latencies, polled, done = [], [], asyncio.Event(), asyncio.Event()
 
         async def poll():
             async with aiohttp.ClientSession() as session:
                 while not done.is_set():
-                    start = time.monotonic()
+                    start = time.monotonic()  # for the printout only
                     async with session.get(server.url + "/health") as r:
                         assert r.status == 200
                     latencies.append(time.monotonic() - start)
+                    log.append("health")
+                    polled.set()
                     await asyncio.sleep(0.02)
 
         poller = asyncio.create_task(poll())
-        await asyncio.sleep(0.2)
+        await polled.wait()
         statuses = []
         for path, body in huge:
+            log.append("sent")
             statuses.append(await post(server.url, path, body, headers={}))
+            log.append("answered")
         done.set()
         await poller
-        return statuses, latencies
+        return statuses, latencies, log
 
-    statuses, latencies = run(scenario())
+    statuses, latencies, log = run(scenario())
     for (path, body), (status, got) in zip(huge, statuses):
         assert_openai_error(status, got, 400)
-    # /health kept answering through them (how fast: scripts/stress_server.py --malformed, PERF.md).
-    assert len(latencies) > 10, (max(latencies), len(latencies))
-    print(f"/health during huge requests: {len(latencies)} answers, max {max(latencies) * 1e3:.0f} ms")
+    # /health kept answering through them: events in order, not speeds (how fast:
+    # scripts/stress_server.py --malformed, PERF.md).
+    during = log[log.index("sent"):len(log) - log[::-1].index("answered")]
+    assert during.count("health") > 0, log
+    print(f"/health during huge requests: {during.count('health')} answers, max {max(latencies) * 1e3:.0f} ms")
     assert_healthy_and_idle(server.url)
 
 
 def test_half_sent_requests_time_out(server):
     host, port = server.url.removeprefix("http://").split(":")
 
-    def exchange(data: bytes) -> bytes:
+    def exchange(data: bytes) -> tuple[bytes, bool]:
+        """What the server sent back until it closed the connection, and whether the connection
+        was still open, unanswered, after the server had answered a whole request sent after
+        `data` on another connection (so it had read `data` and chose to wait for the rest)."""
         with socket.create_connection((host, int(port)), timeout=TIMEOUT * 5) as sock:
             sock.sendall(data)
-            start, answered = time.monotonic(), None
+            assert run(get(server.url, "/health"))[0] == 200
+            sock.setblocking(False)
+            try:
+                sock.recv(1, socket.MSG_PEEK)
+                waited = False  # an answer, or the end of the stream, was there already
+            except BlockingIOError:  # nothing to read and no end of stream: still open
+                waited = True
+            # The socket's own timeout catches a server that never closes.
+            sock.settimeout(TIMEOUT * 5)
             received = b""
             while chunk := sock.recv(65536):
                 received += chunk
-                answered = answered or time.monotonic()
-            return received, (answered or time.monotonic()) - start  # seconds to the answer (or the close)
+            return received, waited
 
     # Requests aiohttp cannot even parse are answered in OpenAI's shape too.
     for garbage in (b"NOT A REQUEST\r\n\r\n", b"GET / HTTP/1.1\r\nX-Long: " + b"x" * 20000 + b"\r\n\r\n",
@@ -208,8 +224,8 @@ def test_half_sent_requests_time_out(server):
         assert_openai_error(int(head[9:12]), strict_json(body.decode()), int(head[9:12]))
     # Headers never finished: the connection is closed without an answer.
     received, waited = exchange(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: applica")
-    # (The socket's own timeout catches a server that never closes; this checks it was the timeout.)
-    assert received == b"" and waited >= TIMEOUT * 0.5
+    # Closed by --timeout-keep-alive: the server still waited after reading it, then closed it unanswered.
+    assert received == b"" and waited
     # Body half-sent: 408 with an OpenAI error object.
     received, waited = exchange(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                                 b"Content-Length: 100\r\nConnection: close\r\n\r\n{\"prompt\":")
@@ -483,6 +499,7 @@ async def _stream_text(url, path, body):
     return [strict_json(e) for e in events[:-1]]
 
 
+@pytest.mark.slow
 def test_sigterm_during_warm_up_exits_0(tmp_path):
     """SIGTERM while `jpaged serve` compiles its step buckets (a fresh executable cache: it
     compiles for a while) ends the process with status 0, as SIGTERM while serving does."""

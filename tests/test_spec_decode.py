@@ -49,15 +49,22 @@ def distinct_prompts(rng, lengths):
     return [[int(f)] + rng.integers(0, VOCAB, n - 1).tolist() for f, n in zip(first, lengths)]
 
 
+@pytest.fixture
+def plain(shared_llm):
+    """The engine without speculation every test compares with, built once: it only runs greedy
+    and seeded requests, so what an earlier test ran on it changes nothing."""
+    return shared_llm("tiny", enforce_eager=True, **LIMITS)
+
+
 def spec_stats(llm):
     return {k: v for k, v in llm.stats().items() if k.startswith("spec_decode")}
 
 
-def test_greedy_equals_without_speculation_and_nothing_compiles_after_warm_up(monkeypatch):
+def test_greedy_equals_without_speculation_and_nothing_compiles_after_warm_up(monkeypatch, plain):
     rng = np.random.default_rng(SEED)
     prompts = distinct_prompts(rng, (3, 9, 17, 30, 5, 12))
     sp = jpaged.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    reference = generate(jpaged.LLM("tiny", enforce_eager=True, **LIMITS), prompts, sp)
+    reference = generate(plain, prompts, sp)
     draft_from(monkeypatch, [(p, list(o.token_ids)) for p, o in zip(prompts, reference)], rng)
     llm = jpaged.LLM("tiny", speculative_config=NGRAM, **LIMITS)  # warmed up: every bucket
     compiled = llm.stats()["num_compilations"]
@@ -76,7 +83,7 @@ def test_greedy_equals_without_speculation_and_nothing_compiles_after_warm_up(mo
         assert abs(ours.cumulative_logprob - ref.cumulative_logprob) < 1e-3
 
 
-def test_seeded_sampling_equals_without_speculation(monkeypatch):
+def test_seeded_sampling_equals_without_speculation(monkeypatch, plain):
     """Temperature 1 with top_p / top_k: each row draws with the key of its output position, so
     accepted drafts and the token after them are what the same seed draws without speculation."""
     rng = np.random.default_rng(SEED)
@@ -84,7 +91,7 @@ def test_seeded_sampling_equals_without_speculation(monkeypatch):
     params = [jpaged.SamplingParams(temperature=1.0, top_p=0.9 if i % 2 else 1.0, top_k=50 if i == 2 else -1,
                                     seed=int(rng.integers(1 << 30)), max_tokens=20, ignore_eos=True)
               for i in range(len(prompts))]
-    reference = [o.outputs[0] for o in jpaged.LLM("tiny", enforce_eager=True, **LIMITS).generate(
+    reference = [o.outputs[0] for o in plain.generate(
         prompts, params, use_tqdm=False)]
     draft_from(monkeypatch, [(p, list(o.token_ids)) for p, o in zip(prompts, reference)], rng, wrong=0.25)
     llm = jpaged.LLM("tiny", speculative_config=dict(NGRAM, num_speculative_tokens=4), enforce_eager=True, **LIMITS)
@@ -95,7 +102,7 @@ def test_seeded_sampling_equals_without_speculation(monkeypatch):
 
 
 @pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
-def test_preemption_and_prefix_caching(monkeypatch, preemption_mode):
+def test_preemption_and_prefix_caching(monkeypatch, preemption_mode, plain):
     """A pool too small for the batch (preempted by swap or recompute, drafts dropped when
     blocks are short) with prefix caching on prompts sharing a prefix: the same outputs, and the
     cached blocks' hashes only cover accepted tokens (a later prompt that continues a finished
@@ -105,7 +112,6 @@ def test_preemption_and_prefix_caching(monkeypatch, preemption_mode):
     prompts = [shared + [int(f)] + rng.integers(0, VOCAB, n).tolist()
                for f, n in zip(rng.permutation(VOCAB)[:6], (2, 9, 15, 4, 20, 7))]
     sp = jpaged.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    plain = jpaged.LLM("tiny", enforce_eager=True, **LIMITS)
     reference = generate(plain, prompts, sp)
     # A later request whose prompt is the first one's prompt + output: hits blocks filled by drafts.
     follow_up = prompts[0] + list(reference[0].token_ids) + [7, 8]
@@ -129,13 +135,12 @@ def test_preemption_and_prefix_caching(monkeypatch, preemption_mode):
     assert llm.stats()["prefix_cache_hits"] == 8 * ((len(follow_up) - 3) // 8)
 
 
-def test_stops_inside_an_accepted_run(monkeypatch):
+def test_stops_inside_an_accepted_run(monkeypatch, plain):
     """Stop token ids, stop strings, max_tokens and min_tokens that fall inside a run of drafts
     end the output exactly where they do without speculation (the drafts past them are dropped)."""
     rng = np.random.default_rng(SEED)
     prompts = distinct_prompts(rng, (5, 8, 13, 6, 9))
     free = jpaged.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    plain = jpaged.LLM("tiny", enforce_eager=True, **LIMITS)
     full = generate(plain, prompts, free)
     # Each prompt's own stop: a token from the middle of its output, a piece of its text, a length.
     params = [jpaged.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
@@ -170,7 +175,7 @@ def test_stops_inside_an_accepted_run(monkeypatch):
     assert llm.stats()["num_free_gpu_blocks"] == llm.stats()["num_gpu_blocks"]
 
 
-def test_penalties_count_the_drafts_before_each_row(monkeypatch):
+def test_penalties_count_the_drafts_before_each_row(monkeypatch, plain):
     """Repetition, frequency and presence penalties over prompt + outputs + the drafts before the
     row (the runner uploads them to the device's token history): greedy and seeded sampling
     equal the outputs without speculation."""
@@ -180,7 +185,7 @@ def test_penalties_count_the_drafts_before_each_row(monkeypatch):
               jpaged.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=0.8,
                                     presence_penalty=0.5, logprobs=3),
               jpaged.SamplingParams(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True, frequency_penalty=0.6)]
-    reference = [o.outputs[0] for o in jpaged.LLM("tiny", enforce_eager=True, **LIMITS).generate(
+    reference = [o.outputs[0] for o in plain.generate(
         prompts, params, use_tqdm=False)]
     draft_from(monkeypatch, [(p, list(o.token_ids)) for p, o in zip(prompts, reference)], rng, wrong=0.2)
     llm = jpaged.LLM("tiny", speculative_config=NGRAM, enforce_eager=True, **LIMITS)
@@ -192,7 +197,7 @@ def test_penalties_count_the_drafts_before_each_row(monkeypatch):
         assert all(abs(top[t] - ref_top[t]) < 1e-4 for t in top)
 
 
-def test_structured_output_checks_the_drafts(monkeypatch):
+def test_structured_output_checks_the_drafts(monkeypatch, plain):
     """Drafts are cut at the first token the grammar rejects, and each row samples under the
     grammar's mask after the drafts before it: the same outputs as without speculation, which
     the grammars accept."""
@@ -204,7 +209,6 @@ def test_structured_output_checks_the_drafts(monkeypatch):
               jpaged.SamplingParams(temperature=1.0, seed=5, max_tokens=30,
                                     guided_regex="[a-z]{3,9}( [a-z]{2,9}){2,4}"),
               jpaged.SamplingParams(temperature=0, max_tokens=30, guided_choice=["alpha beta gamma", "alpha delta"])]
-    plain = jpaged.LLM("tiny", enforce_eager=True, **LIMITS)
     reference = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
     print([o.text for o in reference])
     # Half the drafts wrong: many break the grammar (cut there), the rest are verified.
@@ -217,14 +221,13 @@ def test_structured_output_checks_the_drafts(monkeypatch):
         [(o.token_ids, o.text, o.finish_reason) for o in reference]
 
 
-def test_requests_that_cannot_speculate_run_without_drafts(monkeypatch):
+def test_requests_that_cannot_speculate_run_without_drafts(monkeypatch, plain):
     """n > 1 and beam search sample several sequences from one: those requests decode one
     token a step, with the same outputs."""
     rng = np.random.default_rng(SEED)
     prompts = distinct_prompts(rng, (6, 10))
     params = [jpaged.SamplingParams(temperature=0.8, n=2, seed=3, max_tokens=12, ignore_eos=True),
               jpaged.SamplingParams(use_beam_search=True, n=2, temperature=0, max_tokens=12, ignore_eos=True)]
-    plain = jpaged.LLM("tiny", enforce_eager=True, **LIMITS)
     reference = plain.generate(prompts, params, use_tqdm=False)
     draft_from(monkeypatch, [(p, list(o.outputs[0].token_ids)) for p, o in zip(prompts, reference)], rng, wrong=0)
     llm = jpaged.LLM("tiny", speculative_config=NGRAM, enforce_eager=True, **LIMITS)
@@ -234,11 +237,11 @@ def test_requests_that_cannot_speculate_run_without_drafts(monkeypatch):
         assert [o.token_ids for o in ours.outputs] == [o.token_ids for o in ref.outputs]
 
 
-def test_disable_by_batch_size(monkeypatch):
+def test_disable_by_batch_size(monkeypatch, plain):
     rng = np.random.default_rng(SEED)
     prompts = distinct_prompts(rng, (5, 6, 7, 8))
     sp = jpaged.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    reference = generate(jpaged.LLM("tiny", enforce_eager=True, **LIMITS), prompts, sp)
+    reference = generate(plain, prompts, sp)
     draft_from(monkeypatch, [(p, list(o.token_ids)) for p, o in zip(prompts, reference)], rng, wrong=0)
     llm = jpaged.LLM("tiny", speculative_config=dict(NGRAM, disable_by_batch_size=2), enforce_eager=True, **LIMITS)
     assert [o.token_ids for o in generate(llm, prompts, sp)] == [o.token_ids for o in reference]
@@ -247,13 +250,13 @@ def test_disable_by_batch_size(monkeypatch):
     assert spec_stats(llm)["spec_decode_num_drafts"] > 0  # two: speculated
 
 
-def test_sampled_distribution_matches_without_speculation(monkeypatch):
+def test_sampled_distribution_matches_without_speculation(monkeypatch, plain):
     """Unseeded requests at temperature 1, two engines with different seeds: a two-sample
     chi-square over the tokens at output positions 1-3, where drafts (always the position's most
     likely token) were accepted or rejected, must not tell the engines apart."""
     rng = np.random.default_rng(SEED)
     prompt = rng.integers(0, VOCAB, 6).tolist()
-    greedy = generate(jpaged.LLM("tiny", enforce_eager=True, **LIMITS), [prompt],
+    greedy = generate(plain, [prompt],
                       jpaged.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids
     guesses = {}
 
@@ -341,7 +344,7 @@ def test_speculative_config_from_the_command_line():
         EngineConfig(speculative_config=NGRAM, num_scheduler_steps=4)
 
 
-def test_metrics_and_stats_line():
+def test_metrics_and_stats_line(plain):
     from serving.api_server import spec_decode_line
     from serving.metrics import Metrics
 
@@ -357,15 +360,15 @@ def test_metrics_and_stats_line():
     assert spec_decode_line(stats, last) == ("SpecDecoding metrics: Mean acceptance length: 2.50, Accepted: 6 tokens, "
                                              "Drafted: 12 tokens, Draft acceptance rate: 50.0%")
     assert spec_decode_line(stats, stats) is None
-    assert "spec_decode" not in Metrics("tiny").render(jpaged.LLM("tiny", enforce_eager=True, **LIMITS).stats())
+    assert "spec_decode" not in Metrics("tiny").render(plain.stats())
 
 
-def test_tensor_parallel(monkeypatch):
+def test_tensor_parallel(monkeypatch, plain):
     """Verification on a 2-device tensor-parallel mesh (the CPU's fake devices): the same outputs."""
     rng = np.random.default_rng(SEED)
     prompts = distinct_prompts(rng, (5, 14, 9))
     sp = jpaged.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    reference = generate(jpaged.LLM("tiny", enforce_eager=True, **LIMITS), prompts, sp)
+    reference = generate(plain, prompts, sp)
     draft_from(monkeypatch, [(p, list(o.token_ids)) for p, o in zip(prompts, reference)], rng)
     llm = jpaged.LLM("tiny", speculative_config=NGRAM, tensor_parallel_size=2, enforce_eager=True, **LIMITS)
     assert [o.token_ids for o in generate(llm, prompts, sp)] == [o.token_ids for o in reference]

@@ -19,6 +19,8 @@ from test_spec_decode import assert_same_distributions
 
 VOCAB = 259
 LIMITS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
+# shared_llm (conftest): the engine without speculation, built once; it runs greedy and seeded
+# requests only, so what ran on it before changes nothing.
 SEED = 20261124
 
 
@@ -59,7 +61,7 @@ def spec_stats(llm):
     return {k: v for k, v in llm.stats().items() if k.startswith("spec_decode")}
 
 
-def test_outputs_equal_without_speculation_and_nothing_compiles_after_warm_up(short_draft):
+def test_outputs_equal_without_speculation_and_nothing_compiles_after_warm_up(short_draft, shared_llm):
     """Greedy with logprobs, seeded sampling with top-p / top-k, a penalty and a grammar in one
     batch: token for token the outputs without speculation."""
     rng = np.random.default_rng(SEED)
@@ -70,7 +72,7 @@ def test_outputs_equal_without_speculation_and_nothing_compiles_after_warm_up(sh
               jpaged.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3),
               jpaged.SamplingParams(temperature=0, max_tokens=20, guided_regex="[a-z]{3,12}"),
               jpaged.SamplingParams(temperature=1.0, max_tokens=17, ignore_eos=True)]  # unseeded: the engine seed
-    reference = generate(jpaged.LLM("tiny", enforce_eager=True, **LIMITS), prompts, params)
+    reference = generate(shared_llm("tiny", enforce_eager=True, **LIMITS), prompts, params)
     llm = jpaged.LLM("tiny", speculative_config=draft_config(short_draft), **LIMITS)  # warmed up: every bucket
     compiled = llm.stats()["num_compilations"]
     outputs = generate(llm, prompts, params)
@@ -85,7 +87,7 @@ def test_outputs_equal_without_speculation_and_nothing_compiles_after_warm_up(sh
 
 
 @pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
-def test_the_draft_pages_follow_the_target_s(preemption_mode):
+def test_the_draft_pages_follow_the_target_s(preemption_mode, shared_llm):
     """The tiny model as its own draft: every draft is the target's own draw, so all must be
     accepted, also after preemption (swap or recompute) and prefix-cache hits, which read the
     draft's K/V from blocks other steps wrote, moved or computed again."""
@@ -94,7 +96,7 @@ def test_the_draft_pages_follow_the_target_s(preemption_mode):
     prompts = [shared + rng.integers(0, 256, n).tolist() for n in (2, 9, 15, 4, 20, 7)]
     params = [jpaged.SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_tokens=30, ignore_eos=True)
               for i in range(len(prompts))]
-    reference = generate(jpaged.LLM("tiny", enforce_eager=True, **LIMITS), prompts, params)
+    reference = generate(shared_llm("tiny", enforce_eager=True, **LIMITS), prompts, params)
     llm = jpaged.LLM("tiny", speculative_config=draft_config("tiny"), enforce_eager=True, enable_prefix_caching=True,
                      preemption_mode=preemption_mode, num_gpu_blocks_override=14, block_size=8, **LIMITS)
     outputs = generate(llm, prompts, params)
@@ -126,24 +128,24 @@ def test_sampled_distribution_matches_without_speculation(short_draft):
     assert_same_distributions(counts["plain"], counts["spec"])
 
 
-def test_requests_that_cannot_speculate_run_without_drafts(short_draft):
+def test_requests_that_cannot_speculate_run_without_drafts(short_draft, shared_llm):
     """best_of and beam search take no drafts; their outputs are those without speculation."""
     prompts = [[1, 2, 3, 4], [9, 8, 7]]
     params = [jpaged.SamplingParams(n=2, best_of=3, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True),
               jpaged.SamplingParams(use_beam_search=True, best_of=2, n=2, temperature=0, max_tokens=10,
                                     ignore_eos=True)]
-    plain = jpaged.LLM("tiny", enforce_eager=True, **LIMITS).generate(prompts, params, use_tqdm=False)
+    plain = shared_llm("tiny", enforce_eager=True, **LIMITS).generate(prompts, params, use_tqdm=False)
     llm = jpaged.LLM("tiny", speculative_config=draft_config(short_draft), enforce_eager=True, **LIMITS)
     ours = llm.generate(prompts, params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in ours] == [[c.token_ids for c in o.outputs] for o in plain]
     assert spec_stats(llm)["spec_decode_num_drafts"] == 0
 
 
-def test_tensor_parallel(short_draft):
+def test_tensor_parallel(short_draft, shared_llm):
     """Both models split over a 2-device mesh: the same outputs."""
     prompts = [[5, 6, 7, 8, 9], [100, 3, 4]]
     sp = jpaged.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    reference = generate(jpaged.LLM("tiny", enforce_eager=True, **LIMITS), prompts, sp)
+    reference = generate(shared_llm("tiny", enforce_eager=True, **LIMITS), prompts, sp)
     llm = jpaged.LLM("tiny", speculative_config=draft_config(short_draft), tensor_parallel_size=2,
                      enforce_eager=True, **LIMITS)
     assert [o.token_ids for o in generate(llm, prompts, sp)] == [o.token_ids for o in reference]
