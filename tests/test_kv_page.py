@@ -32,15 +32,18 @@ def server():
     assert s.stop() == 0, "".join(s.log[-30:])
 
 
-def screenshot(url: str, path) -> dict[str, int]:
+def screenshot(url: str, path, page: str | None = None) -> dict[str, int]:
     """Load the page in headless Chromium, the API key given as the Basic password in the URL (as a
-    browser asked by WWW-Authenticate sends it); the number of cells of each colour it rendered (the
-    legend's one cell per colour not counted)."""
+    browser asked by WWW-Authenticate sends it), or `page` (HTML the server sent earlier, from a
+    file); the number of cells of each colour it rendered (the legend's one cell per colour not counted)."""
     Image = pytest.importorskip("PIL.Image")
+    if page is not None:
+        html = path.with_suffix(".html")
+        html.write_text(page)
     subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
                     f"--user-data-dir={path.parent / 'chromium'}", "--force-device-scale-factor=1",
                     "--window-size=1100,400", f"--screenshot={path}",
-                    url.replace("://", f"://jpaged:{API_KEY}@") + "/kv"],
+                    url.replace("://", f"://jpaged:{API_KEY}@") + "/kv" if page is None else html.as_uri()],
                    check=True, capture_output=True, timeout=60)
     pixels = {rgb: n for n, rgb in Image.open(path).convert("RGB").getcolors(1 << 20)}
     return {state: round(pixels.get(rgb, 0) / CELL) - 1 for state, rgb in COLORS.items()}
@@ -64,14 +67,19 @@ def test_page_and_metrics_follow_the_pool(server, tmp_path):
 
     requests = threading.Thread(target=lambda: run(generate_all()))
     requests.start()
-    busy = []
-    while requests.is_alive() and len(busy) < 3:
+    # Pages the server sent while requests ran (kept: the requests may end before a browser starts),
+    # each drawn by the browser afterwards.
+    pages = []
+    while requests.is_alive() and len(pages) < 3:
         values = metrics(server.url)
         if values['jpaged:kv_slots{model_name="tiny",state="token"}'] > 0:
             assert sum(values[f'jpaged:kv_slots{{model_name="tiny",state="{s}"}}']
                        for s in ("token", "reserved", "fragmented", "free")) == NUM_BLOCKS * 16
-            busy.append(screenshot(server.url, tmp_path / f"busy{len(busy)}.png"))
+            status, page = run(get(server.url, "/kv"))
+            if status == 200 and 'class="block in-use"' in page:
+                pages.append(page)
     requests.join()
+    busy = [screenshot(server.url, tmp_path / f"busy{i}.png", page) for i, page in enumerate(pages)]
     # Two requests run at a time, each growing to 5 blocks of 16 tokens: the browser saw blocks
     # in use, every block drawn once, and different pictures as blocks filled and freed.
     seen = [b for b in busy if b["in use"] > 0]
