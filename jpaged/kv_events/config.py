@@ -1,7 +1,8 @@
 """KVEventsConfig: vLLM's `--kv-events-config` (a dict or a JSON object string), checked."""
 
 import dataclasses
-import json
+
+from jpaged.json_option import option_fields
 
 PUBLISHERS = ("null", "zmq")
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -26,18 +27,7 @@ class KVEventsConfig:
         field otherwise."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a dict or a JSON object, got {type(value).__name__}")
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(value) - set(names))
-        if unknown:
-            raise ValueError(f"kv_events_config has unknown fields {unknown}; expected some of {names}")
-        return cls(**value)
+        return cls(**option_fields(value, "kv_events_config", cls))
 
     def __post_init__(self):
         def check(field, ok, expected):

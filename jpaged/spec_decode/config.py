@@ -1,7 +1,8 @@
 """SpeculativeConfig: vLLM's `speculative_config` dict (or JSON string), checked."""
 
 import dataclasses
-import json
+
+from jpaged.json_option import option_fields
 
 METHODS = ("ngram", "draft_model")
 # Bounds on the integers. Drafts per step: each is a row of every decoding sequence in the step (and
@@ -29,18 +30,7 @@ class SpeculativeConfig:
         naming the field otherwise."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(value).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown fields {unknown}; expected some of {sorted(names)}")
-        value = dict(value)
+        value = option_fields(value, "speculative_config", cls)
         if "method" not in value:
             value["method"] = "draft_model" if value.get("model") is not None else \
                 "ngram" if "prompt_lookup_max" in value or "prompt_lookup_min" in value else None
