@@ -77,10 +77,15 @@ class ZmqEventPublisher:
             logger.warning("KV events: the publisher queue is full; a batch of %d events is dropped", len(batch.events))
 
     def shutdown(self, timeout: float = 2.0):
-        """Send what is queued (up to `timeout`), then close the sockets."""
-        self._queue.put(None)
+        """Send what is queued (up to `timeout`), then close the sockets. A thread still sending
+        then keeps them (a ZMQ socket belongs to one thread; the daemon thread ends with the process)."""
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            logger.warning("KV events: the publisher queue stayed full; unsent batches are dropped")
         self._thread.join(timeout)
-        self._close_sockets()
+        if not self._thread.is_alive():
+            self._close_sockets()
 
     def _close_sockets(self):
         for socket in (self._pub, self._replay):
