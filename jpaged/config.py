@@ -27,7 +27,10 @@ def _option(default, help: str, **metadata):
 
 # Options that change nothing a compiled step computes: left out of the executable cache's key.
 HOST_ONLY_OPTIONS = ("executable_cache", "grammar_compile_timeout", "grammar_compile_memory", "max_cpu_loras",
-                     "enable_sleep_mode", "kv_events_config")
+                     "enable_sleep_mode", "kv_events_config", "data_parallel_size", "data_parallel_rank",
+                     "dp_routing", "dp_restart")
+# --dp-routing (jpaged/data_parallel/router.py).
+DP_ROUTINGS = ("prefix", "least-loaded", "round-robin")
 
 
 @dataclasses.dataclass
@@ -65,6 +68,15 @@ class EngineConfig:
                                          "or, in Python, jax Devices: tensor_parallel_size of them, distinct, on "
                                          "one platform; the mesh, weights, KV pool and compiled steps live there "
                                          "(default: the first tensor_parallel_size devices)")
+    data_parallel_size: int = _option(1, "engine replicas, each in its own process on its own "
+                                      "tensor_parallel_size devices, behind one front end (data parallelism)")
+    data_parallel_rank: int = _option(0, "this replica's rank (set by the front end for each replica; it "
+                                      "offsets the KV events' ports and stamps their batches)")
+    dp_routing: str = _option("prefix", "which replica takes a request: 'prefix' (the one whose prefix cache holds "
+                              "the longest cached prefix, unless it has 8 more requests than the least loaded), "
+                              "'least-loaded' or 'round-robin'", choices=DP_ROUTINGS)
+    dp_restart: bool = _option(True, "restart a replica process that died, loading its executables from the "
+                               "cache (--no-dp-restart: it stays down and the others serve)")
     attention_backend: str = _option("auto", "attention kernels: 'pallas' (Triton), 'mosaic' (Mosaic GPU, sm_90+), "
                                      "'xla' ('auto': Triton on GPU, XLA elsewhere)", choices=ATTENTION_BACKENDS)
     device: str | None = _option(None, "device platform ('cuda' or 'cpu'): that one or a clear error at start-up "
@@ -131,9 +143,17 @@ class EngineConfig:
               "'paged' with enable_prefix_caching (the baselines share no blocks)")
         check("tensor_parallel_size", isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
               "an integer >= 1")
+        check("data_parallel_size", isinstance(self.data_parallel_size, int) and not isinstance(
+            self.data_parallel_size, bool) and self.data_parallel_size >= 1, "an integer >= 1")
+        check("data_parallel_rank", isinstance(self.data_parallel_rank, int) and self.data_parallel_rank >= 0,
+              "an integer >= 0")
+        check("dp_routing", self.dp_routing in DP_ROUTINGS, f"one of {DP_ROUTINGS}")
         self.devices = _device_list(self.devices)
-        check("devices", self.devices is None or len(self.devices) == self.tensor_parallel_size,
-              f"None or tensor_parallel_size={self.tensor_parallel_size} devices")
+        num_devices = self.tensor_parallel_size * self.data_parallel_size
+        check("devices", self.devices is None or len(self.devices) == num_devices,
+              f"None or tensor_parallel_size x data_parallel_size = {num_devices} devices")
+        check("data_parallel_size", self.data_parallel_size == 1 or not self.num_processes or self.num_processes == 1,
+              "1 with multi-host (num_processes > 1): replicas run on one host")
         check("devices", self.devices is None or len({_device_id(d) for d in self.devices}) == len(self.devices),
               "distinct devices")
         check("num_processes", self.num_processes is None or self.num_processes >= 1, "None or >= 1")

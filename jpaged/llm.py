@@ -1,11 +1,13 @@
 """`jpaged.LLM` and `jpaged.generate`: the offline entry points (vLLM's names and arguments)."""
 
 import dataclasses
+import functools
 import itertools
 
 from tqdm.auto import tqdm
 
 from jpaged.config import EngineConfig
+from jpaged.data_parallel.engine import DataParallelLLMEngine
 from jpaged.engine import sleep_mode
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.outputs import RequestOutput
@@ -20,8 +22,24 @@ class LLM:
         unknown = sorted(set(engine_kwargs) - fields)
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(fields - {'model'})}")
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        config = EngineConfig(model=model, **engine_kwargs)
+        # data_parallel_size > 1: replica processes behind a router (jpaged/data_parallel)
+        self.llm_engine = DataParallelLLMEngine(config) if config.data_parallel_size > 1 else LLMEngine(config)
         self._request_ids = itertools.count()
+
+    def _lead(self, fn):
+        """Multi-host: process 0 leads, the others follow its steps (replicas run on one host)."""
+        return fn() if isinstance(self.llm_engine, DataParallelLLMEngine) else self.llm_engine.runner.lead(fn)
+
+    def _on_engines(self, fn):
+        """fn(engine) on the engine, or on every replica (the first one's answer)."""
+        if isinstance(self.llm_engine, DataParallelLLMEngine):
+            return self.llm_engine.call_all(fn)[0]
+        return fn(self.llm_engine)
+
+    def shutdown(self):
+        """Stop the replica processes (data_parallel_size > 1) and close the KV events' sockets."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -32,7 +50,7 @@ class LLM:
         `lora_request`: a LoRARequest for every prompt, or a list with one (or None) per prompt
         (enable_lora). Multi-host: every process calls this; process 0 schedules (its arguments
         count), the others run the same device steps, and all return process 0's results."""
-        return self.llm_engine.runner.lead(lambda: self._generate(prompts, sampling_params, use_tqdm, lora_request))
+        return self._lead(lambda: self._generate(prompts, sampling_params, use_tqdm, lora_request))
 
     def _generate(self, prompts, sampling_params, use_tqdm: bool, lora_request=None) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -88,25 +106,27 @@ class LLM:
         torch (CPU) or jax arrays (jax ones stay on the devices). Partial updates are fine; all
         names, shapes and dtypes are checked before anything changes. Nothing recompiles; the
         prefix cache is reset."""
-        sleep_mode.load_weights(self.llm_engine, weights)
+        if isinstance(self.llm_engine, DataParallelLLMEngine) and not isinstance(weights, dict):
+            weights = list(weights)  # sent to every replica: a generator would be used up by the first
+        self._on_engines(functools.partial(sleep_mode.load_weights, named_weights=weights))
 
     def sleep(self, level: int = 1):
         """Free the KV pool and the weights on the devices (level 1: weights kept in host memory;
         level 2: dropped, load_weights or wake_up brings them back). Generating asleep is an error."""
-        sleep_mode.sleep(self.llm_engine, level)
+        self._on_engines(functools.partial(sleep_mode.sleep, level=level))
 
     def wake_up(self):
-        sleep_mode.wake_up(self.llm_engine)
+        self._on_engines(sleep_mode.wake_up)
 
     def is_sleeping(self) -> bool:
-        return sleep_mode.is_sleeping(self.llm_engine)
+        return self._on_engines(sleep_mode.is_sleeping)
 
     def reset_prefix_cache(self):
-        sleep_mode.reset_prefix_cache(self.llm_engine)
+        self._on_engines(sleep_mode.reset_prefix_cache)
 
     def kv_map(self):
         """A picture of the KV pool now (a KVMap: `.save("kv.svg")`, shown inline by Jupyter)."""
-        return self.llm_engine.kv_map()
+        return self._on_engines(LLMEngine.kv_map)
 
 
 def generate(prompts, sampling_params: SamplingParams | None = None, *, model: str = "tiny", use_tqdm: bool = True,

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import operator
 import os
 import signal
 import ssl
@@ -32,7 +33,8 @@ from serving import kv_page
 from serving.async_engine import AsyncLLMEngine, EngineDeadError
 from serving.completions import OpenAIServingCompletion
 from serving.lora import OpenAIServingLoRA, register_lora_modules
-from serving.metrics import Metrics
+from serving.dp_engine import DPAsyncEngine
+from serving.metrics import Metrics, render_engines
 from serving.protocol import APIError
 from serving.request_body import MAX_BODY_BYTES
 from serving.responses import OpenAIServingResponses
@@ -99,7 +101,8 @@ class OpenAIServer(OpenAIServingCompletion, OpenAIServingResponses, OpenAIServin
     async def health(self, request):
         if self.engine.dead is not None:
             raise APIError(f"the engine stopped after an error: {self.engine.dead!r}", status=503)
-        return web.Response(status=200)
+        replicas = self.engine.health()  # data parallelism: each replica's rank, pid and state
+        return web.Response(status=200) if replicas is None else web.json_response(replicas)
 
     async def version(self, request):
         return web.json_response({"version": __version__})
@@ -123,8 +126,10 @@ class OpenAIServer(OpenAIServingCompletion, OpenAIServingResponses, OpenAIServin
         return self.model_name if os.path.exists(model) else model
 
     async def metrics(self, request):
-        kv_usage = await self.engine.call(lambda e: e.kv_usage()) if self.engine.dead is None else None
-        return web.Response(body=self.engine.metrics.render(self.engine.stats, kv_usage).encode(),
+        kv_usage = await self.engine.call_all(operator.methodcaller("kv_usage")) if self.engine.dead is None else {}
+        engines = [(m, stats, None if isinstance(kv_usage.get(rank), BaseException) else kv_usage.get(rank))
+                   for rank, (m, stats) in enumerate(zip(self.engine.replica_metrics, self.engine.replica_stats()))]
+        return web.Response(body=render_engines(engines).encode(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
@@ -239,15 +244,19 @@ def _cors(allowed_origins: str):
     return cors
 
 
-async def serve(engine: LLMEngine, options: ServerOptions) -> int:
+async def serve(engine: LLMEngine | DPAsyncEngine, options: ServerOptions) -> int:
     """Serve until SIGTERM or SIGINT (then stop accepting, abort in-flight requests and return 0)
-    or until the engine dies (then return 1, so that a supervisor restarts the server)."""
+    or until the engine dies (then return 1, so that a supervisor restarts the server). `engine`:
+    one LLMEngine, or the data-parallel replicas (their adapters registered at their start)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # first thing: they replace run_server's start-up handler
         loop.add_signal_handler(sig, stop.set)
-    register_lora_modules(engine, options.lora_modules)  # read and checked before serving (ids as the app's)
-    async_engine = AsyncLLMEngine(engine, Metrics(options.served_model_name))
+    if isinstance(engine, DPAsyncEngine):
+        async_engine = engine
+    else:
+        register_lora_modules(engine, options.lora_modules)  # read and checked before serving (ids as the app's)
+        async_engine = AsyncLLMEngine(engine, Metrics(options.served_model_name))
     async_engine.on_dead = stop.set
     async_engine.start()
     app = OpenAIServer(async_engine, options).build_app()
@@ -330,6 +339,9 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _exit_during_start_up)
         sys.unraisablehook = _drop_lost_start_up_exit
+    if config.data_parallel_size > 1:  # replica processes, each loading and compiling, then we listen
+        engine = DPAsyncEngine(config, options.served_model_name, options.lora_modules)
+        return asyncio.run(serve(engine, options))
     # Loads the weights and compiles every step shape before we listen.
     engine = LLMEngine(config, stop_start_up=_start_up_stopped)
     if _start_up_stopped.is_set():  # the signal came after the last shape, its SystemExit lost

@@ -80,6 +80,24 @@ class AsyncLLMEngine:
             raise
         return stream
 
+    async def call_all(self, fn) -> dict:
+        """{0: fn(engine)} (or the exception it raised): DPAsyncEngine's answer per replica."""
+        try:
+            return {0: await self.call(fn)}
+        except Exception as e:
+            return {0: e}
+
+    def replica_stats(self) -> list[dict]:
+        return [self.stats]
+
+    @property
+    def replica_metrics(self) -> list[Metrics]:
+        return [self.metrics]
+
+    def health(self) -> dict | None:
+        """None: one engine, /health answers 200 with no body while it lives."""
+        return None
+
     async def call(self, fn):
         """fn(engine) on the engine thread, between two steps (the engine is not thread-safe)."""
         if self.dead is not None:
@@ -190,7 +208,7 @@ class RequestStream:
     with finish_reason "abort" on the unfinished completions."""
 
     def __init__(self, engine: AsyncLLMEngine, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams):
+                 params: SamplingParams, metrics: Metrics | None = None):
         self.engine, self.request_id, self.params = engine, request_id, params
         self.delta = params.output_kind is RequestOutputKind.DELTA
         self.total = RequestOutput(request_id, None, prompt_token_ids, [
@@ -199,7 +217,7 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.closed = False  # nothing more will be put
         self._done = False  # the finished output was consumed
-        self._metrics = engine.metrics
+        self._metrics = metrics or engine.metrics  # a replica's own, with data parallelism
         self._arrival = self._last = time.monotonic()
         self._num_tokens = 0
 

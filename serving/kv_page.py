@@ -44,6 +44,11 @@ def authorized(header: str | None, api_key: str) -> bool:
     return False
 
 
+def kv_snapshot(engine):
+    """On the engine thread (each replica's, with data parallelism): the map and the slot counts."""
+    return engine.kv_map(), engine.kv_usage()
+
+
 class KVPage:
     """The page, made at most once per SNAPSHOT_S however many clients poll it."""
 
@@ -69,18 +74,29 @@ class KVPage:
             future.exception()  # retrieved: a failed snapshot is raised to its waiters, not logged again
 
     async def _snapshot(self) -> tuple[bytes, bytes]:
-        kv_map, usage = await self.engine.call(lambda e: (e.kv_map(), e.kv_usage()))
+        answers = await self.engine.call_all(kv_snapshot)  # data parallelism: one map per replica
         self.snapshots += 1
-        allocated = usage.allocated_slots
-        numbers = (f"{usage.total_slots} token slots: {usage.token_slots} hold tokens, {usage.reserved_slots} "
-                   f"reserved, {usage.fragmented_slots} fragmented, {usage.free_slots} free"
-                   + (f" ({usage.token_slots / allocated:.1%} of allocated slots hold tokens)" if allocated else ""))
         name = html.escape(self.model_name)
+        sections = []
+        for rank, answer in sorted(answers.items()):
+            if isinstance(answer, BaseException):
+                if len(answers) == 1:
+                    raise answer
+                sections.append((f"<h3>replica {rank}</h3><p>{html.escape(str(answer))}</p>", None))
+                continue
+            kv_map, usage = answer
+            allocated = usage.allocated_slots
+            numbers = (f"{usage.total_slots} token slots: {usage.token_slots} hold tokens, {usage.reserved_slots} "
+                       f"reserved, {usage.fragmented_slots} fragmented, {usage.free_slots} free"
+                       + (f" ({usage.token_slots / allocated:.1%} of allocated slots hold tokens)" if allocated else ""))
+            title = f"<h3>replica {rank}</h3>" if len(answers) > 1 else ""
+            sections.append((f"{title}<p>{numbers}</p>", kv_map))
 
         def render() -> tuple[bytes, bytes]:  # a large pool's SVG is long: made off the event loop
+            body = "".join(text + (kv_map.to_svg() if kv_map is not None else "") for text, kv_map in sections)
             page = (f'<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" '
                     f'content="{REFRESH_S}"><title>KV cache · {name}</title></head><body style="font-family:'
-                    f'sans-serif"><h2>KV cache of {name}</h2><p>{numbers}</p>{kv_map.to_svg()}</body></html>').encode()
+                    f'sans-serif"><h2>KV cache of {name}</h2>{body}</body></html>').encode()
             return page, gzip.compress(page, compresslevel=1)  # sent to the many pollers that accept gzip
 
         self._page = await asyncio.get_running_loop().run_in_executor(None, render)

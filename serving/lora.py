@@ -22,6 +22,7 @@ finished with by those requests (LoRAManager.remove), new ones naming it are ref
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import logging
 import os
@@ -66,6 +67,28 @@ def parse_lora_modules(values: list[str] | None) -> list[tuple[str, str]]:
             raise ValueError(f"--lora-modules: the name {name!r} is given twice")
         modules.append((name, path))
     return modules
+
+
+# What the engine thread (or each data-parallel replica) runs: module functions, so that a
+# replica process can be sent them.
+def register_read(lora: LoRARequest, adapter, weights, engine):
+    engine.lora_manager.register(lora, adapter, weights)
+
+
+def read_and_register(lora: LoRARequest, allowed_dirs, engine):
+    """A data-parallel replica reads the adapter itself (an unreadable one: public_message only)."""
+    try:
+        adapter, weights = engine.lora_manager.read(lora, download=False, allowed_dirs=allowed_dirs)
+    except AdapterUnreadable as e:
+        logger.info("load_lora_adapter %r refused: %s", lora.lora_name, e)
+        raise ValueError(e.public_message(lora.lora_path)) from None
+    engine.lora_manager.register(lora, adapter, weights)
+
+
+def remove_adapter(lora_int_id: int, engine):
+    """Requests running with it finish with it (LoRAManager.remove)."""
+    engine.lora_manager.remove(lora_int_id, [*engine.scheduler.waiting, *engine.scheduler.running,
+                                             *engine.scheduler.swapped])
 
 
 def register_lora_modules(engine, modules: list[tuple[str, str]]):
@@ -118,6 +141,10 @@ class OpenAIServingLoRA(OpenAIServing):
         self._loading[name] = lora.lora_int_id
         handed = False
         try:
+            if hasattr(self.engine, "fleet"):  # data parallel: every replica reads it, and restarts replay it
+                handed = True
+                await asyncio.shield(self._register_everywhere(lora))
+                return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
             manager = self.engine.engine.lora_manager
             read = asyncio.get_running_loop().run_in_executor(self._lora_pool, lambda: manager.read(
                 lora, download=False, allowed_dirs=self.allowed_lora_paths))
@@ -139,10 +166,23 @@ class OpenAIServingLoRA(OpenAIServing):
                 self._loading.pop(name, None)
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
+    async def _register_everywhere(self, lora: LoRARequest):
+        fn = functools.partial(read_and_register, lora, self.allowed_lora_paths)
+        try:
+            await self.engine.call(fn)
+            self.engine.fleet.replayed.append(fn)
+            self.lora_requests[lora.lora_name] = lora
+        except ValueError as e:
+            # Replicas that did read it drop it again (ids are never reused).
+            await self.engine.call_all(functools.partial(remove_adapter, lora.lora_int_id))
+            raise APIError(str(e), param="lora_path") from None
+        finally:
+            self._loading.pop(lora.lora_name, None)
+
     async def _register(self, lora: LoRARequest, adapter, weights):
         """On the engine thread, then recorded; the name's reservation ends here."""
         try:
-            await self.engine.call(lambda engine: engine.lora_manager.register(lora, adapter, weights))
+            await self.engine.call(functools.partial(register_read, lora, adapter, weights))
             self.lora_requests[lora.lora_name] = lora
         except ValueError as e:
             raise APIError(str(e), param="lora_path") from None
@@ -158,6 +198,8 @@ class OpenAIServingLoRA(OpenAIServing):
             raise APIError(f"The lora adapter '{name}' cannot be found.", status=404, param="lora_name",
                            code="model_not_found")
         # Requests already running with it finish with it; new ones naming it are refused.
-        await asyncio.shield(self.engine.call(lambda engine: engine.lora_manager.remove(
-            lora.lora_int_id, [*engine.scheduler.waiting, *engine.scheduler.running, *engine.scheduler.swapped])))
+        remove = functools.partial(remove_adapter, lora.lora_int_id)
+        if hasattr(self.engine, "fleet"):
+            self.engine.fleet.replayed.append(remove)
+        await asyncio.shield(self.engine.call(remove))
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")

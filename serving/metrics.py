@@ -44,8 +44,9 @@ class Histogram:
 
 
 class Metrics:
-    def __init__(self, model_name: str):
-        self.labels = f'model_name="{model_name}"'
+    def __init__(self, model_name: str, engine: str | None = None):
+        # vLLM's labels; `engine` (the replica's rank) only with data parallelism.
+        self.labels = f'model_name="{model_name}"' + (f',engine="{engine}"' if engine is not None else "")
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished = {}  # finish reason -> requests
@@ -59,41 +60,49 @@ class Metrics:
 
     def render(self, stats: dict, kv_usage=None) -> str:
         """`kv_usage`: the engine's KVUsage now, when it could be read."""
-        lines = []
+        return render_engines([(self, stats, kv_usage)])
 
-        def metric(name, kind, help, value, labels=self.labels):
-            lines.extend([f"# HELP {PREFIX}{name} {help}", f"# TYPE {PREFIX}{name} {kind}",
-                          f"{PREFIX}{name}{{{labels}}} {value}"])
+    def families(self, stats: dict | None, kv_usage=None) -> list[tuple[str, str, str, list[str]]]:
+        """(name, type, help, sample lines) of every metric; `stats` None: a replica that is down
+        (only its request counters and histograms)."""
+        out, labels = [], self.labels
 
-        gpu_used = 1 - stats["num_free_gpu_blocks"] / stats["num_gpu_blocks"]
-        cpu_used = 1 - stats["num_free_cpu_blocks"] / stats["num_cpu_blocks"] if stats["num_cpu_blocks"] else 0.0
-        queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
-        metric("num_requests_running", "gauge", "Requests running on the device.", stats["num_running"])
-        metric("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", stats["num_waiting"])
-        metric("num_requests_swapped", "gauge", "Requests swapped out to host memory.", stats["num_swapped"])
-        metric("gpu_cache_usage_perc", "gauge", "Fraction of device KV blocks in use (1 = full).", gpu_used)
-        metric("cpu_cache_usage_perc", "gauge", "Fraction of host (swap) KV blocks in use (1 = full).", cpu_used)
-        metric("num_preemptions_total", "counter", "Sequence-group preemptions.", stats["num_preemptions"])
+        def metric(name, kind, help, value=None, samples=None):
+            out.append((PREFIX + name, kind, help,
+                        samples if samples is not None else [f"{PREFIX}{name}{{{labels}}} {value}"]))
+
+        if stats:
+            gpu_used = 1 - stats["num_free_gpu_blocks"] / stats["num_gpu_blocks"]
+            cpu_used = 1 - stats["num_free_cpu_blocks"] / stats["num_cpu_blocks"] if stats["num_cpu_blocks"] else 0.0
+            queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
+            metric("num_requests_running", "gauge", "Requests running on the device.", stats["num_running"])
+            metric("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", stats["num_waiting"])
+            metric("num_requests_swapped", "gauge", "Requests swapped out to host memory.", stats["num_swapped"])
+            metric("gpu_cache_usage_perc", "gauge", "Fraction of device KV blocks in use (1 = full).", gpu_used)
+            metric("cpu_cache_usage_perc", "gauge", "Fraction of host (swap) KV blocks in use (1 = full).", cpu_used)
+            metric("num_preemptions_total", "counter", "Sequence-group preemptions.", stats["num_preemptions"])
         metric("prompt_tokens_total", "counter", "Prompt tokens of started requests.", self.prompt_tokens)
         metric("generation_tokens_total", "counter", "Generated tokens.", self.generation_tokens)
-        metric("prefix_cache_queries_total", "counter", "Tokens looked up in the prefix cache at admission.", queries)
-        metric("prefix_cache_hits_total", "counter", "Tokens found in the prefix cache at admission.", hits)
-        metric("gpu_prefix_cache_hit_rate", "gauge", "Prefix-cache hits / queries, in tokens.",
-               hits / queries if queries else 0.0)
-        metric("num_gpu_blocks_in_use", "gauge", "Device KV blocks held by sequences (shared blocks once).",
-               stats["num_gpu_blocks_in_use"])
-        metric("num_gpu_blocks_without_sharing", "gauge", "Device KV blocks the same block tables would hold "
-               "without sharing (forks, beams, cached prefixes).", stats["num_gpu_blocks_without_sharing"])
-        metric("num_cached_gpu_blocks", "gauge", "Free device KV blocks still holding a cached prefix.",
-               stats["num_cached_gpu_blocks"])
+        if stats:
+            metric("prefix_cache_queries_total", "counter", "Tokens looked up in the prefix cache at admission.",
+                   queries)
+            metric("prefix_cache_hits_total", "counter", "Tokens found in the prefix cache at admission.", hits)
+            metric("gpu_prefix_cache_hit_rate", "gauge", "Prefix-cache hits / queries, in tokens.",
+                   hits / queries if queries else 0.0)
+            metric("num_gpu_blocks_in_use", "gauge", "Device KV blocks held by sequences (shared blocks once).",
+                   stats["num_gpu_blocks_in_use"])
+            metric("num_gpu_blocks_without_sharing", "gauge", "Device KV blocks the same block tables would hold "
+                   "without sharing (forks, beams, cached prefixes).", stats["num_gpu_blocks_without_sharing"])
+            metric("num_cached_gpu_blocks", "gauge", "Free device KV blocks still holding a cached prefix.",
+                   stats["num_cached_gpu_blocks"])
         if kv_usage is not None:
-            lines += [f"# HELP {PREFIX}kv_slots Device KV slots (tokens) by what they hold (the paper's Fig. 2).",
-                      f"# TYPE {PREFIX}kv_slots gauge"]
-            lines += [f'{PREFIX}kv_slots{{{self.labels},state="{state}"}} {getattr(kv_usage, f"{state}_slots")}'
-                      for state in ("token", "reserved", "fragmented", "free")]
-        metric("num_compilations", "gauge", "Step shapes compiled (constant after warm-up).",
-               stats["num_compilations"])
-        if "spec_decode_num_drafts" in stats:  # speculative decoding: vLLM's counters
+            metric("kv_slots", "gauge", "Device KV slots (tokens) by what they hold (the paper's Fig. 2).", samples=[
+                f'{PREFIX}kv_slots{{{labels},state="{state}"}} {getattr(kv_usage, f"{state}_slots")}'
+                for state in ("token", "reserved", "fragmented", "free")])
+        if stats:
+            metric("num_compilations", "gauge", "Step shapes compiled (constant after warm-up).",
+                   stats["num_compilations"])
+        if stats and "spec_decode_num_drafts" in stats:  # speculative decoding: vLLM's counters
             metric("spec_decode_num_drafts_total", "counter", "Verified runs of draft tokens.",
                    stats["spec_decode_num_drafts"])
             metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed and verified.",
@@ -101,13 +110,26 @@ class Metrics:
             metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
                    stats["spec_decode_num_accepted_tokens"])
             name = f"{PREFIX}spec_decode_num_accepted_tokens_per_pos"
-            lines += [f"# HELP {name} Draft tokens accepted, by their position in the run.", f"# TYPE {name} counter"]
-            lines += [f'{name}{{{self.labels},position="{i}"}} {count}'
-                      for i, count in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"])]
-        lines += [f"# HELP {PREFIX}request_success_total Finished requests by finish reason.",
-                  f"# TYPE {PREFIX}request_success_total counter"]
-        lines += [f'{PREFIX}request_success_total{{{self.labels},finished_reason="{reason}"}} {count}'
-                  for reason, count in sorted(self.finished.items())]
+            metric("spec_decode_num_accepted_tokens_per_pos", "counter", "Draft tokens accepted, by their position "
+                   "in the run.", samples=[f'{name}{{{labels},position="{i}"}} {count}' for i, count in
+                                            enumerate(stats["spec_decode_num_accepted_tokens_per_pos"])])
+        metric("request_success_total", "counter", "Finished requests by finish reason.", samples=[
+            f'{PREFIX}request_success_total{{{labels},finished_reason="{reason}"}} {count}'
+            for reason, count in sorted(self.finished.items())])
         for histogram in (self.ttft, self.tpot, self.e2e):
-            lines += histogram.render(self.labels)
-        return "\n".join(lines) + "\n"
+            lines = histogram.render(labels)
+            out.append((PREFIX + histogram.name, "histogram", histogram.help, lines[2:]))
+        return out
+
+
+def render_engines(engines: list[tuple["Metrics", dict | None, object]]) -> str:
+    """The text exposition of one or more engines' metrics (data-parallel replicas: one sample
+    per replica under each metric's HELP and TYPE, told apart by the `engine` label)."""
+    families: dict[str, tuple[str, str, list[str]]] = {}
+    for metrics, stats, kv_usage in engines:
+        for name, kind, help, samples in metrics.families(stats, kv_usage):
+            families.setdefault(name, (kind, help, []))[2].extend(samples)
+    lines = []
+    for name, (kind, help, samples) in families.items():
+        lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", *samples]
+    return "\n".join(lines) + "\n"

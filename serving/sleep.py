@@ -5,6 +5,8 @@ Each runs on the engine thread between two steps (jpaged/engine/sleep_mode.py); 
 run now (requests unfinished, already asleep) is a 400 naming why.
 """
 
+import functools
+
 from aiohttp import web
 
 from jpaged.engine import sleep_mode
@@ -33,7 +35,7 @@ class OpenAIServingSleep(OpenAIServing):
         level = levels[0]
         if level not in ("1", "2"):  # exactly: "1 " (1%20), "01", "+1" are refused
             raise APIError(f"level={level[:20]!r}; expected 1 or 2", param="level")
-        await self._on_engine(lambda engine: sleep_mode.sleep(engine, int(level)))
+        await self._on_engine(functools.partial(sleep_mode.sleep, level=int(level)))
         return web.Response()
 
     async def wake_up(self, request):

@@ -99,15 +99,15 @@ class _Map:
 
 
 class _Engine:
-    """AsyncLLMEngine.call's shape: fn(engine) answered later, counted."""
+    """AsyncLLMEngine.call_all's shape: {0: fn(engine)} answered later, counted."""
 
     def __init__(self):
         self.calls = 0
 
-    async def call(self, fn):
+    async def call_all(self, fn):
         self.calls += 1
         await asyncio.sleep(0)  # the engine thread answers between two steps: the other pollers arrive first
-        return fn(self)
+        return {0: fn(self)}
 
     def kv_map(self):
         return _Map()

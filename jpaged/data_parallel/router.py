@@ -16,10 +16,10 @@ one engine. Loads come from the replicas' own counts (`set_load`).
 
 import itertools
 
+from jpaged.config import DP_ROUTINGS as POLICIES
 from jpaged.core.block_manager import hash_block_tokens
 from jpaged.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, external_block_hash
 
-POLICIES = ("prefix", "least-loaded", "round-robin")
 # Requests (waiting + running) the replica with the best prefix may have beyond the least-loaded
 # one and still take the request.
 DEFAULT_LOAD_SLACK = 8

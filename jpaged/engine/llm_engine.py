@@ -83,6 +83,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, stop_start_up: threading.Event | None = None):
         self.config = config
+        if config.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={config.data_parallel_size}: an LLMEngine is one replica; "
+                             "jpaged.LLM and `jpaged serve` run several (jpaged/data_parallel)")
         devices.select(config.device)
         distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
         devices.check(config.device)
@@ -125,7 +128,7 @@ class LLMEngine:
                                           sliding_window=common_sliding_window(loaded.model))
         # KV events (vLLM's wire format, jpaged/kv_events): the prefix cache's changes, published
         # after every step for KV-aware routers. Opened now: a busy address fails the start-up.
-        self.kv_event_publisher = make_publisher(config.kv_events_config)
+        self.kv_event_publisher = make_publisher(config.kv_events_config, config.data_parallel_rank)
         if config.kv_events_config is not None and config.kv_events_config.enabled:
             self.block_manager.enable_kv_events()
         # Debug mode (the tests turn it on): check the block pool's invariants after every step.

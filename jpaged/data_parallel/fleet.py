@@ -1,0 +1,417 @@
+"""The front end's side of data parallelism: N replica processes (replica.py), which one takes
+each request (router.py), and what happens when one dies.
+
+Everything here runs on one "driver": the thread that calls `pump` (offline, jpaged.LLM) or the
+server's event loop once `attach`ed. Each replica has a reader thread (its pipe's messages) and
+a writer thread (commands never block the driver on a busy replica's full pipe); both hand
+their work to the driver through `_post`.
+
+Faults: a replica that dies (kill -9, a crash) closes its pipe, so its reader sees EOF at once.
+Its requests that have produced nothing yet are routed to another replica; the others end with
+an error naming the replica. With `dp_restart` a new process takes its rank (loading its
+executables from the cache) and, once ready, gets the adapters loaded at run time replayed.
+"""
+
+import asyncio
+import atexit
+import dataclasses
+import itertools
+import logging
+import multiprocessing.connection
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from typing import Callable
+
+from jpaged.config import EngineConfig
+from jpaged.data_parallel.router import Router
+
+logger = logging.getLogger(__name__)
+
+# How long a replica may take to stop after the shutdown command before it is killed.
+SHUTDOWN_TIMEOUT_S = 30
+
+
+_live_fleets: "weakref.WeakSet[Fleet]" = weakref.WeakSet()
+
+
+@atexit.register  # before multiprocessing's own exit handler, which would wait for the replicas forever
+def _stop_live_fleets():
+    for fleet in list(_live_fleets):
+        fleet.kill()
+
+
+class ReplicaDiedError(RuntimeError):
+    """The replica serving a request died before finishing it."""
+
+
+def replica_env(config: EngineConfig, rank: int) -> dict:
+    """The environment of replica `rank`'s process: its own tensor_parallel_size devices. On a
+    GPU, CUDA_VISIBLE_DEVICES (so jax in that process sees, and preallocates, only those); on
+    the CPU each process has its own host devices (as many as tensor parallelism needs)."""
+    tp, env = config.tensor_parallel_size, {}
+    ids = [d if isinstance(d, int) else d.id for d in config.devices] if config.devices else \
+        list(range(config.data_parallel_size * tp))
+    mine = ids[rank * tp:(rank + 1) * tp]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:  # ids count within what this process was given
+        given = [v.strip() for v in visible.split(",") if v.strip()]
+        mine = [given[i] if i < len(given) else str(i) for i in mine]
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, mine))
+    flags = os.environ.get("XLA_FLAGS", "")
+    if tp > 1 and "xla_force_host_platform_device_count" not in flags:
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={tp}".strip()
+    return env
+
+
+def replica_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """Replica `rank`'s own engine options: one replica, its rank, its devices (set by replica_env)."""
+    return dataclasses.replace(config, data_parallel_size=1, data_parallel_rank=rank, devices=None)
+
+
+class ReplicaProcess:
+    """One replica's process (a fresh interpreter: jax is not fork-safe, and unlike
+    multiprocessing's spawn nothing of the caller's __main__ is imported again) and its pipes."""
+
+    def __init__(self, rank: int, config: EngineConfig, lora_modules, post: Callable, on_message: Callable):
+        commands_read, commands_write = os.pipe()
+        messages_read, messages_write = os.pipe()
+        env = {**os.environ, **replica_env(config, rank)}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "jpaged.data_parallel.replica", str(rank), str(commands_read), str(messages_write)],
+            env=env, pass_fds=(commands_read, messages_write), stdin=subprocess.DEVNULL)
+        os.close(commands_read)  # the child's ends: once it exits, our reads see EOF
+        os.close(messages_write)
+        self.rank, self.pid = rank, self.process.pid
+        self._commands = multiprocessing.connection.Connection(commands_write, readable=False)
+        self._messages = multiprocessing.connection.Connection(messages_read, writable=False)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox.put(pickle.dumps((replica_config(config, rank), list(lora_modules))))  # read first
+        self._post, self._on_message = post, on_message
+        threading.Thread(target=self._read, name=f"jpaged-replica-{rank}-reader", daemon=True).start()
+        threading.Thread(target=self._write, name=f"jpaged-replica-{rank}-writer", daemon=True).start()
+
+    def send(self, command: tuple):
+        self._outbox.put(command)
+
+    def _write(self):
+        while True:
+            command = self._outbox.get()
+            if command is None:
+                break
+            try:
+                if isinstance(command, bytes):
+                    self._commands.send_bytes(command)
+                else:
+                    self._commands.send(command)
+            except (OSError, ValueError):  # the replica is gone: its reader reports it
+                break
+        self._commands.close()
+
+    def _read(self):
+        while True:
+            try:
+                message = self._messages.recv()
+            except (EOFError, OSError):
+                break
+            except Exception as e:  # a message that cannot be unpickled: the replica cannot be trusted
+                message = ("fatal", f"unreadable message: {e!r}", "")
+            self._post(lambda m=message: self._on_message(self, m))
+        self._messages.close()
+        self._post(lambda: self._on_message(self, ("exit",)))
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.poll()
+
+    def stop(self, timeout: float = SHUTDOWN_TIMEOUT_S):
+        """Ask the process to stop; kill it if it has not after `timeout` seconds."""
+        self.send(("shutdown",))
+        self.send(None)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self):
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.send(None)
+
+
+@dataclasses.dataclass
+class _Request:
+    rank: int
+    prompt_token_ids: list[int]
+    params: object
+    lora_request: object
+    added: bool = False  # the replica took it (its "added" came back)
+    started: bool = False  # some output of it came back: it cannot move to another replica
+
+
+class Fleet:
+    """The replicas and the requests each one holds. Callbacks (set by the owner, run on the
+    driver): on_added(request_id, error), on_step(rank, outputs, failed), on_lost(request_ids,
+    error), on_call_done(call_id, {rank: (error_type, value)}), on_change()."""
+
+    def __init__(self, config: EngineConfig, lora_modules=()):
+        self.config, self.lora_modules = config, list(lora_modules)
+        self.size = config.data_parallel_size
+        self.router = Router(self.size, config.block_size, config.dp_routing)
+        if config.dp_routing == "prefix" and not config.enable_prefix_caching:
+            logger.warning("dp_routing='prefix' without enable_prefix_caching: the replicas cache no prefixes, "
+                           "so requests go to the least-loaded replica")
+        self.replicas: list[ReplicaProcess | None] = [None] * self.size
+        self.states = ["down"] * self.size  # starting, up, down, failed (a restart did not start)
+        self.errors: list[str | None] = [None] * self.size
+        self.stats: list[dict | None] = [None] * self.size
+        self.info: dict | None = None  # the first ready replica's (replica._front_info)
+        self.requests: dict[str, _Request] = {}
+        self.loads = [0] * self.size  # requests each replica holds (the router's load)
+        self.replayed: list = []  # calls every replica must have run (adapters loaded at run time)
+        self._calls: dict[int, tuple[set, dict]] = {}  # call id -> (ranks to answer, answers)
+        self._call_ids = itertools.count()
+        self._lock = threading.Lock()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.stopping = False
+        noop = lambda *args: None  # noqa: E731
+        self.on_added, self.on_step, self.on_lost, self.on_call_done, self.on_change = noop, noop, noop, noop, noop
+        _live_fleets.add(self)
+
+    # ------------------------------------------------------------------ the driver
+    def _post(self, fn):
+        with self._lock:
+            if self._loop is None:
+                self._inbox.put(fn)
+            else:
+                self._loop.call_soon_threadsafe(fn)
+
+    def attach(self, loop: asyncio.AbstractEventLoop):
+        """From now on the callbacks run on `loop` (what was posted before runs there first)."""
+        with self._lock:
+            self._loop = loop
+            while True:
+                try:
+                    loop.call_soon(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+
+    def pump(self, timeout: float | None = None) -> bool:
+        """Run what the replicas posted (offline driver): waits up to `timeout` for the first."""
+        try:
+            fn = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        fn()
+        while True:
+            try:
+                self._inbox.get_nowait()()
+            except queue.Empty:
+                return True
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self):
+        """Start every replica and wait until all are ready; a replica that fails to start fails
+        the start-up with its error (the others are stopped)."""
+        try:
+            # Replica 0 first: the others then load its compiled steps from the executable cache
+            # instead of compiling the same ones side by side.
+            for ranks in ([0], range(1, self.size)):
+                for rank in ranks:
+                    self._spawn(rank)
+                while any(self.states[rank] == "starting" for rank in ranks):
+                    self.pump(timeout=1.0)
+                    failed = next((r for r in ranks if self.states[r] in ("down", "failed")), None)
+                    if failed is not None:
+                        raise RuntimeError(f"data-parallel replica {failed} failed to start: {self.errors[failed]}")
+        except BaseException:
+            self.kill()
+            raise
+
+    def _spawn(self, rank: int):
+        self.states[rank], self.errors[rank] = "starting", None
+        self.replicas[rank] = ReplicaProcess(rank, self.config, self.lora_modules, self._post, self._on_message)
+
+    def shutdown(self):
+        """Stop every replica (each finishes its current step); blocking."""
+        self.stopping = True
+        threads = [threading.Thread(target=r.stop) for r in self.replicas if r is not None]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def kill(self):
+        self.stopping = True
+        for r in self.replicas:
+            if r is not None:
+                r.kill()
+
+    @property
+    def up(self) -> list[int]:
+        return [r for r in range(self.size) if self.states[r] == "up"]
+
+    def health(self) -> dict:
+        replicas = [{"rank": r, "pid": None if p is None else p.pid, "state": self.states[r],
+                     **({"error": self.errors[r]} if self.errors[r] else {})}
+                    for r, p in enumerate(self.replicas)]
+        down = [r for r in range(self.size) if self.states[r] != "up"]
+        return {"status": "ok" if not down else "degraded" if len(down) < self.size else "down",
+                "degraded": bool(down), "down": down, "replicas": replicas}
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, request_id: str, prompt_token_ids: list[int], params, lora_request=None) -> int:
+        """Send the request to the replica the router picks; its "added" comes back later."""
+        for rank in range(self.size):
+            self.router.set_load(rank, self.loads[rank])
+        salt = None if lora_request is None else f"lora:{lora_request.lora_int_id}".encode()
+        try:
+            rank = self.router.route(prompt_token_ids, salt)
+        except RuntimeError as e:
+            raise ReplicaDiedError(f"no replica can take the request: {self._why_down()}") from e
+        self.requests[request_id] = _Request(rank, prompt_token_ids, params, lora_request)
+        self.loads[rank] += 1
+        self.replicas[rank].send(("add", request_id, prompt_token_ids, params, lora_request))
+        return rank
+
+    def abort(self, request_id: str):
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.loads[request.rank] -= 1
+            self.replicas[request.rank].send(("abort", request_id))
+
+    def rank_of(self, request_id: str) -> int | None:
+        request = self.requests.get(request_id)
+        return None if request is None else request.rank
+
+    def call_all(self, fn) -> int:
+        """Run fn(engine) in every replica that is up; on_call_done gets the answers."""
+        call_id, ranks = next(self._call_ids), set(self.up)
+        self._calls[call_id] = (ranks, {})
+        for rank in ranks:
+            self.replicas[rank].send(("call", call_id, fn))
+        if not ranks:
+            self._finish_call(call_id)
+        return call_id
+
+    # ------------------------------------------------------------------ messages
+    def _on_message(self, replica: ReplicaProcess, message: tuple):
+        rank = replica.rank
+        if self.replicas[rank] is not replica:  # from a process this rank replaced
+            return
+        kind = message[0]
+        if kind == "step":
+            _, outputs, failed, events, stats = message
+            self.router.on_events(rank, events)
+            self.stats[rank] = stats
+            for out in outputs:
+                request = self.requests.get(out.request_id)
+                if request is not None:
+                    request.started = True
+                    if out.finished:
+                        self._forget(out.request_id)
+            for request_id in failed[0] if failed else ():
+                self._forget(request_id)
+            self.on_step(rank, outputs, failed)
+        elif kind == "added":
+            _, request_id, error = message
+            request = self.requests.get(request_id)
+            if request is not None and request.rank == rank:
+                request.added = True
+                if error is not None:
+                    self._forget(request_id)
+                self.on_added(request_id, error)
+        elif kind == "result":
+            _, call_id, error_type, value = message
+            if call_id in self._calls:
+                waiting, answers = self._calls[call_id]
+                waiting.discard(rank)
+                answers[rank] = (error_type, value)
+                if not waiting:
+                    self._finish_call(call_id)
+        elif kind == "ready":
+            info = message[1]
+            self.info = self.info or info
+            self.stats[rank] = info["stats"]
+            for fn in self.replayed:  # adapters loaded while this rank was down or starting
+                replica.send(("call", -1, fn))
+            self.states[rank] = "up"
+            self.router.set_up(rank, True)
+            logger.info("data-parallel replica %d is up (pid %d)", rank, replica.pid)
+            self.on_change()
+        elif kind == "fatal":
+            self.errors[rank] = message[1]
+            if message[2]:
+                logger.error("data-parallel replica %d (pid %d) failed:\n%s", rank, replica.pid, message[2])
+        elif kind == "exit":
+            self._on_exit(replica)
+
+    def _forget(self, request_id: str):
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.loads[request.rank] -= 1
+
+    def _finish_call(self, call_id: int):
+        _, answers = self._calls.pop(call_id)
+        if call_id >= 0:
+            self.on_call_done(call_id, answers)
+
+    def _why_down(self) -> str:
+        return "; ".join(f"replica {r} is {self.states[r]}" + (f" ({self.errors[r]})" if self.errors[r] else "")
+                         for r in range(self.size) if self.states[r] != "up") or "none is up"
+
+    def _on_exit(self, replica: ReplicaProcess):
+        """The replica's pipe closed: it exited or was killed."""
+        rank, was = replica.rank, self.states[replica.rank]
+        try:
+            code = replica.process.wait(5)
+        except subprocess.TimeoutExpired:  # its pipe closed but it lives on: it cannot serve
+            replica.kill()
+            code = replica.exitcode
+        if self.errors[rank] is None:
+            self.errors[rank] = f"exited with status {code}" if code is None or code >= 0 else \
+                f"killed by signal {-code}"
+        self.states[rank] = "failed" if was == "starting" and self.info is not None else "down"
+        self.router.set_up(rank, False)
+        self.stats[rank] = None
+        if self.stopping:
+            return
+        logger.error("data-parallel replica %d (pid %d) %s", rank, replica.pid, self.errors[rank])
+        for call_id, (waiting, answers) in list(self._calls.items()):
+            if rank in waiting:
+                waiting.discard(rank)
+                answers[rank] = ("ReplicaDiedError", f"replica {rank} died: {self.errors[rank]}")
+                if not waiting:
+                    self._finish_call(call_id)
+        lost = []
+        for request_id, request in list(self.requests.items()):
+            if request.rank != rank:
+                continue
+            self.loads[rank] -= 1
+            del self.requests[request_id]
+            if not request.started and self.up:  # nothing was sent to the client: another replica runs it
+                moved = self.submit(request_id, request.prompt_token_ids, request.params, request.lora_request)
+                logger.info("request %s moved from replica %d to %d", request_id, rank, moved)
+            else:
+                lost.append(request_id)
+        if lost:
+            self.on_lost(lost, ReplicaDiedError(f"data-parallel replica {rank} (pid {replica.pid}) died while "
+                                                f"serving the request: {self.errors[rank]}"))
+        if self.config.dp_restart and was != "starting":
+            logger.info("restarting data-parallel replica %d", rank)
+            self._spawn(rank)
+        self.on_change()
+
+    def wait_until(self, condition: Callable[[], bool], timeout: float):
+        """Offline driver: pump until `condition()` or `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while not condition() and time.monotonic() < deadline:
+            self.pump(timeout=0.1)
+        return condition()

@@ -1,0 +1,232 @@
+"""Data-parallel serving (`--data-parallel-size 2`): replica processes behind one front end.
+
+A 2-replica server of the tiny model (its own tiny LoRA adapter, written by PEFT) is checked
+against a single engine's greedy outputs: completions, chat, streams, an adapter loaded at run
+time, /metrics with vLLM's `engine` label, /kv per replica and /health per replica. Then one
+replica is killed with SIGKILL while streams run: the stream it served ends with an error event,
+the other finishes, /health names the replica within a second, the replica restarts, and the
+server serves again; SIGTERM then exits 0 with no replica left. Offline, `LLM(data_parallel_size=2)`
+returns what one engine returns, in input order. Routing rules themselves: test_dp_router.py.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+
+import jpaged
+from jpaged.config import EngineConfig
+from jpaged.data_parallel.fleet import Fleet, replica_env
+from jpaged.lora.request import LoRARequest
+from test_server import Server
+
+LIMITS = ["--max-num-seqs", "8", "--max-model-len", "128", "--max-num-batched-tokens", "64", "--enforce-eager"]
+OFFLINE = dict(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=64, enforce_eager=True)
+PROMPTS = [[5 + i, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21] for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    """A rank-4 PEFT adapter over the tiny model's checkpoint (the server loads both)."""
+    import peft
+    import transformers
+
+    from jpaged.models import tiny
+
+    root = tmp_path_factory.mktemp("dp")
+    config = tiny.tiny_config()
+    base = transformers.LlamaForCausalLM(config)
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                     init_lora_weights=False))
+    lora.save_pretrained(root / "adapter")
+    return str(root / "adapter")
+
+
+@pytest.fixture(scope="module")
+def reference(adapter):
+    """One engine's greedy outputs: the base model and the adapter."""
+    llm = jpaged.LLM("tiny", enable_lora=True, max_lora_rank=8, **OFFLINE)
+    sp = jpaged.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base = [o.outputs[0].text for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+    adapted = [o.outputs[0].text for o in llm.generate(PROMPTS, sp, use_tqdm=False,
+                                                       lora_request=LoRARequest("a", 1, adapter))]
+    return base, adapted
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--data-parallel-size", "2", "--enable-prefix-caching", "--enable-lora", "--max-lora-rank", "8",
+               "--enable-lora-runtime-updates", *LIMITS)
+    yield s
+    if s.proc.poll() is None:
+        s.stop()
+
+
+async def _post(url, path, body):
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + path, json=body) as r:
+            return r.status, await r.json(content_type=None)
+
+
+async def _get(url, path):
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + path) as r:
+            return r.status, await r.text()
+
+
+async def _stream(url, body) -> list:
+    """The stream's events (parsed), up to [DONE]."""
+    events = []
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/v1/completions", json={**body, "stream": True}) as r:
+            async for line in r.content:
+                line = line.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+    return events
+
+
+def health(url) -> dict:
+    status, text = asyncio.run(_get(url, "/health"))
+    assert status == 200, text
+    return json.loads(text)
+
+
+def test_every_endpoint_answers_as_one_engine(server, reference, adapter):
+    base, adapted = reference
+    h = health(server.url)
+    assert h["status"] == "ok" and not h["degraded"] and [r["rank"] for r in h["replicas"]] == [0, 1]
+    assert all(r["state"] == "up" and r["pid"] > 0 for r in h["replicas"])
+
+    async def completions(model="tiny"):
+        bodies = [{"model": model, "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+                  for p in PROMPTS]
+        return await asyncio.gather(*(_post(server.url, "/v1/completions", b) for b in bodies))
+
+    answers = asyncio.run(completions())
+    assert [status for status, _ in answers] == [200] * len(PROMPTS)
+    assert [a["choices"][0]["text"] for _, a in answers] == base
+    events = asyncio.run(_stream(server.url, {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0,
+                                              "ignore_eos": True}))
+    assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == base[0]
+    status, chat = asyncio.run(_post(server.url, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}))
+    assert status == 200 and chat["usage"]["completion_tokens"] >= 1
+
+    # An adapter loaded at run time is read by every replica, and answers as PEFT's through one engine.
+    status, _ = asyncio.run(_post(server.url, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": adapter}))
+    assert status == 200
+    answers = asyncio.run(completions("a"))
+    assert [a["choices"][0]["text"] for _, a in answers] == adapted
+    status, error = asyncio.run(_post(server.url, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "/nope"}))
+    assert status == 400 and error["error"]["param"] == "lora_path", error
+
+    # Both replicas served (the router spread 6 different prompts), each under its own label.
+    _, text = asyncio.run(_get(server.url, "/metrics"))
+    served = {}
+    for rank in (0, 1):
+        line = next(l for l in text.splitlines()
+                    if l.startswith(f'jpaged:generation_tokens_total{{model_name="tiny",engine="{rank}"}}'))
+        served[rank] = float(line.split()[-1])
+    assert all(v > 0 for v in served.values()) and sum(served.values()) >= 12 * 13, served
+    assert text.count("# TYPE jpaged:generation_tokens_total counter") == 1
+    _, page = asyncio.run(_get(server.url, "/kv"))
+    assert "replica 0" in page and "replica 1" in page
+
+
+def test_a_killed_replica_is_reported_restarted_and_its_streams_end_with_an_error(server, reference):
+    base, _ = reference
+    pids = {r["rank"]: r["pid"] for r in health(server.url)["replicas"]}
+
+    async def scenario():
+        body = {"max_tokens": 100, "temperature": 0, "ignore_eos": True}
+        streams = [asyncio.create_task(_stream(server.url, {**body, "prompt": p})) for p in PROMPTS[:4]]
+        await asyncio.sleep(0.5)  # streaming now (each takes seconds)
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        while True:
+            status, text = await _get(server.url, "/health")
+            state = json.loads(text)
+            if state["degraded"]:
+                return time.monotonic() - killed, state, await asyncio.gather(*streams)
+            await asyncio.sleep(0.05)
+
+    seen_after, state, streams = asyncio.run(scenario())
+    print(f"replica 1 reported down {seen_after:.2f} s after SIGKILL: {state}")
+    assert state["down"] == [1] and state["status"] == "degraded"
+    assert seen_after < 1.0
+    errors = [s for s in streams if any("error" in e for e in s)]
+    finished = [s for s in streams if s and s[-1].get("choices") and s[-1]["choices"][0]["finish_reason"] == "length"]
+    assert errors and finished and len(errors) + len(finished) == len(streams), streams
+    assert all("replica 1" in next(e for e in s if "error" in e)["error"]["message"] for s in errors)
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and health(server.url)["degraded"]:
+        time.sleep(0.5)
+    after = health(server.url)
+    assert not after["degraded"] and after["replicas"][1]["pid"] != pids[1], after
+    answers = asyncio.run(asyncio.gather(*(
+        _post(server.url, "/v1/completions", {"prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+        for p in PROMPTS)))
+    assert [a["choices"][0]["text"] for _, a in answers] == base
+
+
+def test_sigterm_stops_every_replica_and_exits_0(server):
+    pids = [r["pid"] for r in health(server.url)["replicas"]]
+    assert server.stop() == 0, "".join(server.log[-30:])
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):  # reaped by the server before it exited
+            os.kill(pid, 0)
+
+
+def test_offline_llm_spreads_prompts_and_keeps_their_order(reference):
+    base, _ = reference
+    llm = jpaged.LLM("tiny", data_parallel_size=2, dp_routing="round-robin", **OFFLINE)
+    try:
+        sp = jpaged.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        assert [o.outputs[0].text for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == base
+        per_replica = llm.llm_engine.replica_stats()
+        assert all(s["num_compilations"] > 0 for s in per_replica)  # both ran steps
+        with pytest.raises(ValueError, match="max_model_len"):
+            llm.generate([[1] * 200], sp, use_tqdm=False)
+        assert [o.outputs[0].text for o in llm.generate(PROMPTS[:2], sp, use_tqdm=False)] == base[:2]
+    finally:
+        llm.shutdown()
+
+
+def test_a_replica_that_cannot_start_fails_the_start_up(tmp_path):
+    with pytest.raises(RuntimeError, match="replica 0 failed to start.*nope"):
+        Fleet(EngineConfig(model=str(tmp_path / "nope"), data_parallel_size=2)).start()
+
+
+@pytest.mark.parametrize("field, value", [("data_parallel_size", 0), ("data_parallel_size", "2"),
+                                          ("dp_routing", "random"), ("data_parallel_rank", -1)])
+def test_bad_options_are_value_errors_naming_them(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})
+
+
+def test_bad_flags_fail_the_command_line():
+    import subprocess
+    import sys
+
+    for flags in (["--data-parallel-size", "0"], ["--dp-routing", "random"], ["--data-parallel-size", "x"]):
+        run = subprocess.run([sys.executable, "-m", "serving.cli", "serve", *flags], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert run.returncode != 0 and ("data-parallel-size" in run.stderr or "dp-routing" in run.stderr
+                                        or "data_parallel_size" in run.stderr), (flags, run.stderr[-500:])
+
+
+def test_each_replica_gets_its_own_devices(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    config = EngineConfig(data_parallel_size=2, tensor_parallel_size=2)
+    assert [replica_env(config, r)["CUDA_VISIBLE_DEVICES"] for r in (0, 1)] == ["0,1", "2,3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert replica_env(config, 1)["CUDA_VISIBLE_DEVICES"] == "6,7"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    config = EngineConfig(data_parallel_size=2, devices="7,6")
+    assert replica_env(config, 1)["CUDA_VISIBLE_DEVICES"] == "6"
