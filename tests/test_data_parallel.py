@@ -69,7 +69,8 @@ def server():
 async def _post(url, path, body):
     async with aiohttp.ClientSession() as session:
         async with session.post(url + path, json=body) as r:
-            return r.status, await r.json(content_type=None)
+            text = await r.text()
+            return r.status, json.loads(text) if text.startswith("{") else text
 
 
 async def _get(url, path):
@@ -169,9 +170,11 @@ def test_a_killed_replica_is_reported_restarted_and_its_streams_end_with_an_erro
         time.sleep(0.5)
     after = health(server.url)
     assert not after["degraded"] and after["replicas"][1]["pid"] != pids[1], after
-    answers = asyncio.run(asyncio.gather(*(
-        _post(server.url, "/v1/completions", {"prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
-        for p in PROMPTS)))
+    async def completions():
+        return await asyncio.gather(*(_post(server.url, "/v1/completions", {
+            "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True}) for p in PROMPTS))
+
+    answers = asyncio.run(completions())
     assert [a["choices"][0]["text"] for _, a in answers] == base
 
 
@@ -185,7 +188,7 @@ def test_sigterm_stops_every_replica_and_exits_0(server):
 
 def test_offline_llm_spreads_prompts_and_keeps_their_order(reference):
     base, _ = reference
-    llm = jpaged.LLM("tiny", data_parallel_size=2, dp_routing="round-robin", **OFFLINE)
+    llm = jpaged.LLM("tiny", data_parallel_size=2, dp_routing="round-robin", dp_restart=False, **OFFLINE)
     try:
         sp = jpaged.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         assert [o.outputs[0].text for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == base
@@ -194,6 +197,15 @@ def test_offline_llm_spreads_prompts_and_keeps_their_order(reference):
         with pytest.raises(ValueError, match="max_model_len"):
             llm.generate([[1] * 200], sp, use_tqdm=False)
         assert [o.outputs[0].text for o in llm.generate(PROMPTS[:2], sp, use_tqdm=False)] == base[:2]
+        # --no-dp-restart: a killed replica stays down, and the other one serves everything.
+        fleet = llm.llm_engine.fleet
+        os.kill(fleet.replicas[1].pid, signal.SIGKILL)
+        assert fleet.wait_until(lambda: fleet.states[1] == "down", timeout=5)
+        time.sleep(1)
+        fleet.pump(timeout=0)
+        state = fleet.health()
+        assert state["down"] == [1] and state["replicas"][1]["last_exit"] == "killed by signal 9", state
+        assert [o.outputs[0].text for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == base
     finally:
         llm.shutdown()
 

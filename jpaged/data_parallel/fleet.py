@@ -170,6 +170,8 @@ class Fleet:
         self.replicas: list[ReplicaProcess | None] = [None] * self.size
         self.states = ["down"] * self.size  # starting, up, down, failed (a restart did not start)
         self.errors: list[str | None] = [None] * self.size
+        self.restarts = [0] * self.size
+        self.last_exit: list[str | None] = [None] * self.size  # why the rank's previous process ended
         self.stats: list[dict | None] = [None] * self.size
         self.info: dict | None = None  # the first ready replica's (replica._front_info)
         self.requests: dict[str, _Request] = {}
@@ -260,7 +262,8 @@ class Fleet:
 
     def health(self) -> dict:
         replicas = [{"rank": r, "pid": None if p is None else p.pid, "state": self.states[r],
-                     **({"error": self.errors[r]} if self.errors[r] else {})}
+                     "restarts": self.restarts[r], **({"error": self.errors[r]} if self.errors[r] else {}),
+                     **({"last_exit": self.last_exit[r]} if self.last_exit[r] else {})}
                     for r, p in enumerate(self.replicas)]
         down = [r for r in range(self.size) if self.states[r] != "up"]
         return {"status": "ok" if not down else "degraded" if len(down) < self.size else "down",
@@ -404,8 +407,10 @@ class Fleet:
         if lost:
             self.on_lost(lost, ReplicaDiedError(f"data-parallel replica {rank} (pid {replica.pid}) died while "
                                                 f"serving the request: {self.errors[rank]}"))
+        self.last_exit[rank] = self.errors[rank]
         if self.config.dp_restart and was != "starting":
             logger.info("restarting data-parallel replica %d", rank)
+            self.restarts[rank] += 1
             self._spawn(rank)
         self.on_change()
 
