@@ -7,7 +7,8 @@
 #      contiguous attention; prefill TFLOP/s against dense attention
 #   4. bench_throughput on a Llama-3.2-1B-shaped random bf16 model: jpaged, then HF transformers'
 #      generate and generate_batch on the same GPU, each in its own process
-#   5. SmolLM2-135M-Instruct real-checkpoint greedy parity with transformers
+#   5. bench_dp (two replicas, prefix vs round-robin routing) where the machine has two GPUs
+#   6. SmolLM2-135M-Instruct real-checkpoint greedy parity with transformers
 # CPU-only preparation (building the two checkpoints) runs in the background from the start.
 # Every step's output is teed to $OUT/gpu_check/<step>.log (the run tool fetches $OUT) and its
 # exit status to summary.txt; the script exits non-zero if any step failed.
@@ -101,6 +102,15 @@ if built "$llama_pid"; then
 else
   echo "throughput: FAILED (no 1B checkpoint in time: see build_llama1b.log)" | tee -a "$out/summary.txt"
   failed=1
+fi
+
+# Data parallelism: two replica processes, one GPU each (the lent machines have one: skipped there).
+ngpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
+if [ "${ngpus:-0}" -ge 2 ]; then
+  step bench_dp 150 "$python" scripts/bench_dp.py --runs 2:prefix,2:round-robin,1:prefix \
+    --output-json "$out/bench_dp.json"
+else
+  echo "bench_dp: SKIPPED (data parallelism needs 2 GPUs; this machine has ${ngpus:-0})" | tee -a "$out/summary.txt"
 fi
 
 if built "$smollm2_pid"; then

@@ -102,7 +102,9 @@ class OpenAIServer(OpenAIServingCompletion, OpenAIServingResponses, OpenAIServin
         if self.engine.dead is not None:
             raise APIError(f"the engine stopped after an error: {self.engine.dead!r}", status=503)
         replicas = self.engine.health()  # data parallelism: each replica's rank, pid and state
-        return web.Response(status=200) if replicas is None else web.json_response(replicas)
+        if replicas is None:
+            return web.Response(status=200)
+        return web.json_response(replicas, status=503 if replicas["status"] == "down" else 200)
 
     async def version(self, request):
         return web.json_response({"version": __version__})
@@ -203,7 +205,9 @@ async def _log_stats(async_engine: AsyncLLMEngine):
     speculative decoding, its acceptance since the last line)."""
     import jax
 
-    platform = jax.devices()[0].platform
+    # The engine's devices (a data-parallel front end has none: its replicas' platform, so that
+    # it never starts a backend of its own on their GPUs).
+    platform = getattr(async_engine.engine, "platform", None) or jax.devices()[0].platform
     metrics = async_engine.metrics
     last = (time.monotonic(), metrics.prompt_tokens, metrics.generation_tokens)
     last_stats = dict(async_engine.stats)

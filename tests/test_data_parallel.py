@@ -188,10 +188,43 @@ def test_sigterm_stops_every_replica_and_exits_0(server):
 
 def test_offline_llm_spreads_prompts_and_keeps_their_order(reference):
     base, _ = reference
-    llm = jpaged.LLM("tiny", data_parallel_size=2, dp_routing="round-robin", dp_restart=False, **OFFLINE)
+    import zmq
+
+    from test_kv_events import DECODER, VBlockStored, _free_port
+
+    def two_free_ports() -> int:  # replica r binds the endpoint's port + r
+        import socket
+
+        while True:
+            port = _free_port()
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 1))
+                    return port
+                except OSError:
+                    continue
+
+    port = two_free_ports()
+    context = zmq.Context.instance()
+    subscribers = []
+    for rank in (0, 1):  # vLLM's rule: replica r publishes on the endpoint's port + r
+        sub = context.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{port + rank}")
+        subscribers.append(sub)
+    llm = jpaged.LLM("tiny", data_parallel_size=2, dp_routing="round-robin", dp_restart=False,
+                     enable_prefix_caching=True, kv_events_config={"enable_kv_cache_events": True,
+                                                                   "endpoint": f"tcp://*:{port}"}, **OFFLINE)
     try:
+        time.sleep(0.5)  # the subscriptions reach the publishers (ZMQ drops what is sent before)
         sp = jpaged.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         assert [o.outputs[0].text for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == base
+        for rank, sub in enumerate(subscribers):
+            assert sub.poll(5000), f"no KV events from replica {rank}"
+            _, _, payload = sub.recv_multipart()
+            batch = DECODER.decode(payload)
+            assert batch.data_parallel_rank == rank and any(isinstance(e, VBlockStored) for e in batch.events)
+            sub.close(linger=0)
         per_replica = llm.llm_engine.replica_stats()
         assert all(s["num_compilations"] > 0 for s in per_replica)  # both ran steps
         with pytest.raises(ValueError, match="max_model_len"):

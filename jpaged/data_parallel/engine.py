@@ -28,7 +28,7 @@ class FrontEngine:
 
     def __init__(self, config: EngineConfig, info: dict):
         self.config, self.tokenizer, self.hf_config = config, info["tokenizer"], info["hf_config"]
-        self.max_model_len = info["max_model_len"]
+        self.max_model_len, self.platform = info["max_model_len"], info["platform"]
         limits = BlockManager(config.block_size, info["num_gpu_blocks"], info["num_cpu_blocks"],
                               enable_caching=config.enable_prefix_caching, kv_allocation=config.kv_allocation,
                               max_model_len=self.max_model_len, sliding_window=info["sliding_window"])

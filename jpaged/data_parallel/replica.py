@@ -58,7 +58,7 @@ def _start(config, lora_modules):
 def _front_info(engine) -> dict:
     """What the front end needs to check and tokenize requests without an engine of its own."""
     bm = engine.block_manager
-    return {"pid": os.getpid(), "tokenizer": engine.tokenizer, "hf_config": engine.hf_config,
+    return {"pid": os.getpid(), "platform": engine.devices[0].platform, "tokenizer": engine.tokenizer, "hf_config": engine.hf_config,
             "max_model_len": engine.max_model_len, "num_gpu_blocks": bm.num_gpu_blocks,
             "num_cpu_blocks": bm.num_cpu_blocks, "sliding_window": bm.sliding_window, "stats": engine.stats()}
 
