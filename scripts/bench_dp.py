@@ -7,9 +7,10 @@ question after it, sent in random order by 16 concurrent streaming clients, 16 t
 the workload and reads the replicas' /metrics: prefix-cache hits / queries in tokens (vLLM v1's
 count) summed over the `engine` labels, and the clients' TTFT p50 / p99 and tokens/s.
 
-The replicas' pools are sized (--num-gpu-blocks-override, default: room for half the system
-prompts) so that one replica cannot keep every prefix: routing decides what stays cached, which
-is what it is for. With pools that hold everything every policy ends near (users - 1) / users.
+The replicas' pools are sized (--num-gpu-blocks-override, default: room for a third of the system
+prompts, plus the running requests) so that one replica cannot keep every prefix: routing decides
+what stays cached, which is what it is for. With pools that hold everything every policy ends
+near (users - 1) / users; docs/PERF.md has the hit rates at three pool sizes.
 
   JAX_PLATFORMS=cpu python scripts/bench_dp.py --output-json /tmp/dp.json
 """
@@ -121,7 +122,8 @@ def main():
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-gpu-blocks", type=int, default=None,
-                        help="each replica's KV pool (default: half the system prompts' blocks, plus room to run)")
+                        help="each replica's KV pool (default: a third of the system prompts' blocks, plus room "
+                        "to run)")
     parser.add_argument("--runs", default="2:prefix,2:least-loaded,2:round-robin,1:prefix",
                         help="comma-separated SIZE:POLICY runs")
     parser.add_argument("--seed", type=int, default=0)
@@ -129,7 +131,7 @@ def main():
     args = parser.parse_args()
     if args.num_gpu_blocks is None:
         block = 16
-        args.num_gpu_blocks = (args.num_prefixes // 2) * (args.system_tokens // block) + \
+        args.num_gpu_blocks = (args.num_prefixes // 3) * (args.system_tokens // block) + \
             args.concurrency * ((args.user_tokens + args.max_tokens) // block + 2)
     prompts = workload(args)
     results = []

@@ -60,7 +60,7 @@ def reference(adapter):
 @pytest.fixture(scope="module")
 def server():
     s = Server("--data-parallel-size", "2", "--enable-prefix-caching", "--enable-lora", "--max-lora-rank", "8",
-               "--enable-lora-runtime-updates", *LIMITS)
+               "--enable-lora-runtime-updates", "--enable-sleep-mode", *LIMITS)
     yield s
     if s.proc.poll() is None:
         s.stop()
@@ -117,6 +117,12 @@ def test_every_endpoint_answers_as_one_engine(server, reference, adapter):
     status, chat = asyncio.run(_post(server.url, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}))
     assert status == 200 and chat["usage"]["completion_tokens"] >= 1
+    status, response = asyncio.run(_post(server.url, "/v1/responses", {"input": "Hi", "max_output_tokens": 4}))
+    assert status == 200 and response["object"] == "response" and response["output"], response
+    status, stored = asyncio.run(_get(server.url, f"/v1/responses/{response['id']}"))  # the front end's store
+    assert status == 200 and json.loads(stored)["id"] == response["id"]
+    status, tokens = asyncio.run(_post(server.url, "/tokenize", {"prompt": "Hi"}))
+    assert status == 200 and tokens["count"] == len(tokens["tokens"]) >= 2, tokens
 
     # An adapter loaded at run time is read by every replica, and answers as PEFT's through one engine.
     status, _ = asyncio.run(_post(server.url, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": adapter}))
@@ -125,6 +131,13 @@ def test_every_endpoint_answers_as_one_engine(server, reference, adapter):
     assert [a["choices"][0]["text"] for _, a in answers] == adapted
     status, error = asyncio.run(_post(server.url, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "/nope"}))
     assert status == 400 and error["error"]["param"] == "lora_path", error
+
+    # Sleep and wake reach every replica.
+    assert asyncio.run(_post(server.url, "/sleep?level=1", None))[0] == 200
+    assert json.loads(asyncio.run(_get(server.url, "/is_sleeping"))[1]) == {"is_sleeping": True}
+    status, error = asyncio.run(_post(server.url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2}))
+    assert status == 400 and "asleep" in error["error"]["message"], error
+    assert asyncio.run(_post(server.url, "/wake_up", None))[0] == 200
 
     # Both replicas served (the router spread 6 different prompts), each under its own label.
     _, text = asyncio.run(_get(server.url, "/metrics"))
