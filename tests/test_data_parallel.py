@@ -288,3 +288,49 @@ def test_each_replica_gets_its_own_devices(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     config = EngineConfig(data_parallel_size=2, devices="7,6")
     assert replica_env(config, 1)["CUDA_VISIBLE_DEVICES"] == "6"
+
+
+class _FakeReplica:
+    """A replica process's stand-in for the fleet's bookkeeping: commands recorded, SIGKILLed."""
+
+    def __init__(self, rank: int):
+        self.rank, self.pid, self.sent, self.exitcode = rank, 1000 + rank, [], -9
+        self.process = self
+
+    def wait(self, timeout=None):
+        return -9
+
+    def send(self, command):
+        self.sent.append(command)
+
+    def kill(self):
+        pass
+
+
+def test_a_dead_replicas_unstarted_requests_move_and_started_ones_fail():
+    from types import SimpleNamespace
+
+    fleet = Fleet(EngineConfig(data_parallel_size=2, dp_restart=False, dp_routing="round-robin"))
+    fleet.replicas, fleet.states = [_FakeReplica(0), _FakeReplica(1)], ["up", "up"]
+    lost, answers = [], []
+    fleet.on_lost = lambda ids, error: lost.append((ids, str(error)))
+    fleet.on_call_done = lambda call_id, got: answers.append(got)
+    params = jpaged.SamplingParams(max_tokens=4)
+    ranks = {rid: fleet.submit(rid, [1, 2, 3], params) for rid in "abcd"}
+    assert ranks == {"a": 0, "b": 1, "c": 0, "d": 1} and fleet.loads == [2, 2]
+    call_id = fleet.call_all(len)
+    fleet._on_message(fleet.replicas[0], ("result", call_id, None, 7))
+    # b produced output (a client may have seen it); d did not.
+    fleet._on_message(fleet.replicas[1], ("step", [SimpleNamespace(request_id="b", finished=False)], None, [], None))
+    fleet._on_message(fleet.replicas[1], ("exit",))
+    assert [ids for ids, _ in lost] == [["b"]] and "replica 1" in lost[0][1] and "signal 9" in lost[0][1]
+    assert fleet.rank_of("d") == 0 and fleet.replicas[0].sent[-1][:2] == ("add", "d")
+    assert fleet.rank_of("b") is None and fleet.loads == [3, 0]
+    assert answers == [{0: (None, 7), 1: ("ReplicaDiedError", "replica 1 died: killed by signal 9")}]
+    health = fleet.health()
+    assert health["down"] == [1] and health["status"] == "degraded"
+    assert health["replicas"][1]["last_exit"] == "killed by signal 9" and health["replicas"][1]["restarts"] == 0
+    assert fleet.submit("e", [1, 2, 3], params) == 0  # only replica 0 takes requests now
+    fleet._on_message(fleet.replicas[0], ("exit",))
+    with pytest.raises(Exception, match="no replica can take the request"):
+        fleet.submit("f", [1, 2, 3], params)
