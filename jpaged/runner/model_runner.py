@@ -90,6 +90,8 @@ class ModelRunner:
         self.lora_linears = {path: node for path, node in nnx.iter_graph(loaded.model)
                              if isinstance(node, Linear) and node.lora_a is not None}
         self.graphdef, self.state = nnx.split(loaded.model)
+        # The engine's batch_invariant mode (the loader marks the model's layers; the sampler follows).
+        self.batch_invariant = any(getattr(node, "batch_invariant", False) for _, node in nnx.iter_graph(loaded.model))
         self.num_layers = num_layers = kv_cache_spec.num_layers
         kv, rep = kv_cache_sharding(self.mesh), replicated(self.mesh)
         self._replicated = rep
@@ -294,7 +296,7 @@ class ModelRunner:
         """The step's sampler arrays, gathered from the InputBatch (step_inputs.py); `batch` None:
         the padding alone (a warm-up's shapes)."""
         return step_inputs.sampling_metadata(self.input_batch, batch, num_rows, full, self.vocab_size,
-                                             self.step_builder.eos_token_id)
+                                             self.step_builder.eos_token_id, self.batch_invariant)
 
     def execute(self, plan, lora_slots: dict[int, int], multi_step: bool = False) -> DispatchedStep:
         """Build the plan's inputs (step_inputs.py) and start its step on the device. Groups
