@@ -106,7 +106,7 @@ class ModelRunner:
         # Swapped pages in flight: [layer, k/v, kv_heads, blocks, block_size, head_dim], split on kv heads.
         self._pages_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, None, TP_AXIS))
         self.buckets = Buckets.create(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size),
-                                      num_scheduler_steps, num_speculative_tokens)
+                                      num_scheduler_steps, num_speculative_tokens, self.batch_invariant)
         self.input_batch = InputBatch(max_num_seqs, self.buckets.width)
         self.step_builder = StepBuilder(self.input_batch, block_manager, structured_output, stop_checker, seed)
         # The token each InputBatch row sampled last, kept on the device: the next step can read it
