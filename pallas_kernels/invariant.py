@@ -87,10 +87,12 @@ def attend(qt, q_pos, q_ok, chunk, num_chunks, *, scale, sliding_window=None, lo
     return out.transpose(0, 3, 1, 2, 4)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "logits_soft_cap", "kv_dtype"))
+@functools.partial(jax.jit, static_argnames=("scale", "logits_soft_cap", "kv_dtype", "num_chunks"))
 def ragged_paged_attention_invariant(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None,
-                                     sliding_window=None, logits_soft_cap=None, kv_dtype=None):
-    """ragged_paged_attention (decode rows included) with batch-invariant bits: q [T, H, d] -> [T, H, d]."""
+                                     sliding_window=None, logits_soft_cap=None, kv_dtype=None, num_chunks=None):
+    """ragged_paged_attention (decode rows included) with batch-invariant bits: q [T, H, d] -> [T, H, d].
+    `num_chunks` (static): visit that many chunks of CHUNK_KEYS keys (differentiable); None: up to
+    the longest context."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size = k_pages.shape[:3]
     group = num_heads // num_kv_heads
@@ -114,7 +116,8 @@ def ragged_paged_attention_invariant(q, k_pages, v_pages, block_tables, context_
         return k, v, key, key[None, :] < tile_context[:, None]
 
     keys_per_chunk = cp * page_size
-    num_chunks = (jnp.max(tile_context) + keys_per_chunk - 1) // keys_per_chunk
+    if num_chunks is None:
+        num_chunks = (jnp.max(tile_context) + keys_per_chunk - 1) // keys_per_chunk
     out = attend(qt, q_pos, q_ok, chunk, num_chunks, scale=default_scale(scale, head_dim),
                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     out = out.reshape(-1, tile, num_heads, head_dim)

@@ -30,6 +30,9 @@ class AttentionOps:
     backend: str = "auto"
     mesh: Mesh | None = None
     batch_invariant: bool = False  # pallas_kernels.invariant for every step, decode or prefill
+    # LLM.policy()'s forward: the invariant attention visits this many key chunks (a static loop,
+    # which jax.grad can reverse); None: up to the longest context (a loop with a traced end).
+    static_chunks: int | None = None
 
     def __call__(self, q, k, v, kv_cache: KVCache, meta: AttentionMetadata, scale: float, sliding_window=None,
                  logits_soft_cap: float | None = None):
@@ -96,7 +99,8 @@ class AttentionOps:
         if self.batch_invariant:
             return invariant.ragged_paged_attention_invariant(*args, meta.query_start_loc, scale=scale,
                                                               sliding_window=sliding_window,
-                                                              logits_soft_cap=logits_soft_cap, kv_dtype=kv_dtype)
+                                                              logits_soft_cap=logits_soft_cap, kv_dtype=kv_dtype,
+                                                              num_chunks=self.static_chunks)
         # XLA's ragged path is as fast as its decode path on decode steps (tile 1; measured faster
         # inside the multi-step decode on a CPU): one branch, less to compile.
         if meta.decode is None or pallas_kernels.kernel_family(self.backend) == "xla":
