@@ -38,11 +38,14 @@ class Policy:
         change its rows (causal attention)."""
         runner = self._runner
         tokens = jnp.asarray(tokens, jnp.int32)
+        if tokens.shape[0] == 1:  # no size-1 batch axis (XLA special-cases those: the engine has no one-row steps)
+            return self.apply(params, jnp.concatenate([tokens, jnp.zeros_like(tokens)]))[:1]
         b, t = tokens.shape
         page = runner.block_size
         width = -(-t // page)
         model = nnx.merge(runner.graphdef, params)
-        chunks = -(-width * page // CHUNK_KEYS)
+        # at least 2: XLA inlines a one-trip loop into its surroundings, and its fusions then differ
+        chunks = max(2, -(-width * page // CHUNK_KEYS))
         for _, node in nnx.iter_graph(model):  # a static number of key chunks: jax.grad can reverse it
             if isinstance(node, Attention):
                 node.ops = dataclasses.replace(node.ops, static_chunks=chunks)

@@ -166,3 +166,54 @@ def test_vllm_env_switch(monkeypatch):
     assert EngineConfig().batch_invariant
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
     assert not EngineConfig().batch_invariant
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_and_overlap_options(engines, mode):
+    """Forced preemption (14 blocks for 8 prompts of 20-60 tokens + 24), with async scheduling,
+    multi-step decode or n-gram speculation: the same bits as each request alone on the roomy engine."""
+    rng = np.random.default_rng()
+    prompts = [[int(t) for t in rng.integers(0, 256, int(rng.integers(20, 60)))] for _ in range(8)]
+    params = [jpaged.SamplingParams(max_tokens=24, ignore_eos=True, logprobs=0, prompt_logprobs=0, seed=7 + i,
+                                    temperature=1.0 if i % 2 else 0.0) for i in range(8)]
+    alone = [_run(engines["on"], [p], [sp])[0] for p, sp in zip(prompts, params)]
+    extra = {"recompute": dict(async_scheduling=True, num_scheduler_steps=4),
+             "swap": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                              "prompt_lookup_max": 3, "prompt_lookup_min": 1})}[mode]
+    llm = jpaged.LLM("tiny", batch_invariant=True, num_gpu_blocks_override=14, preemption_mode=mode, swap_space=0.05,
+                     max_model_len=128, enforce_eager=True, executable_cache=False, **extra)
+    got = _run(llm, prompts, params)
+    assert llm.stats()["num_preemptions"] > 0
+    for a, b in zip(alone, got):
+        assert a[0] == b[0] and np.array_equal(a[1], b[1]) and np.array_equal(a[2], b[2])
+
+
+def test_policy(engines):
+    """LLM.policy(): its logprobs match the engine's to float rounding, and jax.grad runs through
+    them. Not bitwise yet (issue 41 stays open on it): XLA's CPU backend contracts a * b + c into
+    a fused multiply-add inside a fusion, and the trainer's executable fuses differently from the
+    engine's step (measured: up to 2e-5 apart; its own batchings disagree by as much under jit)."""
+    llm = engines["on"]
+    rng = np.random.default_rng()
+    prompts = _prompts(rng, 6)
+    outs = llm.generate(prompts, [jpaged.SamplingParams(temperature=1.0, seed=i, max_tokens=12, logprobs=0,
+                                                        ignore_eos=True) for i in range(6)], use_tqdm=False)
+    seqs = tuple(tuple(p + list(o.outputs[0].token_ids)) for p, o in zip(prompts, outs))
+    engine = [np.array([lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in outs]
+    policy = llm.policy()
+    logprobs = jax.jit(policy.token_logprobs, static_argnums=1)
+    together = [np.asarray(x) for x in logprobs(policy.params, seqs)]
+    alone = np.asarray(logprobs(policy.params, (seqs[3],))[0])
+    print("max |policy alone - policy batched|:", float(np.abs(alone - together[3]).max()))
+    np.testing.assert_allclose(alone, together[3], atol=1e-4)
+    gaps = [float(np.abs(lp[len(p) - 1:] - e).max()) for lp, p, e in zip(together, prompts, engine)]
+    print("max |policy - engine| per sequence:", gaps)  # not 0 yet: see issue 41's report (XLA's FMA contraction)
+    assert max(gaps) < 1e-4
+
+    def loss(params):
+        return -sum(jnp.sum(x) for x in policy.token_logprobs(params, seqs[:2]))
+
+    grads = jax.grad(loss)(policy.params)
+    leaves = jax.tree.leaves(grads)
+    assert leaves and all(bool(jnp.isfinite(g).all()) for g in leaves)
+    assert any(float(jnp.abs(g).max()) > 0 for g in leaves)
