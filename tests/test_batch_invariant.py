@@ -235,3 +235,9 @@ def test_tensor_parallel_2():
                      executable_cache=False)
     same = [np.array_equal(a[2], c[2]) for a, c in zip(alone, _run(tp1, prompts, params))]
     print("TP 2 prompt logprobs bitwise equal to TP 1's:", same)
+
+
+def test_cli_flag():
+    from serving import cli
+
+    assert cli.build_parser().parse_args(["serve", "--batch-invariant"]).batch_invariant
