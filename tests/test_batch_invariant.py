@@ -219,7 +219,7 @@ def test_policy(engines):
     assert any(float(jnp.abs(g).max()) > 0 for g in leaves)
 
 
-def test_tensor_parallel_2():
+def test_tensor_parallel_2(engines):
     """TP 2 (two of the 8 forced host devices) is invariant across batchings too; whether it equals
     TP 1 is printed (not required: the row-parallel layers add two partial sums)."""
     rng = np.random.default_rng()
@@ -231,9 +231,7 @@ def test_tensor_parallel_2():
     batched = _run(llm, prompts[::-1], params[::-1])[::-1]
     for a, b in zip(alone, batched):
         assert a[0] == b[0] and np.array_equal(a[1], b[1]) and np.array_equal(a[2], b[2])
-    tp1 = jpaged.LLM("tiny", batch_invariant=True, max_model_len=128, max_num_seqs=8, enforce_eager=True,
-                     executable_cache=False)
-    same = [np.array_equal(a[2], c[2]) for a, c in zip(alone, _run(tp1, prompts, params))]
+    same = [np.array_equal(a[2], c[2]) for a, c in zip(alone, _run(engines["on"], prompts, params))]
     print("TP 2 prompt logprobs bitwise equal to TP 1's:", same)
 
 
