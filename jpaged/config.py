@@ -1,6 +1,7 @@
 """EngineConfig: every engine option in one dataclass, named as vLLM names them."""
 
 import dataclasses
+import os
 
 from pallas_kernels import BACKENDS as ATTENTION_BACKENDS  # pallas: Triton kernels; mosaic: Mosaic GPU (sm_90+)
 
@@ -82,6 +83,10 @@ class EngineConfig:
     device: str | None = _option(None, "device platform ('cuda' or 'cpu'): that one or a clear error at start-up "
                                  "(default: jax's default backend)", choices=DEVICES)
     seed: int = _option(0, "seed of unseeded sampling")
+    batch_invariant: bool = _option(
+        False, "a request's tokens and logprobs are bitwise the same whatever shares its steps (batch, chunk "
+        "boundaries, prefix hits, preemption): matmuls in fixed row tiles, attention in fixed key chunks "
+        "(vLLM's VLLM_BATCH_INVARIANT=1, also read here); XLA attention only")
     enforce_eager: bool = _option(False, "compile each step shape on first use instead of all at start-up "
                                   "(quick experiments; serving should leave it off)")
     async_scheduling: bool = _option(False, "schedule and dispatch the next decode step before reading the last "
@@ -177,6 +182,22 @@ class EngineConfig:
               f"None or an integer >= max_loras={self.max_loras}")
         check("grammar_compile_timeout", self.grammar_compile_timeout > 0, "> 0 (seconds)")
         check("grammar_compile_memory", self.grammar_compile_memory >= 64, ">= 64 (MiB)")
+        if os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"):  # vLLM's switch
+            self.batch_invariant = True
+        if self.batch_invariant:
+            self._check_batch_invariant(check)
+
+    def _check_batch_invariant(self, check):
+        """The options whose arithmetic is not (yet) batch-invariant: refused, never run silently."""
+        check("attention_backend", self.attention_backend in ("auto", "xla"),
+              "'auto' or 'xla' with batch_invariant (the Pallas kernels choose their splits from the batch); "
+              "'auto' runs the invariant XLA attention on every platform with it")
+        check("quantization", self.quantization is None, "None with batch_invariant (quantized matmuls are not tiled)")
+        check("kv_cache_dtype", self.kv_cache_dtype == "auto",
+              "'auto' with batch_invariant (fp8 scales are computed from the first step's batch)")
+        check("enable_lora", not self.enable_lora, "False with batch_invariant (LoRA's matmuls are not tiled)")
+        check("speculative_config", self.speculative_config is None or self.speculative_config.method == "ngram",
+              "None or an n-gram method with batch_invariant (a draft model's forward is not invariant)")
 
 
 def _device_id(device) -> int:

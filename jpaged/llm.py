@@ -124,6 +124,14 @@ class LLM:
     def reset_prefix_cache(self):
         self._on_engines(sleep_mode.reset_prefix_cache)
 
+    def policy(self):
+        """The engine's model for a trainer (jpaged/policy.py): `.params` (the live weights),
+        `.apply(params, tokens)` and `.token_logprobs(params, sequences)`, pure JAX (jax.grad
+        works). With batch_invariant=True, token_logprobs is bitwise the engine's logprobs."""
+        from jpaged.policy import Policy
+
+        return Policy(self.llm_engine.runner)
+
     def kv_map(self):
         """A picture of the KV pool now (a KVMap: `.save("kv.svg")`, shown inline by Jupyter)."""
         return self._on_engines(LLMEngine.kv_map)

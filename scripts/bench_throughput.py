@@ -192,6 +192,8 @@ def engine_kwargs(args) -> dict:
             kw[name] = getattr(args, name)
     if args.attention_backend:
         kw["attention_backend"] = args.attention_backend
+    if args.batch_invariant:
+        kw["batch_invariant"] = True
     if args.async_scheduling:
         kw["async_scheduling"] = True
     if args.num_scheduler_steps > 1:
@@ -392,6 +394,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="auto")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--attention-backend", choices=["auto", "pallas", "xla"])
+    p.add_argument("--batch-invariant", action="store_true", help="jpaged: bitwise batch-invariant mode")
     p.add_argument("--enforce-eager", action="store_true", help="compile step shapes on first use (not at start-up)")
     p.add_argument("--async-scheduling", action="store_true", help="overlap the host's work with the device's")
     p.add_argument("--num-scheduler-steps", type=int, default=1, help="multi-step decode: steps per device call")

@@ -10,8 +10,10 @@ optax) computes the loss over the sampled tokens and updates its parameters, and
     python scripts/rl_rollout.py --steps 8
 
 Prints per step the mean reward, the time of each phase (generate, update, load_weights), and
-how far the trainer's log-probabilities of the sampled tokens are from the engine's (the two
-forwards are independent implementations of the same model: they should agree to ~1e-4).
+how far log-probabilities of the sampled tokens computed by a trainer are from the engine's:
+`policy` is `llm.policy().token_logprobs` (the engine's own model as a pure JAX function, the
+engine's live weights), `independent` this script's own Llama forward (the one it trains with).
+With --batch-invariant the policy's rows do not depend on how it batches them.
 """
 
 import argparse
@@ -90,11 +92,15 @@ def main():
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--sleep", action="store_true", help="the engine sleeps (level 1) during each update")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-invariant", action="store_true", help="the engine's batch_invariant mode")
     args = parser.parse_args()
 
     cfg = tiny.tiny_config()
     params = {name: jnp.asarray(w) for name, w in tiny.tiny_weights(cfg)}
-    llm = jpaged.LLM("tiny", max_model_len=128, max_num_seqs=args.rollouts, enable_sleep_mode=args.sleep)
+    llm = jpaged.LLM("tiny", max_model_len=128, max_num_seqs=args.rollouts, enable_sleep_mode=args.sleep,
+                     batch_invariant=args.batch_invariant)
+    policy = llm.policy()
+    policy_logprobs = jax.jit(policy.token_logprobs, static_argnums=1)
     tokenizer = llm.get_tokenizer()
     prompt = tokenizer("Once upon a time").input_ids
     optimizer = optax.adam(args.learning_rate)
@@ -111,8 +117,9 @@ def main():
         return optax.apply_updates(params, updates), opt_state, loss
 
     print(f"seed {args.seed}; {args.rollouts} rollouts of {args.max_tokens} tokens per step")
-    print("| step | mean reward | generate s | update s | load_weights s | trainer vs engine logprob |")
-    print("|---|---|---|---|---|---|")
+    print("| step | mean reward | generate s | update s | load_weights s | max abs(policy - engine) logprob "
+          "| max abs(independent - engine) |")
+    print("|---|---|---|---|---|---|---|")
     for step in range(args.steps):
         t0 = time.perf_counter()
         sps = [jpaged.SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=0,
@@ -127,6 +134,9 @@ def main():
         engine_lp = np.array([[lp[t] for lp, t in zip(c.logprobs, c.token_ids)] for c in completions])
         trainer_lp = np.asarray(jax.vmap(lambda s: sequence_logprobs(params, s, len(prompt), cfg))(sequences))
         gap = float(np.max(np.abs(engine_lp - trainer_lp)))
+        rows = tuple(tuple(prompt + list(c.token_ids)) for c in completions)
+        policy_lp = np.stack([np.asarray(lp)[len(prompt) - 1:] for lp in policy_logprobs(policy.params, rows)])
+        policy_gap = float(np.max(np.abs(engine_lp - policy_lp)))
         if args.sleep:
             llm.sleep(1)
         params, opt_state, _ = update(params, opt_state, sequences, jnp.asarray(rewards - rewards.mean()))
@@ -136,7 +146,8 @@ def main():
             llm.wake_up()
         llm.load_weights(params)
         t3 = time.perf_counter()
-        print(f"| {step} | {rewards.mean():.3f} | {t1 - t0:.2f} | {t2 - t1:.2f} | {t3 - t2:.3f} | {gap:.1e} |")
+        print(f"| {step} | {rewards.mean():.3f} | {t1 - t0:.2f} | {t2 - t1:.2f} | {t3 - t2:.3f} | {policy_gap:.1e} "
+              f"| {gap:.1e} |")
 
 
 if __name__ == "__main__":

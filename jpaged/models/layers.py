@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels.blocks import NO_WINDOW
+from jpaged.models.batch_invariant import mean_last, row_tiled_dot
 from jpaged.models.forward_context import forward_context, get_forward_context
 from jpaged.parallel.sharding import kv_head_replicas, tp_size
 
@@ -89,12 +90,15 @@ class Linear(nnx.Module):
         # LoRA slots (jpaged/lora/model.py adds them to the adaptable projections when enabled):
         # A [slots, in..., rank], B [slots, rank, out...].
         self.lora_a = self.lora_b = nnx.data(None)
+        self.batch_invariant = False  # the engine's batch_invariant mode: row_tiled_dot (static)
 
     def __call__(self, x):
         n_in = len(self.in_shape)
         precision = fp32_precision(x.dtype)
         dims = ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
-        if self.kernel_scale is None:
+        if self.batch_invariant:  # quantized and LoRA layers are refused with it (EngineConfig)
+            y = row_tiled_dot(x, self.kernel[...], dims[0], precision)
+        elif self.kernel_scale is None:
             y = jax.lax.dot_general(x, self.kernel[...], dims, precision=precision)
         else:  # qwix dequantizes inside the fused computation (XLA fuses the convert into the dot on GPU)
             import qwix  # only quantized models need it (the GPU image has no qwix unless carried in .whl/)
@@ -156,12 +160,15 @@ def kernel_path(param: nnx.Param, linears: dict[tuple, Linear]) -> tuple | None:
 class Embedding(nnx.Module):
     def __init__(self, num_embeddings, features, axes=("vocab", "embed"), *, dtype=jnp.float32):
         self.embedding = weight_param((num_embeddings, features), axes, dtype)
+        self.batch_invariant = False
 
     def __call__(self, ids):
         return jnp.take(self.embedding[...], ids, axis=0)
 
     def attend(self, x):
         """Tied output projection: logits = x · Eᵀ."""
+        if self.batch_invariant:
+            return row_tiled_dot(x, self.embedding[...], ((x.ndim - 1,), (1,)), fp32_precision(x.dtype))
         return jnp.matmul(x, self.embedding[...].T, precision=fp32_precision(x.dtype))
 
     def hf_weights(self, name: str) -> HFWeights:
@@ -174,10 +181,12 @@ class RMSNorm(nnx.Module):
     def __init__(self, dim, eps, *, dtype=jnp.float32, offset=0.0):
         self.eps, self.offset = eps, offset
         self.weight = weight_param((dim,), ("norm",), dtype)
+        self.batch_invariant = False
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        mean = mean_last if self.batch_invariant else functools.partial(jnp.mean, axis=-1)
+        x32 = x32 * jax.lax.rsqrt(mean(x32 * x32)[..., None] + self.eps)
         if self.offset:
             return (x32 * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * x32.astype(x.dtype)
@@ -191,11 +200,13 @@ class LayerNorm(nnx.Module):
         self.eps = eps
         self.weight = weight_param((dim,), ("norm",), dtype)
         self.bias = weight_param((dim,), ("norm",), dtype)
+        self.batch_invariant = False
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
-        mean = jnp.mean(x32, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        mean_of = mean_last if self.batch_invariant else functools.partial(jnp.mean, axis=-1)
+        mean = mean_of(x32)[..., None]
+        var = mean_of(jnp.square(x32 - mean))[..., None]
         y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
         return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 

@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 from jpaged import config
 from jpaged.file_safety import open_regular, read_json, safetensors_header
 from jpaged.models.gemma import GemmaForCausalLM
-from jpaged.models.layers import Linear, WeightTarget, kernel_path
+from jpaged.models.layers import Embedding, LayerNorm, Linear, RMSNorm, WeightTarget, kernel_path
 from jpaged.models.gpt2 import GPT2LMHeadModel
 from jpaged.models.paged_attention import AttentionOps
 from jpaged.models.llama import LlamaForCausalLM
@@ -118,7 +118,7 @@ def resolve_dtype(dtype, hf_config: PretrainedConfig) -> jnp.dtype:
 def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.ndarray]], *, dtype: jnp.dtype,
                 attention_backend: str = "auto", mesh: jax.sharding.Mesh | None = None,
                 max_model_len: int | None = None, kv_scales: dict | None = None,
-                quantization: Quantization | None = None) -> nnx.Module:
+                quantization: Quantization | None = None, batch_invariant: bool = False) -> nnx.Module:
     """Build the model for `hf_config` abstractly and fill it from (name, tensor) pairs in HF naming,
     each weight placed on `mesh` (default: the first device) by its logical axes. `max_model_len`
     (default: the model's own limit) is for models whose rotary embedding depends on it (LongRoPE).
@@ -127,9 +127,15 @@ def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.nda
     quantized tensors, or quantized here from float ones)."""
     model_cls = get_model_class(hf_config)
     mesh = mesh or sharding.make_mesh(1)
-    ops = AttentionOps(attention_backend, mesh)
+    ops = AttentionOps(attention_backend, mesh, batch_invariant)
     # Abstract: a tensor-parallel size the heads do not allow fails here, before any allocation.
     model = nnx.eval_shape(lambda: model_cls(hf_config, dtype=dtype, ops=ops, max_model_len=max_model_len))
+    if batch_invariant and issubclass(model_cls, MixtralForCausalLM):
+        raise ValueError(f"batch_invariant=True: {model_cls.__name__}'s experts (ragged_dot) are not batch-invariant")
+    if batch_invariant:  # every matmul in fixed row tiles (jpaged/models/batch_invariant.py)
+        for _, node in nnx.iter_graph(model):
+            if isinstance(node, (Linear, Embedding, RMSNorm, LayerNorm)):
+                node.batch_invariant = True
     quantized = {}
     if quantization is not None:
         quantized, modules = quantize_model(model, quantization)
@@ -345,12 +351,14 @@ def load_model_of(config) -> LoadedModel:
     """The model an EngineConfig names, as it asks (the engine's start, and a wake-up that reads it again)."""
     return load_model(config.model, dtype=config.dtype, attention_backend=config.attention_backend,
                       revision=config.revision, tensor_parallel_size=config.tensor_parallel_size,
-                      max_model_len=config.max_model_len, quantization=config.quantization, devices=config.devices)
+                      max_model_len=config.max_model_len, quantization=config.quantization, devices=config.devices,
+                      batch_invariant=config.batch_invariant)
 
 
 def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", revision: str | None = None,
                tensor_parallel_size: int = 1, max_model_len: int | None = None,
-               quantization: str | None = None, devices: list | None = None) -> LoadedModel:
+               quantization: str | None = None, devices: list | None = None,
+               batch_invariant: bool = False) -> LoadedModel:
     """`quantization`: None (what the checkpoint's quantization_config says, if anything), "fp8" or
     "int8" (quantize a float checkpoint while loading), or the checkpoint's own method name.
     `devices`: the mesh's (default: the first tensor_parallel_size)."""
@@ -378,6 +386,7 @@ def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", rev
     quant = quantization_of(hf_config, quantization)
     found = {}
     nn_model = build_model(hf_config, weights, dtype=jdtype, attention_backend=attention_backend, mesh=mesh,
-                           max_model_len=max_model_len, kv_scales=found, quantization=quant)
+                           max_model_len=max_model_len, kv_scales=found, quantization=quant,
+                           batch_invariant=batch_invariant)
     return LoadedModel(nn_model, hf_config, tokenizer, jdtype, mesh, kv_scales_of(found), quant,
                        model_memory_bytes(nn_model))

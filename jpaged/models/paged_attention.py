@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 import pallas_kernels
+from pallas_kernels import invariant
 from jpaged.models.forward_context import AttentionMetadata
 from jpaged.models.kv_cache import KVCache, KVCacheSpec, max_scale
 from jpaged.models.layers import Attention
@@ -28,6 +29,10 @@ class AttentionOps:
 
     backend: str = "auto"
     mesh: Mesh | None = None
+    batch_invariant: bool = False  # pallas_kernels.invariant for every step, decode or prefill
+    # LLM.policy()'s forward: the invariant attention visits this many key chunks (a static loop,
+    # which jax.grad can reverse); None: up to the longest context (a loop with a traced end).
+    static_chunks: int | None = None
 
     def __call__(self, q, k, v, kv_cache: KVCache, meta: AttentionMetadata, scale: float, sliding_window=None,
                  logits_soft_cap: float | None = None):
@@ -91,6 +96,11 @@ class AttentionOps:
         def ragged():
             return pallas_kernels.ragged_paged_attention(*args, meta.query_start_loc, **opts)
 
+        if self.batch_invariant:
+            return invariant.ragged_paged_attention_invariant(*args, meta.query_start_loc, scale=scale,
+                                                              sliding_window=sliding_window,
+                                                              logits_soft_cap=logits_soft_cap, kv_dtype=kv_dtype,
+                                                              num_chunks=self.static_chunks)
         # XLA's ragged path is as fast as its decode path on decode steps (tile 1; measured faster
         # inside the multi-step decode on a CPU): one branch, less to compile.
         if meta.decode is None or pallas_kernels.kernel_family(self.backend) == "xla":

@@ -47,16 +47,20 @@ class Buckets:
 
     @classmethod
     def create(cls, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
-               num_scheduler_steps: int = 1, num_speculative_tokens: int = 0) -> "Buckets":
+               num_scheduler_steps: int = 1, num_speculative_tokens: int = 0,
+               batch_invariant: bool = False) -> "Buckets":
         """Speculative decoding samples a row per draft too: up to max_num_seqs * (1 + k) rows
         (the scheduler keeps them within max_num_batched_tokens), on a doubling ladder above
-        max_num_seqs, so that steps without drafts keep their row buckets."""
-        rows = ladder(1, max_num_seqs, factor=8)
+        max_num_seqs, so that steps without drafts keep their row buckets. `batch_invariant`: no
+        one-row buckets (measured: a lone decode's bits differ from a batched one's with them,
+        while batches of 2 to 8 agree; XLA special-cases size-1 axes)."""
+        least = 2 if batch_invariant and max_num_seqs >= 2 else 1
+        rows = ladder(least, max_num_seqs, factor=8)
         max_rows = min(max_num_seqs * (1 + num_speculative_tokens), max_num_batched_tokens)
         if max_rows > max_num_seqs:
             rows += ladder(2 * max_num_seqs, max_rows)
         # Doubling token ladder: at most 2x padding.
-        return cls(ladder(1, max_num_batched_tokens), rows, max_num_seqs, max_blocks_per_seq, num_scheduler_steps)
+        return cls(ladder(least, max_num_batched_tokens), rows, max_num_seqs, max_blocks_per_seq, num_scheduler_steps)
 
     def seqs(self, num_tokens: int) -> int:
         """Sequence rows of a step of `num_tokens` (a bucket): each sequence has a token."""

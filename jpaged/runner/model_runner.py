@@ -90,6 +90,8 @@ class ModelRunner:
         self.lora_linears = {path: node for path, node in nnx.iter_graph(loaded.model)
                              if isinstance(node, Linear) and node.lora_a is not None}
         self.graphdef, self.state = nnx.split(loaded.model)
+        # The engine's batch_invariant mode (the loader marks the model's layers; the sampler follows).
+        self.batch_invariant = any(getattr(node, "batch_invariant", False) for _, node in nnx.iter_graph(loaded.model))
         self.num_layers = num_layers = kv_cache_spec.num_layers
         kv, rep = kv_cache_sharding(self.mesh), replicated(self.mesh)
         self._replicated = rep
@@ -104,7 +106,7 @@ class ModelRunner:
         # Swapped pages in flight: [layer, k/v, kv_heads, blocks, block_size, head_dim], split on kv heads.
         self._pages_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, None, TP_AXIS))
         self.buckets = Buckets.create(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size),
-                                      num_scheduler_steps, num_speculative_tokens)
+                                      num_scheduler_steps, num_speculative_tokens, self.batch_invariant)
         self.input_batch = InputBatch(max_num_seqs, self.buckets.width)
         self.step_builder = StepBuilder(self.input_batch, block_manager, structured_output, stop_checker, seed)
         # The token each InputBatch row sampled last, kept on the device: the next step can read it
@@ -294,7 +296,7 @@ class ModelRunner:
         """The step's sampler arrays, gathered from the InputBatch (step_inputs.py); `batch` None:
         the padding alone (a warm-up's shapes)."""
         return step_inputs.sampling_metadata(self.input_batch, batch, num_rows, full, self.vocab_size,
-                                             self.step_builder.eos_token_id)
+                                             self.step_builder.eos_token_id, self.batch_invariant)
 
     def execute(self, plan, lora_slots: dict[int, int], multi_step: bool = False) -> DispatchedStep:
         """Build the plan's inputs (step_inputs.py) and start its step on the device. Groups

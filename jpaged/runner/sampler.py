@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpaged.models.batch_invariant import logsumexp_last
 from jpaged.sampling_params import _GREEDY_TEMPERATURE, MAX_LOGIT_BIAS, SamplingParams
 
 GREEDY_TEMPERATURE = _GREEDY_TEMPERATURE  # temperature below this: greedy (argmax)
@@ -59,7 +60,7 @@ _DATA_FIELDS = [
     "prompt_token_ids", "output_token_ids", "banned_token_ids",
     "logit_bias_ids", "logit_bias_values", "allowed_bitmask", "target_token_ids",
 ]
-_META_FIELDS = ["do_penalties", "num_logprobs", "do_guided"]
+_META_FIELDS = ["do_penalties", "num_logprobs", "do_guided", "batch_invariant"]
 # Entries of a row's logit_bias (a fixed width: one compiled shape whatever the requests ask).
 
 
@@ -121,6 +122,7 @@ class SamplingMetadata:
     do_penalties: bool = False
     num_logprobs: int = 0
     do_guided: bool = False
+    batch_invariant: bool = False  # logsumexp in a fixed order (the engine's batch_invariant mode)
 
     @classmethod
     def from_rows(cls, rows: Sequence[SamplingRow | tuple], num_rows_padded: int, *,
@@ -368,7 +370,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     sampled = jax.lax.cond(jnp.any(~greedy), random_ids, lambda _: greedy_ids, logits)
     token_ids = jnp.where(greedy, greedy_ids, sampled)
 
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    lse = logsumexp_last(logits) if meta.batch_invariant else jax.nn.logsumexp(logits, axis=-1)
     token_logprobs = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - lse
     k = meta.num_logprobs
     if k > 0:

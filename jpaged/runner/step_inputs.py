@@ -227,7 +227,7 @@ def needs_full_sampler(ib: InputBatch, batch: StepBatch) -> bool:
 
 
 def sampling_metadata(ib: InputBatch, batch: StepBatch | None, num_rows: int, full: bool, vocab_size: int,
-                      eos_token_id: int | None = None) -> SamplingMetadata:
+                      eos_token_id: int | None = None, batch_invariant: bool = False) -> SamplingMetadata:
     """The step's sampler arrays, gathered from the InputBatch by row (rows past the batch's:
     greedy padding). Fixed widths and logprob count, so the sampler has two variants: the fast
     one (no penalties, grammars or logprobs) and `full`. The penalties' tokens are not sent: the
@@ -266,7 +266,7 @@ def sampling_metadata(ib: InputBatch, batch: StepBatch | None, num_rows: int, fu
         sample_index=sample_index, prompt_token_ids=empty, output_token_ids=empty, banned_token_ids=banned,
         logit_bias_ids=ib.logit_bias_ids[src], logit_bias_values=ib.logit_bias_values[src], allowed_bitmask=allowed,
         target_token_ids=targets, do_penalties=full, num_logprobs=min(MAX_LOGPROBS, vocab_size) if full else 0,
-        do_guided=full)
+        do_guided=full, batch_invariant=batch_invariant)
 
 
 def history_inputs(ib: InputBatch, batch: StepBatch, num_rows: int, max_model_len: int, upload) -> HistoryInputs:
