@@ -9,18 +9,24 @@ from jpaged.config import EngineConfig
 from jpaged.engine import sleep_mode
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.outputs import RequestOutput
+from jpaged.pooling.engine import PoolingEngine, resolve_runner
+from jpaged.pooling.llm_methods import PoolingMethods
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
-class LLM:
-    """An LLM with its KV pages, compiled and ready to generate. Arguments: see DESIGN.md."""
+class LLM(PoolingMethods):
+    """An LLM with its KV pages, compiled and ready to generate. Arguments: see DESIGN.md.
+    runner="pooling": an embedding / classification model instead (embed, classify, score, reward:
+    jpaged/pooling/llm_methods.py)."""
 
     def __init__(self, model: str = "tiny", **engine_kwargs):
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_kwargs) - fields)
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(fields - {'model'})}")
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        config = EngineConfig(model=model, **engine_kwargs)
+        pooling = resolve_runner(config) == "pooling"
+        self.llm_engine = PoolingEngine(config) if pooling else LLMEngine(config)
         self._request_ids = itertools.count()
 
     def get_tokenizer(self):

@@ -58,7 +58,7 @@ class PoolingEngine:
         model_cls = ENCODER_REGISTRY.get(arch) or DECODER_REGISTRY[arch]
         self.is_encoder = model_cls.is_encoder
         self.is_classifier = hasattr(model_cls, "classify")
-        if config.convert in ("classify", "reward") and not self.is_classifier and config.convert == "classify":
+        if config.convert == "classify" and not self.is_classifier:
             raise ValueError(f"convert='classify': {arch} has no classification head; a *ForSequenceClassification "
                              "checkpoint is needed")
         self.convert = config.convert if config.convert not in (None, "auto", "none") else (
@@ -90,12 +90,18 @@ class PoolingEngine:
                     self.pooler_config.pooling_type, self.pooler_config.normalize, self.max_model_len)
 
     @property
+    def classify_pooling(self) -> str:
+        """Encoders classify their CLS token, decoders their last."""
+        return "CLS" if self.is_encoder else "LAST"
+
+    @property
     def hidden_size(self) -> int:
         return self.hf_config.hidden_size
 
     def tokenize(self, text: str, text_pair: str | None = None) -> PoolingInput:
         enc = self.tokenizer(text, text_pair) if text_pair is not None else self.tokenizer(text)
-        types = enc.get("token_type_ids") if self.is_encoder else None
+        # (a checkpoint with one token type, RoBERTa's, has no sentence B)
+        types = enc.get("token_type_ids") if self.is_encoder and self.hf_config.type_vocab_size > 1 else None
         return PoolingInput(list(enc["input_ids"]), list(types) if types is not None else None)
 
     def check(self, inp: PoolingInput, truncate_prompt_tokens: int | None = None, field: str = "prompts"):
@@ -169,3 +175,18 @@ def _forward(graphdef, no_pages, state, input_ids, positions, token_types, segme
 def model_dtype(model):
     return model.embed_tokens.embedding.dtype if hasattr(model, "embed_tokens") else \
         model.word_embeddings.embedding.dtype
+
+
+def resolve_runner(config: EngineConfig) -> str:
+    """'generate' or 'pooling' for config.runner ('auto': from the checkpoint's architecture)."""
+    if config.runner != "auto":
+        return config.runner
+    if config.convert not in ("auto", "none"):
+        return "pooling"
+    if config.model == "tiny":
+        return "generate"
+    try:
+        model_dir = loader.resolve_model_dir(config.model, config.revision)
+        return "pooling" if is_pooling_checkpoint(loader.read_hf_config(model_dir)) else "generate"
+    except ValueError:  # the generation engine reports an unreadable checkpoint as it always did
+        return "generate"
