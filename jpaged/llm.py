@@ -38,6 +38,9 @@ class LLM(PoolingMethods):
         `lora_request`: a LoRARequest for every prompt, or a list with one (or None) per prompt
         (enable_lora). Multi-host: every process calls this; process 0 schedules (its arguments
         count), the others run the same device steps, and all return process 0's results."""
+        if isinstance(self.llm_engine, PoolingEngine):
+            raise ValueError("LLM.generate() needs runner='generate'; this LLM was started with runner='pooling' "
+                             "(embed, classify, score, reward)")
         return self.llm_engine.runner.lead(lambda: self._generate(prompts, sampling_params, use_tqdm, lora_request))
 
     def _generate(self, prompts, sampling_params, use_tqdm: bool, lora_request=None) -> list[RequestOutput]:

@@ -46,7 +46,8 @@ def make_embedder(root: str, kind: str, pooling: str, normalize: bool = True, **
     """A SentenceTransformer (Transformer -> Pooling [-> Normalize]) of `kind` saved under root."""
     import torch
     import transformers
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
 
     torch.manual_seed(0)
     base = os.path.join(root, f"{kind}-{pooling}-base")

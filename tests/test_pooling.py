@@ -94,7 +94,7 @@ def test_matryoshka_dimensions(root):
     path = make_embedder(root, "bert", "cls", normalize=False, matryoshka_dimensions=[8, 16, 32])
     llm = jpaged.LLM(path, runner="pooling")
     full = np.array(llm.embed(TEXTS[:2], normalize=False)[0].outputs.embedding)
-    short = np.array(llm.embed(TEXTS[:2], dimensions=16)[0].outputs.embedding)
+    short = np.array(llm.embed(TEXTS[:2], dimensions=16, normalize=True)[0].outputs.embedding)
     np.testing.assert_allclose(short, full[:16] / np.linalg.norm(full[:16]), atol=1e-6)
     with pytest.raises(ValueError, match="dimensions"):
         llm.embed("hello", dimensions=12)
