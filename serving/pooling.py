@@ -220,7 +220,7 @@ class PoolingEndpoints:
         """vLLM's /score: text_1 (or queries) against text_2 (or documents); one text_1 scores every text_2."""
         body = await self._body(request)
         n1 = "text_1" if "text_1" in body else "queries"
-        n2 = "text_2" if "text_2" in body else "documents" if "documents" in body else "items"
+        n2 = next((n for n in ("text_2", "documents", "items") if n in body), "text_2" if n1 == "text_1" else "documents")
         one, two = _texts(body, n1), _texts(body, n2)
         if len(one) == 1:
             one = one * len(two)
