@@ -7,7 +7,8 @@
 #      contiguous attention; prefill TFLOP/s against dense attention
 #   4. bench_throughput on a Llama-3.2-1B-shaped random bf16 model: jpaged, then HF transformers'
 #      generate and generate_batch on the same GPU, each in its own process
-#   5. SmolLM2-135M-Instruct real-checkpoint greedy parity with transformers
+#   5. bench_embed: jpaged's pooling runner against sentence-transformers' encode on the same GPU
+#   6. SmolLM2-135M-Instruct real-checkpoint greedy parity with transformers
 # CPU-only preparation (building the two checkpoints) runs in the background from the start.
 # Every step's output is teed to $OUT/gpu_check/<step>.log (the run tool fetches $OUT) and its
 # exit status to summary.txt; the script exits non-zero if any step failed.
@@ -101,6 +102,14 @@ if built "$llama_pid"; then
 else
   echo "throughput: FAILED (no 1B checkpoint in time: see build_llama1b.log)" | tee -a "$out/summary.txt"
   failed=1
+fi
+
+# Embeddings (runner="pooling"): an all-MiniLM-L6-v2-shaped BERT, 1,024 texts of 8-512 tokens,
+# jpaged on the GPU against sentence-transformers' encode on the same GPU.
+if "$python" -c "import sentence_transformers" 2>/dev/null; then
+  step embed 120 "$python" scripts/bench_embed.py --st-device cuda --output-json "$out/embed.json"
+else
+  echo "embed: SKIPPED (sentence-transformers is not installed: carry its wheel in .whl/)" | tee -a "$out/summary.txt"
 fi
 
 if built "$smollm2_pid"; then

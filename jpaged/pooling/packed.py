@@ -7,6 +7,7 @@ stack and attention read the layout from the forward context: `block_tables` car
 batch (-1: padding), the two fields the layer stack does not rewrite per layer.
 """
 
+import bisect
 import dataclasses
 import functools
 
@@ -92,28 +93,26 @@ def _bucket(n: int, least: int) -> int:
 
 
 def pack(lengths: list[int], max_model_len: int, max_tokens: int) -> list[tuple[int, int, list[list[int]]]]:
-    """Batches of inputs by length, each (row_len, num_rows, rows of input indices), longest first.
-    A batch's row length is a power of two (at least 16, at most max_model_len) fitting its longest
-    input; at most max(max_tokens // row_len, 1) rows, padded to a power of two (few shapes to compile)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches, at = [], 0
-    while at < len(order):
-        row_len = min(_bucket(lengths[order[at]], 16), max_model_len)
+    """Batches of inputs, each (row_len, num_rows, rows of input indices), longest inputs first.
+    Each row starts with the longest input left, and its room is filled best-fit with the longest
+    inputs left that fit (so short inputs fill the long ones' rows). A batch's row length is a power
+    of two (at least 16, at most max_model_len) fitting its longest input; at most
+    max(max_tokens // row_len, 1) rows, padded to a power of two (few shapes to compile)."""
+    left = sorted((n, i) for i, n in enumerate(lengths))  # ascending: the longest at the end
+    batches = []
+    while left:
+        row_len = min(_bucket(left[-1][0], 16), max_model_len)
         max_rows = max(max_tokens // row_len, 1)
         rows: list[list[int]] = []
-        free: list[int] = []
-        while at < len(order):
-            i, n = order[at], lengths[order[at]]
-            slot = next((r for r, room in enumerate(free) if room >= n), None)
-            if slot is None:
-                if len(rows) == max_rows:
-                    break
-                rows.append([])
-                free.append(row_len)
-                slot = len(rows) - 1
-            rows[slot].append(i)
-            free[slot] -= n
-            at += 1
+        while left and len(rows) < max_rows:
+            n, i = left.pop()
+            row, room = [i], row_len - n
+            while left and room >= left[0][0]:
+                k = bisect.bisect_right(left, (room, len(lengths))) - 1  # the longest that fits
+                n, i = left.pop(k)
+                row.append(i)
+                room -= n
+            rows.append(row)
         batches.append((row_len, _bucket(len(rows), 1), rows))
     return batches
 
