@@ -28,9 +28,10 @@ def _option(default, help: str, **metadata):
     return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 
-# Options that change nothing a compiled step computes: left out of the executable cache's key.
+# Options that change nothing a compiled step computes: left out of the executable cache's key
+# (runner and convert: a generation engine compiles the same steps whatever they say).
 HOST_ONLY_OPTIONS = ("executable_cache", "grammar_compile_timeout", "grammar_compile_memory", "max_cpu_loras",
-                     "enable_sleep_mode", "kv_events_config")
+                     "enable_sleep_mode", "kv_events_config", "runner", "convert")
 
 
 @dataclasses.dataclass
