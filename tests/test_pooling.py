@@ -159,3 +159,29 @@ def test_smollm2_last_token_embedding_matches_transformers():
     cos = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
     assert cos.min() >= 0.9999, cos
     np.testing.assert_allclose(ours, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
+def test_decoder_sequence_classifier_matches_transformers(root):
+    """Qwen2ForSequenceClassification: the `score` head over the last token, as transformers."""
+    import torch
+    import transformers
+
+    import jpaged
+    from pooling_checkpoints import _tokenizer
+
+    torch.manual_seed(2)
+    path = os.path.join(root, "qwen2-classifier")
+    tok = _tokenizer(path, roberta=False)
+    cfg = transformers.Qwen2Config(vocab_size=len(tok.get_vocab()), hidden_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                   max_position_embeddings=256, num_labels=3, pad_token_id=0)
+    model = transformers.Qwen2ForSequenceClassification(cfg).eval()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    llm = jpaged.LLM(path)  # runner "auto": a sequence classifier is a pooling model
+    outs = llm.classify(TEXTS)
+    probs = np.array([o.outputs.probs for o in outs])
+    with torch.no_grad():  # the same token ids (AutoTokenizer reads this directory its own way)
+        ref = np.array([torch.softmax(model(torch.tensor([o.prompt_token_ids])).logits[0], -1).numpy()
+                        for o in outs])
+    np.testing.assert_allclose(probs, ref, atol=1e-5)
