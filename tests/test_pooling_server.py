@@ -172,3 +172,17 @@ def test_truncation_and_generation_refused(servers, reference):
     for path in ("/v1/completions", "/v1/chat/completions"):
         r = s.post(path, {"model": "m", "prompt": "hi"})
         assert r.status_code == 400 and "runner='pooling'" in r.json()["error"]["message"]
+
+
+def test_concurrent_requests_pack_together(servers, reference):
+    """Requests that arrive while a forward runs share the next one; each gets its own inputs' embeddings."""
+    import concurrent.futures
+
+    s = servers["embed"]
+    bodies = [{"model": "m", "input": TEXTS[i:i + 2]} for i in range(len(TEXTS) - 1)]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        replies = list(pool.map(lambda b: s.post("/v1/embeddings", b).json(), bodies))
+    ref = reference.encode(TEXTS)
+    for i, reply in enumerate(replies):
+        got = np.array([d["embedding"] for d in reply["data"]])
+        assert ((got * ref[i:i + 2]).sum(1) >= 0.9999).all()

@@ -24,7 +24,7 @@ from jpaged.pooling.pooler_config import POOLING_TYPES, PoolerConfig, read_poole
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BATCH_TOKENS = 8192  # tokens of one pooling forward on a CPU: larger batches gain little
+DEFAULT_MAX_BATCH_TOKENS = 2048  # tokens of one pooling forward: on a CPU, 8192 ran ~1.5x slower (docs/PERF.md)
 
 
 def is_pooling_checkpoint(hf_config) -> bool:
