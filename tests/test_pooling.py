@@ -133,8 +133,12 @@ def test_packing_never_pads_to_the_longest():
 
 
 def test_generation_llm_refuses_pooling_methods(shared_llm):
+    import jpaged
+
     with pytest.raises(ValueError, match="runner='pooling'"):
         shared_llm("tiny", enforce_eager=True).embed("hello")
+    with pytest.raises(ValueError, match="generation model"):
+        jpaged.LLM("tiny", runner="pooling")
 
 
 SMOLLM2 = os.environ.get("JPAGED_SMOLLM2_DIR", os.path.expanduser("~/.cache/jpaged/smollm2-135m-instruct"))

@@ -47,6 +47,9 @@ class PoolingEngine:
         if config.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size must be 1 with runner='pooling'")
         self.config = config
+        if config.model == "tiny":
+            raise ValueError("runner='pooling' needs an embedding or classification checkpoint; the built-in "
+                             "'tiny' is a generation model")
         model_dir = loader.resolve_model_dir(config.model, config.revision)
         loader.check_regular_files(model_dir)
         self.hf_config = hf_config = loader.read_hf_config(model_dir)
