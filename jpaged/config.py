@@ -19,6 +19,9 @@ QUANTIZATION_METHODS = ("fp8", "int8", "compressed-tensors", "awq", "gptq")
 MAX_LOGPROBS = 20
 # The server's /v1/responses results kept for previous_response_id and GET (--responses-store-size).
 RESPONSES_STORE_SIZE = 1000
+# vLLM's runner and convert: generation, or pooling (embeddings, classification, scores, rewards).
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify", "reward")
 
 
 def _option(default, help: str, **metadata):
@@ -26,10 +29,11 @@ def _option(default, help: str, **metadata):
     return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 
-# Options that change nothing a compiled step computes: left out of the executable cache's key.
+# Options that change nothing a compiled step computes: left out of the executable cache's key
+# (runner and convert: a generation engine compiles the same steps whatever they say).
 HOST_ONLY_OPTIONS = ("executable_cache", "grammar_compile_timeout", "grammar_compile_memory", "max_cpu_loras",
                      "enable_sleep_mode", "kv_events_config", "data_parallel_size", "data_parallel_rank",
-                     "dp_routing", "dp_restart")
+                     "dp_routing", "dp_restart", "runner", "convert")
 # --dp-routing (jpaged/data_parallel/router.py).
 DP_ROUTINGS = ("prefix", "least-loaded", "round-robin")
 
@@ -37,6 +41,12 @@ DP_ROUTINGS = ("prefix", "least-loaded", "round-robin")
 @dataclasses.dataclass
 class EngineConfig:
     model: str = _option("tiny", "the built-in 'tiny' model, a local Hugging Face directory or a hub id")
+    runner: str = _option("auto", "'generate' (text generation) or 'pooling' (embeddings, classification, "
+                          "scores, rewards; prefill only); 'auto': pooling for encoder and sequence-classification "
+                          "checkpoints", choices=RUNNERS)
+    convert: str = _option("auto", "with runner='pooling', what the model gives: 'embed', 'classify' (its "
+                           "classification head) or 'reward' (per token); 'auto': classify for a classifier "
+                           "checkpoint, else embed", choices=CONVERTS)
     dtype: str = _option("auto", "weights and KV dtype ('auto': the checkpoint's)", choices=DTYPES)
     quantization: str | None = _option(None, "weights in 8 bits: 'fp8' or 'int8' quantizes a float checkpoint "
                                        "while loading (per output channel, computed at the activation dtype); "
@@ -164,6 +174,8 @@ class EngineConfig:
         check("num_processes", self.num_processes is None or self.num_processes >= 1, "None or >= 1")
         check("process_id", self.process_id is None or self.process_id >= 0, "None or >= 0")
         check("attention_backend", self.attention_backend in ATTENTION_BACKENDS, f"one of {ATTENTION_BACKENDS}")
+        check("runner", self.runner in RUNNERS, f"one of {RUNNERS}")
+        check("convert", self.convert in CONVERTS, f"one of {CONVERTS}")
         check("dtype", self.dtype in DTYPES, f"one of {DTYPES}")
         check("quantization", self.quantization in (None,) + QUANTIZATION_METHODS,
               f"None or one of {QUANTIZATION_METHODS}")

@@ -11,11 +11,15 @@ from jpaged.data_parallel.engine import DataParallelLLMEngine
 from jpaged.engine import sleep_mode
 from jpaged.engine.llm_engine import LLMEngine
 from jpaged.outputs import RequestOutput
+from jpaged.pooling.engine import PoolingEngine, resolve_runner
+from jpaged.pooling.llm_methods import PoolingMethods
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
-class LLM:
-    """An LLM with its KV pages, compiled and ready to generate. Arguments: see DESIGN.md."""
+class LLM(PoolingMethods):
+    """An LLM with its KV pages, compiled and ready to generate. Arguments: see DESIGN.md.
+    runner="pooling": an embedding / classification model instead (embed, classify, score, reward:
+    jpaged/pooling/llm_methods.py)."""
 
     def __init__(self, model: str = "tiny", **engine_kwargs):
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -23,8 +27,12 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(fields - {'model'})}")
         config = EngineConfig(model=model, **engine_kwargs)
+        pooling = resolve_runner(config) == "pooling"
+        if pooling and config.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={config.data_parallel_size}; runner='pooling' runs one replica")
         # data_parallel_size > 1: replica processes behind a router (jpaged/data_parallel)
-        self.llm_engine = DataParallelLLMEngine(config) if config.data_parallel_size > 1 else LLMEngine(config)
+        self.llm_engine = PoolingEngine(config) if pooling else \
+            DataParallelLLMEngine(config) if config.data_parallel_size > 1 else LLMEngine(config)
         self._request_ids = itertools.count()
 
     def _lead(self, fn):
@@ -50,6 +58,9 @@ class LLM:
         `lora_request`: a LoRARequest for every prompt, or a list with one (or None) per prompt
         (enable_lora). Multi-host: every process calls this; process 0 schedules (its arguments
         count), the others run the same device steps, and all return process 0's results."""
+        if isinstance(self.llm_engine, PoolingEngine):
+            raise ValueError("LLM.generate() needs runner='generate'; this LLM was started with runner='pooling' "
+                             "(embed, classify, score, reward)")
         return self._lead(lambda: self._generate(prompts, sampling_params, use_tqdm, lora_request))
 
     def _generate(self, prompts, sampling_params, use_tqdm: bool, lora_request=None) -> list[RequestOutput]:

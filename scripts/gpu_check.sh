@@ -7,8 +7,9 @@
 #      contiguous attention; prefill TFLOP/s against dense attention
 #   4. bench_throughput on a Llama-3.2-1B-shaped random bf16 model: jpaged, then HF transformers'
 #      generate and generate_batch on the same GPU, each in its own process
-#   5. bench_dp (two replicas, prefix vs round-robin routing) where the machine has two GPUs
-#   6. SmolLM2-135M-Instruct real-checkpoint greedy parity with transformers
+#   5. bench_embed: jpaged's pooling runner against sentence-transformers' encode on the same GPU
+#   6. bench_dp (two replicas, prefix vs round-robin routing) where the machine has two GPUs
+#   7. SmolLM2-135M-Instruct real-checkpoint greedy parity with transformers
 # CPU-only preparation (building the two checkpoints) runs in the background from the start.
 # Every step's output is teed to $OUT/gpu_check/<step>.log (the run tool fetches $OUT) and its
 # exit status to summary.txt; the script exits non-zero if any step failed.
@@ -111,6 +112,14 @@ if [ "${ngpus:-0}" -ge 2 ]; then
     --output-json "$out/bench_dp.json"
 else
   echo "bench_dp: SKIPPED (data parallelism needs 2 GPUs; this machine has ${ngpus:-0})" | tee -a "$out/summary.txt"
+fi
+
+# Embeddings (runner="pooling"): an all-MiniLM-L6-v2-shaped BERT, 1,024 texts of 8-512 tokens,
+# jpaged on the GPU against sentence-transformers' encode on the same GPU.
+if "$python" -c "import sentence_transformers" 2>/dev/null; then
+  step embed 120 "$python" scripts/bench_embed.py --st-device cuda --output-json "$out/embed.json"
+else
+  echo "embed: SKIPPED (sentence-transformers is not installed: carry its wheel in .whl/)" | tee -a "$out/summary.txt"
 fi
 
 if built "$smollm2_pid"; then

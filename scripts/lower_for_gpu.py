@@ -200,6 +200,37 @@ def forward_cases():
                       lower_for_cuda(f, *a, donate_argnums=(1, 3))), backend
 
 
+def pooling_cases():
+    """The pooling runner's packed forward (jpaged/pooling/engine.py, XLA attention inside each
+    input, no KV pages): a BERT encoder with its cross-encoder head, and a decoder embedder
+    (the tiny Llama) pooling its last tokens, in bf16, 4 rows of 128 tokens."""
+    import transformers
+
+    from jpaged.models import tiny
+    from jpaged.models.bert import BertForSequenceClassification
+    from jpaged.pooling import engine as pooling_engine
+    from jpaged.pooling.decoder import LlamaForEmbedding
+    from jpaged.pooling.packed import NoPages, PackedAttentionOps
+
+    strip = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    bert = transformers.BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=256, max_position_embeddings=512, num_labels=1)
+    rows, row_len, seqs = 4, 128, 16
+    tokens = jax.ShapeDtypeStruct((rows * row_len,), jnp.int32)
+    per_seq = jax.ShapeDtypeStruct((seqs,), jnp.int32)
+    for label, make, cfg, pooling, head in (
+            ("BERT cross-encoder (CLS, classifier head)", BertForSequenceClassification, bert, "CLS", True),
+            ("BERT encoder (MEAN)", BertForSequenceClassification, bert, "MEAN", False),
+            ("decoder embedder (tiny Llama, LAST)", LlamaForEmbedding, tiny.tiny_config(), "LAST", False)):
+        model = nnx.eval_shape(lambda: make(cfg, dtype=jnp.bfloat16, ops=PackedAttentionOps(causal=True)))
+        graphdef, state = nnx.split(model)
+        forward = functools.partial(pooling_engine._forward, graphdef, NoPages.of(cfg.num_hidden_layers),
+                                    num_rows=rows, row_len=row_len, num_seqs=seqs, pooling=pooling, head=head)
+        yield f"pooling forward {label} rows={rows} row_len={row_len}", (
+            lambda f=forward, a=(jax.tree.map(strip, state), tokens, tokens, tokens, tokens, per_seq, per_seq):
+            lower_for_cuda(f, *a))
+
+
 def main() -> int:
     print(f"jax {jax.__version__}, Python {sys.version.split()[0]}: lowering for CUDA on {H100.device_kind}")
     failures = 0
@@ -225,6 +256,16 @@ def main() -> int:
         check(label, functools.partial(lower_for_cuda, fn, *args), backend)
     for label, lower, backend in forward_cases():
         check(label, lower, backend, expect_aliases=2)  # k_pages and v_pages
+    for label, lower in pooling_cases():  # XLA only: no kernels expected
+        start = time.perf_counter()
+        try:
+            text = lower().as_text()
+            if "stablehlo.dot_general" not in text:
+                raise RuntimeError("no matmul in the lowered forward")
+            print(f"ok    {label}: lowered ({time.perf_counter() - start:.1f} s)")
+        except Exception as e:
+            failures += 1
+            print(f"FAIL  {label}: {type(e).__name__}: {str(e)[:2000]}")
     print("all lowered" if not failures else f"{failures} case(s) failed")
     return 1 if failures else 0
 

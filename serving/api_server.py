@@ -35,6 +35,7 @@ from serving.completions import OpenAIServingCompletion
 from serving.lora import OpenAIServingLoRA, register_lora_modules
 from serving.dp_engine import DPAsyncEngine
 from serving.metrics import Metrics, render_engines
+from serving.pooling import POOLING_ROUTES, refuse
 from serving.protocol import APIError
 from serving.request_body import MAX_BODY_BYTES
 from serving.responses import OpenAIServingResponses
@@ -66,6 +67,8 @@ class OpenAIServer(OpenAIServingCompletion, OpenAIServingResponses, OpenAIServin
         self.add_lora_routes(app)  # only with --enable-lora-runtime-updates (serving/lora.py)
         self.add_sleep_routes(app)
         kv_page.add_routes(app, self.engine, self.model_name, self.api_key)
+        for path in POOLING_ROUTES:  # served by `jpaged serve --runner pooling` (serving/pooling.py)
+            app.router.add_post(path, refuse("generate", "pooling"))
         return app
 
     # ------------------------------------------------------------------ middlewares

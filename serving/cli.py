@@ -104,7 +104,12 @@ def cmd_serve(args) -> int:
         ssl_certfile=args.ssl_certfile, lora_modules=parse_lora_modules(args.lora_modules),
         enable_lora_runtime_updates=args.enable_lora_runtime_updates, allowed_lora_paths=args.allowed_lora_paths,
         responses_store_size=args.responses_store_size, responses_store_bytes=args.responses_store_bytes)
-    return run_server(EngineConfig(**engine_kwargs(args)), options)
+    config = EngineConfig(**engine_kwargs(args))
+    from jpaged.pooling.engine import resolve_runner
+    if resolve_runner(config) == "pooling":  # embeddings, classification, scores: serving/pooling_server.py
+        from serving.pooling_server import run_pooling_server
+        return run_pooling_server(config, options)
+    return run_server(config, options)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -169,6 +169,13 @@ def test_health_models_auth(server):
         assert status == 401 and body["error"]["code"] == "invalid_api_key" and challenge.startswith("Basic ")
 
 
+def test_pooling_endpoints_refused_naming_the_runner(server):
+    """A generation server answers the pooling endpoints with a 400 naming the runner to start."""
+    for path in ("/v1/embeddings", "/rerank", "/score"):
+        status, body = run(post(server.url, path, {"model": "tiny", "input": "hi"}))
+        assert status == 400 and "--runner pooling" in body["error"]["message"], body
+
+
 def test_completions_stream_equals_non_stream(server):
     rng = random.Random()
     prompt = random_prompt(rng)

@@ -118,16 +118,18 @@ def resolve_dtype(dtype, hf_config: PretrainedConfig) -> jnp.dtype:
 def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.ndarray]], *, dtype: jnp.dtype,
                 attention_backend: str = "auto", mesh: jax.sharding.Mesh | None = None,
                 max_model_len: int | None = None, kv_scales: dict | None = None,
-                quantization: Quantization | None = None, batch_invariant: bool = False) -> nnx.Module:
+                quantization: Quantization | None = None, batch_invariant: bool = False, model_cls=None,
+                ops=None) -> nnx.Module:
     """Build the model for `hf_config` abstractly and fill it from (name, tensor) pairs in HF naming,
     each weight placed on `mesh` (default: the first device) by its logical axes. `max_model_len`
     (default: the model's own limit) is for models whose rotary embedding depends on it (LongRoPE).
     KV cache scale tensors go to `kv_scales` {(layer, "k_scale" | "v_scale"): value}.
     `quantization`: the Linear layers it names are stored quantized (read from the checkpoint's
-    quantized tensors, or quantized here from float ones)."""
-    model_cls = get_model_class(hf_config)
+    quantized tensors, or quantized here from float ones). `model_cls` and `ops` (the attention call
+    site): the pooling runner's own (default: the registry's class, paged attention)."""
+    model_cls = model_cls or get_model_class(hf_config)
     mesh = mesh or sharding.make_mesh(1)
-    ops = AttentionOps(attention_backend, mesh, batch_invariant)
+    ops = ops or AttentionOps(attention_backend, mesh, batch_invariant)
     # Abstract: a tensor-parallel size the heads do not allow fails here, before any allocation.
     model = nnx.eval_shape(lambda: model_cls(hf_config, dtype=dtype, ops=ops, max_model_len=max_model_len))
     if batch_invariant and issubclass(model_cls, MixtralForCausalLM):

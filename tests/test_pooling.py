@@ -1,0 +1,191 @@
+"""runner="pooling" offline: embeddings equal sentence-transformers' `encode` (cosine >= 0.9999)
+for BERT (mean), XLM-RoBERTa (CLS) and a Qwen3 decoder (last token); cross-encoder scores within
+1e-4 of CrossEncoder.predict; the packing, Matryoshka dimensions, truncation and bad inputs."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sentence_transformers")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from pooling_checkpoints import TEXTS, make_cross_encoder, make_embedder  # noqa: E402
+
+EMBEDDERS = [("bert", "mean"), ("xlm-roberta", "cls"), ("qwen3", "lasttoken")]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("pooling"))
+
+
+@pytest.fixture(scope="module")
+def embedders(root):
+    import jpaged
+
+    made = {}
+    for kind, pooling in EMBEDDERS:
+        path = make_embedder(root, kind, pooling)
+        made[kind] = (path, jpaged.LLM(path, runner="pooling"))
+    return made
+
+
+@pytest.mark.parametrize("kind", [k for k, _ in EMBEDDERS])
+def test_embed_matches_sentence_transformers(embedders, kind):
+    from sentence_transformers import SentenceTransformer
+
+    path, llm = embedders[kind]
+    rng = np.random.default_rng()
+    texts = [TEXTS[i] for i in rng.permutation(len(TEXTS))] + [" ".join(rng.choice(TEXTS, 3))]
+    outs = llm.embed(texts)
+    ours = np.array([o.outputs.embedding for o in outs])
+    ref = SentenceTransformer(path, device="cpu").encode(texts)
+    cos = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() >= 0.9999, cos
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1, atol=1e-5)  # the checkpoint's Normalize
+    tok = llm.get_tokenizer()
+    assert outs[0].prompt_token_ids == tok(texts[0])["input_ids"]
+    # Token ids in, the same embedding out; one input alone, the same as packed among others.
+    again = llm.embed([tok(t)["input_ids"] for t in texts[:2]])
+    np.testing.assert_allclose([o.outputs.embedding for o in again], ours[:2], atol=1e-5)
+
+
+def test_score_of_an_embedder_is_cosine(embedders):
+    _, llm = embedders["bert"]
+    scores = llm.score("hello world", ["hello world", "the cat sat on the mat"])
+    e = np.array([o.outputs.embedding for o in llm.embed(["hello world", "the cat sat on the mat"])])
+    np.testing.assert_allclose([s.outputs.score for s in scores], [1.0, e[0] @ e[1]], atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+def test_rerank_matches_cross_encoder(root, kind):
+    import jpaged
+    from sentence_transformers import CrossEncoder
+
+    path = make_cross_encoder(root, kind)
+    llm = jpaged.LLM(path, runner="pooling")
+    query, docs = "capital of france", TEXTS
+    scores = [o.outputs.score for o in llm.score(query, docs)]
+    ref = CrossEncoder(path, device="cpu").predict([(query, d) for d in docs])
+    np.testing.assert_allclose(scores, ref, atol=1e-4)
+    probs = llm.classify(docs[:2])
+    assert len(probs[0].outputs.probs) == 1 and 0 < probs[0].outputs.probs[0] < 1
+    with pytest.raises(ValueError, match="runner='pooling'"):
+        llm.generate("hello")
+
+
+def test_pooling_types_and_reward(embedders):
+    """ALL pooling (per token) agrees with CLS / LAST / MEAN of the same hidden states."""
+    _, llm = embedders["bert"]
+    engine = llm.llm_engine
+    inputs = [engine.tokenize(t) for t in TEXTS[:3]]
+    every = engine.run(inputs, "ALL")
+    for kind, pick in (("CLS", lambda h: h[0]), ("LAST", lambda h: h[-1]), ("MEAN", lambda h: h.mean(0))):
+        np.testing.assert_allclose(engine.run(inputs, kind), [pick(h) for h in every], atol=1e-5)
+    rewards = llm.reward(TEXTS[:2])
+    assert rewards[0].outputs.data.shape == (len(inputs[0].token_ids), engine.hidden_size)
+
+
+def test_matryoshka_dimensions(root):
+    import jpaged
+
+    path = make_embedder(root, "bert", "cls", normalize=False, matryoshka_dimensions=[8, 16, 32])
+    llm = jpaged.LLM(path, runner="pooling")
+    full = np.array(llm.embed(TEXTS[:2], normalize=False)[0].outputs.embedding)
+    short = np.array(llm.embed(TEXTS[:2], dimensions=16, normalize=True)[0].outputs.embedding)
+    np.testing.assert_allclose(short, full[:16] / np.linalg.norm(full[:16]), atol=1e-6)
+    with pytest.raises(ValueError, match="dimensions"):
+        llm.embed("hello", dimensions=12)
+
+
+def test_bad_inputs_and_truncation(embedders):
+    _, llm = embedders["bert"]
+    engine = llm.llm_engine
+    long_ids = engine.tokenize(" ".join(["hello"] * 200)).token_ids
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.embed([long_ids])
+    kept = llm.embed([long_ids], truncate_prompt_tokens=20)[0]
+    assert kept.prompt_token_ids == long_ids[-20:]
+    np.testing.assert_allclose(kept.outputs.embedding, llm.embed([long_ids[-20:]])[0].outputs.embedding, atol=1e-6)
+    for bad, field in (([], "prompts"), ([[]], "prompts"), ([[1, 10 ** 6]], "token ids"), ([[1, -1]], "token ids")):
+        with pytest.raises(ValueError, match=field):
+            llm.embed(bad)
+    with pytest.raises(ValueError, match="matryoshka"):
+        llm.embed("hello", dimensions=8)
+    with pytest.raises(ValueError, match="classification model"):
+        llm.classify("hello")
+
+
+def test_packing_never_pads_to_the_longest():
+    from jpaged.pooling.packed import pack
+
+    lengths = [300, 5, 7, 120, 16, 16, 3, 500]
+    batches = pack(lengths, max_model_len=512, max_tokens=1024)
+    placed = sorted(i for _, _, rows in batches for row in rows for i in row)
+    assert placed == list(range(len(lengths)))
+    for row_len, num_rows, rows in batches:
+        assert len(rows) <= num_rows and num_rows * row_len <= max(1024, row_len)
+        assert all(sum(lengths[i] for i in row) <= row_len for row in rows)
+    # The short inputs share rows instead of each taking a row of the longest's length.
+    assert sum(num_rows * row_len for row_len, num_rows, _ in batches) < len(lengths) * 512
+
+
+def test_generation_llm_refuses_pooling_methods(shared_llm):
+    import jpaged
+
+    with pytest.raises(ValueError, match="runner='pooling'"):
+        shared_llm("tiny", enforce_eager=True).embed("hello")
+    with pytest.raises(ValueError, match="generation model"):
+        jpaged.LLM("tiny", runner="pooling")
+
+
+SMOLLM2 = os.environ.get("JPAGED_SMOLLM2_DIR", os.path.expanduser("~/.cache/jpaged/smollm2-135m-instruct"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(SMOLLM2), reason="needs SmolLM2-135M-Instruct (scripts/make_smollm2.py)")
+def test_smollm2_last_token_embedding_matches_transformers():
+    """A causal LM converted to an embedder: the last token's final hidden state, as transformers'."""
+    import torch
+    from transformers import AutoModel
+
+    import jpaged
+
+    llm = jpaged.LLM(SMOLLM2, runner="pooling", convert="embed", max_model_len=256)
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village, " * 3]
+    ours = np.array([o.outputs.embedding for o in llm.embed(texts, normalize=False)])
+    model = AutoModel.from_pretrained(SMOLLM2, dtype=torch.float32).eval()
+    tok = llm.get_tokenizer()
+    with torch.no_grad():
+        ref = np.array([model(torch.tensor([tok(t)["input_ids"]])).last_hidden_state[0, -1].numpy() for t in texts])
+    cos = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() >= 0.9999, cos
+    np.testing.assert_allclose(ours, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
+def test_decoder_sequence_classifier_matches_transformers(root):
+    """Qwen2ForSequenceClassification: the `score` head over the last token, as transformers."""
+    import torch
+    import transformers
+
+    import jpaged
+    from pooling_checkpoints import _tokenizer
+
+    torch.manual_seed(2)
+    path = os.path.join(root, "qwen2-classifier")
+    tok = _tokenizer(path, roberta=False)
+    cfg = transformers.Qwen2Config(vocab_size=len(tok.get_vocab()), hidden_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                   max_position_embeddings=256, num_labels=3, pad_token_id=0)
+    model = transformers.Qwen2ForSequenceClassification(cfg).eval()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    llm = jpaged.LLM(path)  # runner "auto": a sequence classifier is a pooling model
+    outs = llm.classify(TEXTS)
+    probs = np.array([o.outputs.probs for o in outs])
+    with torch.no_grad():  # the same token ids (AutoTokenizer reads this directory its own way)
+        ref = np.array([torch.softmax(model(torch.tensor([o.prompt_token_ids])).logits[0], -1).numpy()
+                        for o in outs])
+    np.testing.assert_allclose(probs, ref, atol=1e-5)
