@@ -28,8 +28,6 @@ class LLM(PoolingMethods):
             raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(fields - {'model'})}")
         config = EngineConfig(model=model, **engine_kwargs)
         pooling = resolve_runner(config) == "pooling"
-        if pooling and config.data_parallel_size > 1:
-            raise ValueError(f"data_parallel_size={config.data_parallel_size}; runner='pooling' runs one replica")
         # data_parallel_size > 1: replica processes behind a router (jpaged/data_parallel)
         self.llm_engine = PoolingEngine(config) if pooling else \
             DataParallelLLMEngine(config) if config.data_parallel_size > 1 else LLMEngine(config)

@@ -46,6 +46,8 @@ class PoolingEngine:
     def __init__(self, config: EngineConfig):
         if config.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size must be 1 with runner='pooling'")
+        if config.data_parallel_size != 1:
+            raise ValueError("data_parallel_size must be 1 with runner='pooling'")
         self.config = config
         if config.model == "tiny":
             raise ValueError("runner='pooling' needs an embedding or classification checkpoint; the built-in "
