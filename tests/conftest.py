@@ -1,3 +1,22 @@
+"""Shared test set-up. What makes the suite fast, for new tests to use:
+
+- Compiled executables are shared by the whole run through the on-disk executable cache
+  ($JPAGED_CACHE_DIR, else ~/.cache/jpaged/xla; .ci/run gives each CI run a fresh one). Every
+  engine and every `jpaged serve` subprocess reads and writes it, so an engine or server with the
+  same model and engine limits as an earlier one (in any file, on either xdist worker) loads its
+  executables instead of compiling them; writes are atomic (a temporary file, then os.replace), so
+  concurrent writers are safe. Reuse an existing test's limits where the test allows it (server-only
+  flags such as --api-key or --tool-call-parser, and the options in config.HOST_ONLY_OPTIONS, do not
+  change the executables). A test of the cache itself sets its own directory
+  (monkeypatch.setenv("JPAGED_CACHE_DIR", str(tmp_path))); test_executable_cache.py's `warm` fixture
+  warms one directory per file and copies it for each test that damages or reloads it.
+- Engines: `shared_llm` (below) builds one per distinct arguments per worker, for tests that only
+  generate greedily or with per-request seeds.
+- Servers: one module-scoped fixture per file (test_server.py's `server`: `Server(*flags)`, stopped
+  with status 0 asserted), started with flags that fit all of the file's tests, rather than one
+  server per test (test_smollm2_responses.py: both tests on one SmolLM2 server). A test that needs
+  a server in another state (SIGTERM, --max-queue, a crash) starts its own.
+"""
 import os
 
 # Debug mode: every engine the tests build checks its block pool's invariants after every step.
@@ -60,8 +79,13 @@ def test_seed(monkeypatch):
     return seed
 
 
-# The longest files (measured on two busy cores): started first, each on its own worker.
-LONGEST_FILES = ("test_smollm2.py", "test_smollm2_responses.py", "test_smollm2_server.py")
+# The longest files (measured on two busy cores), started first and longest first, so that
+# the files left for the end are short and both workers end close together (xdist hands a worker
+# its next file when it runs low). The SmolLM2 ones, then the others over ~3 minutes at load 5-8
+# (docs/PERF.md, "The test suite and CI").
+LONGEST_FILES = ("test_smollm2.py", "test_smollm2_responses.py", "test_smollm2_server.py",
+                 "test_executable_cache.py", "test_server_robustness.py", "test_models.py",
+                 "test_tensor_parallel.py", "test_lora.py")
 
 
 def pytest_configure(config):
@@ -72,8 +96,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files holding `slow` tests first (the real-model, cache-corruption, SIGTERM and multi-host
-    ones), most slow tests first; within a file, the order written."""
+    """LONGEST_FILES first, in that order; then files holding `slow` tests (the real-model,
+    cache-corruption, SIGTERM and multi-host ones), most slow tests first; within a file, the
+    order written."""
     slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
     first = {name: i for i, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: (first.get(item.path.name, len(first)), -slow[item.path]))

@@ -3,6 +3,7 @@ key, equal in results to a fresh compile, donation kept, a damaged file compiled
 
 import functools
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -70,17 +71,16 @@ def test_damaged_file_is_compiled_again(tmp_path, caplog):
     assert ExecutableCache(str(tmp_path), "m").compile("step", fn, args(rng)) is not None  # rewritten whole
 
 
-def test_engine_restart_loads_every_executable():
+def test_engine_restart_loads_every_executable(warm, tmp_path, monkeypatch):
     """A second engine with the same model and limits loads its whole warm-up from disk and
-    generates what the first did."""
-    limits = dict(model="tiny", max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
+    generates what the first (warm's engine, which compiled every executable) did."""
+    directory, first = warm
     rng = np.random.default_rng()
     prompts = [rng.integers(0, 256, size=rng.integers(2, 30)).tolist() for _ in range(5)]
     params = jpaged.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    first = jpaged.LLM(**limits)
     expected = [o.outputs[0].token_ids for o in first.generate(prompts, params, use_tqdm=False)]
-    del first
-    second = jpaged.LLM(**limits)
+    monkeypatch.setenv("JPAGED_CACHE_DIR", str(_copy(directory, tmp_path)))
+    second = jpaged.LLM(**LIMITS)
     runner = second.llm_engine.runner
     assert runner.executable_cache.hits == runner.num_compilations > 0
     assert [o.outputs[0].token_ids for o in second.generate(prompts, params, use_tqdm=False)] == expected
@@ -272,6 +272,26 @@ def test_read_only_directory_is_only_read(tmp_path, monkeypatch):
 LIMITS = dict(model="tiny", max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
 
 
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    """(a cache directory warmed by an engine with LIMITS, that engine), built once for the file:
+    it compiled every executable into the fresh directory. Tests that damage, fail or reload a warm
+    cache work on a copy (_copy) and take their expected outputs from this engine (greedy: what a
+    test ran on it before changes nothing), instead of compiling the same warm-up again."""
+    directory = tmp_path_factory.mktemp("warm_cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JPAGED_CACHE_DIR", str(directory))
+        llm = jpaged.LLM(**LIMITS)
+    assert llm.llm_engine.runner.executable_cache.hits == 0
+    return directory, llm
+
+
+def _copy(directory, to):
+    """A copy of the warm cache `directory` at `to` (created or added to)."""
+    shutil.copytree(directory, to, dirs_exist_ok=True)
+    return to
+
+
 def _greedy(llm, seed):
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, 256, size=rng.integers(2, 30)).tolist() for _ in range(4)]
@@ -280,18 +300,17 @@ def _greedy(llm, seed):
 
 
 @pytest.mark.slow
-def test_engine_starts_over_a_damaged_cache(tmp_path, monkeypatch):
+def test_engine_starts_over_a_damaged_cache(warm, tmp_path, monkeypatch):
     """Every file of a warm cache damaged (each one: a flipped bit at a random offset, swapped
     with another file, or truncated): the engine starts, compiles exactly those, and generates
     what a clean start did; the start after that loads every rewritten file."""
     seed = np.random.randint(2**31)
     print("seed", seed)
     rng = np.random.default_rng(seed)
-    monkeypatch.setenv("JPAGED_CACHE_DIR", str(tmp_path))
-    clean = jpaged.LLM(**LIMITS)
+    directory, clean = warm
+    monkeypatch.setenv("JPAGED_CACHE_DIR", str(_copy(directory, tmp_path)))
     expected = _greedy(clean, seed)
     n = clean.llm_engine.runner.num_compilations
-    del clean
     files = sorted(p for p in tmp_path.iterdir() if p.name.endswith(".bin"))
     assert len(files) == n
     kinds = rng.permutation(["flip", "swap", "truncate"] * n)[:n]
@@ -340,15 +359,14 @@ def test_engine_starts_over_a_damaged_cache(tmp_path, monkeypatch):
         subprocess.run(["umount", str(read_only)], check=True)
 
 
-def test_warm_up_failing_after_loads_is_retried_without_the_cache(tmp_path, monkeypatch, caplog):
+def test_warm_up_failing_after_loads_is_retried_without_the_cache(warm, tmp_path, monkeypatch, caplog):
     """XLA is the last judge: a start-up that fails after loading cached executables (here the
     fourth load raises) is retried once with the cache bypassed, says so, and serves correctly."""
-    monkeypatch.setenv("JPAGED_CACHE_DIR", str(tmp_path))
+    directory, first = warm
+    monkeypatch.setenv("JPAGED_CACHE_DIR", str(_copy(directory, tmp_path)))
     seed = np.random.randint(2**31)
     print("seed", seed)
-    first = jpaged.LLM(**LIMITS)
     expected = _greedy(first, seed)
-    del first
     real_load, calls = ExecutableCache.load, []
 
     def load(self, name, arguments):
