@@ -166,7 +166,9 @@ class EngineConfig:
         self.devices = _device_list(self.devices)
         num_devices = self.tensor_parallel_size * self.data_parallel_size
         check("devices", self.devices is None or len(self.devices) == num_devices,
-              f"None or tensor_parallel_size x data_parallel_size = {num_devices} devices")
+              f"None or tensor_parallel_size={self.tensor_parallel_size} devices" if self.data_parallel_size == 1 else
+              f"None or tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size="
+              f"{self.data_parallel_size} = {num_devices} devices")
         check("data_parallel_size", self.data_parallel_size == 1 or not self.num_processes or self.num_processes == 1,
               "1 with multi-host (num_processes > 1): replicas run on one host")
         check("devices", self.devices is None or len({_device_id(d) for d in self.devices}) == len(self.devices),
