@@ -79,8 +79,8 @@ async def _get(url, path):
             return r.status, await r.text()
 
 
-async def _stream(url, body) -> list:
-    """The stream's events (parsed), up to [DONE]."""
+async def _stream(url, body, started: asyncio.Event | None = None) -> list:
+    """The stream's events (parsed), up to [DONE]; `started` is set at the first one."""
     events = []
     async with aiohttp.ClientSession() as session:
         async with session.post(url + "/v1/completions", json={**body, "stream": True}) as r:
@@ -88,6 +88,8 @@ async def _stream(url, body) -> list:
                 line = line.decode().strip()
                 if line.startswith("data: ") and line != "data: [DONE]":
                     events.append(json.loads(line[6:]))
+                    if started is not None:
+                        started.set()
     return events
 
 
@@ -158,8 +160,11 @@ def test_a_killed_replica_is_reported_restarted_and_its_streams_end_with_an_erro
 
     async def scenario():
         body = {"max_tokens": 100, "temperature": 0, "ignore_eos": True}
-        streams = [asyncio.create_task(_stream(server.url, {**body, "prompt": p})) for p in PROMPTS[:4]]
-        await asyncio.sleep(0.5)  # streaming now (each takes seconds)
+        started = [asyncio.Event() for _ in range(4)]
+        streams = [asyncio.create_task(_stream(server.url, {**body, "prompt": p}, e))
+                   for p, e in zip(PROMPTS[:4], started)]
+        await asyncio.gather(*(e.wait() for e in started))  # every stream has output: none can move
+        os.kill(pids[1], signal.SIGSTOP)  # frozen mid-stream however fast the machine: its streams cannot end
         os.kill(pids[1], signal.SIGKILL)
         killed = time.monotonic()
         while True:
