@@ -44,5 +44,7 @@ def describe(attention_backend: str, devices: list | None = None) -> str:
     kernels = {"pallas": "Pallas/Triton", "mosaic": "Pallas/Mosaic GPU", "xla": "XLA"}[family]
     if family != "xla" and not pallas_kernels.targets_gpu():
         kernels += " (interpret mode)"
+    reason = pallas_kernels.backend_reason(attention_backend)
+    kernels += f": {reason}" if reason else ""
     return (f"{jax.default_backend()} ({devices[0].device_kind} x{len(devices)}: devices "
             f"{','.join(str(d.id) for d in devices)}), attention {attention_backend!r} -> {kernels}")

@@ -46,10 +46,13 @@ import functools
 import jax
 
 from pallas_kernels.cache_ops import as_dtype, copy_blocks, write_kv
+from pallas_kernels.targets import gpu_device, targets_gpu
 from pallas_kernels.xla import paged_attention_xla, ragged_paged_attention_xla
 
 __all__ = [
     "BACKENDS",
+    "gpu_device",
+    "targets_gpu",
     "kernel_family",
     "check_supported",
     "paged_attention",
@@ -63,25 +66,33 @@ __all__ = [
 BACKENDS = ("auto", "pallas", "mosaic", "xla")
 
 
-def targets_gpu() -> bool:
-    """Whether traced code is for a GPU: jax's default backend's, or an abstract mesh's device
-    (lowering for CUDA on a machine without one, as CI's readiness job does)."""
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    return (jax.default_backend() if device is None else device.platform) == "gpu"
-
-
 def kernel_family(backend: str = "auto") -> str:
     """The kernels `backend` runs here: "pallas" (Triton), "mosaic" or "xla"."""
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend={backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
         return "pallas" if targets_gpu() else "xla"
-    if backend == "mosaic" and jax.default_backend() == "gpu":
-        cc = getattr(jax.devices()[0], "compute_capability", "0")
-        if float(cc) < 9.0:
-            raise ValueError(f"attention_backend='mosaic' needs an sm_90+ GPU (Hopper or newer); "
-                             f"{jax.devices()[0].device_kind} is sm_{cc.replace('.', '')}: use 'pallas'")
+    gpu = gpu_device() if backend == "mosaic" else None
+    if gpu is not None and gpu[1] < 9.0:
+        kind, cc = gpu
+        raise ValueError(f"attention_backend='mosaic' needs an sm_90+ GPU (Hopper or newer): Mosaic GPU's "
+                         f"kernels are built on wgmma and TMA, which {kind} (sm_{int(cc * 10)}) does not have. "
+                         "Use 'pallas' (Pallas' Triton kernels, any CUDA GPU) or 'auto'")
     return backend
+
+
+def backend_reason(backend: str = "auto") -> str:
+    """Why `backend` runs the kernels it does, for the start-up log (one line)."""
+    family = kernel_family(backend)
+    if family != "pallas" or not targets_gpu():
+        return ""
+    gpu = gpu_device()
+    why = ("Mosaic GPU needs sm_90+" if gpu and gpu[1] < 9.0 else
+           "'auto' keeps Triton until scripts/gpu_check.sh has shown Mosaic right and faster on a real H100"
+           if backend == "auto" else "asked for")
+    # jax >= 0.11 warns at every Triton compile; said once here instead (silenced in decode.py / prefill.py).
+    return (f"Pallas' Triton backend ({why}); jax deprecates it since 0.11, jpaged's plan for its "
+            "removal: docs/PERF.md, GPU checklist")
 
 
 def check_supported(q, k_pages, backend: str = "auto") -> None:

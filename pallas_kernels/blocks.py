@@ -6,9 +6,18 @@ one vector load gathers the pages of K and of V, then one online-softmax step
 updates (out, max, sumexp) in fp32.
 """
 
+import warnings
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.targets import e4m3_as_bits
+
+# jax >= 0.11 deprecates Pallas' Triton backend with a warning at every compile. The engine's start-up
+# log says it once, with which backend runs and why (pallas_kernels.backend_reason).
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
 
 MASK_VALUE = -1e30  # finite: a fully masked block never computes inf - inf
 KEYS_PER_ITER = 64
@@ -48,18 +57,43 @@ def attend_block(carry, q, k, v, key_live, scale, row_ok=None, soft_cap=None):
     return out * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
 
 
+def pages_for_triton(pages, as_bits=None):
+    """float8_e4m3fn pages as their bytes (uint8, a free bitcast) where Triton cannot convert e4m3
+    (below sm_89: `as_bits` None asks the target GPU); load_pages widens them by arithmetic."""
+    if pages.dtype != jnp.float8_e4m3fn or not (e4m3_as_bits() if as_bits is None else as_bits):
+        return pages
+    return lax.bitcast_convert_type(pages, jnp.uint8)
+
+
+def widen_e4m3(bits, dtype):
+    """float8_e4m3fn bytes (any integer dtype) -> `dtype`, exactly, by integer arithmetic and an f32
+    bitcast: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities, 0x7f/0xff are NaN."""
+    x = bits.astype(jnp.int32) & 0xFF
+    exponent, mantissa = (x >> 3) & 0xF, x & 0x7
+    sign = (x >> 7) << 31
+    normal = lax.bitcast_convert_type(sign | ((exponent + 120) << 23) | (mantissa << 20), jnp.float32)
+    subnormal = mantissa.astype(jnp.float32) * (2.0 ** -9)  # exponent 0: m/8 * 2^-6
+    subnormal = jnp.where(sign != 0, -subnormal, subnormal)
+    value = jnp.where(exponent == 0, subnormal, normal)
+    return jnp.where((x & 0x7F) == 0x7F, jnp.nan, value).astype(dtype)
+
+
+def _widen(x, dtype):
+    return widen_e4m3(x, dtype) if x.dtype == jnp.uint8 else x.astype(dtype)
+
+
 def load_pages(pages_ref, page_ids, head_dim, dtype):
-    """Gather pages [n] -> [n * page_size, dp] in `dtype` (fp8 pages widened in registers), zero
-    past head_dim."""
+    """Gather pages [n] -> [n * page_size, dp] in `dtype` (fp8 pages widened in registers; uint8
+    ones are e4m3 bytes: pages_for_triton), zero past head_dim."""
     n = page_ids.shape[0]
     _, page_size, dp = pages_ref.shape
     if head_dim == dp:
-        x = pages_ref[page_ids].astype(dtype)
+        x = _widen(pages_ref[page_ids], dtype)
     else:  # all-array indices: the form masked loads support in interpret mode
         idx = (page_ids[:, None, None], jnp.arange(page_size)[None, :, None], jnp.arange(dp)[None, None, :])
         mask = idx[2] < head_dim
         if jnp.dtype(pages_ref.dtype).itemsize == 1:  # fp8: Triton has no integer fill to splat into fp8
-            x = jnp.where(mask, plgpu.load(pages_ref.at[idx], mask=mask).astype(dtype), jnp.zeros((), dtype))
+            x = jnp.where(mask, _widen(plgpu.load(pages_ref.at[idx], mask=mask), dtype), jnp.zeros((), dtype))
         else:
             x = plgpu.load(pages_ref.at[idx], mask=mask, other=0).astype(dtype)
     return x.reshape(n * page_size, dp)

@@ -64,11 +64,13 @@ def _decode_kernel(ctx_ref, window_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *
         o_ref[...] = blocks.normalize(out, l).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret", "logits_soft_cap"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret", "logits_soft_cap", "fp8_as_bits"))
 def paged_attention_pallas(
     q, k_pages, v_pages, block_tables, context_lens, *, scale=None, num_splits=None, interpret=False,
-    sliding_window=None, logits_soft_cap=None
+    sliding_window=None, logits_soft_cap=None, fp8_as_bits=None
 ):
+    """fp8_as_bits: e4m3 pages read as bytes and widened by arithmetic (None: below sm_89 only)."""
+    k_pages, v_pages = blocks.pages_for_triton(k_pages, fp8_as_bits), blocks.pages_for_triton(v_pages, fp8_as_bits)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     group = num_heads // num_kv_heads

@@ -73,12 +73,14 @@ def _prefill_kernel(
     o_ref[...] = blocks.normalize(out, l).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "q_tile", "logits_soft_cap"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "q_tile", "logits_soft_cap", "fp8_as_bits"))
 def ragged_paged_attention_pallas(
     q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None, interpret=False, q_tile=None,
-    sliding_window=None, logits_soft_cap=None
+    sliding_window=None, logits_soft_cap=None, fp8_as_bits=None
 ):
-    """q_tile overrides the tokens per tile (tests use it to cross tiles)."""
+    """q_tile overrides the tokens per tile (tests use it to cross tiles); fp8_as_bits: e4m3 pages
+    read as bytes and widened by arithmetic (None: below sm_89 only)."""
+    k_pages, v_pages = blocks.pages_for_triton(k_pages, fp8_as_bits), blocks.pages_for_triton(v_pages, fp8_as_bits)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     num_seqs = block_tables.shape[0]

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one call on a lent H100/H200 (10 minutes, no network):
+# Everything that needs a GPU, in one call on a lent A100/H100/H200 (10 minutes, no network); the
+# GPU's compute capability is read at run time (sm_80-89: Triton only and Mosaic refused; sm_90+: both):
 #   1. backend assertion: jax sees the GPU and an engine starts with device="cuda" (no silent CPU)
-#   2. the kernel tests compiled for real (Triton everywhere, Mosaic GPU on sm_90+)
+#   2. the kernel tests compiled for real (Triton everywhere, Mosaic GPU on sm_90+), then
+#      speculation, quantized weights, LoRA and batch invariance (gpu_check.py features)
 #   3. bench_kernels --quick --kv-cache-dtype fp8: decode GB/s (bf16 pages, and fp8 pages counted on
 #      the fp8 bytes) against the GPU's copy bandwidth, jax's bundled paged attention, XLA gather and
 #      contiguous attention; prefill TFLOP/s against dense attention
@@ -12,7 +14,8 @@
 #   7. SmolLM2-135M-Instruct real-checkpoint greedy parity with transformers
 # CPU-only preparation (building the two checkpoints) runs in the background from the start.
 # Every step's output is teed to $OUT/gpu_check/<step>.log (the run tool fetches $OUT) and its
-# exit status to summary.txt; the script exits non-zero if any step failed.
+# exit status to summary.txt, and all of it to results.md (PERF.md's GPU rows are filled from it);
+# the script exits non-zero if any step failed.
 #
 #   scripts/gpu_check.sh              # OUT defaults to ./gpu_check_results
 #   GPU_CHECK_SECONDS=560 scripts/gpu_check.sh
@@ -79,14 +82,27 @@ llama_pid=$!
 "$python" scripts/make_smollm2.py "$work/smollm2" >"$out/build_smollm2.log" 2>&1 &
 smollm2_pid=$!
 
+# A100 (sm_80/86/89: Triton only, Mosaic refused) or H100/H200 (sm_90+: both), read at run time.
+cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' .')
+echo "compute capability: sm_${cc:-unknown}" | tee -a "$out/environment.txt"
+families=(pallas)
+if [ "${cc:-0}" -ge 90 ]; then families=(pallas mosaic); fi
+
 step backend 120 "$python" scripts/gpu_check.py devices --device cuda
-step backend_mosaic 90 "$python" scripts/gpu_check.py devices --device cuda --attention-backend mosaic
-for backend in pallas mosaic; do  # fp8 KV pages through each kernel family's engine forward
+if [ "${cc:-0}" -ge 90 ]; then
+  step backend_mosaic 90 "$python" scripts/gpu_check.py devices --device cuda --attention-backend mosaic
+else  # below sm_90 the engine must refuse Mosaic at start-up, saying why and what to use
+  step backend_mosaic_refused 60 "$python" scripts/gpu_check.py devices --device cuda --attention-backend mosaic \
+    --expect-refused
+fi
+for backend in "${families[@]}"; do  # fp8 KV pages through each kernel family's engine forward
   step "backend_${backend}_fp8" 60 "$python" scripts/gpu_check.py devices --device cuda --attention-backend $backend \
     --kv-cache-dtype fp8
 done
 step kernel_tests 150 "$python" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_platform.py
 step bench_kernels 150 "$python" scripts/bench_kernels.py --quick --kv-cache-dtype fp8
+# Speculation (n-gram, draft model), quantized weights, LoRA and batch invariance on the GPU.
+step features 120 "$python" scripts/gpu_check.py features --device cuda
 
 if built "$llama_pid"; then
   # Fixed lengths (generate_batch takes one output length); jpaged compiles the shapes it meets in a
@@ -133,6 +149,16 @@ else
 fi
 
 rm -rf "$work"
-echo "== summary ($((SECONDS)) s)"
+# One results file for docs/PERF.md's GPU rows: the environment, then each step's status and the
+# last lines of its log (where its figures are).
+{
+  echo "# gpu_check results"
+  echo '```'; cat "$out/environment.txt"; echo '```'
+  for log in "$out"/*.log; do
+    echo "## $(basename "$log" .log)"
+    echo '```'; grep -E "^$(basename "$log" .log): " "$out/summary.txt"; tail -n 25 "$log"; echo '```'
+  done
+} >"$out/results.md"
+echo "== summary ($((SECONDS)) s): figures in $out/results.md"
 cat "$out/summary.txt"
 exit $failed

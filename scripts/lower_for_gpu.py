@@ -1,8 +1,11 @@
 """GPU readiness without a GPU: lower every attention kernel (Pallas Triton and Pallas Mosaic GPU)
-and the engine's jitted forward for CUDA with an abstract H100, verify the kernel modules, and
-check that the step updates the KV pool in place (the donated pool aliased to the output).
+and the engine's jitted forward for CUDA with an abstract H100 and/or A100, verify the kernel
+modules, and check that the step updates the KV pool in place (the donated pool aliased to the output).
 
-    JAX_PLATFORMS=cpu python scripts/lower_for_gpu.py    # exit status 1 on any failure
+    JAX_PLATFORMS=cpu python scripts/lower_for_gpu.py [--device h100|a100|all]   # exit 1 on any failure
+
+An A100 (sm_80) has no Mosaic GPU (wgmma/TMA are sm_90+): its cases lower Triton everywhere, and
+check that attention_backend='mosaic' is refused there with an error that says why.
 
 Lowering runs each backend's compiler front half: Mosaic GPU's layout inference and MLIR verifier
 (for sm_90), and Triton's lowering, whose serialized module is parsed back here and verified.
@@ -11,6 +14,7 @@ there (scripts/gpu_check.sh does that part on a lent GPU). CI runs this under th
 jax (see .ci/run), next to the Mosaic kernels' interpret-mode tests.
 """
 
+import argparse
 import contextlib
 import dataclasses
 import functools
@@ -32,23 +36,29 @@ from jpaged.runner.input_batch import layout_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+# device_kind as CUDA reports it (jax reads the architecture from it); num_cores: SMs.
+DEVICES = {"h100": AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"),
+           "a100": AbstractDevice(device_kind="NVIDIA A100-SXM4-80GB", num_cores=108, platform="gpu")}
 KERNEL_CALLS = {"__gpu$xla.gpu.triton": "pallas", "mosaic_gpu_v2": "mosaic"}
 
 
-# A one-device mesh shaped as the engine's tensor-parallel one, on the abstract GPU.
-MESH = AbstractMesh((1,), (TP_AXIS,), (AxisType.Auto,), abstract_device=H100)
+def mesh_for(device: str) -> AbstractMesh:
+    """A one-device mesh shaped as the engine's tensor-parallel one, on the abstract GPU."""
+    return AbstractMesh((1,), (TP_AXIS,), (AxisType.Auto,), abstract_device=DEVICES[device])
+
+
+MESH = mesh_for("h100")  # the device being lowered for (main sets it per --device)
 
 
 @contextlib.contextmanager
 def abstract_gpu():
-    """Trace and lower as if for an H100 (kernel selection and Pallas lowering read it)."""
+    """Trace and lower as if for the abstract GPU (kernel selection and Pallas lowering read it)."""
     with use_abstract_mesh(MESH):
         yield
 
 
 def lower_for_cuda(fn, *args, donate_argnums=()):
-    """jit(fn) lowered for CUDA with an abstract H100; args are ShapeDtypeStructs (or arrays)."""
+    """jit(fn) lowered for CUDA on the abstract GPU; args are ShapeDtypeStructs (or arrays)."""
     with abstract_gpu():
         return jax.jit(fn, donate_argnums=donate_argnums).trace(*args).lower(lowering_platforms=("cuda",))
 
@@ -88,9 +98,9 @@ def kernel_calls(lowered) -> list[str]:
     return found
 
 
-def kernel_cases():
+def kernel_cases(families_here=("pallas", "mosaic")):
     """(label, function, abstract args): decode and ragged prefill for each kernel family, over
-    dtypes, GQA ratios, page sizes and head_dims each family takes."""
+    dtypes, GQA ratios, page sizes and head_dims each family takes (fp8 pages: widened in registers)."""
     def shapes(*specs):
         return [jax.ShapeDtypeStruct(s, t) for s, t in specs]
 
@@ -112,6 +122,8 @@ def kernel_cases():
                    (bf16, 32, 8, 128, 16, e4m3), (bf16, 16, 2, 64, 64, e5m2), (f16, 8, 1, 128, 8, e4m3)],
     }
     for backend, configs in families.items():
+        if backend not in families_here:
+            continue
         for dtype, heads, kv_heads, head_dim, page, page_dtype in configs:
             pages = f" pages={jnp.dtype(page_dtype).name}" if page_dtype else ""
             label = f"{backend} {jnp.dtype(dtype).name}{pages} heads={heads}/{kv_heads} d={head_dim} page={page}"
@@ -136,18 +148,24 @@ def _abstract_model(runner):
     return graphdef, jax.tree.map(strip, state), kv_cache, strip(runner.last_tokens)
 
 
-def forward_cases():
+def forward_cases(families_here=("pallas", "mosaic")):
     """The engine's forward (tiny model in bf16, tensor parallelism off) per kernel family, for a
     decode bucket and a mixed (prefill) bucket, and its 4-step decode loop (multi-step), lowered
     with the KV pool donated as the engine does. Returns (label, lowered-or-exception thunk, backend)."""
     # (backend, kv_cache_dtype, speculative decoding): with drafts, the forward of a verification
     # step samples a row per token, more rows than max_num_seqs (no multi-step with it); a draft
     # model adds its K/V-only forward and its 3-step proposal loop.
+    seen = set()
     for backend, kv_cache_dtype, spec in (("pallas", "auto", None), ("mosaic", "auto", None),
                                           ("pallas", "fp8", None), ("mosaic", "fp8", None), ("pallas", "auto", "ngram"),
                                           ("mosaic", "auto", "draft_model"), ("mosaic", "auto", "lora"),
                                           ("mosaic", "auto", "weights:fp8"), ("pallas", "auto", "weights:int8"),
                                           ("pallas", "auto", "weights:w8a8"), ("pallas", "auto", "weights:w4a16-asym")):
+        if backend not in families_here:  # an A100: every case on Triton (mosaic's cases too, once)
+            backend = families_here[0]
+            if (backend, kv_cache_dtype, spec) in seen:
+                continue
+        seen.add((backend, kv_cache_dtype, spec))
         lora = spec == "lora"  # 4 LoRA slots of rank 16 in every projection, a slot per token
         # Quantized weights: fp8 / int8 on the fly, or llm-compressor's checkpoints (tests/data).
         weights = spec.removeprefix("weights:") if spec and spec.startswith("weights:") else None
@@ -231,8 +249,42 @@ def pooling_cases():
             lower_for_cuda(f, *a))
 
 
+def invariant_cases():
+    """The engine's forward in batch_invariant mode (its XLA attention and row-tiled matmuls on
+    every platform: the Pallas kernels are refused with it), a decode and a mixed bucket."""
+    llm = jpaged.LLM("tiny", dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8,
+                     num_gpu_blocks_override=64, batch_invariant=True)
+    runner = llm.llm_engine.runner
+    graphdef, state, kv_cache, last_tokens = _abstract_model(runner)
+    for tokens in (8, 64):
+        layout = layout_of(runner._abstract_inputs(tokens))
+        forward = functools.partial(step_functions.forward, graphdef, PartitionSpec(), layout=layout)
+        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
+        yield f"forward batch_invariant (XLA attention) tokens={tokens}", (
+            lambda f=forward, a=(state, kv_cache, packed, last_tokens): lower_for_cuda(f, *a, donate_argnums=(1,)))
+
+
+def check_mosaic_refused() -> None:
+    """On a GPU below sm_90, attention_backend='mosaic' is a ValueError that says why and what to use."""
+    q = jax.ShapeDtypeStruct((8, 32, 128), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((8, 300, 16, 128), jnp.bfloat16)
+    with abstract_gpu():
+        assert pk.kernel_family("auto") == "pallas"
+        try:
+            pk.check_supported(q, pages, backend="mosaic")
+        except ValueError as e:
+            if "sm_90" not in str(e) or "'pallas'" not in str(e):
+                raise RuntimeError(f"the refusal does not say why and what to use: {e}") from e
+            return
+    raise RuntimeError("attention_backend='mosaic' was accepted")
+
+
 def main() -> int:
-    print(f"jax {jax.__version__}, Python {sys.version.split()[0]}: lowering for CUDA on {H100.device_kind}")
+    global MESH
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=(*DEVICES, "all"), default="all",
+                        help="the abstract GPU(s) to lower for (default: all)")
+    devices = list(DEVICES) if (which := parser.parse_args().device) == "all" else [which]
     failures = 0
 
     def check(label, lower, backend, expect_aliases=0):
@@ -252,20 +304,40 @@ def main() -> int:
             failures += 1
             print(f"FAIL  {label}: {type(e).__name__}: {str(e)[:2000]}")
 
-    for label, fn, backend, args in kernel_cases():
-        check(label, functools.partial(lower_for_cuda, fn, *args), backend)
-    for label, lower, backend in forward_cases():
-        check(label, lower, backend, expect_aliases=2)  # k_pages and v_pages
-    for label, lower in pooling_cases():  # XLA only: no kernels expected
+    def check_xla(label, lower):  # XLA only: no kernels expected
+        nonlocal failures
         start = time.perf_counter()
         try:
-            text = lower().as_text()
-            if "stablehlo.dot_general" not in text:
+            lowered = lower()
+            if kernel_calls(lowered):
+                raise RuntimeError(f"expected XLA only, found kernels {kernel_calls(lowered)}")
+            if "stablehlo.dot_general" not in lowered.as_text():
                 raise RuntimeError("no matmul in the lowered forward")
             print(f"ok    {label}: lowered ({time.perf_counter() - start:.1f} s)")
         except Exception as e:
             failures += 1
             print(f"FAIL  {label}: {type(e).__name__}: {str(e)[:2000]}")
+
+    for device in devices:
+        MESH = mesh_for(device)
+        # sm_90+ lowers both kernel families; below it, Triton only (and Mosaic must be refused).
+        with abstract_gpu():
+            families = ("pallas", "mosaic") if pk.gpu_device()[1] >= 9.0 else ("pallas",)
+        print(f"jax {jax.__version__}, Python {sys.version.split()[0]}: lowering for CUDA on "
+              f"{DEVICES[device].device_kind} ({'/'.join(families)} kernels)")
+        if families == ("pallas",):
+            try:
+                check_mosaic_refused()
+                print("ok    attention_backend='mosaic' refused below sm_90, with the reason and 'pallas' named")
+            except Exception as e:
+                failures += 1
+                print(f"FAIL  mosaic refusal: {type(e).__name__}: {e}")
+        for label, fn, backend, args in kernel_cases(families):
+            check(label, functools.partial(lower_for_cuda, fn, *args), backend)
+        for label, lower, backend in forward_cases(families):
+            check(label, lower, backend, expect_aliases=2)  # k_pages and v_pages
+        for label, lower in (*invariant_cases(), *pooling_cases()):
+            check_xla(label, lower)
     print("all lowered" if not failures else f"{failures} case(s) failed")
     return 1 if failures else 0
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
+from pallas_kernels.decode import paged_attention_pallas
 from pallas_kernels.prefill import ragged_paged_attention_pallas
 from pallas_kernels.tiling import auto_num_splits
 
@@ -151,6 +152,9 @@ def run_decode(impl, case, page_dtype=None):
     scale = 0.7 / np.sqrt(head_dim)
     if impl == "xla":
         out = pk.paged_attention_xla(q, k, v, tables, jnp.asarray(lens), scale=scale)
+    elif impl == "pallas-e4m3-bytes":  # an A100's path: e4m3 pages read as bytes, widened by arithmetic
+        out = paged_attention_pallas(q, k, v, tables, jnp.asarray(lens, jnp.int32), scale=scale, num_splits=splits,
+                                     interpret=INTERPRET, fp8_as_bits=True)
     else:
         out = pk.paged_attention(
             q, k, v, tables, jnp.asarray(lens, jnp.int32), scale=scale, num_splits=splits, backend=impl
@@ -246,7 +250,8 @@ def run_prefill(impl, case, seqs, page_dtype=None):
     elif impl == "mosaic":
         out = pk.ragged_paged_attention(*args, backend="mosaic")
     else:
-        out = ragged_paged_attention_pallas(*args, interpret=INTERPRET, q_tile=q_tile)
+        out = ragged_paged_attention_pallas(*args, interpret=INTERPRET, q_tile=q_tile,
+                                            fp8_as_bits=impl == "pallas-e4m3-bytes")
     assert out.shape == q.shape and out.dtype == q.dtype
     ref = np.zeros_like(q64)
     tables_np = np.asarray(tables)
@@ -285,6 +290,24 @@ def test_ragged_paged_attention_fp8_pages(impl, fp8, case):
     seqs = prefill_seqs(case[1])
     order = rng.permutation(len(seqs))
     run_prefill(impl, case, [seqs[i] for i in order], FP8[fp8])
+
+
+@pytest.mark.parametrize("case", [DECODE_CASES[1], DECODE_CASES[4]], ids=str)
+def test_triton_kernels_read_e4m3_pages_as_bytes(case):
+    """Below sm_89 Triton has no e4m3 conversion: the kernels take the pages' bytes and widen them
+    by integer arithmetic (blocks.widen_e4m3), decode and prefill against the float64 reference,
+    and the widening equals the native conversion on all 256 byte values (NaN for 0x7f / 0xff)."""
+    from pallas_kernels.blocks import widen_e4m3
+
+    byte_values = np.arange(256, dtype=np.uint8)
+    native = np.asarray(jnp.asarray(byte_values).view(jnp.float8_e4m3fn).astype(jnp.float32))
+    widened = np.asarray(widen_e4m3(jnp.asarray(byte_values), jnp.float32))
+    np.testing.assert_array_equal(widened, native)  # NaNs compare equal here
+    assert np.isnan(widened[[0x7F, 0xFF]]).all() and np.signbit(widened[0x80])
+    run_decode("pallas-e4m3-bytes", case, FP8["e4m3"])
+    dtype_name, page, heads, kv_heads, head_dim, _ = case
+    run_prefill("pallas-e4m3-bytes", (dtype_name, page, heads, kv_heads, head_dim, 2, None), prefill_seqs(page),
+                FP8["e4m3"])
 
 
 @needs_mosaic
