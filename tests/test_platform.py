@@ -106,3 +106,34 @@ def test_gpu_check_devices_step_runs_on_cpu(capsys):
     assert "generated 8 tokens on cpu" in capsys.readouterr().out
     with pytest.raises(RuntimeError, match="device='cuda'"):
         gpu_check.main(["devices", "--device", "cuda"])
+
+
+@pytest.mark.parametrize("device_kind,cc,mosaic", [("NVIDIA A100-SXM4-80GB", 8.0, False),
+                                                    ("NVIDIA L40S", 8.9, False),
+                                                    ("NVIDIA H100 80GB HBM3", 9.0, True),
+                                                    ("NVIDIA H200", 9.0, True)])
+def test_backend_per_gpu_generation(device_kind, cc, mosaic):
+    """On an abstract GPU (what lowering without one sees): 'auto' runs Triton everywhere and the
+    start-up line says why and that jax deprecates it; Mosaic runs on sm_90+ and is refused below
+    with the reason and what to use; e4m3 pages are read as bytes below sm_89 only."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+    from pallas_kernels.targets import e4m3_as_bits
+
+    device = AbstractDevice(device_kind=device_kind, num_cores=100, platform="gpu")
+    with use_abstract_mesh(AbstractMesh((1,), ("tp",), (AxisType.Auto,), abstract_device=device)):
+        assert pk.gpu_device() == (device_kind, cc)
+        assert pk.kernel_family("auto") == "pallas"
+        reason = pk.backend_reason("auto")
+        assert ("Mosaic GPU needs sm_90+" in reason) == (not mosaic) and "deprecates it since 0.11" in reason
+        assert e4m3_as_bits() == (cc < 8.9)
+        if mosaic:
+            assert pk.kernel_family("mosaic") == "mosaic"
+        else:
+            with pytest.raises(ValueError, match=rf"needs an sm_90\+ GPU.*sm_{int(cc * 10)}.*'pallas'"):
+                pk.kernel_family("mosaic")
+    unknown = AbstractDevice(device_kind="NVIDIA Z9000", num_cores=1, platform="gpu")
+    with use_abstract_mesh(AbstractMesh((1,), ("tp",), (AxisType.Auto,), abstract_device=unknown)):
+        with pytest.raises(ValueError, match="unknown abstract GPU 'NVIDIA Z9000'"):
+            pk.gpu_device()
+
