@@ -48,8 +48,12 @@ def test_embed_matches_sentence_transformers(embedders, kind):
     tok = llm.get_tokenizer()
     assert outs[0].prompt_token_ids == tok(texts[0])["input_ids"]
     # Token ids in, the same embedding out; one input alone, the same as packed among others.
+    before = llm.stats()
     again = llm.embed([tok(t)["input_ids"] for t in texts[:2]])
     np.testing.assert_allclose([o.outputs.embedding for o in again], ours[:2], atol=1e-5)
+    after = llm.stats()  # a pooling LLM's stats: what it has pooled
+    assert after["num_requests"] - before["num_requests"] == 2
+    assert after["num_prompt_tokens"] - before["num_prompt_tokens"] == sum(len(o.prompt_token_ids) for o in again)
 
 
 def test_score_of_an_embedder_is_cosine(embedders):

@@ -94,6 +94,11 @@ class PoolingEngine:
         logger.info("pooling model %s (%s): %s pooling, normalize=%s, max_model_len=%d", config.model, arch,
                     self.pooler_config.pooling_type, self.pooler_config.normalize, self.max_model_len)
 
+    def stats(self) -> dict:
+        """LLM.stats() of a pooling LLM (no KV pool, no scheduler): inputs and tokens pooled so far."""
+        return {"num_requests": self.num_requests, "num_prompt_tokens": self.num_prompt_tokens,
+                "max_model_len": self.max_model_len, "max_num_batched_tokens": self.max_batch_tokens}
+
     @property
     def classify_pooling(self) -> str:
         """Encoders classify their CLS token, decoders their last."""
