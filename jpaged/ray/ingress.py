@@ -196,7 +196,10 @@ class OpenAIIngress:
             self._ready = asyncio.create_task(self._start())
         await asyncio.shield(self._ready)
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS]
-        url = "http://jpaged" + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        path, root = request.url.path, request.scope.get("root_path", "")  # the app's route_prefix
+        if root and path.startswith(root):
+            path = path[len(root):] or "/"
+        url = "http://jpaged" + path + (f"?{request.url.query}" if request.url.query else "")
         answer = await self.session.request(request.method, url, headers=headers, data=await request.body())
         out_headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS}
         if answer.headers.get("Content-Type", "").startswith("text/event-stream"):

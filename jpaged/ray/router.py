@@ -17,14 +17,15 @@ registers itself in this process (`routers`): the ingress reads the replicas' re
 """
 
 import itertools
+import sys
 import time
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
-from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+# Ray Serve LLM's router itself: ray.serve.llm's package needs ray[llm] (pyarrow, ...), this module does not.
+from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from jpaged.data_parallel.router import DEFAULT_LOAD_SLACK, Router
-from jpaged.ray.server import GenerateRequest
 
 # How long a prefix the router sent a replica counts as cached there without the replica saying so.
 SENT_TTL_S = 5.0
@@ -36,10 +37,11 @@ def routers(app_name: str, deployment_name: str) -> list:
     return _ROUTERS.get((app_name, deployment_name), [])
 
 
-def _generate_request(pending_request: PendingRequest | None) -> GenerateRequest | None:
+def _generate_request(pending_request: PendingRequest | None) -> "GenerateRequest | None":
     if pending_request is None:
         return None
-    return next((a for a in pending_request.args if isinstance(a, GenerateRequest)), None)
+    # By its fields: this class may be a by-value copy (see _TargetedCalls), not the ingress's.
+    return next((a for a in pending_request.args if hasattr(a, "prompt_token_ids")), None)
 
 
 class _TargetedCalls:
@@ -48,7 +50,9 @@ class _TargetedCalls:
 
     def initialize_state(self, **kwargs):
         deployment = self._deployment_id
-        _ROUTERS.setdefault((deployment.app_name, deployment.name), []).append(self)
+        # Through sys.modules: Ray Serve may ship this class by value, with a copy of our globals.
+        registry = sys.modules["jpaged.ray.router"]._ROUTERS
+        registry.setdefault((deployment.app_name, deployment.name), []).append(self)
         super().initialize_state(**kwargs)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
