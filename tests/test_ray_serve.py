@@ -160,7 +160,7 @@ async def _hit_rate(url: str, prompts: list[list[int]]) -> float:
     """Prefix-cache hits / queries (tokens) over the replicas' counters, sending `prompts` 4 at a time."""
     pattern = r'^jpaged:prefix_cache_(hits|queries)_total\{model_name="tiny",engine="([^"]+)"\} (\S+)$'
 
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         async def counters():
             async with session.get(url + "/metrics") as r:
                 found = re.findall(pattern, await r.text(), re.M)

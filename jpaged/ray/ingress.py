@@ -9,6 +9,7 @@ server-sent events), so that no handler is written twice.
 """
 
 import asyncio
+import contextvars
 import logging
 import os
 import tempfile
@@ -42,6 +43,7 @@ class RayAsyncEngine:
 
     def __init__(self, handle, config: EngineConfig, info: dict, model_name: str):
         self.handle, self.model_name = handle, model_name
+        self._streaming = handle.options(stream=True)  # made once: each options() call makes a handle
         self.engine = FrontEngine(config, info)
         self.metrics = Metrics(model_name)  # never served: each replica's below
         self._replica_metrics: dict[str, Metrics] = {}
@@ -92,7 +94,7 @@ class RayAsyncEngine:
         self.num_pending_adds += 1
         try:
             for attempt in range(MAX_TRIES):
-                responses = self.handle.options(stream=True).generate.remote(request)
+                responses = self._streaming.generate.remote(request)
                 try:
                     first = await responses.__anext__()
                 except (asyncio.CancelledError, StopAsyncIteration):
@@ -193,7 +195,9 @@ class OpenAIIngress:
 
     async def __call__(self, request: Request) -> Response:
         if self._ready is None:
-            self._ready = asyncio.create_task(self._start())
+            # An empty context: the app's handlers must not carry this first request's Ray Serve
+            # request context (its ids) into every call they make to the replicas.
+            self._ready = asyncio.get_running_loop().create_task(self._start(), context=contextvars.Context())
         await asyncio.shield(self._ready)
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS]
         path, root = request.url.path, request.scope.get("root_path", "")  # the app's route_prefix

@@ -48,6 +48,12 @@ class _TargetedCalls:
     """A call with `target_replica=ID` goes to that replica (none other), and the router is
     registered for the ingress to find."""
 
+    # Ray Serve asks a replica for its queue length before sending it a request (unless cached):
+    # a jpaged replica queues in its engine, and answers late while its engine thread computes
+    # (a loaded CPU: over Ray's default 0.1-1 s, which then backs the request off for seconds).
+    queue_len_response_deadline_s = 1.0
+    max_queue_len_response_deadline_s = 10.0
+
     def initialize_state(self, **kwargs):
         deployment = self._deployment_id
         # Through sys.modules: Ray Serve may ship this class by value, with a copy of our globals.
@@ -57,7 +63,12 @@ class _TargetedCalls:
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        target = None if pending_request is None else pending_request.kwargs.get("target_replica")
+        if pending_request is None:
+            return await super().choose_replicas(candidate_replicas, pending_request)
+        # Back off between tries that find no replica: Ray Serve's loop retries at once otherwise,
+        # never yielding its event loop.
+        pending_request.routing_context.should_backoff = True
+        target = pending_request.kwargs.get("target_replica")
         if target is not None:  # none while that replica is not up: the router retries (the caller times out)
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         return await super().choose_replicas(candidate_replicas, pending_request)
@@ -131,6 +142,13 @@ class _PrefixRouting(RequestRouter):
 class PrefixAwareRequestRouter(_TargetedCalls, _PrefixRouting):
     """jpaged's routing rules over the replicas' own prefix caches (request_router_kwargs: policy
     prefix | least-loaded | round-robin, load_slack, block_size)."""
+
+    async def _select_from_candidate_replicas(self, candidates: list[RunningReplica], backoff_index: int):
+        """The rank's first replica, without Ray's queue-length probe (a round trip to the replica
+        per request): a jpaged replica queues requests in its engine (max_ongoing_requests is
+        large) and reports its load in its routing stats. A full one rejects the request, and the
+        router tries again."""
+        return candidates[0] if candidates else None
 
 
 class RayPrefixRouter(_TargetedCalls, PrefixCacheAffinityRouter):
