@@ -168,6 +168,9 @@ def serve_options(args: dict) -> tuple[EngineConfig, ServerOptions, RayOptions]:
     from serving import cli
 
     config, server = cli.serve_options(parser.parse_args(words))
+    if config.num_processes and config.num_processes > 1:
+        raise ValueError(f"num_processes={config.num_processes}: a replica over several hosts (jax.distributed) is not "
+                         "started by jpaged.ray yet; a replica's tensor_parallel_size devices must be on one node")
     from jpaged.pooling.engine import resolve_runner
     if resolve_runner(config) == "pooling":
         raise ValueError(f"model={config.model!r} is a pooling model: jpaged.ray serves generation models")
