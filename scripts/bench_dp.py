@@ -13,6 +13,13 @@ what stays cached, which is what it is for. With pools that hold everything ever
 near (users - 1) / users; docs/PERF.md has the hit rates at three pool sizes.
 
   JAX_PLATFORMS=cpu python scripts/bench_dp.py --output-json /tmp/dp.json
+
+`--ray` adds runs through Ray Serve (jpaged.ray:build_app on a local Ray cluster this script
+starts, two LLMServer replicas): `--runs` entries `ray:ROUTER` (prefix, least-loaded,
+round-robin, ray-prefix: Ray's PrefixCacheAffinityRouter, pow-2: Ray's default), and the TTFT
+p50 of `ray:prefix` against `2:prefix` (`jpaged serve --data-parallel-size 2`) is printed.
+
+  JAX_PLATFORMS=cpu python scripts/bench_dp.py --ray --output-json /tmp/dp_ray.json
 """
 
 import argparse
@@ -58,6 +65,40 @@ def start_server(args, size: int, policy: str) -> tuple[subprocess.Popen, str, l
     return proc, url[0], log
 
 
+class RayCluster:
+    """A local Ray cluster with Serve's proxy on a free port; one application at a time."""
+
+    def __init__(self):
+        import socket
+
+        import ray
+        from ray import serve
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {
+            "PYTHONPATH": root, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "")}})
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+
+    def start(self, args, router: str) -> str:
+        from ray import serve
+
+        from jpaged.ray import build_app
+
+        serve.run(build_app({"model": args.model, "num_replicas": 2, "request_router": router,
+                             "enable_prefix_caching": True, "max_model_len": args.max_model_len, "max_num_seqs": 16,
+                             "num_gpu_blocks_override": args.num_gpu_blocks, "disable_log_stats": True}),
+                  name="bench", route_prefix="/")
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        from ray import serve
+
+        serve.delete("bench")
+
+
 def workload(args) -> list[list[int]]:
     rng = random.Random(args.seed)
     systems = [[rng.randrange(1, 255) for _ in range(args.system_tokens)] for _ in range(args.num_prefixes)]
@@ -93,7 +134,7 @@ async def run_clients(url: str, prompts: list[list[int]], args) -> dict:
             async with session.get(url + "/metrics") as r:
                 text = await r.text()
             return {(name, engine): float(v) for name, engine, v in re.findall(
-                r'^jpaged:prefix_cache_(hits|queries)_total\{model_name="[^"]*"(?:,engine="(\d+)")?\} (\S+)$',
+                r'^jpaged:prefix_cache_(hits|queries)_total\{model_name="[^"]*"(?:,engine="([^"]+)")?\} (\S+)$',
                 text, re.M)}
 
         before = await counters()
@@ -126,6 +167,8 @@ def main():
                         "to run)")
     parser.add_argument("--runs", default="2:prefix,2:least-loaded,2:round-robin,1:prefix",
                         help="comma-separated SIZE:POLICY runs")
+    parser.add_argument("--ray", action="store_true", help="also through Ray Serve (runs ray:ROUTER; default "
+                        "runs: 2:prefix,ray:prefix,ray:ray-prefix,ray:round-robin)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json")
     args = parser.parse_args()
@@ -133,23 +176,37 @@ def main():
         block = 16
         args.num_gpu_blocks = (args.num_prefixes // 3) * (args.system_tokens // block) + \
             args.concurrency * ((args.user_tokens + args.max_tokens) // block + 2)
+    if args.ray and args.runs == parser.get_default("runs"):
+        args.runs = "2:prefix,ray:prefix,ray:ray-prefix,ray:round-robin"
     prompts = workload(args)
     results = []
+    cluster = RayCluster() if args.ray else None
     for run in args.runs.split(","):
         size, policy = run.split(":")
-        proc, url, log = start_server(args, int(size), policy)
+        if size == "ray":
+            url = cluster.start(args, policy)
+            proc = None
+        else:
+            proc, url, log = start_server(args, int(size), policy)
         try:
             # Warm-up: the step shapes run once, on prompts that share nothing with the workload.
             asyncio.run(run_clients(url, workload(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}))
                                     [:args.concurrency], args))
-            row = {"data_parallel_size": int(size), "dp_routing": policy,
-                   **asyncio.run(run_clients(url, prompts, args))}
+            row = {"data_parallel_size": 2 if size == "ray" else int(size), "dp_routing": policy,
+                   "ray_serve": size == "ray", **asyncio.run(run_clients(url, prompts, args))}
         finally:
-            proc.terminate()
-            proc.wait(120)
+            if proc is None:
+                cluster.stop()
+            else:
+                proc.terminate()
+                proc.wait(120)
         print(json.dumps(row), flush=True)
         results.append(row)
-    by = {(r["data_parallel_size"], r["dp_routing"]): r for r in results}
+    by = {("ray" if r["ray_serve"] else r["data_parallel_size"], r["dp_routing"]): r for r in results}
+    if ("ray", "prefix") in by and (2, "prefix") in by:
+        overhead = by["ray", "prefix"]["ttft_p50_s"] / by[2, "prefix"]["ttft_p50_s"] - 1
+        print(f"Ray Serve TTFT p50 overhead against jpaged serve --data-parallel-size 2: {100 * overhead:+.1f}% "
+              "(goal: within 10%)")
     if (2, "prefix") in by and (2, "round-robin") in by:
         ratio = by[2, "prefix"]["hit_rate"] / max(by[2, "round-robin"]["hit_rate"], 1e-9)
         print(f"prefix / round-robin hit rate at N=2: {ratio:.2f}x (goal >= 1.8x)")

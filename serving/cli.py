@@ -75,8 +75,9 @@ def check_port(host: str, port: int):
                                  "choose another --port)") from None
 
 
-def cmd_serve(args) -> int:
-    from serving.api_server import run_server
+def serve_options(args) -> tuple[EngineConfig, "ServerOptions"]:
+    """The engine's and the server's options from `jpaged serve`'s parsed flags, checked (a
+    ValueError naming the flag otherwise); also what jpaged.ray's build_app checks its args with."""
     from serving.lora import parse_lora_modules
     from serving.server_options import ServerOptions
 
@@ -91,8 +92,6 @@ def cmd_serve(args) -> int:
     if args.responses_store_bytes < 0:
         raise ValueError(f"--responses-store-bytes {args.responses_store_bytes}; expected >= 0")
     chat_template = load_chat_template(args.chat_template)  # a bad name or path: an error before loading
-    if not args.process_id:  # process 0 serves HTTP (multi-host)
-        check_port(args.host, args.port)
     options = ServerOptions(
         host=args.host, port=args.port, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
         max_queue=args.max_queue, timeout_keep_alive=args.timeout_keep_alive, chat_template=chat_template,
@@ -104,7 +103,15 @@ def cmd_serve(args) -> int:
         ssl_certfile=args.ssl_certfile, lora_modules=parse_lora_modules(args.lora_modules),
         enable_lora_runtime_updates=args.enable_lora_runtime_updates, allowed_lora_paths=args.allowed_lora_paths,
         responses_store_size=args.responses_store_size, responses_store_bytes=args.responses_store_bytes)
-    config = EngineConfig(**engine_kwargs(args))
+    return EngineConfig(**engine_kwargs(args)), options
+
+
+def cmd_serve(args) -> int:
+    from serving.api_server import run_server
+
+    if not args.process_id:  # process 0 serves HTTP (multi-host)
+        check_port(args.host, args.port)
+    config, options = serve_options(args)
     from jpaged.pooling.engine import resolve_runner
     if resolve_runner(config) == "pooling":  # embeddings, classification, scores: serving/pooling_server.py
         from serving.pooling_server import run_pooling_server
@@ -126,13 +133,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return text
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`parser_class`: what its subcommands' parsers are too (jpaged.ray's raises ValueError)."""
     # allow_abbrev=False: "--max-num-seq" is an error, not --max-num-seqs (vLLM's parser refuses it too).
     formatter = HelpFormatter
-    parser = argparse.ArgumentParser(prog="jpaged", description="PagedAttention LLM serving in JAX/Pallas, "
+    parser = parser_class(prog="jpaged", description="PagedAttention LLM serving in JAX/Pallas, "
                                      "with vLLM's API", formatter_class=formatter, allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"jpaged {__version__}")
-    common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # options every command takes
+    common = parser_class(add_help=False, allow_abbrev=False)  # options every command takes
     common.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging level")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -1,0 +1,212 @@
+"""jpaged replicas as a Ray Serve application (jpaged.ray:build_app), on a local Ray cluster that
+this module starts (loopback, no dashboard) and stops.
+
+Two applications of the tiny model, two replicas each, deployed once: "prefix" (the default
+router, at /) and "rr" (round-robin, at /rr). Checked: the openai SDK's completions, chat,
+streams and Responses against one engine's greedy outputs, the 4xx error body, /health and
+/metrics per replica; on a shared-prefix workload the prefix router's hit rate (the replicas'
+own counters) beats round-robin's; a replica killed with SIGKILL is restarted by Ray and the
+requests sent after the kill succeed. build_app's bad args: a ValueError naming the key, with
+no cluster. Ray is in the test extra: these tests fail, not skip, without it.
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import time
+
+import aiohttp
+import asyncio
+import openai
+import pytest
+import ray
+import yaml
+from ray import serve
+
+import jpaged
+from jpaged.ray import build_app
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Small pools (blocks of 16): one replica holds 3 of the workload's 6 prefixes, so routing decides
+# what stays cached.
+ARGS = {"model": "tiny", "num_replicas": 2, "enable_prefix_caching": True, "max_model_len": 128,
+        "max_num_seqs": 8, "max_num_batched_tokens": 128, "enforce_eager": True, "num_gpu_blocks_override": 24,
+        "disable_log_requests": True, "disable_log_stats": True, "health_check_period_s": 1,
+        "ray_actor_options": {"num_cpus": 1}}
+PROMPTS = [[5 + i, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21] for i in range(3)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    port = _free_port()
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run_many([
+            serve.RunTarget(build_app(ARGS), name="prefix", route_prefix="/"),
+            serve.RunTarget(build_app({**ARGS, "request_router": "round-robin"}), name="rr", route_prefix="/rr")])
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = jpaged.LLM("tiny", max_model_len=128, enforce_eager=True)
+    sp = jpaged.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    return [o.outputs[0].text for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+
+
+def test_bad_args_fail_build_app_naming_the_key():
+    for args, named in [({"model": "tiny", "max_model_len": "many"}, "--max-model-len"),
+                        ({"model": "tiny", "max_modle_len": 64}, "max_model_len"),
+                        ({"model": "tiny", "block_size": 7}, "--block-size"),
+                        ({"model": "tiny", "num_replicas": 0}, "num_replicas"),
+                        ({"model": "tiny", "num_replicas": 2, "autoscaling_config": {"max_replicas": 2}},
+                         "autoscaling_config"),
+                        ({"model": "tiny", "port": 8000}, "port"),
+                        ({"model": "tiny", "request_router": "fastest"}, "request_router"),
+                        ({"model": "tiny", "placement_group_bundles": "[{}]"}, "placement_group_bundles"),
+                        ({"max_model_len": 64}, "model")]:
+        with pytest.raises(ValueError, match=re.escape(named)):
+            build_app(args)
+
+
+def test_serve_deploy_config_builds():
+    """The config-file form (`serve deploy`, README): its import path and args build the app."""
+    from ray._common.utils import import_attr
+    from ray.serve.schema import ServeDeploySchema
+
+    text = """
+applications:
+  - name: jpaged
+    route_prefix: /
+    import_path: jpaged.ray:build_app
+    args:
+      model: tiny
+      num_replicas: 2
+      enable_prefix_caching: true
+      max_model_len: 2048
+      ray_actor_options: {num_gpus: 1}
+"""
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(text))
+    app = schema.applications[0]
+    built = import_attr(app.import_path)(app.args)
+    assert isinstance(built, serve.Application)
+    replica = built._bound_deployment.init_args[0]._bound_deployment  # OpenAIIngress.bind(llm_server, ...)
+    assert replica.name == "LLMServer" and replica.num_replicas == 2
+    assert replica.ray_actor_options["num_gpus"] == 1
+    assert built._bound_deployment.init_args[1].max_model_len == 2048
+
+
+def test_openai_sdk(cluster, reference):
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key="none", max_retries=0)
+    for prompt, expected in zip(PROMPTS, reference):
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+        assert out.choices[0].text == expected
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == reference[1]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=6, temperature=0)
+    streamed = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=6, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat.choices[0].message.content
+    assert chat.usage.completion_tokens == 6
+    response = client.responses.create(model="tiny", input="hello", max_output_tokens=6, temperature=0)
+    assert response.status in ("completed", "incomplete") and response.output_text
+    events = [e.type for e in client.responses.create(model="tiny", input="hello", max_output_tokens=6,
+                                                      temperature=0, stream=True)]
+    assert events[0] == "response.created" and events[-1] in ("response.completed", "response.incomplete")
+    with pytest.raises(openai.BadRequestError) as error:  # the same 4xx body as `jpaged serve`
+        client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=-1)
+    assert error.value.body["param"] == "max_tokens" and error.value.body["type"] == "invalid_request_error"
+
+
+async def _get(url: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url) as r:
+            return r.status, await r.text()
+
+
+def test_health_and_metrics_per_replica(cluster):
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key="none", max_retries=0)
+    for i in range(4):
+        client.completions.create(model="tiny", prompt=[40 + i] * 20, max_tokens=2)
+    deadline = time.monotonic() + 30
+    while True:  # the router learns of both replicas' reports within routing_stats_period_s
+        status, body = asyncio.run(_get(cluster + "/health"))
+        health = json.loads(body)
+        if len(health["replicas"]) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert status == 200 and health["status"] == "ok"
+    assert [r["state"] for r in health["replicas"]] == ["up", "up"] and all(r["pid"] for r in health["replicas"])
+    status, text = asyncio.run(_get(cluster + "/metrics"))
+    engines = set(re.findall(r'^jpaged:num_requests_running\{model_name="tiny",engine="([^"]+)"\}', text, re.M))
+    assert status == 200 and engines == {r["replica"] for r in health["replicas"]}
+
+
+async def _hit_rate(url: str, prompts: list[list[int]]) -> float:
+    """Prefix-cache hits / queries (tokens) over the replicas' counters, sending `prompts` 4 at a time."""
+    pattern = r'^jpaged:prefix_cache_(hits|queries)_total\{model_name="tiny",engine="([^"]+)"\} (\S+)$'
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async def counters():
+            async with session.get(url + "/metrics") as r:
+                found = re.findall(pattern, await r.text(), re.M)
+            return {kind: sum(float(v) for k, _, v in found if k == kind) for kind in ("hits", "queries")}
+
+        async def send(batch):
+            for prompt in batch:
+                async with session.post(url + "/v1/completions", json={
+                        "model": "tiny", "prompt": prompt, "max_tokens": 2}) as r:
+                    assert r.status == 200, await r.text()
+
+        before = await counters()
+        await asyncio.gather(*(send(prompts[i::4]) for i in range(4)))
+        after = await counters()
+    return (after["hits"] - before["hits"]) / (after["queries"] - before["queries"])
+
+
+def test_prefix_routing_beats_round_robin(cluster):
+    import numpy as np
+
+    rng = np.random.default_rng(int(os.environ.get("JPAGED_TEST_SEED", "0")))
+    prefixes = [rng.integers(3, 259, 80).tolist() for _ in range(6)]  # 5 blocks each
+    prompts = [p + rng.integers(3, 259, 8).tolist() for p in prefixes for _ in range(5)]
+    order = rng.permutation(len(prompts))
+    prompts = [prompts[i] for i in order]
+    prefix, rr = asyncio.run(_hit_rate(cluster, prompts)), asyncio.run(_hit_rate(cluster + "/rr", prompts))
+    print(f"hit rate: prefix {prefix:.3f}, round-robin {rr:.3f}")
+    assert prefix > rr + 0.1
+
+
+def test_killed_replica_restarts(cluster):
+    """SIGKILL one replica of "rr": Ray starts another; requests after the kill all succeed."""
+    url = cluster + "/rr"
+    health = json.loads(asyncio.run(_get(url + "/health"))[1])
+    victim = health["replicas"][0]
+    os.kill(victim["pid"], signal.SIGKILL)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    for i in range(6):  # the dead replica's turns go to the other (a replica that dies unstarted: retried)
+        assert client.completions.create(model="tiny", prompt=PROMPTS[i % 3], max_tokens=4).usage.completion_tokens == 4
+    deadline = time.monotonic() + 120
+    while True:
+        health = json.loads(asyncio.run(_get(url + "/health"))[1])
+        replicas = {r["replica"] for r in health["replicas"] if r["state"] == "up"}
+        if len(replicas) == 2 and victim["replica"] not in replicas or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(replicas) == 2 and victim["replica"] not in replicas, health
+    for i in range(4):
+        assert client.completions.create(model="tiny", prompt=PROMPTS[i % 3], max_tokens=4).usage.completion_tokens == 4
