@@ -15,7 +15,8 @@ token also stays on the device (`last_tokens`), where the next step's forward ta
 PENDING_TOKEN input).
 
 Every step is padded to a bucket (see Buckets), block copies and swaps to a fixed size, and every
-executable is compiled ahead of time at warm-up, so serving never compiles; `num_compilations`
+executable is compiled ahead of time at warm-up (warmup.py: in the background, smallest first, the
+steps meanwhile padded to the buckets compiled so far), so serving never compiles; `num_compilations`
 counts them all. Compiled executables are kept on disk whole (executable_cache.py): a restart
 loads them without tracing. The forward and the sampler compile apart: the sampler's shapes
 depend only on its row bucket and its full/fast switch, so the warm-up compiles forwards +
@@ -264,6 +265,9 @@ class ModelRunner:
 
     def _executable(self, key):
         executable = self._executables.get(key)
+        if executable is None and self.warmup is not None and key in self.warmup.keys:
+            self.warmup.wait_for(key)  # (the scheduler's limit keeps steps off shapes not in yet)
+            executable = self._executables.get(key)
         if executable is None:
             if self.warmup is not None and key in self.warmup.failed:
                 raise RuntimeError(f"the step shape {key} failed to compile at warm-up "

@@ -109,6 +109,14 @@ class WarmUp:
         """Until the warm-up ended (True) or `timeout` seconds."""
         return self.done.wait(timeout)
 
+    def wait_for(self, key):
+        """Until `key` is compiled or failed (or the warm-up ended): for a base key asked for before
+        the first step (a LoRA slot written as the server registers its adapters), which would
+        otherwise be compiled twice. The base keys come first: a short wait."""
+        with self.progress:
+            while key not in self.runner._executables and key not in self.failed and not self.done.is_set():
+                self.progress.wait(0.5)
+
     def wait_for_progress(self, timeout: float):
         with self.progress:
             if not self.done.is_set():
