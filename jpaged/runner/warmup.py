@@ -55,6 +55,18 @@ def _abstract(tree):
                         if isinstance(x, jax.Array) else x, tree)
 
 
+def _lower_priority():
+    """A background compile yields the cores to serving (Linux: threads have their own nice value;
+    the compiler's own threads inherit it). On idle cores it changes nothing."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: compile at the same priority
+        pass
+
+
+BACKGROUND_NICE = 10
+
+
 class WarmUp:
     """Compiles `keys` (in order) into `runner._executables`. `stop`: checked between shapes;
     in the foreground it raises SystemExit(0) (the server's start-up signal), in the background
@@ -137,6 +149,7 @@ class WarmUp:
             self._thread.join(timeout)
 
     def _run_logged(self):
+        _lower_priority()
         start = time.perf_counter()
         try:
             self.run()
@@ -209,6 +222,8 @@ class WarmUp:
     def _compile(self, key, args, lowered, bar):
         if self.stop.is_set():
             return
+        if self._background:
+            _lower_priority()
         try:
             executable = self.runner.executable_cache.compile_lowered(repr(key), args, lowered)
         except Exception as e:
