@@ -2,8 +2,9 @@
 in the foreground (`run`) or in a background thread while the engine already serves (`start`).
 
 Order of need (`need_order`): what any step needs first (the block operations, the history upload,
-a LoRA slot write), then per token bucket, smallest first, its forward, its multi-step decode and
-the samplers of its row bucket; the largest bucket last. A token bucket is *ready* once all of
+a LoRA slot write), then per token bucket its forward, its multi-step decode and the samplers of
+its row bucket: the smallest bucket, the one a full decode batch needs, then the others ascending,
+the largest last. A token bucket is *ready* once all of
 that is in (`ready_tokens`): the scheduler caps each step at the largest ready bucket, and the
 runner pads steps to ready buckets only, so serving never waits for a compile nor compiles a shape
 itself. A compile that fails is logged and its shape left out; a request that needs it gets the
@@ -34,9 +35,17 @@ def need_order(buckets, forward_key, base_keys: list) -> list:
     them), then per token bucket (smallest first) its forward (`forward_key(tokens)`), multi-step
     decode and samplers."""
     order = list(base_keys)
-    for tokens in buckets.tokens:
+    for tokens in token_order(buckets):
         order += [k for k in step_keys(buckets, forward_key, tokens) if k not in order]
     return order
+
+
+def token_order(buckets) -> list[int]:
+    """The smallest token bucket (a lone decode, a first request), then the one that holds a decode
+    of max_num_seqs sequences (every stream decodes together, padded), then the others ascending:
+    the largest prefill chunks last."""
+    first, decode = buckets.tokens[0], next(t for t in buckets.tokens if t >= buckets.max_num_seqs)
+    return [first] + ([decode] if decode != first else []) + [t for t in buckets.tokens if t not in (first, decode)]
 
 
 def step_keys(buckets, forward_key, tokens: int) -> list:
