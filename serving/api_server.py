@@ -104,10 +104,10 @@ class OpenAIServer(OpenAIServingCompletion, OpenAIServingResponses, OpenAIServin
     async def health(self, request):
         if self.engine.dead is not None:
             raise APIError(f"the engine stopped after an error: {self.engine.dead!r}", status=503)
-        replicas = self.engine.health()  # data parallelism: each replica's rank, pid and state
-        if replicas is None:
-            return web.Response(status=200)
-        return web.json_response(replicas, status=503 if replicas["status"] == "down" else 200)
+        # The warm-up's progress ("ready": every step shape compiled); data parallelism: each
+        # replica's rank, pid and state.
+        health = self.engine.health()
+        return web.json_response(health, status=503 if health["status"] == "down" else 200)
 
     async def version(self, request):
         return web.json_response({"version": __version__})
@@ -349,7 +349,7 @@ def run_server(config: EngineConfig, options: ServerOptions) -> int:
     if config.data_parallel_size > 1:  # replica processes, each loading and compiling, then we listen
         engine = DPAsyncEngine(config, options.served_model_name, options.lora_modules)
         return asyncio.run(serve(engine, options))
-    # Loads the weights and compiles every step shape before we listen.
+    # Loads the weights; the step shapes compile in the background while we listen (runner/warmup.py).
     engine = LLMEngine(config, stop_start_up=_start_up_stopped)
     if _start_up_stopped.is_set():  # the signal came after the last shape, its SystemExit lost
         return 0

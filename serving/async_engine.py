@@ -88,15 +88,17 @@ class AsyncLLMEngine:
             return {0: e}
 
     def replica_stats(self) -> list[dict]:
-        return [self.stats]
+        # The warm-up goes on while the engine idles (its stats are refreshed by steps): read it now.
+        return [dict(self.stats, **self.engine.stats_while_warming())]
 
     @property
     def replica_metrics(self) -> list[Metrics]:
         return [self.metrics]
 
-    def health(self) -> dict | None:
-        """None: one engine, /health answers 200 with no body while it lives."""
-        return None
+    def health(self) -> dict:
+        """/health's body: the background warm-up's progress (executables compiled of all) and
+        "ready" once all are in (requests are served before, on the shapes compiled so far)."""
+        return {"status": "ok", **self.engine.warmup_progress()}
 
     async def call(self, fn):
         """fn(engine) on the engine thread, between two steps (the engine is not thread-safe)."""

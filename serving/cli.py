@@ -55,6 +55,31 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_warmup(args) -> int:
+    """Compile every step shape of the engine `jpaged serve` would start with these flags into the
+    executable cache, then exit: a container image or CI job built this way starts warm."""
+    import time
+
+    from jpaged.engine.llm_engine import LLMEngine
+    from jpaged.engine.start_up import executable_cache_dir
+
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    config = EngineConfig(**dict(engine_kwargs(args), background_warmup=False, enforce_eager=False))
+    if not config.executable_cache:
+        raise ValueError("--no-executable-cache: there is no cache to fill")
+    if config.data_parallel_size > 1:
+        raise ValueError("data_parallel_size > 1: warm up one replica's devices at a time (--devices), each with "
+                         "data_parallel_size 1")
+    start = time.perf_counter()
+    engine = LLMEngine(config)
+    cache = engine.runner.executable_cache
+    print(f"jpaged: {engine.runner.num_compilations} step executables in {cache.directory or executable_cache_dir()} "
+          f"({cache.hits} already there) in {time.perf_counter() - start:.1f} s", flush=True)
+    engine.shutdown()
+    return 0
+
+
 def check_port(host: str, port: int):
     """A ValueError (one line, exit status 2) when the server could not listen on host:port, found
     before the engine spends a minute loading and compiling. Bound and released as asyncio will
@@ -210,6 +235,13 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
     gen.add_argument("--top-k", type=int, default=-1, help="sample from the k likeliest tokens (-1: all)")
     gen.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampling (default: --seed's)")
     gen.add_argument("--ignore-eos", action="store_true", help="go on after the end-of-sequence token")
+    warm = sub.add_parser("warmup", help="compile every step shape `serve` would, with the same engine flags, into "
+                          "the executable cache ($JPAGED_CACHE_DIR, else ~/.cache/jpaged/xla), and exit",
+                          formatter_class=formatter, parents=[common], allow_abbrev=False)
+    warm.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
+    add_engine_args(warm)
+    warm.set_defaults(func=cmd_warmup)
+
     # A one-shot run compiles only the step shapes it uses; `serve` warms up every bucket.
     gen.set_defaults(func=cmd_generate, enforce_eager=True)
     return parser

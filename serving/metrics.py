@@ -102,6 +102,8 @@ class Metrics:
         if stats:
             metric("num_compilations", "gauge", "Step shapes compiled (constant after warm-up).",
                    stats["num_compilations"])
+            metric("warmup_executables_remaining", "gauge", "Step executables the background warm-up has still to "
+                   "compile or load (0: warm).", stats.get("warmup_executables_remaining", 0))
         if stats and "spec_decode_num_drafts" in stats:  # speculative decoding: vLLM's counters
             metric("spec_decode_num_drafts_total", "counter", "Verified runs of draft tokens.",
                    stats["spec_decode_num_drafts"])

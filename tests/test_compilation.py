@@ -18,7 +18,8 @@ def llm():
     # A small pool (8 sequences of 128 tokens would need 64 blocks) so that the workload preempts;
     # multi-step decode when every running request allows it.
     return jpaged.LLM(model="tiny", max_num_seqs=8, max_model_len=128, max_num_batched_tokens=128,
-                      num_gpu_blocks_override=24, swap_space=0.01, enable_prefix_caching=True, num_scheduler_steps=4)
+                      num_gpu_blocks_override=24, swap_space=0.01, enable_prefix_caching=True, num_scheduler_steps=4,
+                      background_warmup=False)
 
 
 class CompileRecorder:

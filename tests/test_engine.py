@@ -46,7 +46,7 @@ def assert_all_blocks_free(llm):
 
 @pytest.fixture(scope="module")
 def roomy():
-    return jpaged.LLM("tiny", num_gpu_blocks_override=160, **LIMITS)
+    return jpaged.LLM("tiny", num_gpu_blocks_override=160, background_warmup=False, **LIMITS)
 
 
 @pytest.fixture(scope="module")

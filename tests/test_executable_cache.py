@@ -269,7 +269,8 @@ def test_read_only_directory_is_only_read(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------ whole engines
-LIMITS = dict(model="tiny", max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
+LIMITS = dict(model="tiny", max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64,
+              background_warmup=False)  # every executable in (or loaded) at construction
 
 
 @pytest.fixture(scope="module")

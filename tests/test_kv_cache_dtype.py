@@ -215,7 +215,7 @@ def test_fp8_pages_survive_swap_copy_on_write_beam_search_and_prefix_caching():
                                       ignore_eos=True, logprobs=5)
     common = dict(kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=False, **LIMITS)
     cramped = jpaged.LLM("tiny", num_gpu_blocks_override=20, preemption_mode="swap", swap_space=0.05,
-                         enable_prefix_caching=True, **common)
+                         enable_prefix_caching=True, background_warmup=False, **common)
     compiled = cramped.llm_engine.runner.num_compilations
     outs = cramped.generate(prompts, params, use_tqdm=False)
     assert cramped.stats()["num_preemptions"] > 0 and cramped.stats()["prefix_cache_hits"] > 0

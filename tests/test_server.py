@@ -494,7 +494,8 @@ def test_client_disconnect_aborts_request(server, stream):
 # ---------------------------------------------------------------------- queue limit and shutdown
 def test_max_queue_and_sigterm():
     # Real warm-up here (no --enforce-eager), on tiny limits so it is quick.
-    s = Server("--max-num-seqs", "1", "--max-model-len", "64", "--max-num-batched-tokens", "64", "--max-queue", "1")
+    s = Server("--max-num-seqs", "1", "--max-model-len", "64", "--max-num-batched-tokens", "64", "--max-queue", "1",
+               "--no-background-warmup")
     try:
         compiled = metrics(s.url)["jpaged:num_compilations"]
         body = {"prompt": "queue", "max_tokens": 40, "ignore_eos": True}

@@ -507,7 +507,7 @@ def test_sigterm_during_warm_up_exits_0(tmp_path):
     print("seed", seed)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JPAGED_CACHE_DIR": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", "--model", "tiny", "--port", "0",
-                             "--max-num-seqs", "4", "--max-model-len", "64"],
+                             "--max-num-seqs", "4", "--max-model-len", "64", "--no-background-warmup"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     output = b""
     try:
@@ -556,7 +556,7 @@ def test_sigterm_lost_in_gc_callback_still_exits_0(tmp_path):
     warm-up, with status 0, no traceback, no server and no loading marker left."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JPAGED_CACHE_DIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", SIGTERM_IN_GC_CALLBACK, "serve", "--model", "tiny", "--port", "0",
-                           "--max-num-seqs", "4", "--max-model-len", "64"],
+                           "--max-num-seqs", "4", "--max-model-len", "64", "--no-background-warmup"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, timeout=300)
     text = proc.stdout.decode(errors="replace")
     assert proc.returncode == 0, text[-2000:]

@@ -66,7 +66,7 @@ def test_greedy_equals_without_speculation_and_nothing_compiles_after_warm_up(mo
     sp = jpaged.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     reference = generate(plain, prompts, sp)
     draft_from(monkeypatch, [(p, list(o.token_ids)) for p, o in zip(prompts, reference)], rng)
-    llm = jpaged.LLM("tiny", speculative_config=NGRAM, **LIMITS)  # warmed up: every bucket
+    llm = jpaged.LLM("tiny", speculative_config=NGRAM, background_warmup=False, **LIMITS)  # every bucket
     compiled = llm.stats()["num_compilations"]
     outputs = generate(llm, prompts, sp)
     stats = spec_stats(llm)

@@ -20,7 +20,7 @@ import jpaged
 SEED = 20261124
 VOCAB = hf_reference.VOCAB
 LIMITS = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
-              enable_prefix_caching=True, enable_sleep_mode=True)
+              enable_prefix_caching=True, enable_sleep_mode=True, background_warmup=False)
 STEPS = 10
 
 

@@ -12,6 +12,8 @@ Every step it decides which sequence groups compute which tokens:
      prompt longer than the remaining budget is split into chunks over several steps. With
      prefix caching, an admitted group starts computing at its first uncached token. The
      benchmark baseline kv_allocation="static" admits only while no running group decodes.
+While the engine still compiles (a background warm-up), `token_limit` caps both the token budget
+and the sequence seats at the largest step compiled so far.
 
 With speculative decoding (a Speculator, spec_decode/), a decoding sequence may also carry
 drafts: lookahead slots for them, a chunk of 1 + drafts tokens, from the token budget the
@@ -82,6 +84,9 @@ class Scheduler:
         self.seq_ids = seq_ids or itertools.count()  # new sequences' ids: requests' and forks'
         self.speculator = speculator  # speculative decoding (spec_decode/): drafts for decoding sequences
         self.max_loras = max_loras  # LoRA: adapters one step may run (device slots)
+        # While the engine compiles in the background: the largest step (tokens, hence sequence
+        # seats too) it has executables for (0: none yet); None: max_num_batched_tokens. It only grows.
+        self.token_limit: int | None = None
 
     def new_seq_id(self) -> int:
         return next(self.seq_ids)
@@ -271,8 +276,10 @@ class Scheduler:
         """The next step's plan. `num_lookahead_slots`: each decoding sequence also gets slots for
         that many more tokens (multi-step decode samples them on the device)."""
         out = SchedulerOutputs()
-        budget = _Budget(self.max_num_batched_tokens,
-                         self.max_num_seqs - sum(g.get_max_num_running_seqs() for g in self.running))
+        limit = self.token_limit
+        budget = _Budget(self.max_num_batched_tokens if limit is None else min(limit, self.max_num_batched_tokens),
+                         (self.max_num_seqs if limit is None else min(limit, self.max_num_seqs))
+                         - sum(g.get_max_num_running_seqs() for g in self.running))
         prefilling = self._schedule_running(out, budget, num_lookahead_slots)
         # Decodes came first; prompts already being prefilled take their next chunk.
         for seq_group in prefilling:

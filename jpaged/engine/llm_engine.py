@@ -11,6 +11,8 @@ import os
 import threading
 import time
 
+import jax
+
 from jpaged import devices
 from jpaged.config import EngineConfig
 from jpaged.core.block_manager import BlockManager
@@ -165,7 +167,11 @@ class LLMEngine:
         self.lora_manager = LoRAManager(lora_targets, self.runner, max_loras=config.max_loras,
                                         max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
                                         dtype=loaded.dtype) if lora_targets else None
-        if not config.enforce_eager:
+        if config.enforce_eager:
+            pass
+        elif config.background_warmup and jax.process_count() == 1 and draft is None:
+            self.runner.start_warm_up(stop_start_up)  # serving starts on the first executables (runner/warmup.py)
+        else:  # a draft model's runner and multi-host followers compile everything first
             self._warm_up(stop_start_up)
         # The heap built so far (jax, the model, the tokenizer) lives as long as the engine: keep
         # it out of the cyclic collector's full passes, which otherwise cost milliseconds in the
@@ -199,6 +205,25 @@ class LLMEngine:
                            "executable cache bypassed", hits, e)
             self.runner.bypass_executable_cache()
             self.runner.warm_up(stop)
+
+    def wait_for_warmup(self, timeout: float | None = None) -> bool:
+        """Until every executable is compiled (or failed) in the background warm-up (True), or
+        `timeout` seconds. At once without a background warm-up."""
+        return self.runner.warmup is None or self.runner.warmup.wait(timeout)
+
+    def warmup_progress(self) -> dict:
+        """The warm-up's progress for /health: executables compiled of all, and "ready" once all are in."""
+        warmup = self.runner.warmup
+        if warmup is None:
+            return {"ready": True}
+        return {"ready": warmup.ready, "compiled": warmup.compiled, "total": warmup.total,
+                **({"failed": len(warmup.failed)} if warmup.failed else {})}
+
+    def stats_while_warming(self) -> dict:
+        """The stats a background warm-up changes while no step runs."""
+        warmup = self.runner.warmup
+        return {} if warmup is None else {"warmup_executables_remaining": warmup.remaining,
+                                          "num_compilations": self.runner.num_compilations}
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams,
@@ -262,12 +287,31 @@ class LLMEngine:
             return self._complete(previous)
         num_steps = self.config.num_scheduler_steps
         multi_step = previous is None and can_multi_step(self.scheduler, num_steps, self.max_model_len)
+        self.scheduler.token_limit = self.runner.token_limit
         plan = self.scheduler.schedule(num_steps - 1 if multi_step else 0)
+        if not plan.scheduled_seq_groups and self.scheduler.token_limit is not None:
+            self._wait_for_executables()
         current = self._dispatch(plan, multi_step, previous)
         if previous is None and (multi_step or not self._can_overlap(current)):
             return self._complete(current)
         self._in_flight = current
         return self._complete(previous) if previous is not None else []
+
+    def _wait_for_executables(self):
+        """Nothing could be scheduled: no step is compiled yet. Wait for the background warm-up's
+        next executable (not spinning: it needs the cores); once it has ended with none, the
+        waiting requests fail with its error."""
+        warmup = self.runner.warmup
+        if not warmup.done.is_set():
+            warmup.wait_for_progress(0.1)
+            return
+        if self.scheduler.token_limit:
+            return
+        cause = RuntimeError("no step shape could be compiled at warm-up: " + "; ".join(
+            f"{key}: {error!r}" for key, error in list(warmup.failed.items())[:3]))
+        groups = list(self.scheduler.waiting)
+        self._fail(groups, cause)
+        raise StepFailedError([g.request_id for g in groups], cause, [])
 
     def _can_overlap(self, dispatched: DispatchedStep) -> bool:
         """Whether the next step may be scheduled before `dispatched` is read (step_needs.py)."""
@@ -344,7 +388,10 @@ class LLMEngine:
             self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
     def shutdown(self):
-        """Flush and close what the engine opened outside the process (the KV events' sockets)."""
+        """Stop the background warm-up (after the compile under way: its cache file is written
+        whole), flush and close what the engine opened outside the process (the KV events' sockets)."""
+        if self.runner.warmup is not None:
+            self.runner.warmup.shutdown()
         self.kv_event_publisher.shutdown()
 
     def _fail(self, groups: list[SequenceGroup], cause: Exception):
@@ -378,7 +425,9 @@ class LLMEngine:
             "num_gpu_blocks_in_use": bm.get_num_gpu_blocks_in_use(),
             "num_gpu_blocks_without_sharing": bm.get_num_gpu_blocks_without_sharing(),
             "num_cached_gpu_blocks": bm.get_num_cached_gpu_blocks(),
-            "num_compilations": self.runner.num_compilations, "kv_cache_dtype": self.kv_cache_dtype,
+            "num_compilations": self.runner.num_compilations,
+            "warmup_executables_remaining": 0 if self.runner.warmup is None else self.runner.warmup.remaining,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "model_memory_bytes": self.model_memory_bytes,
             "kv_cache_bytes": 0 if self.runner.kv_cache is None else self.runner.kv_cache_spec.bytes_per_block
             * self.runner.num_gpu_blocks * self.config.tensor_parallel_size,

@@ -55,6 +55,7 @@ def sleep(engine, level: int = 1):
         raise ValueError("the engine is already asleep")
     _check_idle(engine, "sleep")
     engine.runner.proposer.check_sleep()
+    engine.wait_for_warmup()  # the background compiles read the weights' and pages' shapes
     if level == 2 and engine.lora_manager is not None:
         raise ValueError("sleep(level=2) is not supported with enable_lora: the adapters' slots would be lost")
     before = device_bytes((engine.runner.state, engine.runner.kv_cache))

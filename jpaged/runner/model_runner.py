@@ -15,7 +15,8 @@ token also stays on the device (`last_tokens`), where the next step's forward ta
 PENDING_TOKEN input).
 
 Every step is padded to a bucket (see Buckets), block copies and swaps to a fixed size, and every
-executable is compiled ahead of time at warm-up, so serving never compiles; `num_compilations`
+executable is compiled ahead of time at warm-up (warmup.py: in the background, smallest first, the
+steps meanwhile padded to the buckets compiled so far), so serving never compiles; `num_compilations`
 counts them all. Compiled executables are kept on disk whole (executable_cache.py): a restart
 loads them without tracing. The forward and the sampler compile apart: the sampler's shapes
 depend only on its row bucket and its full/fast switch, so the warm-up compiles forwards +
@@ -33,7 +34,7 @@ Multi-host: the driver (process 0) sends every device operation's host inputs to
 processes before running it; they run the same operation in `follow` (see `lead`).
 """
 
-import concurrent.futures
+import dataclasses
 import functools
 import logging
 import math
@@ -43,8 +44,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-from tqdm.auto import tqdm
 
 from jpaged.models.forward_context import AttentionMetadata
 from jpaged.models.kv_cache import KVCache, KVCacheSpec
@@ -60,6 +59,7 @@ from jpaged.runner.input_batch import InputBatch, Layout, layout_of, pack
 from jpaged.runner.prepare_inputs import prepare_step
 from jpaged.runner.step_functions import HistoryInputs, StepHandle, StepInputs, unpack_output
 from jpaged.runner.step_inputs import DispatchedStep, StepBatch, StepBuilder
+from jpaged.runner.warmup import WarmUp, need_order
 from jpaged.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
@@ -142,6 +142,7 @@ class ModelRunner:
         if self._multihost:  # the driver's broadcasts: one executable, compiled now
             self._executables[("broadcast", distributed.BROADCAST_CHUNK)] = distributed.broadcast_executable()[0]
         self._warm = False
+        self.warmup: WarmUp | None = None  # a background warm-up (start_warm_up)
         self._kv_scales_computed = False
         self._copy = jax.jit(functools.partial(kv_transfer.copy_blocks, num_layers), in_shardings=(pool, rep, rep),
                              out_shardings=pool, donate_argnums=(0,))
@@ -158,50 +159,49 @@ class ModelRunner:
         """False once the KV pages are gone: a step that failed after donating them."""
         return not any(pages.is_deleted() for pages in jax.tree.leaves(self.kv_cache)) and self.proposer.is_alive()
 
-    def warm_up(self, stop: threading.Event | None = None, keys=None):
-        """Compile every bucket now, so serving never compiles. A pipeline: this thread traces and
-        lowers the next executables (Python) while one worker thread runs XLA's compiles (C++,
-        without the GIL), one at a time as before: 26.0 -> 23.6 s for the quick start's 22 on two
-        cores. Not several compiles at once: on a GPU they would autotune side by side, and
-        tracing in several threads once hung in CI. `stop` (set by the server's SIGTERM handler)
-        is checked between shapes: the handler's own SystemExit is lost when the signal lands in
-        a garbage-collector callback, and this is where start-up then unwinds instead. `keys`:
-        the executables to compile (default: every step of this runner's buckets)."""
-        def check_stop():
-            if stop is not None and stop.is_set():
-                raise SystemExit(0)
+    def forward_key(self, num_tokens: int) -> tuple:
+        return ("forward", num_tokens) + (("hidden",) if self.return_hidden else ())
 
-        keys = [k for k in (self.buckets.keys(self.return_hidden) if keys is None else keys) if k not in self._executables] \
+    def _warm_up_plan(self, stop, keys) -> WarmUp:
+        """Every executable in order of need (warmup.py); `keys`: these instead."""
+        if keys is not None:
+            return WarmUp(self, list(keys), [], stop)
+        base = [k for k in self.buckets.keys() if k[0] not in ("forward", "multi_step", "sample")] \
             + ([("write_lora",)] if self.lora_linears else [])
-        cache = self.executable_cache
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jpaged-compile") as pool, \
-                tqdm(total=len(keys), desc="Compiling step buckets", unit="shape") as progress:
-            pending, missing = {}, []
-            with cache.loading():  # loads first, under one marker (a crash in XLA is seen next start)
-                for key in keys:
-                    check_stop()
-                    jitted, args = self._jitted_and_args(key)
-                    executable = cache.load(repr(key), args)
-                    if executable is not None:
-                        self._executables[key] = executable
-                        progress.update()
-                    else:
-                        missing.append((key, jitted, args))
-            try:
-                for key, jitted, args in missing:
-                    check_stop()
-                    future = pool.submit(cache.compile_lowered, repr(key), args, jitted.lower(*args))
-                    future.add_done_callback(lambda _: progress.update())
-                    pending[key] = future
-                for key, future in pending.items():
-                    while not concurrent.futures.wait([future], timeout=0.25).done:
-                        check_stop()
-                    self._executables[key] = future.result()
-            except BaseException:  # SIGTERM during the warm-up: wait for the running compile only
-                pool.shutdown(wait=False, cancel_futures=True)
-                raise
+        return WarmUp(self, need_order(self.buckets, self.forward_key, base), base, stop)
+
+    def warm_up(self, stop: threading.Event | None = None, keys=None):
+        """Compile (or load) every executable now, so serving never compiles (warmup.py: loads,
+        then compiles pipelined with the next lowerings). `stop` (set by the server's SIGTERM
+        handler) is checked between shapes and raises SystemExit(0): the handler's own SystemExit
+        is lost when the signal lands in a garbage-collector callback. `keys`: the executables to
+        compile (default: every step of this runner's buckets)."""
+        self._warm_up_plan(stop, keys).run()
         self.proposer.warm_up(stop)
         self._warm = True
+
+    def start_warm_up(self, stop: threading.Event | None = None) -> WarmUp:
+        """Compile every executable in a background thread, smallest steps first, while the engine
+        serves on those compiled so far (`serving_buckets`, `token_limit`)."""
+        self.warmup = self._warm_up_plan(stop, None).start()
+        self._warm = True
+        return self.warmup
+
+    @property
+    def token_limit(self) -> int | None:
+        """The largest step (tokens) there are executables for while a background warm-up runs or
+        after it failed for some shapes (0: none yet); None: every bucket."""
+        if self.warmup is None or self.warmup.ready:
+            return None
+        ready = self.warmup.ready_tokens()
+        return ready[-1] if ready else 0
+
+    @property
+    def serving_buckets(self) -> Buckets:
+        """The buckets steps are padded to: the compiled ones (`token_limit`)."""
+        if self.warmup is None or self.warmup.ready:
+            return self.buckets
+        return dataclasses.replace(self.buckets, tokens=self.warmup.ready_tokens())
 
     def bypass_executable_cache(self):
         """Forget what warm_up loaded and load nothing more from disk (compiles still write)."""
@@ -264,11 +264,18 @@ class ModelRunner:
                                     sharding=self._pages_sharding)
 
     def _executable(self, key):
-        if key not in self._executables:
+        executable = self._executables.get(key)
+        if executable is None and self.warmup is not None and key in self.warmup.keys:
+            self.warmup.wait_for(key)  # (the scheduler's limit keeps steps off shapes not in yet)
+            executable = self._executables.get(key)
+        if executable is None:
+            if self.warmup is not None and key in self.warmup.failed:
+                raise RuntimeError(f"the step shape {key} failed to compile at warm-up "
+                                   f"({self.warmup.failed[key]!r}): requests that need it cannot run")
             if self._warm:
                 logger.warning("compiling an unexpected step shape %s while serving", key)
-            self._executables[key] = self._compile(key)
-        return self._executables[key]
+            executable = self._executables[key] = self._compile(key)
+        return executable
 
     def _abstract_inputs(self, num_tokens: int, lora: bool | None = None) -> StepInputs:
         num_seqs = self.buckets.seqs(num_tokens)
@@ -331,7 +338,7 @@ class ModelRunner:
         device call, each step's sampled tokens the next one's inputs; the block tables must hold
         the later tokens' slots (the scheduler's lookahead slots)."""
         ib = self.input_batch
-        step = prepare_step(batch, ib, self.buckets, self.block_size, multi_step,
+        step = prepare_step(batch, ib, self.serving_buckets, self.block_size, multi_step,
                             lora_slots=ib.lora_slot[batch.rows] if self.lora_linears else None)
         inputs, num_sample_rows = step.inputs, len(step.inputs.logits_indices)
         full = not multi_step and step_inputs.needs_full_sampler(ib, batch)
@@ -357,7 +364,7 @@ class ModelRunner:
 
     def _run_step(self, key, inputs: np.ndarray, smeta: np.ndarray):
         num_tokens, full = key
-        key = ("forward", num_tokens) + (("hidden",) if self.return_hidden else ())
+        key = self.forward_key(num_tokens)
         logits, self.kv_cache, *hidden = self._executable(key)(self.state, self.kv_cache, inputs, self.last_tokens)
         if hidden:
             self.hidden_states = hidden[0]

@@ -1,0 +1,257 @@
+"""The warm-up: every executable compiled (or loaded from the executable cache) in order of need,
+in the foreground (`run`) or in a background thread while the engine already serves (`start`).
+
+Order of need (`need_order`): what any step needs first (the block operations, the history upload,
+a LoRA slot write), then per token bucket its forward, its multi-step decode and the samplers of
+its row bucket: the smallest bucket, the one a full decode batch needs, then the others ascending,
+the largest last. A token bucket is *ready* once all of
+that is in (`ready_tokens`): the scheduler caps each step at the largest ready bucket, and the
+runner pads steps to ready buckets only, so serving never waits for a compile nor compiles a shape
+itself. A compile that fails is logged and its shape left out; a request that needs it gets the
+error (ModelRunner._executable), the others go on with the shapes there are.
+
+The pipeline is the one warm-up had before: this thread traces and lowers the next executables
+(Python) while one worker thread runs XLA's compiles (C++, without the GIL), one at a time: on a
+GPU several compiles would autotune side by side, and tracing in several threads once hung in CI.
+"""
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+# Fault injection for the tests: compiles of keys whose repr contains one of these ';'-separated
+# strings fail (as a compiler error would).
+FAIL_ENV = "JPAGED_INJECT_COMPILE_FAILURE"
+
+
+def need_order(buckets, forward_key, base_keys: list) -> list:
+    """Every executable, in the order a serving engine needs them: `base_keys` (any step may need
+    them), then per token bucket (smallest first) its forward (`forward_key(tokens)`), multi-step
+    decode and samplers."""
+    order = list(base_keys)
+    for tokens in token_order(buckets):
+        order += [k for k in step_keys(buckets, forward_key, tokens) if k not in order]
+    return order
+
+
+def token_order(buckets) -> list[int]:
+    """The smallest token bucket (a lone decode, a first request), then the one that holds a decode
+    of max_num_seqs sequences (every stream decodes together, padded), then the others ascending:
+    the largest prefill chunks last."""
+    first, decode = buckets.tokens[0], next(t for t in buckets.tokens if t >= buckets.max_num_seqs)
+    return [first] + ([decode] if decode != first else []) + [t for t in buckets.tokens if t not in (first, decode)]
+
+
+def step_keys(buckets, forward_key, tokens: int) -> list:
+    """The executables a step padded to `tokens` may run."""
+    rows = buckets.sample_rows(tokens)
+    keys = [forward_key(tokens)]
+    if buckets.num_scheduler_steps > 1 and tokens in buckets.decode_tokens:
+        keys.append(("multi_step", tokens))
+    return keys + [("sample", rows, False), ("sample", rows, True)]
+
+
+def _abstract(tree):
+    """Arrays as ShapeDtypeStructs: serving donates the live ones while the background lowers."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                                       weak_type=getattr(x, "weak_type", False))
+                        if isinstance(x, jax.Array) else x, tree)
+
+
+def _lower_priority():
+    """A background compile yields the cores to serving (Linux: threads have their own nice value;
+    the compiler's own threads inherit it). On idle cores it changes nothing."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: compile at the same priority
+        pass
+
+
+BACKGROUND_NICE = 10
+
+
+class WarmUp:
+    """Compiles `keys` (in order) into `runner._executables`. `stop`: checked between shapes;
+    in the foreground it raises SystemExit(0) (the server's start-up signal), in the background
+    the thread ends after the compile under way (whose cache file is written whole or not at all)."""
+
+    def __init__(self, runner, keys: list, base_keys: list, stop: threading.Event | None = None):
+        self.runner, self.keys, self.base_keys = runner, keys, base_keys
+        self.stop = stop if stop is not None else threading.Event()
+        self.failed: dict = {}  # key -> the exception its compile raised
+        self.done = threading.Event()
+        self.progress = threading.Condition()
+        self._thread = None
+        self._ready: list[int] = []
+        self._background = False
+        failing = os.environ.get(FAIL_ENV, "")
+        self._failing = [s for s in failing.split(";") if s]
+
+    # ------------------------------------------------------------------ progress
+    @property
+    def total(self) -> int:
+        return len(self.keys)
+
+    @property
+    def compiled(self) -> int:
+        return sum(k in self.runner._executables for k in self.keys)
+
+    @property
+    def remaining(self) -> int:
+        """Executables neither compiled nor failed yet."""
+        return 0 if self.done.is_set() else max(0, self.total - self.compiled - len(self.failed))
+
+    @property
+    def ready(self) -> bool:
+        """Everything compiled (False after a failure: some shapes are missing)."""
+        return self.done.is_set() and not self.failed
+
+    def ready_tokens(self) -> list[int]:
+        """The token buckets every executable of a step is in for (empty until the base keys are
+        compiled or failed)."""
+        return self._ready
+
+    def _update(self):
+        have, failed = self.runner._executables, self.failed
+        buckets = self.runner.buckets
+        if all(k in have or k in failed for k in self.base_keys):
+            self._ready = [t for t in buckets.tokens
+                           if all(k in have for k in step_keys(buckets, self.runner.forward_key, t))]
+        with self.progress:
+            self.progress.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the warm-up ended (True) or `timeout` seconds."""
+        return self.done.wait(timeout)
+
+    def wait_for(self, key):
+        """Until `key` is compiled or failed (or the warm-up ended): for a base key asked for before
+        the first step (a LoRA slot written as the server registers its adapters), which would
+        otherwise be compiled twice. The base keys come first: a short wait."""
+        with self.progress:
+            while key not in self.runner._executables and key not in self.failed and not self.done.is_set():
+                self.progress.wait(0.5)
+
+    def wait_for_progress(self, timeout: float):
+        with self.progress:
+            if not self.done.is_set():
+                self.progress.wait(timeout)
+
+    # ------------------------------------------------------------------ running it
+    def start(self):
+        """Compile in a background thread; serving goes on meanwhile."""
+        self._background = True
+        self._thread = threading.Thread(target=self._run_logged, name="jpaged-warmup", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float | None = None):
+        """Stop after the compile under way (its file is written whole) and wait for it."""
+        self.stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run_logged(self):
+        _lower_priority()
+        start = time.perf_counter()
+        try:
+            self.run()
+            logger.info("warm-up done: %d of %d step executables in %.1f s (%d loaded from the executable cache)%s",
+                        self.compiled, self.total, time.perf_counter() - start, self.runner.executable_cache.hits,
+                        f"; {len(self.failed)} failed" if self.failed else "")
+        except BaseException:  # never reached by design; logged rather than lost in a thread
+            logger.exception("the background warm-up failed")
+        finally:
+            self.done.set()
+            self._update()
+
+    def _check_stop(self):
+        if self.stop.is_set():
+            raise SystemExit(0)
+
+    def run(self):
+        """Load what the executable cache has, then compile the rest: pipelined, in order of need.
+        In the foreground, the first failure is raised once the others are done."""
+        from tqdm.auto import tqdm
+
+        runner, cache = self.runner, self.runner.executable_cache
+        keys = [k for k in self.keys if k not in runner._executables]
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jpaged-compile")
+        try:
+            with tqdm(total=len(keys), desc="Compiling step buckets", unit="shape",
+                      disable=self._background) as bar:
+                missing = []
+                with cache.loading():  # loads first, under one marker (a crash in XLA is seen next start)
+                    for key in keys:
+                        self._check_stop()
+                        try:
+                            jitted, args = runner._jitted_and_args(key)
+                            args = _abstract(args)
+                            executable = cache.load(repr(key), args)
+                        except Exception as e:
+                            self._fail(key, e)
+                            continue
+                        if executable is not None:
+                            self._add(key, executable, bar)
+                        else:
+                            missing.append((key, jitted, args))
+                futures = []
+                for key, jitted, args in missing:
+                    self._check_stop()
+                    try:
+                        self._inject(key)
+                        lowered = jitted.lower(*args)
+                    except Exception as e:
+                        self._fail(key, e)
+                        continue
+                    try:
+                        futures.append(pool.submit(self._compile, key, args, lowered, bar))
+                    except RuntimeError:  # the interpreter is exiting: its compile worker was stopped
+                        return
+                for future in futures:
+                    while not concurrent.futures.wait([future], timeout=0.25).done:
+                        self._check_stop()
+        except SystemExit:
+            if not self._background:
+                raise
+        finally:  # SIGTERM: the running compile finishes (its file written whole), the queued ones are dropped
+            pool.shutdown(wait=True, cancel_futures=True)
+            if not self._background:
+                self.done.set()
+            self._update()
+        if self.failed and not self._background:
+            raise next(iter(self.failed.values()))
+
+    def _compile(self, key, args, lowered, bar):
+        if self.stop.is_set():
+            return
+        if self._background:
+            _lower_priority()
+        try:
+            executable = self.runner.executable_cache.compile_lowered(repr(key), args, lowered)
+        except Exception as e:
+            self._fail(key, e)
+            return
+        self._add(key, executable, bar)
+
+    def _add(self, key, executable, bar):
+        self.runner._executables[key] = executable
+        bar.update()
+        self._update()
+
+    def _inject(self, key):
+        if any(s in repr(key) for s in self._failing):
+            raise RuntimeError(f"injected compile failure ({FAIL_ENV})")
+
+    def _fail(self, key, error: Exception):
+        self.failed[key] = error
+        if self._background:
+            logger.error("compiling step shape %s failed: %r; requests that need it get this error, the others are "
+                         "served on the shapes there are", key, error, exc_info=error)
+        self._update()
