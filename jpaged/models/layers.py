@@ -459,23 +459,20 @@ class LayerStack(nnx.Module):
         capture = hidden_states_capture()
         if capture is not None and capture["states"] is not None:
             capture = None  # (the first stack's: the decoder's)
-        # EAGLE-3's features: where each layer's input goes in the captured states (n: nowhere).
-        n = 0 if capture is None else len(capture["layers"])
-        slot_of = np.full(self.num_layers, n, np.int32)
-        for j, layer_id in enumerate(() if capture is None else capture["layers"]):
-            slot_of[layer_id] = j
+        # EAGLE-3's features: the inputs of these layers (a layer may be named twice).
+        wanted = np.asarray(capture["layers"] if capture is not None else (), np.int32)
 
         def one_layer(carry, layer_weights_and_index):
             x, kv_cache, aux = carry
             layer_weights, index = layer_weights_and_index
             if capture is not None:
-                aux = aux.at[jnp.asarray(slot_of)[index]].set(x, mode="drop")
+                aux = jnp.where((jnp.asarray(wanted) == index)[:, None, None], x[None], aux)
             layer = nnx.merge(graphdef, layer_weights)
             with forward_context(ctx.replace(attn=ctx.attn.for_layer(index, pages_per_layer, page_size))):
                 x, kv_cache = layer(x, positions, kv_cache)
             return (x, kv_cache, aux), None
 
-        aux = jnp.zeros((n,) + x.shape, x.dtype) if capture is not None else None
+        aux = jnp.zeros((len(wanted),) + x.shape, x.dtype) if capture is not None else None
         (x, kv_cache, aux), _ = jax.lax.scan(one_layer, (x, kv_cache, aux), (weights, jnp.arange(self.num_layers)))
         if capture is not None:
             capture["states"] = aux

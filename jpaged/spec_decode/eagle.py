@@ -51,9 +51,12 @@ def fill(graphdef, state, kv_cache, packed, hidden, sampled, *, layout, max_rows
     aux, ids = hidden
     num_tokens, num_rows = ids.shape[0], inputs.logits_indices.shape[0]
     tokens = sampled[:num_rows]
-    # Each token's first sampling row (padding rows come last and point at token 0).
-    first = jnp.full(num_tokens, num_rows, jnp.int32).at[inputs.logits_indices].min(
-        jnp.arange(num_rows, dtype=jnp.int32))
+    # Each token's first sampling row. Padding rows point at token 0, as a real row 0 may: a
+    # decode's (sequence 0 has one token) or one of several rows at tokens 0, 1, ...
+    li, arange = inputs.logits_indices, jnp.arange(num_rows, dtype=jnp.int32)
+    row0 = (inputs.attn.query_start_loc[1] == 1) | (li[min(1, num_rows - 1)] == 1)
+    real = (li != 0) | ((arange == 0) & row0)
+    first = jnp.full(num_tokens, num_rows, jnp.int32).at[jnp.where(real, li, num_tokens)].min(arange, mode="drop")
     next_ids = jnp.where(first < num_rows, tokens[jnp.minimum(first, num_rows - 1)], jnp.roll(ids, -1))
     head = nnx.merge(graphdef, state)
     with forward_context(ForwardContext(attn=dataclasses.replace(inputs.attn, layer=jnp.int32(0)))):
@@ -81,6 +84,8 @@ def chain(graphdef, state, kv_cache, rows_state, rows, positions, block_tables, 
         draft = head.draft(hidden)
         return (kv_cache, hidden, draft), draft
 
+    if num_steps == 0:  # k = 1: the first draft alone
+        return draft[None], kv_cache
     (kv_cache, _, _), later = jax.lax.scan(one_step, (kv_cache, hidden, draft), jnp.arange(num_steps))
     return jnp.concatenate([draft[None], later]), kv_cache
 
