@@ -39,14 +39,19 @@ def spec_stats(llm):
     return {k: v for k, v in llm.stats().items() if k.startswith("spec_decode")}
 
 
-def record_drafts(llm) -> list:
-    """(the sequence's tokens, its drafts) of every proposal the engine makes from now on."""
+def record_drafts(llm, oracle=None, rng=None) -> list:
+    """(the sequence's tokens, the head's drafts) of every proposal the engine makes from now on.
+    `oracle(tokens)`: the tokens that really follow; the step verifies those instead, one in
+    five changed (so runs of drafts are accepted, and rejected, whatever the random head says)."""
     scheduler, records = llm.llm_engine.scheduler, []
     set_drafts = scheduler.set_drafts
 
     def recording(plan, scheduled, tokens):
         if tokens:
-            records.append((scheduled.seqs[0].get_token_ids(), list(tokens)))
+            seq_tokens = scheduled.seqs[0].get_token_ids()
+            records.append((seq_tokens, list(tokens)))
+            if oracle is not None:
+                tokens = [t if rng.random() < 0.8 else (t + 1) % 256 for t in oracle(seq_tokens)[:len(tokens)]]
         return set_drafts(plan, scheduled, tokens)
 
     scheduler.set_drafts = recording
@@ -54,24 +59,34 @@ def record_drafts(llm) -> list:
 
 
 @pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
-def test_drafts_are_the_reference_heads(head, preemption_mode, tmp_path):
+def test_drafts_are_the_reference_heads(head, preemption_mode, shared_llm, tmp_path):
     """Every proposal equals the float64 head's over the target's (transformers) hidden states,
-    with prefix-cache hits and preemptions. The shared prefix runs one token past its last full
-    block: a cached block's last entry pairs with the token after it, the same for every prompt."""
+    with prefix-cache hits, preemptions and runs of accepted drafts; the outputs are those
+    without speculation. The shared prefix runs one token past its last full block: a cached
+    block's last entry pairs with the token after it, the same for every prompt."""
     rng = np.random.default_rng(SEED)
     shared = rng.integers(0, 256, 17).tolist()
-    prompts = [shared + rng.integers(0, 256, n).tolist() for n in (2, 9, 15, 4, 20)]
-    params = [jpaged.SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_tokens=24, ignore_eos=True)
+    prompts = [shared + rng.integers(0, 256, n).tolist() for n in (2, 9, 15, 20)]
+    params = [jpaged.SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_tokens=20, ignore_eos=True)
               for i in range(len(prompts))]
+    expected = [o.token_ids for o in generate(shared_llm("tiny", enforce_eager=True, **LIMITS), prompts, params)]
+    full = [p + e for p, e in zip(prompts, expected)]
+
+    def oracle(tokens):
+        whole = next(f for f in full if f[:len(tokens)] == tokens)
+        return whole[len(tokens):]
+
     llm = jpaged.LLM("tiny", speculative_config=eagle_config(head), enforce_eager=True, enable_prefix_caching=True,
-                     preemption_mode=preemption_mode, num_gpu_blocks_override=16, block_size=8,
+                     preemption_mode=preemption_mode, num_gpu_blocks_override=12, block_size=8,
                      max_model_len=128, max_num_seqs=8, max_num_batched_tokens=512)
-    records = record_drafts(llm)
-    generate(llm, prompts[:1], params[0])  # cached: the later prompts' first two blocks
-    generate(llm, prompts[1:], params[1:])
-    stats = llm.stats()
-    print(spec_stats(llm), stats["num_preemptions"], stats["prefix_cache_hits"], len(records))
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and len(records) > 20
+    records = record_drafts(llm, oracle, rng)
+    outputs = generate(llm, prompts[:1], params[0])  # cached: the later prompts' first two blocks
+    outputs += generate(llm, prompts[1:], params[1:])
+    stats, spec = llm.stats(), spec_stats(llm)
+    print(spec, stats["num_preemptions"], stats["prefix_cache_hits"], len(records))
+    assert [o.token_ids for o in outputs] == expected
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and len(records) > 10
+    assert spec["spec_decode_num_accepted_tokens_per_pos"][1] > 0
 
     target = transformers.AutoModelForCausalLM.from_pretrained(write_tiny(tmp_path / "tiny"), dtype=torch.float64)
     reference = ReferenceHead(head, target.model.embed_tokens.weight.detach().numpy())
@@ -81,8 +96,7 @@ def test_drafts_are_the_reference_heads(head, preemption_mode, tmp_path):
         with torch.no_grad():
             states = target(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
         aux = np.concatenate([states[i][0].numpy() for i in layers], -1)
-        expected = reference.drafts(tokens, aux, len(drafts))
-        mismatches += drafts != expected
+        mismatches += drafts != reference.drafts(tokens, aux, len(drafts))
     assert mismatches <= len(records) // 50, f"{mismatches} of {len(records)} proposals differ from the reference"
 
 
@@ -118,7 +132,7 @@ def test_bad_heads_are_value_errors(tmp_path):
         (write_head(tmp_path / "vocab", cfg, vocab_size=300), r"speculative_config.model=.*vocab_size=300, the target 259"),
         (write_head(tmp_path / "layers", cfg, aux_layers=(0, 2, 4)), r"eagle_aux_hidden_state_layer_ids"),
         (write_head(tmp_path / "draft_vocab", cfg, draft_vocab_size=65), r"d2t of shape \(64,\).*draft_vocab_size"),
-        (write_head(tmp_path / "mlp", cfg, intermediate_size=100), r"does not fit.*midlayer.mlp.gate_proj.weight"),
+        (write_head(tmp_path / "mlp", cfg, intermediate_size=100), r"does not fit.*midlayer.mlp"),
         (str(tmp_path / "missing"), r"speculative_config.model=.*config.json"),
     ]
     for path, message in cases:
