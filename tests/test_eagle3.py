@@ -15,6 +15,7 @@ import transformers
 import jpaged
 from jpaged.models import tiny
 from eagle3_head import ReferenceHead, write_head
+from test_async_scheduling import generate_counting_overlaps
 from test_spec_decode_draft import write_tiny
 
 LIMITS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
@@ -66,8 +67,8 @@ def test_drafts_are_the_reference_heads(head, preemption_mode, shared_llm, tmp_p
     block's last entry pairs with the token after it, the same for every prompt."""
     rng = np.random.default_rng(SEED)
     shared = rng.integers(0, 256, 17).tolist()
-    prompts = [shared + rng.integers(0, 256, n).tolist() for n in (2, 9, 15, 20)]
-    params = [jpaged.SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_tokens=20, ignore_eos=True)
+    prompts = [shared + rng.integers(0, 256, n).tolist() for n in (2, 9, 20)]
+    params = [jpaged.SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_tokens=16, ignore_eos=True)
               for i in range(len(prompts))]
     expected = [o.token_ids for o in generate(shared_llm("tiny", enforce_eager=True, **LIMITS), prompts, params)]
     full = [p + e for p, e in zip(prompts, expected)]
@@ -77,7 +78,7 @@ def test_drafts_are_the_reference_heads(head, preemption_mode, shared_llm, tmp_p
         return whole[len(tokens):]
 
     llm = jpaged.LLM("tiny", speculative_config=eagle_config(head), enforce_eager=True, enable_prefix_caching=True,
-                     preemption_mode=preemption_mode, num_gpu_blocks_override=12, block_size=8,
+                     preemption_mode=preemption_mode, num_gpu_blocks_override=10, block_size=8,
                      max_model_len=128, max_num_seqs=8, max_num_batched_tokens=512)
     records = record_drafts(llm, oracle, rng)
     outputs = generate(llm, prompts[:1], params[0])  # cached: the later prompts' first two blocks
@@ -140,3 +141,29 @@ def test_bad_heads_are_value_errors(tmp_path):
             jpaged.LLM("tiny", speculative_config=eagle_config(path), enforce_eager=True, **LIMITS)
     with pytest.raises(ValueError, match=r"speculative_config.model"):
         jpaged.LLM("tiny", speculative_config={"method": "eagle3", "num_speculative_tokens": 2}, **LIMITS)
+
+
+def test_async_scheduling_and_disable_by_batch_size(head, shared_llm):
+    """With async scheduling, steps above disable_by_batch_size overlap (the head's pages still
+    follow every step) and the thinned-out batch speculates: outputs as without speculation."""
+    rng = np.random.default_rng(SEED)
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(3, 20, 6)]
+    params = [jpaged.SamplingParams(temperature=1.0 if i % 2 else 0, top_k=20, seed=i, max_tokens=n, ignore_eos=True)
+              for i, n in enumerate([4, 6, 8, 10, 24, 28])]
+    expected = [o.token_ids for o in generate(shared_llm("tiny", enforce_eager=True, **LIMITS), prompts, params)]
+    llm = jpaged.LLM("tiny", speculative_config=eagle_config(head, disable_by_batch_size=2), async_scheduling=True,
+                     enforce_eager=True, **LIMITS)
+    outputs, overlapped = generate_counting_overlaps(llm, prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert overlapped > 0 and spec_stats(llm)["spec_decode_num_draft_tokens"] > 0
+
+
+def test_tensor_parallel(head, shared_llm):
+    """Target and head over a 2-device mesh: the same outputs."""
+    prompts = [[5, 6, 7, 8, 9], [100, 3, 4]]
+    sp = jpaged.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reference = generate(shared_llm("tiny", enforce_eager=True, **LIMITS), prompts, sp)
+    llm = jpaged.LLM("tiny", speculative_config=eagle_config(head), tensor_parallel_size=2, enforce_eager=True,
+                     **LIMITS)
+    assert [o.token_ids for o in generate(llm, prompts, sp)] == [o.token_ids for o in reference]
+    assert spec_stats(llm)["spec_decode_num_draft_tokens"] > 0
