@@ -11,7 +11,6 @@
 #   5. bench_embed: jpaged's pooling runner against sentence-transformers' encode on the same GPU
 #   6. bench_dp (two replicas, prefix vs round-robin routing) where the machine has two GPUs
 #   7. SmolLM2-135M-Instruct real-checkpoint greedy parity with transformers
-#   (after 2: EAGLE-3 speculative decoding on the GPU, tests/test_eagle3.py: outputs as without it)
 # CPU-only preparation (building the two checkpoints) runs in the background from the start.
 # Every step's output is teed to $OUT/gpu_check/<step>.log (the run tool fetches $OUT) and its
 # exit status to summary.txt; the script exits non-zero if any step failed.
