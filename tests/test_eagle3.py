@@ -113,7 +113,9 @@ def test_outputs_equal_without_speculation_and_nothing_compiles_after_warm_up(he
               jpaged.SamplingParams(temperature=0, max_tokens=20, guided_regex="[a-z]{3,12}"),
               jpaged.SamplingParams(temperature=1.0, max_tokens=17, ignore_eos=True)]  # unseeded: the engine seed
     reference = generate(shared_llm("tiny", enforce_eager=True, **LIMITS), prompts, params)
-    llm = jpaged.LLM("tiny", speculative_config=eagle_config(head), **LIMITS)  # warmed up: every bucket
+    # Warmed up (every bucket), on fewer buckets than the reference's: outputs do not depend on them.
+    llm = jpaged.LLM("tiny", speculative_config=eagle_config(head), max_model_len=128, max_num_seqs=4,
+                     max_num_batched_tokens=32)
     compiled = llm.stats()["num_compilations"]
     outputs = generate(llm, prompts, params)
     stats = spec_stats(llm)
@@ -147,9 +149,9 @@ def test_async_scheduling_and_disable_by_batch_size(head, shared_llm):
     """With async scheduling, steps above disable_by_batch_size overlap (the head's pages still
     follow every step) and the thinned-out batch speculates: outputs as without speculation."""
     rng = np.random.default_rng(SEED)
-    prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(3, 20, 6)]
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(3, 20, 4)]
     params = [jpaged.SamplingParams(temperature=1.0 if i % 2 else 0, top_k=20, seed=i, max_tokens=n, ignore_eos=True)
-              for i, n in enumerate([4, 6, 8, 10, 24, 28])]
+              for i, n in enumerate([4, 6, 16, 20])]
     expected = [o.token_ids for o in generate(shared_llm("tiny", enforce_eager=True, **LIMITS), prompts, params)]
     llm = jpaged.LLM("tiny", speculative_config=eagle_config(head, disable_by_batch_size=2), async_scheduling=True,
                      enforce_eager=True, **LIMITS)
@@ -161,7 +163,7 @@ def test_async_scheduling_and_disable_by_batch_size(head, shared_llm):
 def test_tensor_parallel(head, shared_llm):
     """Target and head over a 2-device mesh: the same outputs."""
     prompts = [[5, 6, 7, 8, 9], [100, 3, 4]]
-    sp = jpaged.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    sp = jpaged.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     reference = generate(shared_llm("tiny", enforce_eager=True, **LIMITS), prompts, sp)
     llm = jpaged.LLM("tiny", speculative_config=eagle_config(head), tensor_parallel_size=2, enforce_eager=True,
                      **LIMITS)
