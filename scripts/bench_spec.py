@@ -10,6 +10,7 @@ Every configuration runs its workload once to compile the shapes it meets (enfor
 `--repeats` times timed (the median counts); greedy outputs with and without speculation are
 compared token for token.
 
+With --eagle3 DIR the proposer is an EAGLE-3 head (scripts/train_eagle3.py writes one).
 With --draft-layers N the proposer is a draft model instead: the target's first N layers (and
 its embeddings, final norm and head) as a checkpoint of their own, written next to the target.
 No smaller checkpoint of SmolLM2's vocabulary ships offline; a cut-down target is the draft that
@@ -112,6 +113,8 @@ def main(argv=None):
                         help="the speculative_config's limit for the last row of each batch size")
     parser.add_argument("--draft-layers", type=int, default=None,
                         help="propose with a draft model: the target's first N layers (default: n-gram lookup)")
+    parser.add_argument("--eagle3", default=None,
+                        help="propose with this EAGLE-3 head's directory (scripts/train_eagle3.py)")
     parser.add_argument("--workloads", nargs="+", default=["copy", "chat"], choices=["copy", "chat"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -124,7 +127,10 @@ def main(argv=None):
     chat = {name: [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                  tokenize=False) for q in questions]
             for name, questions in (("copy", COPY), ("chat", CHAT)) if name in args.workloads}
-    if args.draft_layers:
+    if args.eagle3:
+        method, spec = "eagle3", {"method": "eagle3", "model": args.eagle3,
+                                  "num_speculative_tokens": args.num_speculative_tokens}
+    elif args.draft_layers:
         method = f"draft model (first {args.draft_layers} layers)"
         spec = {"method": "draft_model", "model": make_layer_draft(model, args.draft_layers),
                 "num_speculative_tokens": args.num_speculative_tokens}

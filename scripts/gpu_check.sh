@@ -3,7 +3,8 @@
 # GPU's compute capability is read at run time (sm_80-89: Triton only and Mosaic refused; sm_90+: both):
 #   1. backend assertion: jax sees the GPU and an engine starts with device="cuda" (no silent CPU)
 #   2. the kernel tests compiled for real (Triton everywhere, Mosaic GPU on sm_90+), then
-#      speculation, quantized weights, LoRA and batch invariance (gpu_check.py features)
+#      speculation, quantized weights, LoRA and batch invariance (gpu_check.py features), and
+#      EAGLE-3 speculative decoding (tests/test_eagle3.py: outputs as without it, nothing compiled after warm-up)
 #   3. bench_kernels --quick --kv-cache-dtype fp8: decode GB/s (bf16 pages, and fp8 pages counted on
 #      the fp8 bytes) against the GPU's copy bandwidth, jax's bundled paged attention, XLA gather and
 #      contiguous attention; prefill TFLOP/s against dense attention
@@ -102,6 +103,7 @@ for backend in "${families[@]}"; do  # fp8 KV pages through each kernel family's
     --kv-cache-dtype fp8
 done
 step kernel_tests 150 "$python" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_platform.py
+step eagle3 120 "$python" -m pytest -q -p no:cacheprovider tests/test_eagle3.py -k outputs_equal
 step bench_kernels 150 "$python" scripts/bench_kernels.py --quick --kv-cache-dtype fp8
 # Speculation (n-gram, draft model), quantized weights, LoRA and batch invariance on the GPU.
 step features 120 "$python" scripts/gpu_check.py features --device cuda

@@ -158,7 +158,8 @@ def forward_cases(families_here=("pallas", "mosaic")):
     seen = set()
     for backend, kv_cache_dtype, spec in (("pallas", "auto", None), ("mosaic", "auto", None),
                                           ("pallas", "fp8", None), ("mosaic", "fp8", None), ("pallas", "auto", "ngram"),
-                                          ("mosaic", "auto", "draft_model"), ("mosaic", "auto", "lora"),
+                                          ("mosaic", "auto", "draft_model"), ("pallas", "auto", "eagle3"),
+                                          ("mosaic", "auto", "lora"),
                                           ("mosaic", "auto", "weights:fp8"), ("pallas", "auto", "weights:int8"),
                                           ("pallas", "auto", "weights:w8a8"), ("pallas", "auto", "weights:w4a16-asym")):
         if backend not in families_here:  # an A100: every case on Triton (mosaic's cases too, once)
@@ -170,7 +171,8 @@ def forward_cases(families_here=("pallas", "mosaic")):
         # Quantized weights: fp8 / int8 on the fly, or llm-compressor's checkpoints (tests/data).
         weights = spec.removeprefix("weights:") if spec and spec.startswith("weights:") else None
         spec = None if lora or weights else spec
-        config = {"method": spec, "num_speculative_tokens": 3, **({"model": "tiny"} if spec == "draft_model" else {})}
+        config = {"method": spec, "num_speculative_tokens": 3, **({"model": "tiny"} if spec == "draft_model" else
+                                                                  {"model": eagle3_head()} if spec == "eagle3" else {})}
         model = "tiny" if weights in (None, "fp8", "int8") else os.path.join(ROOT, "tests", "data",
                                                                               f"llmcompressor-{weights}")
         llm = jpaged.LLM(model, dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8,
@@ -189,7 +191,8 @@ def forward_cases(families_here=("pallas", "mosaic")):
         # 64 tokens: the ragged kernel alone.
         for tokens in (32,) if spec else (8, 64):
             layout = layout_of(runner._abstract_inputs(tokens))
-            forward = functools.partial(step_functions.forward, graphdef, PartitionSpec(), layout=layout)
+            forward = functools.partial(step_functions.forward, graphdef, PartitionSpec(), layout=layout,
+                                        return_hidden=runner.hidden_layers or False)
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
             label = f"forward {backend_label} {'decode or mixed' if tokens == 8 else 'mixed'} tokens={tokens}"
             yield label, (lambda f=forward, a=(state, kv_cache, packed, last_tokens):
@@ -206,6 +209,9 @@ def forward_cases(families_here=("pallas", "mosaic")):
                 lambda f=forward_kv, a=(state, kv_cache, packed, last_tokens):
                 lower_for_cuda(f, *a, donate_argnums=(1,))), backend
             runner, steps, label = draft, 3, f"draft model proposals {backend} tokens=8 steps=3"
+        elif spec == "eagle3":  # the head over that step (its pages), and its 3-draft chain
+            yield from eagle3_cases(runner.proposer.runner, backend)
+            continue
         elif spec:
             continue
         else:
@@ -277,6 +283,38 @@ def check_mosaic_refused() -> None:
                 raise RuntimeError(f"the refusal does not say why and what to use: {e}") from e
             return
     raise RuntimeError("attention_backend='mosaic' was accepted")
+
+
+def eagle3_head() -> str:
+    """A random EAGLE-3 head for the tiny model, in the public layout (tests/eagle3_head.py)."""
+    import pathlib
+    import tempfile
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from eagle3_head import write_head
+    from jpaged.models import tiny
+
+    return write_head(pathlib.Path(tempfile.mkdtemp()) / "head", tiny.tiny_config())
+
+
+def eagle3_cases(eagle, backend):
+    from jpaged.spec_decode import eagle as eagle_module
+
+    graphdef, state, kv_cache, _ = _abstract_model(eagle)
+    layout = layout_of(eagle._abstract_inputs(32))
+    fill = functools.partial(eagle_module.fill, graphdef, layout=layout, max_rows=eagle.max_rows)
+    hidden = (jax.ShapeDtypeStruct((32, eagle.aux_width), jnp.bfloat16), jax.ShapeDtypeStruct((32,), jnp.int32))
+    args = (state, kv_cache, jax.ShapeDtypeStruct((layout.size,), jnp.int32), hidden,
+            jax.ShapeDtypeStruct((eagle.output_sizes(32)[0],), jnp.int32))
+    yield f"EAGLE-3 head over a step {backend} tokens=32", (
+        lambda f=fill, a=args: lower_for_cuda(f, *a, donate_argnums=(1,))), backend
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    rows = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), eagle.rows)
+    chain = functools.partial(eagle_module.chain, graphdef, num_steps=eagle.num_chain_steps)
+    args = (state, kv_cache, rows, i32((8,)), i32((8,)), i32((8, eagle.buckets.width)),
+            i32((eagle.num_chain_steps, 8)))
+    yield f"EAGLE-3 draft chain {backend} seqs=8 drafts=3", (
+        lambda f=chain, a=args: lower_for_cuda(f, *a, donate_argnums=(1,))), backend
 
 
 def main() -> int:

@@ -79,3 +79,24 @@ def get_forward_context() -> ForwardContext:
     if ctx is None:
         raise RuntimeError("the model was called outside forward_context(...): the step sets it")
     return ctx
+
+
+# EAGLE-3's auxiliary hidden states: a step that asks (capture_hidden_states) gets the residual
+# stream entering each of the given decoder layers, at every token (LayerStack records it).
+_aux_capture: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jpaged_aux_hidden", default=None)
+
+
+@contextlib.contextmanager
+def capture_hidden_states(layers: tuple[int, ...]):
+    """Within: the model's layer stack records the hidden states entering `layers` into the
+    yielded dict's "states" ([len(layers), tokens, hidden]); a traced value, read after the call."""
+    capture = {"layers": tuple(layers), "states": None}
+    token = _aux_capture.set(capture)
+    try:
+        yield capture
+    finally:
+        _aux_capture.reset(token)
+
+
+def hidden_states_capture() -> dict | None:
+    return _aux_capture.get()

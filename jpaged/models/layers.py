@@ -20,7 +20,7 @@ from flax import nnx
 
 from pallas_kernels.blocks import NO_WINDOW
 from jpaged.models.batch_invariant import mean_last, row_tiled_dot
-from jpaged.models.forward_context import forward_context, get_forward_context
+from jpaged.models.forward_context import forward_context, get_forward_context, hidden_states_capture
 from jpaged.parallel.sharding import kv_head_replicas, tp_size
 
 
@@ -456,15 +456,26 @@ class LayerStack(nnx.Module):
         num_pages, page_size = kv_cache.k_pages.shape[1:3]
         pages_per_layer = num_pages // self.num_layers
 
+        capture = hidden_states_capture()
+        if capture is not None and capture["states"] is not None:
+            capture = None  # (the first stack's: the decoder's)
+        # EAGLE-3's features: the inputs of these layers (a layer may be named twice).
+        wanted = np.asarray(capture["layers"] if capture is not None else (), np.int32)
+
         def one_layer(carry, layer_weights_and_index):
-            x, kv_cache = carry
+            x, kv_cache, aux = carry
             layer_weights, index = layer_weights_and_index
+            if capture is not None:
+                aux = jnp.where((jnp.asarray(wanted) == index)[:, None, None], x[None], aux)
             layer = nnx.merge(graphdef, layer_weights)
             with forward_context(ctx.replace(attn=ctx.attn.for_layer(index, pages_per_layer, page_size))):
                 x, kv_cache = layer(x, positions, kv_cache)
-            return (x, kv_cache), None
+            return (x, kv_cache, aux), None
 
-        (x, kv_cache), _ = jax.lax.scan(one_layer, (x, kv_cache), (weights, jnp.arange(self.num_layers)))
+        aux = jnp.zeros((len(wanted),) + x.shape, x.dtype) if capture is not None else None
+        (x, kv_cache, aux), _ = jax.lax.scan(one_layer, (x, kv_cache, aux), (weights, jnp.arange(self.num_layers)))
+        if capture is not None:
+            capture["states"] = aux
         return x, kv_cache
 
     def hf_weights(self, prefix: Callable[[int], str]) -> HFWeights:

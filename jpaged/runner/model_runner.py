@@ -120,10 +120,15 @@ class ModelRunner:
         # `return_hidden`: the forward also returns the sampled rows' hidden states, kept in
         # `hidden_states` (on the device) for a proposer that drafts from them (EAGLE-style).
         # Off unless the proposer asks: other engines' executables are unchanged (on: keys ("forward", n, "hidden")).
+        # EAGLE-3 (`proposer.aux_hidden_layers`): instead the hidden states entering those layers at
+        # every token, and the step's input ids; the proposer reads them in `after_step`.
         self.return_hidden = self.proposer.needs_hidden_states
+        self.hidden_layers = tuple(getattr(self.proposer, "aux_hidden_layers", ()) or ())
         self.hidden_states = None
+        self.last_prepared = None  # with hidden states: the last step's host inputs (which row is whose)
         self._forward = lambda layout, hidden: jax.jit(
-            functools.partial(step_functions.forward, self.graphdef, rep, layout=layout, return_hidden=hidden),
+            functools.partial(step_functions.forward, self.graphdef, rep, layout=layout,
+                              return_hidden=(self.hidden_layers or True) if hidden else False),
             donate_argnums=(1,), out_shardings=(rep, pool, rep) if hidden else (rep, pool))
         self._sample = lambda layout: jax.jit(functools.partial(step_functions.sample, layout=layout),
                                               out_shardings=(rep, rep, rep), donate_argnums=(2, 3))
@@ -341,6 +346,8 @@ class ModelRunner:
         step = prepare_step(batch, ib, self.serving_buckets, self.block_size, multi_step,
                             lora_slots=ib.lora_slot[batch.rows] if self.lora_linears else None)
         inputs, num_sample_rows = step.inputs, len(step.inputs.logits_indices)
+        if self.return_hidden:
+            self.last_prepared = step
         full = not multi_step and step_inputs.needs_full_sampler(ib, batch)
         smeta = self.sampling_metadata(batch, num_sample_rows, full)
         if not multi_step:
@@ -376,6 +383,8 @@ class ModelRunner:
         out, self.last_tokens, self.token_history = self._executable(
             ("sample", self.buckets.sample_rows(num_tokens), full))(
             logits, smeta, self.last_tokens, self.token_history)
+        if hidden:
+            self.proposer.after_step(num_tokens, inputs, self.hidden_states, out)  # (EAGLE: its K/V of the step)
         return out
 
     def _write_history(self, rows: np.ndarray, tokens: np.ndarray):

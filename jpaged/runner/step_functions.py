@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged.models.forward_context import AttentionMetadata, ForwardContext, forward_context
+from jpaged.models.forward_context import AttentionMetadata, ForwardContext, capture_hidden_states, forward_context
 from jpaged.runner import sampler
 from jpaged.runner.input_batch import Layout, unpack
 
@@ -43,13 +43,21 @@ class StepInputs:
 
 
 def forward(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *, layout: Layout,
-            return_hidden: bool = False):
+            return_hidden: bool | tuple = False):
     """The model's part of a step: write the new K/V, attend, and the fp32 logits of the rows to
     sample. They stay on the device for the sampler executable. `return_hidden` (static): also
     the final hidden states of those rows, [rows, hidden] (for a proposer that drafts from the
-    target's hidden states, EAGLE-style); off, the executable is the one it always was."""
+    target's hidden states, EAGLE-style); a tuple of layer ids: instead the hidden states
+    entering those layers at every token, [tokens, len(ids) * hidden], with the step's input ids
+    (pending ones resolved), as EAGLE-3 reads them; off, the executable is the one it always was."""
     inputs = _with_pending_tokens(unpack(packed, layout), last_tokens)
-    return _model_logits(graphdef, logits_sharding, state, kv_cache, inputs, return_hidden)
+    if not isinstance(return_hidden, tuple):
+        return _model_logits(graphdef, logits_sharding, state, kv_cache, inputs, return_hidden)
+    with capture_hidden_states(return_hidden) as capture:
+        logits, kv_cache = _model_logits(graphdef, logits_sharding, state, kv_cache, inputs)
+    aux = capture["states"]  # [layers, tokens, hidden]
+    aux = jnp.moveaxis(aux, 0, 1).reshape(aux.shape[1], -1)
+    return logits, kv_cache, (jax.lax.with_sharding_constraint(aux, logits_sharding), inputs.input_ids)
 
 
 def forward_kv(graphdef, state, kv_cache, packed, last_tokens, *, layout: Layout):

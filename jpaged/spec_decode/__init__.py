@@ -12,6 +12,11 @@ keeps exactly the target's distribution.
                 checked here; it owns the draft's ModelRunner (pages, forward, executables) and
                 drafts after scheduling and the step's block moves (Scheduler.set_drafts puts
                 them in the plan in place of the reserved ones)
+  eagle_head.py the EAGLE-3 head (fc, one midlayer, norm, a reduced-vocabulary LM head, d2t/t2d)
+                in the public checkpoints' layout, loaded and checked against the target
+  eagle.py      Eagle3Proposer: the head's pages (one layer, the target's block ids), its pass over
+                every target step (the target's hidden states entering three of its layers) and
+                its k-draft chain on the device, after scheduling
   speculator.py which sequences speculate and how many drafts they take this step, and the
                 counters (stats(), Prometheus); the acceptance is Scheduler._accept's
 

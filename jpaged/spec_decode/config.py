@@ -4,7 +4,8 @@ import dataclasses
 
 from jpaged.json_option import option_fields
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle3")  # methods that read speculative_config.model
 # Bounds on the integers. Drafts per step: each is a row of every decoding sequence in the step (and
 # a draft model's step per draft); acceptance falls geometrically with the position, so beyond a
 # few tens a draft is almost never accepted. The n-gram lookup tries each n from prompt_lookup_max
@@ -19,7 +20,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int | None = None  # ngram: the longest suffix looked up (default: 4)
     prompt_lookup_min: int | None = None  # ngram: the shortest (default: 1)
-    model: str | None = None  # draft_model: a smaller checkpoint (path or hub id) with the target's vocabulary
+    # draft_model: a smaller checkpoint (path or hub id) with the target's vocabulary;
+    # eagle3: an EAGLE-3 head's directory (spec_decode/eagle_head.py)
+    model: str | None = None
     # No speculation while more than this many sequences run (large batches are compute bound:
     # verifying drafts that may be rejected costs more than it saves).
     disable_by_batch_size: int | None = None
@@ -59,8 +62,8 @@ class SpeculativeConfig:
               f"an integer in [1, {MAX_PROMPT_LOOKUP}]")
         check("prompt_lookup_min", self.lookup_min <= self.lookup_max,
               f"<= prompt_lookup_max={self.lookup_max}")
-        check("model", (self.model is None) == (self.method != "draft_model"),
-              "a checkpoint path or hub id with method 'draft_model' (and only then)")
+        check("model", (self.model is None) == (self.method not in MODEL_METHODS),
+              f"a checkpoint path or hub id with method in {MODEL_METHODS} (and only then)")
         check("model", self.model is None or (isinstance(self.model, str) and self.model.strip() != ""),
               "a non-empty string")
         check("disable_by_batch_size", self.disable_by_batch_size is None or positive_int(self.disable_by_batch_size),

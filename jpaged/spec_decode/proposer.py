@@ -28,6 +28,9 @@ class Proposer:
     # True: the target's forward also returns its sampled rows' hidden states
     # (ModelRunner.hidden_states, on the device), for a proposer that drafts from them.
     needs_hidden_states = False
+    # With needs_hidden_states: the hidden states entering these target layers at every token
+    # instead (EAGLE-3's low, middle and high features), with the step's input ids.
+    aux_hidden_layers: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------ drafts
     def draft(self, token_ids: list[int], k: int) -> list[int]:
@@ -47,6 +50,10 @@ class Proposer:
 
     def forward_kv(self, num_tokens: int, inputs, last_tokens) -> None:
         """Every target step's packed forward inputs (before `last_tokens` is donated)."""
+
+    def after_step(self, num_tokens: int, inputs, hidden, sampled) -> None:
+        """With needs_hidden_states: every target step's packed inputs, the forward's hidden
+        states (on the device) and the sampler's packed output (on the device)."""
 
     def device_ops(self) -> dict:
         """Device operations by name, run by the target runner's dispatch (multi-host: everywhere)."""

@@ -1,0 +1,118 @@
+"""A random EAGLE-3 head in the public layout (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B: config.json,
+fc, midlayer.*, norm, lm_head, d2t, t2d), and its drafts computed in float64 numpy from the
+target's hidden states (Hugging Face transformers), the tests' independent reference."""
+
+import json
+
+import numpy as np
+import safetensors.numpy
+
+
+def write_head(path, target_cfg, *, draft_vocab: int = 64, seed: int = 0, aux_layers=None, **overrides) -> str:
+    """A random head for `target_cfg` (a transformers config) in `path`; `overrides`: config fields."""
+    rng = np.random.default_rng(seed)
+    h, heads, kv, d = target_cfg.hidden_size, 4, 2, 32
+    inter = 2 * h
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+           "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d,
+           "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "max_position_embeddings": 4096, "vocab_size": target_cfg.vocab_size, "draft_vocab_size": draft_vocab,
+           "torch_dtype": "float32", "tie_word_embeddings": False}
+    if aux_layers is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}
+    cfg.update(overrides)
+
+    def linear(out_dim, in_dim, gain=1.0):
+        return (rng.standard_normal((out_dim, in_dim)) * gain / np.sqrt(in_dim)).astype(np.float32)
+
+    # The draft vocabulary: a sorted subset of the target's (d2t: target id - draft id).
+    draft_ids = np.sort(rng.choice(cfg["vocab_size"], draft_vocab, replace=False))
+    t2d = np.zeros(cfg["vocab_size"], bool)
+    t2d[draft_ids] = True
+    weights = {
+        "fc.weight": linear(h, 3 * h),
+        "midlayer.input_layernorm.weight": (1 + 0.1 * rng.standard_normal(h)).astype(np.float32),
+        "midlayer.hidden_norm.weight": (1 + 0.1 * rng.standard_normal(h)).astype(np.float32),
+        "midlayer.self_attn.q_proj.weight": linear(heads * d, 2 * h, 2.0),
+        "midlayer.self_attn.k_proj.weight": linear(kv * d, 2 * h, 2.0),
+        "midlayer.self_attn.v_proj.weight": linear(kv * d, 2 * h),
+        "midlayer.self_attn.o_proj.weight": linear(h, heads * d),
+        "midlayer.post_attention_layernorm.weight": np.ones(h, np.float32),
+        "midlayer.mlp.gate_proj.weight": linear(inter, h),
+        "midlayer.mlp.up_proj.weight": linear(inter, h),
+        "midlayer.mlp.down_proj.weight": linear(h, inter),
+        "norm.weight": np.ones(h, np.float32),
+        "lm_head.weight": linear(draft_vocab, h, 4.0),
+        "d2t": (draft_ids - np.arange(draft_vocab)).astype(np.int64),
+        "t2d": t2d,
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    safetensors.numpy.save_file(weights, str(path / "model.safetensors"))
+    return str(path)
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def _rope(x, positions, theta):  # x [tokens, heads, d], HF's rotate-half
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
+    ang = positions[:, None] * inv[None]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1))[:, None], np.sin(np.concatenate([ang, ang], -1))[:, None]
+    rot = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)
+    return x * cos + rot * sin
+
+
+class ReferenceHead:
+    """The head in float64 numpy, over whole sequences (no pages): the drafts it proposes."""
+
+    def __init__(self, path, embed):
+        self.cfg = json.loads(open(f"{path}/config.json").read())
+        self.w = {k: v.astype(np.float64) if v.dtype.kind == "f" else v
+                  for k, v in safetensors.numpy.load_file(f"{path}/model.safetensors").items()}
+        self.embed = embed.astype(np.float64)
+
+    def layer(self, emb, hidden, positions):
+        c, w = self.cfg, self.w
+        eps, heads, kv, d = c["rms_norm_eps"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        x = np.concatenate([_rms(emb, w["midlayer.input_layernorm.weight"], eps),
+                            _rms(hidden, w["midlayer.hidden_norm.weight"], eps)], -1)
+        q = (x @ w["midlayer.self_attn.q_proj.weight"].T).reshape(-1, heads, d)
+        k = (x @ w["midlayer.self_attn.k_proj.weight"].T).reshape(-1, kv, d)
+        v = (x @ w["midlayer.self_attn.v_proj.weight"].T).reshape(-1, kv, d)
+        q, k = _rope(q, positions, c["rope_theta"]), _rope(k, positions, c["rope_theta"])
+        k, v = np.repeat(k, heads // kv, 1), np.repeat(v, heads // kv, 1)
+        s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d)
+        s = np.where(np.tril(np.ones((len(q), len(q)), bool))[None], s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        o = np.einsum("hqk,khd->qhd", p, v).reshape(len(q), -1) @ w["midlayer.self_attn.o_proj.weight"].T
+        r = hidden + o
+        m = _rms(r, w["midlayer.post_attention_layernorm.weight"], eps)
+        g = m @ w["midlayer.mlp.gate_proj.weight"].T
+        u = m @ w["midlayer.mlp.up_proj.weight"].T
+        return r + (g / (1 + np.exp(-g)) * u) @ w["midlayer.mlp.down_proj.weight"].T
+
+    def draft(self, hidden):
+        logits = _rms(hidden, self.w["norm.weight"], self.cfg["rms_norm_eps"]) @ self.w["lm_head.weight"].T
+        i = int(np.argmax(logits))
+        return i + int(self.w["d2t"][i])
+
+    def drafts(self, tokens, aux, k):
+        """The k drafts after `tokens` (its last one not yet run by the target): `aux` [len - 1,
+        3 * hidden], the target's features at every token but the last."""
+        n = len(tokens) - 1
+        hidden = aux @ self.w["fc.weight"].T
+        emb = self.embed[np.asarray(tokens[1:])]
+        positions = np.arange(n, dtype=np.float64)
+        out = self.layer(emb, hidden, positions)
+        drafts = [self.draft(out[-1])]
+        for _ in range(k - 1):
+            emb = np.concatenate([emb, self.embed[drafts[-1]][None]])
+            hidden = np.concatenate([hidden, out[-1:]])
+            positions = np.arange(len(emb), dtype=np.float64)
+            out = self.layer(emb, hidden, positions)
+            drafts.append(self.draft(out[-1]))
+        return drafts

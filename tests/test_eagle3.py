@@ -1,0 +1,171 @@
+"""EAGLE-3 speculative decoding (spec_decode/eagle.py, eagle_head.py) on the tiny model, with a
+random head written in the public layout (tests/eagle3_head.py).
+
+The head's drafts are checked against a float64 numpy head fed by Hugging Face transformers'
+hidden states of the same target (its pages must hold the right K/V after prefix-cache hits
+and preemptions); outputs must be exactly those without speculation (verification keeps the
+target's draws whatever the drafts).
+"""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import jpaged
+from jpaged.models import tiny
+from eagle3_head import ReferenceHead, write_head
+from test_async_scheduling import generate_counting_overlaps
+from test_spec_decode_draft import write_tiny
+
+LIMITS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
+SEED = 20261125
+K = 3
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    return write_head(tmp_path_factory.mktemp("eagle") / "head", tiny.tiny_config())
+
+
+def eagle_config(path, k=K, **extra):
+    return {"method": "eagle3", "model": path, "num_speculative_tokens": k, **extra}
+
+
+def generate(llm, prompts, sp):
+    return [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+def spec_stats(llm):
+    return {k: v for k, v in llm.stats().items() if k.startswith("spec_decode")}
+
+
+def record_drafts(llm, oracle=None, rng=None) -> list:
+    """(the sequence's tokens, the head's drafts) of every proposal the engine makes from now on.
+    `oracle(tokens)`: the tokens that really follow; the step verifies those instead, one in
+    five changed (so runs of drafts are accepted, and rejected, whatever the random head says)."""
+    scheduler, records = llm.llm_engine.scheduler, []
+    set_drafts = scheduler.set_drafts
+
+    def recording(plan, scheduled, tokens):
+        if tokens:
+            seq_tokens = scheduled.seqs[0].get_token_ids()
+            records.append((seq_tokens, list(tokens)))
+            if oracle is not None:
+                tokens = [t if rng.random() < 0.8 else (t + 1) % 256 for t in oracle(seq_tokens)[:len(tokens)]]
+        return set_drafts(plan, scheduled, tokens)
+
+    scheduler.set_drafts = recording
+    return records
+
+
+@pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
+def test_drafts_are_the_reference_heads(head, preemption_mode, shared_llm, tmp_path):
+    """Every proposal equals the float64 head's over the target's (transformers) hidden states,
+    with prefix-cache hits, preemptions and runs of accepted drafts; the outputs are those
+    without speculation. The shared prefix runs one token past its last full block: a cached
+    block's last entry pairs with the token after it, the same for every prompt."""
+    rng = np.random.default_rng(SEED)
+    shared = rng.integers(0, 256, 17).tolist()
+    prompts = [shared + rng.integers(0, 256, n).tolist() for n in (2, 9, 20)]
+    params = [jpaged.SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_tokens=16, ignore_eos=True)
+              for i in range(len(prompts))]
+    expected = [o.token_ids for o in generate(shared_llm("tiny", enforce_eager=True, **LIMITS), prompts, params)]
+    full = [p + e for p, e in zip(prompts, expected)]
+
+    def oracle(tokens):
+        whole = next(f for f in full if f[:len(tokens)] == tokens)
+        return whole[len(tokens):]
+
+    llm = jpaged.LLM("tiny", speculative_config=eagle_config(head), enforce_eager=True, enable_prefix_caching=True,
+                     preemption_mode=preemption_mode, num_gpu_blocks_override=10, block_size=8,
+                     max_model_len=128, max_num_seqs=8, max_num_batched_tokens=512)
+    records = record_drafts(llm, oracle, rng)
+    outputs = generate(llm, prompts[:1], params[0])  # cached: the later prompts' first two blocks
+    outputs += generate(llm, prompts[1:], params[1:])
+    stats, spec = llm.stats(), spec_stats(llm)
+    print(spec, stats["num_preemptions"], stats["prefix_cache_hits"], len(records))
+    assert [o.token_ids for o in outputs] == expected
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and len(records) > 10
+    assert spec["spec_decode_num_accepted_tokens_per_pos"][1] > 0
+
+    target = transformers.AutoModelForCausalLM.from_pretrained(write_tiny(tmp_path / "tiny"), dtype=torch.float64)
+    reference = ReferenceHead(head, target.model.embed_tokens.weight.detach().numpy())
+    layers = (2, 2, 1)  # (2, L // 2, L - 3) of the tiny model's 4 layers
+    mismatches = 0
+    for tokens, drafts in records:
+        with torch.no_grad():
+            states = target(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+        aux = np.concatenate([states[i][0].numpy() for i in layers], -1)
+        mismatches += drafts != reference.drafts(tokens, aux, len(drafts))
+    assert mismatches <= len(records) // 50, f"{mismatches} of {len(records)} proposals differ from the reference"
+
+
+def test_outputs_equal_without_speculation_and_nothing_compiles_after_warm_up(head, shared_llm):
+    """Greedy with logprobs, seeded sampling with top-p / top-k, a penalty and a grammar in one
+    batch: token for token the outputs without speculation."""
+    rng = np.random.default_rng(SEED)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (3, 9, 17, 30, 5, 12)]
+    params = [jpaged.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2),
+              jpaged.SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True),
+              jpaged.SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=11, max_tokens=24, ignore_eos=True),
+              jpaged.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3),
+              jpaged.SamplingParams(temperature=0, max_tokens=20, guided_regex="[a-z]{3,12}"),
+              jpaged.SamplingParams(temperature=1.0, max_tokens=17, ignore_eos=True)]  # unseeded: the engine seed
+    reference = generate(shared_llm("tiny", enforce_eager=True, **LIMITS), prompts, params)
+    # Warmed up (every bucket), on fewer buckets than the reference's: outputs do not depend on them.
+    llm = jpaged.LLM("tiny", speculative_config=eagle_config(head), max_model_len=128, max_num_seqs=4,
+                     max_num_batched_tokens=32)
+    compiled = llm.stats()["num_compilations"]
+    outputs = generate(llm, prompts, params)
+    stats = spec_stats(llm)
+    print(stats)
+    assert llm.stats()["num_compilations"] == compiled, "a draft or verification shape compiled after warm-up"
+    assert stats["spec_decode_num_draft_tokens"] > 50
+    for ours, ref in zip(outputs, reference):
+        assert ours.token_ids == ref.token_ids
+    for top, ref_top in zip(outputs[0].logprobs, reference[0].logprobs):  # the target's logprobs
+        assert top.keys() == ref_top.keys() and all(abs(top[t] - ref_top[t]) < 1e-4 for t in top)
+
+
+def test_bad_heads_are_value_errors(tmp_path):
+    cfg = tiny.tiny_config()
+    cases = [
+        (write_head(tmp_path / "hidden", cfg, hidden_size=128), r"speculative_config.model=.*hidden_size=128, the target 256"),
+        (write_head(tmp_path / "vocab", cfg, vocab_size=300), r"speculative_config.model=.*vocab_size=300, the target 259"),
+        (write_head(tmp_path / "layers", cfg, aux_layers=(0, 2, 4)), r"eagle_aux_hidden_state_layer_ids"),
+        (write_head(tmp_path / "draft_vocab", cfg, draft_vocab_size=65), r"d2t of shape \(64,\).*draft_vocab_size"),
+        (write_head(tmp_path / "mlp", cfg, intermediate_size=100), r"does not fit.*midlayer.mlp"),
+        (str(tmp_path / "missing"), r"speculative_config.model=.*config.json"),
+    ]
+    for path, message in cases:
+        with pytest.raises(ValueError, match=message):
+            jpaged.LLM("tiny", speculative_config=eagle_config(path), enforce_eager=True, **LIMITS)
+    with pytest.raises(ValueError, match=r"speculative_config.model"):
+        jpaged.LLM("tiny", speculative_config={"method": "eagle3", "num_speculative_tokens": 2}, **LIMITS)
+
+
+def test_async_scheduling_and_disable_by_batch_size(head, shared_llm):
+    """With async scheduling, steps above disable_by_batch_size overlap (the head's pages still
+    follow every step) and the thinned-out batch speculates: outputs as without speculation."""
+    rng = np.random.default_rng(SEED)
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(3, 20, 4)]
+    params = [jpaged.SamplingParams(temperature=1.0 if i % 2 else 0, top_k=20, seed=i, max_tokens=n, ignore_eos=True)
+              for i, n in enumerate([4, 6, 16, 20])]
+    expected = [o.token_ids for o in generate(shared_llm("tiny", enforce_eager=True, **LIMITS), prompts, params)]
+    llm = jpaged.LLM("tiny", speculative_config=eagle_config(head, disable_by_batch_size=2), async_scheduling=True,
+                     enforce_eager=True, **LIMITS)
+    outputs, overlapped = generate_counting_overlaps(llm, prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert overlapped > 0 and spec_stats(llm)["spec_decode_num_draft_tokens"] > 0
+
+
+def test_tensor_parallel(head, shared_llm):
+    """Target and head over a 2-device mesh: the same outputs."""
+    prompts = [[5, 6, 7, 8, 9], [100, 3, 4]]
+    sp = jpaged.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    reference = generate(shared_llm("tiny", enforce_eager=True, **LIMITS), prompts, sp)
+    llm = jpaged.LLM("tiny", speculative_config=eagle_config(head), tensor_parallel_size=2, enforce_eager=True,
+                     **LIMITS)
+    assert [o.token_ids for o in generate(llm, prompts, sp)] == [o.token_ids for o in reference]
+    assert spec_stats(llm)["spec_decode_num_draft_tokens"] > 0
