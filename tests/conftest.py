@@ -12,6 +12,10 @@
   warms one directory per file and copies it for each test that damages or reloads it.
 - Engines: `shared_llm` (below) builds one per distinct arguments per worker, for tests that only
   generate greedily or with per-request seeds.
+- Compiles are cheap: the suite compiles at XLA's CPU -O0 (set below, before jax is imported;
+  servers and scripts the tests start inherit it through the environment; a test that sets its
+  own XLA_FLAGS for a subprocess keeps it, as test_multihost.py does). A test that does not test
+  the warm-up builds its engine or server with enforce_eager (compiles only the shapes it runs).
 - Servers: one module-scoped fixture per file (test_server.py's `server`: `Server(*flags)`, stopped
   with status 0 asserted), started with flags that fit all of the file's tests, rather than one
   server per test (test_smollm2_responses.py: both tests on one SmolLM2 server). A test that needs
@@ -26,6 +30,18 @@ os.environ.setdefault("JPAGED_CHECK_INVARIANTS", "1")
 # 2, 4 and 8 on any machine; single-device code keeps using the first one.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+# XLA's CPU backend at LLVM -O0, for the suite only (never for users or the quick start's server):
+# the suite's time is mostly compiling small models' step functions, and -O0 compiles them in about
+# half the time (one tiny engine's 16-executable warm-up: 33.6 -> 18.7 s at load 4; 31.8 -> 22.5 s
+# of CPU for the whole process). The code it makes runs slower (unvectorized element-wise loops: a
+# tiny engine's steps ~2-3x, a SmolLM2 step ~1.3x), which the tests' short runs pay back many times.
+# Same tokens: no fast-math at any level, so LLVM may not reorder fp32 math (tiny's and SmolLM2's
+# greedy tokens identical at -O0 and -O2); the references (HF, float64, TP=1, bitwise batch
+# invariance) hold as before. Servers and scripts the tests start inherit it through the
+# environment; the executable cache's key holds XLA_FLAGS, so -O0 and -O2 executables never mix.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 # One thread for torch's (OpenMP's) parallel loops: two xdist workers share the cores, and torch's
 # spinning threads on a busy core made one SmolLM2 forward take 4 s instead of 0.25 s.

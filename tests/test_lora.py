@@ -92,7 +92,8 @@ def test_prefix_cache_keeps_adapters_apart(checkpoint):
     (each adapter's K/V differs), while the same adapter twice hits its own cached blocks."""
     base_dir, adapters = checkpoint
     prompt = list(range(1, 40))
-    llm = jpaged.LLM(base_dir, enable_prefix_caching=True, block_size=8, **LIMITS)
+    # Eager: compiles the few shapes it runs, not a whole warm-up (no test here of warm-up).
+    llm = jpaged.LLM(base_dir, enable_prefix_caching=True, block_size=8, enforce_eager=True, **LIMITS)
     sp = jpaged.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     a = LoRARequest("attn-r4", 1, adapters["attn-r4"])
     b = LoRARequest("all-r8", 2, adapters["all-r8"])
@@ -109,7 +110,7 @@ def test_prefix_cache_keeps_adapters_apart(checkpoint):
 
 def test_bad_adapters_are_value_errors(checkpoint, tmp_path):
     base_dir, adapters = checkpoint
-    llm = jpaged.LLM(base_dir, **dict(LIMITS, max_lora_rank=8))
+    llm = jpaged.LLM(base_dir, **dict(LIMITS, max_lora_rank=8), enforce_eager=True)  # eager: no warm-up to test
     sp = jpaged.SamplingParams(max_tokens=2)
     bad_json = tmp_path / "bad-json"
     bad_json.mkdir()

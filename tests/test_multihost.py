@@ -96,7 +96,9 @@ def test_two_processes_match_one(tmp_path):
     import jpaged
     from jpaged.parallel import distributed
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    # (conftest's -O0 too: the processes compile as this one does)
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     port = free_port()
     procs = [subprocess.Popen([sys.executable, __file__, str(i), str(port), str(tmp_path / f"{i}.json")], env=env,
