@@ -497,5 +497,3 @@ class ModelRunner:
         pages = jax.make_array_from_callback(self._swapped_pages_shape(len(gpu)).shape, self._pages_sharding,
                                              local_pages)
         self.kv_cache = self._executable(("swap_in", len(gpu)))(self.kv_cache, pages, gpu)
-
-
