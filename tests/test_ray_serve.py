@@ -29,10 +29,11 @@ import jpaged
 from jpaged.ray import build_app
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Small pools (blocks of 16): one replica holds 4 of the workload's 6 prefixes (5 blocks each) beside
-# the running requests, so routing decides what stays cached.
+# Pools (blocks of 16) that hold the workload's 6 prefixes (5 blocks each): what routing changes is
+# how many replicas compute each prefix once (round-robin: both; prefix routing: one), not evictions
+# (those depend on the order requests arrive in, which two clients do not fix).
 ARGS = {"model": "tiny", "num_replicas": 2, "enable_prefix_caching": True, "max_model_len": 128,
-        "max_num_seqs": 8, "max_num_batched_tokens": 128, "enforce_eager": True, "num_gpu_blocks_override": 32,
+        "max_num_seqs": 8, "max_num_batched_tokens": 128, "enforce_eager": True, "num_gpu_blocks_override": 64,
         "disable_log_requests": True, "disable_log_stats": True, "health_check_period_s": 1,
         "ray_actor_options": {"num_cpus": 1}}
 PROMPTS = [[5 + i, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21] for i in range(3)]
