@@ -19,6 +19,9 @@ from serving.responses_store import RESPONSES_STORE_BYTES
 from serving.tool_calls import TOOL_CALL_PARSERS
 from serving.tool_templates import TOOL_CHAT_TEMPLATES, load_chat_template
 
+if typing.TYPE_CHECKING:
+    from serving.server_options import ServerOptions
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -100,7 +103,7 @@ def check_port(host: str, port: int):
                                  "choose another --port)") from None
 
 
-def serve_options(args) -> tuple[EngineConfig, "ServerOptions"]:
+def serve_options(args) -> "tuple[EngineConfig, ServerOptions]":
     """The engine's and the server's options from `jpaged serve`'s parsed flags, checked (a
     ValueError naming the flag otherwise); also what jpaged.ray's build_app checks its args with."""
     from serving.lora import parse_lora_modules

@@ -29,10 +29,11 @@ import jpaged
 from jpaged.ray import build_app
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Small pools (blocks of 16): one replica holds 3 of the workload's 6 prefixes, so routing decides
-# what stays cached.
+# Pools (blocks of 16) that hold the workload's 6 prefixes (5 blocks each): what routing changes is
+# how many replicas compute each prefix once (round-robin: both; prefix routing: one), not evictions
+# (those depend on the order requests arrive in, which two clients do not fix).
 ARGS = {"model": "tiny", "num_replicas": 2, "enable_prefix_caching": True, "max_model_len": 128,
-        "max_num_seqs": 8, "max_num_batched_tokens": 128, "enforce_eager": True, "num_gpu_blocks_override": 24,
+        "max_num_seqs": 8, "max_num_batched_tokens": 128, "enforce_eager": True, "num_gpu_blocks_override": 64,
         "disable_log_requests": True, "disable_log_stats": True, "health_check_period_s": 1,
         "ray_actor_options": {"num_cpus": 1}}
 PROMPTS = [[5 + i, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21] for i in range(3)]
@@ -157,7 +158,7 @@ def test_health_and_metrics_per_replica(cluster):
 
 
 async def _hit_rate(url: str, prompts: list[list[int]]) -> float:
-    """Prefix-cache hits / queries (tokens) over the replicas' counters, sending `prompts` 4 at a time."""
+    """Prefix-cache hits / queries (tokens) over the replicas' counters, sending `prompts` 2 at a time."""
     pattern = r'^jpaged:prefix_cache_(hits|queries)_total\{model_name="tiny",engine="([^"]+)"\} (\S+)$'
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
@@ -173,7 +174,7 @@ async def _hit_rate(url: str, prompts: list[list[int]]) -> float:
                     assert r.status == 200, await r.text()
 
         before = await counters()
-        await asyncio.gather(*(send(prompts[i::4]) for i in range(4)))
+        await asyncio.gather(*(send(prompts[i::2]) for i in range(2)))
         after = await counters()
     return (after["hits"] - before["hits"]) / (after["queries"] - before["queries"])
 
@@ -191,12 +192,44 @@ def test_prefix_routing_beats_round_robin(cluster):
     assert prefix > rr + 0.1
 
 
+async def _streams_across_a_kill(url: str, pid: int) -> list[tuple[bool, bool, int]]:
+    """Two long streams (round-robin: one per replica); SIGKILL `pid` once both have output.
+    Each stream's (ended with [DONE], had an error event, finished with its 100 tokens)."""
+    started = [asyncio.Event(), asyncio.Event()]
+
+    async def stream(session, i):
+        done = error = chunks = False  # chunks: finished with finish_reason "length"
+        async with session.post(url + "/v1/completions", json={
+                "model": "tiny", "prompt": PROMPTS[i], "max_tokens": 100, "ignore_eos": True, "stream": True}) as r:
+            async for line in r.content:
+                if line.startswith(b"data: [DONE]"):
+                    done = True
+                elif line.startswith(b"data: "):
+                    event = json.loads(line[6:])
+                    error = error or "error" in event
+                    chunks = chunks or any(c.get("finish_reason") == "length" for c in event.get("choices", ()))
+                    started[i].set()
+        started[i].set()
+        return done, error, chunks
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as session:
+        tasks = [asyncio.create_task(stream(session, i)) for i in range(2)]
+        await asyncio.gather(*(e.wait() for e in started))
+        os.kill(pid, signal.SIGKILL)
+        return await asyncio.gather(*tasks)
+
+
 def test_killed_replica_restarts(cluster):
-    """SIGKILL one replica of "rr": Ray starts another; requests after the kill all succeed."""
+    """SIGKILL one replica of "rr" while two streams run: the stream it served ends with an error
+    event, the other finishes, nothing hangs; Ray starts another replica; requests after the kill
+    all succeed."""
     url = cluster + "/rr"
     health = json.loads(asyncio.run(_get(url + "/health"))[1])
     victim = health["replicas"][0]
-    os.kill(victim["pid"], signal.SIGKILL)
+    results = asyncio.run(_streams_across_a_kill(url, victim["pid"]))
+    assert all(done for done, _, _ in results)  # both ended: [DONE] after the error event too
+    assert sorted(error for _, error, _ in results) == [False, True], results
+    assert any(not error and finished for _, error, finished in results), results
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     for i in range(6):  # the dead replica's turns go to the other (a replica that dies unstarted: retried)
         assert client.completions.create(model="tiny", prompt=PROMPTS[i % 3], max_tokens=4).usage.completion_tokens == 4

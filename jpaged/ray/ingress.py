@@ -15,7 +15,6 @@ import os
 import tempfile
 
 import aiohttp
-from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 

@@ -19,6 +19,7 @@ registers itself in this process (`routers`): the ingress reads the replicas' re
 import itertools
 import sys
 import time
+import typing
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 # Ray Serve LLM's router itself: ray.serve.llm's package needs ray[llm] (pyarrow, ...), this module does not.
@@ -26,6 +27,9 @@ from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router i
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from jpaged.data_parallel.router import DEFAULT_LOAD_SLACK, Router
+
+if typing.TYPE_CHECKING:
+    from jpaged.ray.server import GenerateRequest
 
 # How long a prefix the router sent a replica counts as cached there without the replica saying so.
 SENT_TTL_S = 5.0
