@@ -78,7 +78,7 @@ def test_drafts_are_the_reference_heads(head, preemption_mode, shared_llm, tmp_p
         return whole[len(tokens):]
 
     llm = jpaged.LLM("tiny", speculative_config=eagle_config(head), enforce_eager=True, enable_prefix_caching=True,
-                     preemption_mode=preemption_mode, num_gpu_blocks_override=10, block_size=8,
+                     preemption_mode=preemption_mode, num_gpu_blocks_override=8, block_size=8,
                      max_model_len=128, max_num_seqs=8, max_num_batched_tokens=512)
     records = record_drafts(llm, oracle, rng)
     outputs = generate(llm, prompts[:1], params[0])  # cached: the later prompts' first two blocks
