@@ -72,7 +72,9 @@ def test_outputs_equal_without_speculation_and_nothing_compiles_after_warm_up(sh
               jpaged.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3),
               jpaged.SamplingParams(temperature=0, max_tokens=20, guided_regex="[a-z]{3,12}"),
               jpaged.SamplingParams(temperature=1.0, max_tokens=17, ignore_eos=True)]  # unseeded: the engine seed
-    reference = generate(shared_llm("tiny", enforce_eager=True, **LIMITS), prompts, params)
+    # A fresh engine: the unseeded request draws from the engine's seed and its request count (a
+    # shared engine other files ran first would have moved on).
+    reference = generate(jpaged.LLM("tiny", enforce_eager=True, **LIMITS), prompts, params)
     llm = jpaged.LLM("tiny", speculative_config=draft_config(short_draft), **LIMITS)  # warmed up: every bucket
     compiled = llm.stats()["num_compilations"]
     outputs = generate(llm, prompts, params)
