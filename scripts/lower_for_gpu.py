@@ -148,6 +148,18 @@ def _abstract_model(runner):
     return graphdef, jax.tree.map(strip, state), kv_cache, strip(runner.last_tokens)
 
 
+_ENGINES = {}
+
+
+def engine(model, **kwargs):
+    """jpaged.LLM(model, **kwargs), built once per arguments: --device all lowers each for both GPUs
+    (the engines are device-agnostic; only their abstract copies take the mesh)."""
+    key = (model, repr(sorted(kwargs.items())))
+    if key not in _ENGINES:
+        _ENGINES[key] = jpaged.LLM(model, **kwargs)
+    return _ENGINES[key]
+
+
 def forward_cases(families_here=("pallas", "mosaic")):
     """The engine's forward (tiny model in bf16, tensor parallelism off) per kernel family, for a
     decode bucket and a mixed (prefill) bucket, and its 4-step decode loop (multi-step), lowered
@@ -175,7 +187,7 @@ def forward_cases(families_here=("pallas", "mosaic")):
                                                                   {"model": eagle3_head()} if spec == "eagle3" else {})}
         model = "tiny" if weights in (None, "fp8", "int8") else os.path.join(ROOT, "tests", "data",
                                                                               f"llmcompressor-{weights}")
-        llm = jpaged.LLM(model, dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8,
+        llm = engine(model, dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8,
                          num_gpu_blocks_override=64, attention_backend=backend, num_scheduler_steps=1 if spec else 4,
                          kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=kv_cache_dtype != "auto",
                          speculative_config=config if spec else None, enable_lora=lora, max_loras=4,
@@ -258,7 +270,7 @@ def pooling_cases():
 def invariant_cases():
     """The engine's forward in batch_invariant mode (its XLA attention and row-tiled matmuls on
     every platform: the Pallas kernels are refused with it), a decode and a mixed bucket."""
-    llm = jpaged.LLM("tiny", dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8,
+    llm = engine("tiny", dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8,
                      num_gpu_blocks_override=64, batch_invariant=True)
     runner = llm.llm_engine.runner
     graphdef, state, kv_cache, last_tokens = _abstract_model(runner)
@@ -285,6 +297,7 @@ def check_mosaic_refused() -> None:
     raise RuntimeError("attention_backend='mosaic' was accepted")
 
 
+@functools.cache
 def eagle3_head() -> str:
     """A random EAGLE-3 head for the tiny model, in the public layout (tests/eagle3_head.py)."""
     import pathlib
