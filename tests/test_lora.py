@@ -68,7 +68,8 @@ def test_mixed_adapters_equal_peft(checkpoint):
     max_tokens = 10
     from test_compilation import CompileRecorder
 
-    llm = jpaged.LLM(base_dir, **LIMITS)
+    # Warmed up on return: the recorder hears every compile in the process, a background warm-up's too.
+    llm = jpaged.LLM(base_dir, background_warmup=False, **LIMITS)
     sp = jpaged.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     with CompileRecorder() as recorder:  # jax's own compile events: loading and swapping adapters compiles nothing
         outputs = llm.generate(prompts, sp, lora_request=requests, use_tqdm=False)
