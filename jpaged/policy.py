@@ -40,8 +40,11 @@ class Policy:
         tokens = jnp.asarray(tokens, jnp.int32)
         if tokens.shape[0] == 1:  # no size-1 batch axis (XLA special-cases those: the engine has no one-row steps)
             return self.apply(params, jnp.concatenate([tokens, jnp.zeros_like(tokens)]))[:1]
-        b, t = tokens.shape
         page = runner.block_size
+        if tokens.shape[1] % page:  # whole pages, as the engine's steps write them (see below)
+            pad = page - tokens.shape[1] % page
+            return self.apply(params, jnp.pad(tokens, ((0, 0), (0, pad))))[:, :-pad]
+        b, t = tokens.shape
         width = -(-t // page)
         model = nnx.merge(runner.graphdef, params)
         # at least 2: XLA inlines a one-trip loop into its surroundings, and its fusions then differ

@@ -9,6 +9,7 @@ import difflib
 import json
 
 from jpaged.config import EngineConfig
+from jpaged.json_option import parsed
 from serving.server_options import ServerOptions
 
 # Ray Serve's keys build_app takes besides `jpaged serve`'s options.
@@ -62,17 +63,6 @@ def _serve_parser() -> argparse.ArgumentParser:
     return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
 
 
-def _parse_json(key: str, value, kinds: tuple):
-    if isinstance(value, str) and not isinstance(value, kinds):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{key}={value!r}: not JSON ({e})") from None
-    if not isinstance(value, kinds):
-        raise ValueError(f"{key}={value!r}; expected {' or '.join(k.__name__ for k in kinds)}")
-    return value
-
-
 def _number(key: str, value, kind, low):
     try:
         number = kind(value)
@@ -91,13 +81,13 @@ def ray_options(args: dict) -> RayOptions:
         value = args["num_replicas"]
         options.num_replicas = value if value == "auto" else _number("num_replicas", value, int, 1)
     if "autoscaling_config" in args:
-        options.autoscaling_config = _parse_json("autoscaling_config", args["autoscaling_config"], (dict,))
+        options.autoscaling_config = parsed(args["autoscaling_config"], "autoscaling_config", (dict,))
         options.num_replicas = None
     for key in ("ray_actor_options", "ingress_ray_actor_options"):
         if key in args:
-            setattr(options, key, _parse_json(key, args[key], (dict,)))
+            setattr(options, key, parsed(args[key], key, (dict,)))
     if "placement_group_bundles" in args:
-        bundles = _parse_json("placement_group_bundles", args["placement_group_bundles"], (list,))
+        bundles = parsed(args["placement_group_bundles"], "placement_group_bundles", (list,))
         if not bundles or not all(isinstance(b, dict) and b for b in bundles):
             raise ValueError(f"placement_group_bundles={bundles!r}; expected a list of resource dicts, "
                              "e.g. [{\"GPU\": 1}, {\"GPU\": 1}]")

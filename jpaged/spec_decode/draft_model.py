@@ -34,7 +34,7 @@ from jpaged.runner.prepare_inputs import SeqInput, prepare_inputs
 from jpaged.runner.input_batch import pack
 from jpaged.runner.step_inputs import StepBatch
 from jpaged.runner.step_functions import StepHandle
-from jpaged.spec_decode.proposer import DRAFT_PENDING, Proposer
+from jpaged.spec_decode.proposer import DRAFT_PENDING, RunnerProposer
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +87,11 @@ def draft_keys(buckets, lora: bool = False):
             yield (op, num_blocks)
 
 
-class DraftModelProposer(Proposer):
+class DraftModelProposer(RunnerProposer):
     """Drafts after scheduling, from the draft model's ModelRunner (`runner`, which it owns: built
     with the target's shape and num_scheduler_steps = k, its pages sharing the target's block ids)."""
 
-    drafts_after_scheduling = True
+    method = "draft_model"
 
     def __init__(self, draft: DraftModel, executable_cache, target_lora: bool = False, **shape):
         """`shape`: the target runner's (its blocks, sequences, tokens, lengths and drafts);
@@ -102,9 +102,6 @@ class DraftModelProposer(Proposer):
                                   num_scheduler_steps=shape["num_speculative_tokens"], executable_cache=executable_cache)
 
     # ------------------------------------------------------------------ the runner's hooks
-    def shared_pools(self) -> list:
-        return [self.runner]
-
     def forward_kv(self, num_tokens: int, inputs, last_tokens):
         self.runner.run_kv_forward(num_tokens, inputs, last_tokens, self.target_lora)  # the step's tokens' K/V in the draft's pages
 
@@ -113,23 +110,6 @@ class DraftModelProposer(Proposer):
 
     def warm_up(self, stop=None):
         self.runner.warm_up(stop, list(draft_keys(self.runner.buckets, self.target_lora)))
-
-    def bypass_executable_cache(self):
-        self.runner.bypass_executable_cache()
-
-    @property
-    def num_compilations(self) -> int:
-        return self.runner.num_compilations
-
-    @property
-    def executable_cache_hits(self) -> int:
-        return self.runner.executable_cache.hits
-
-    def is_alive(self) -> bool:
-        return self.runner.is_alive()
-
-    def check_sleep(self):
-        raise ValueError("sleep is not supported with a draft model (speculative_config method 'draft_model')")
 
     # ------------------------------------------------------------------ drafts
     def propose(self, plan, scheduler, runner, seed_of):

@@ -39,7 +39,7 @@ from jpaged.runner.buckets import BLOCK_OP_SIZES, BLOCK_OPS, fit
 from jpaged.runner.input_batch import layout_of, unpack
 from jpaged.runner.model_runner import ModelRunner
 from jpaged.spec_decode.eagle_head import EagleHead
-from jpaged.spec_decode.proposer import DRAFT_PENDING, Proposer
+from jpaged.spec_decode.proposer import DRAFT_PENDING, RunnerProposer
 
 logger = logging.getLogger(__name__)
 
@@ -148,11 +148,11 @@ class EagleRunner(ModelRunner):
         return drafts
 
 
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(RunnerProposer):
     """Drafts after scheduling (the plan reserves k slots per speculating sequence), from the
     target's hidden states through the head's EagleRunner (`runner`)."""
 
-    drafts_after_scheduling = True
+    method = "eagle3"
     needs_hidden_states = True
 
     def __init__(self, head: EagleHead, executable_cache, target_lora: bool = False, **shape):
@@ -161,9 +161,6 @@ class Eagle3Proposer(Proposer):
         self.runner = EagleRunner(head, self.k - 1, target_lora, executable_cache, **shape)
 
     # ------------------------------------------------------------------ the runner's hooks
-    def shared_pools(self) -> list:
-        return [self.runner]
-
     def after_step(self, num_tokens: int, inputs, hidden, sampled):
         self.runner.run_fill(num_tokens, inputs, hidden, sampled)
 
@@ -172,23 +169,6 @@ class Eagle3Proposer(Proposer):
 
     def warm_up(self, stop=None):
         self.runner.warm_up(stop, list(self.runner.keys()))
-
-    def bypass_executable_cache(self):
-        self.runner.bypass_executable_cache()
-
-    @property
-    def num_compilations(self) -> int:
-        return self.runner.num_compilations
-
-    @property
-    def executable_cache_hits(self) -> int:
-        return self.runner.executable_cache.hits
-
-    def is_alive(self) -> bool:
-        return self.runner.is_alive()
-
-    def check_sleep(self):
-        raise ValueError("sleep is not supported with an EAGLE head (speculative_config method 'eagle3')")
 
     # ------------------------------------------------------------------ drafts
     def propose(self, plan, scheduler, runner, seed_of):

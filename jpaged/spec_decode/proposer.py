@@ -79,3 +79,31 @@ class Proposer:
 
     def check_sleep(self) -> None:
         """ValueError if the engine cannot sleep with this proposer."""
+
+
+class RunnerProposer(Proposer):
+    """A proposer that owns a ModelRunner (`self.runner`: a draft model's or an EAGLE head's),
+    whose pages are addressed by the target's block ids: its hooks are that runner's."""
+    drafts_after_scheduling = True
+    runner = None  # set by the subclass's __init__
+    method = ""  # speculative_config's method, for the sleep refusal
+
+    def shared_pools(self) -> list:
+        return [self.runner]
+
+    def bypass_executable_cache(self) -> None:
+        self.runner.bypass_executable_cache()
+
+    @property
+    def num_compilations(self) -> int:
+        return self.runner.num_compilations
+
+    @property
+    def executable_cache_hits(self) -> int:
+        return self.runner.executable_cache.hits
+
+    def is_alive(self) -> bool:
+        return self.runner.is_alive()
+
+    def check_sleep(self) -> None:
+        raise ValueError(f"sleep is not supported with speculative_config method '{self.method}'")
