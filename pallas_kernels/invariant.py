@@ -3,13 +3,16 @@ same bits whatever else is in the call -- other sequences, the padded shapes, th
 lands in, whether its keys were written by this step or an earlier one (chunked prefill, prefix
 hits), and whether it is a decode or a prefill row.
 
-Why the XLA twins are not: they pick the key chunk from the batch (`xla.chunk_pages`), and their
-einsums are dots whose per-element summation order XLA's CPU backend chooses from the operand
-shapes (measured: a decode row differs by 6e-8 with and without neighbours at a fixed chunk).
-Here every sum is `tree_sum`, elementwise adds in a fixed pairwise order, and keys are visited in chunks of
-`CHUNK_KEYS` keys from key 0, the same for every row. A chunk that a row sees none of changes
-its running (max, sum, acc) by exact identities (x * 1 + 0), so the number of chunks visited
-(the longest context in the call) does not change a row's bits either.
+Why the XLA twins are not: they pick the key chunk and the query tile from the batch
+(`xla.chunk_pages`, `xla_query_tile`), and XLA's CPU dot sums an output element in an order it
+chooses from the operand shapes (measured: a decode row differs by 6e-8 with and without
+neighbours at a fixed chunk). Here every query tile has QUERY_TILE rows (decode rows too) and
+keys are visited in chunks of CHUNK_KEYS keys from key 0, so every q.k and p.v product is a
+batched dot of one shape, [QUERY_TILE * group, head_dim] x [head_dim, CHUNK_KEYS] (measured:
+such a dot's elements do not change with the batch count or the row's place in the tile); other
+sums are `tree_sum`, elementwise adds in a fixed pairwise order. A chunk that a row sees none
+of changes its running (max, sum, acc) by exact identities (x * 1 + 0), so the number of chunks
+visited (the longest context in the call) does not change a row's bits either.
 
 `attend` is shared with `LLM.policy()` (dense K/V, a static number of chunks: differentiable),
 so a trainer's forward has the engine's bits.
@@ -23,9 +26,10 @@ from jax import lax
 
 from pallas_kernels import tiling
 from pallas_kernels.cache_ops import as_dtype
-from pallas_kernels.xla import _gather_pages, default_scale, soft_cap, xla_query_tile
+from pallas_kernels.xla import _gather_pages, default_scale, soft_cap
 
 CHUNK_KEYS = 64  # keys per online-softmax step: fixed, never chosen from the batch
+QUERY_TILE = 16  # query rows per tile, decode rows included: fixed, never chosen from the batch
 
 
 def tree_sum(x):
@@ -56,11 +60,17 @@ def attend(qt, q_pos, q_ok, chunk, num_chunks, *, scale, sliding_window=None, lo
     n, tile, kvh, g, d = qt.shape
     q32 = qt.astype(jnp.float32)
 
+    def dot(a, b, contract):  # [N, kvh, rows, x] . [N, kvh, y, z] as one batched dot of a fixed shape
+        out = lax.dot_general(a.reshape((n * kvh,) + a.shape[2:]), b.reshape((n * kvh,) + b.shape[2:]),
+                              (((2,), (contract,)), ((0,), (0,))), precision=lax.Precision.HIGHEST)
+        return out.reshape((n, kvh, g, tile, out.shape[-1]))
+
+    q_rows = q32.transpose(0, 2, 3, 1, 4).reshape(n, kvh, g * tile, d)
+
     def step(carry, i):
         m, l, acc = carry
         k, v, key, key_ok = chunk(i)
-        # [N, kvh, g, tile, C]: a product and a sum over d, per element (not a dot: see above)
-        scores = tree_sum(q32.transpose(0, 2, 3, 1, 4)[:, :, :, :, None, :] * k.astype(jnp.float32)[:, :, None, None])
+        scores = dot(q_rows, k.astype(jnp.float32), 2)  # [N, kvh, g, tile, C]
         scores = soft_cap(scores * scale, logits_soft_cap)
         visible = key_ok[:, None, None, None, :] & q_ok[:, None, None, :, None] & (
             key[None, None, None, None, :] <= q_pos[:, None, None, :, None])
@@ -72,8 +82,7 @@ def attend(qt, q_pos, q_ok, chunk, num_chunks, *, scale, sliding_window=None, lo
         p = jnp.where(visible, jnp.exp(scores - m_safe[..., None]), 0.0)
         rescale = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
         v32 = jnp.where(key_ok[:, None, :, None], v.astype(jnp.float32), 0.0)  # garbage slots: no NaN * 0
-        # [N, kvh, g, tile, d]: sum over the chunk's keys, again per element
-        pv = tree_sum(p[..., None, :] * v32.transpose(0, 1, 3, 2)[:, :, None, None])
+        pv = dot(p.reshape(n, kvh, g * tile, -1), v32, 1)  # [N, kvh, g, tile, d]
         return (m_new, l * rescale + tree_sum(p), acc * rescale[..., None] + pv), None
 
     shape = (n, kvh, g, tile)
@@ -96,8 +105,7 @@ def ragged_paged_attention_invariant(q, k_pages, v_pages, block_tables, context_
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size = k_pages.shape[:3]
     group = num_heads // num_kv_heads
-    # The query tile only groups rows that share K/V gathers; a row's arithmetic does not depend on it.
-    tile = xla_query_tile(num_tokens, block_tables.shape[0])
+    tile = QUERY_TILE
     seq, tok0, pos0, rows = tiling.ragged_tiles(query_start_loc, context_lens, num_tokens, tile)
     qt = tiling.gather_query_tiles(q, tok0, rows, tile).reshape(-1, tile, num_kv_heads, group, head_dim)
     cp = chunk_pages(page_size)
