@@ -144,6 +144,7 @@ def main():
     kwargs.setdefault("num_gpu_blocks_override", max_num_seqs * -(-max_model_len // kwargs.get("block_size", 16)) + 64)
     llm = jpaged.LLM(model=model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                      enforce_eager=args.device == "stub", **kwargs)
+    llm.wait_for_warmup()  # timed steps never wait on a background compile
     vocab_size = llm.llm_engine.hf_config.vocab_size
     if args.device == "stub":
         stub_device(llm.llm_engine.runner, vocab_size)

@@ -92,6 +92,8 @@ def main(argv=None):
               f"{args.max_tokens} tokens, greedy; adapters rank {args.rank} on {', '.join(MODULES)}")
         plain = jpaged.LLM(model, **limits)
         llm = jpaged.LLM(model, enable_lora=True, max_loras=4, max_lora_rank=args.rank, **limits)
+        for engine in (plain, llm):  # timed runs never wait on a background compile
+            engine.wait_for_warmup()
         results = timed({"base, enable_lora=False": (plain, None), "base, enable_lora=True": (llm, None),
                          "one adapter": (llm, [loras[0]] * args.num_seqs),
                          "four adapters mixed": (llm, [loras[i % 4] for i in range(args.num_seqs)])},

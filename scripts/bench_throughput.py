@@ -213,6 +213,7 @@ def run_jpaged(args, model: str, requests: list[Request]) -> dict:
         kw["max_model_len"] = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     t0 = time.perf_counter()
     llm = jpaged.LLM(model, **kw)
+    llm.wait_for_warmup()  # LLM() returns while its step shapes still compile in the background
     init_s = time.perf_counter() - t0
     prompts = [r.prompt_token_ids for r in requests]
     params = [jpaged.SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]

@@ -4,6 +4,10 @@ the mode: a row of x @ W and the attention twins change with the batch), then th
 prompt alone vs in random batches, with prefix caching and different chunk sizes.
 """
 
+import asyncio
+import json
+
+import aiohttp
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,10 +103,10 @@ def _run(llm, prompts, params):
              np.array([next(iter(lp.values())) for lp in o.prompt_logprobs[1:]])) for o in outs]
 
 
-def _params(n):
+def _params(n, seed=1000):
     # seeded sampling at temperature 1, greedy, and top-k: each prompt its own
     kinds = [dict(temperature=1.0), dict(temperature=0.0), dict(temperature=0.7, top_k=20)]
-    return [jpaged.SamplingParams(max_tokens=10, ignore_eos=True, logprobs=0, prompt_logprobs=0, seed=1000 + i,
+    return [jpaged.SamplingParams(max_tokens=10, ignore_eos=True, logprobs=0, prompt_logprobs=0, seed=seed + i,
                                   **kinds[i % 3]) for i in range(n)]
 
 
@@ -116,11 +120,15 @@ def engines():
 
 
 def _differences(llm, prompts, params, rng):
+    """Each request alone, then in batches of 2 to 64 with random neighbours (past the prompts
+    given: new random prompts of the same kind), counting those that differ in any bit."""
     alone = [_run(llm, [p], [sp])[0] for p, sp in zip(prompts, params)]
     differ = 0
-    for size in (2, 5, 16, 32):
+    for size in (2, 5, 16, 32, 64):
         order = rng.permutation(len(prompts))[:size]
-        got = _run(llm, [prompts[i] for i in order], [params[i] for i in order])
+        extra = _prompts(rng, size - len(order))
+        got = _run(llm, [prompts[i] for i in order] + extra,
+                   [params[i] for i in order] + _params(len(extra), seed=5000))
         for i, (tokens, lps, plps) in zip(order, got):
             a_tokens, a_lps, a_plps = alone[i]
             same = tokens == a_tokens and np.array_equal(lps, a_lps) and np.array_equal(plps, a_plps)
@@ -141,6 +149,29 @@ def test_bs1_vs_bsn(engines):
         assert a[0] == s[0] == b[0]
         assert np.array_equal(a[1], s[1]) and np.array_equal(a[1], b[1])
         assert np.array_equal(a[2], s[2]) and np.array_equal(a[2], b[2])
+
+
+def test_parallel_sampling(engines):
+    """n > 1 (seeded, temperature 1 and 0.8 with top-p): every sample of a request has the same bits
+    alone and among 20 neighbours."""
+    llm = engines["on"]
+    rng = np.random.default_rng()
+    prompts = _prompts(rng, 4)
+    params = [jpaged.SamplingParams(n=3, temperature=1.0 if i % 2 else 0.8, top_p=1.0 if i % 2 else 0.9, seed=40 + i,
+                                    max_tokens=8, ignore_eos=True, logprobs=0) for i in range(4)]
+
+    def samples(out):
+        return [(list(c.token_ids), np.array([lp[t] for lp, t in zip(c.logprobs, c.token_ids)])) for c in out.outputs]
+
+    alone = [samples(llm.generate([p], [sp], use_tqdm=False)[0]) for p, sp in zip(prompts, params)]
+    neighbours = _prompts(rng, 20)
+    outs = llm.generate(neighbours[:10] + prompts + neighbours[10:], _params(10) + params + _params(10, seed=77),
+                        use_tqdm=False)
+    for a, out in zip(alone, outs[10:14]):
+        got = samples(out)
+        assert len(got) == 3 and len({tuple(t) for t, _ in got}) > 1  # three samples, not one repeated
+        for (a_tokens, a_lps), (tokens, lps) in zip(a, got):
+            assert a_tokens == tokens and np.array_equal(a_lps, lps)
 
 
 def test_negative_control(engines):
@@ -237,6 +268,49 @@ def test_tensor_parallel_2(engines):
         assert a[0] == b[0] and np.array_equal(a[1], b[1]) and np.array_equal(a[2], b[2])
     same = [np.array_equal(a[2], c[2]) for a, c in zip(alone, _run(engines["on"], prompts, params))]
     print("TP 2 prompt logprobs bitwise equal to TP 1's:", same)
+
+
+def test_server_same_request_one_unique_completion():
+    """SGLang's check: the same seeded request sent 50 times (10 at a time) while 16 other clients
+    keep `jpaged serve --batch-invariant` busy with random requests gives one unique completion
+    (text and logprobs)."""
+    from test_server import Server, post
+
+    rng = np.random.default_rng()
+    server = Server("--batch-invariant", "--max-num-seqs", "32", "--max-model-len", "128", "--enforce-eager")
+    probe = {"model": "tiny", "prompt": [int(t) for t in rng.integers(0, 256, 20)], "max_tokens": 12,
+             "temperature": 1.0, "seed": 1234, "logprobs": 1, "ignore_eos": True}
+    loads = [{"model": "tiny", "prompt": [int(t) for t in rng.integers(0, 256, int(rng.integers(4, 60)))],
+              "max_tokens": int(rng.integers(4, 24)), "temperature": 1.0, "ignore_eos": True} for _ in range(64)]
+
+    async def main():
+        done = asyncio.Event()
+
+        async def load(i):
+            n = 0
+            async with aiohttp.ClientSession() as session:
+                while not done.is_set():
+                    async with session.post(server.url + "/v1/completions", json=loads[(i + 16 * n) % 64]) as r:
+                        assert r.status == 200, await r.text()
+                    n += 1
+            return n
+
+        loaders = [asyncio.create_task(load(i)) for i in range(16)]
+        answers = []
+        for _ in range(5):
+            answers += await asyncio.gather(*(post(server.url, "/v1/completions", probe, headers={})
+                                              for _ in range(10)))
+        done.set()
+        return answers, await asyncio.gather(*loaders)
+
+    try:
+        answers, loaded = asyncio.run(main())
+    finally:
+        assert server.stop() == 0, "".join(server.log[-30:])
+    assert all(status == 200 for status, _ in answers), answers[0]
+    unique = {json.dumps([c["text"], c["logprobs"]["token_logprobs"]]) for _, body in answers for c in body["choices"]}
+    print("unique samples:", len(unique), "load requests served:", sum(loaded))
+    assert sum(loaded) >= 16 and len(unique) == 1
 
 
 def test_cli_flag():
