@@ -29,7 +29,10 @@ from pallas_kernels.cache_ops import as_dtype
 from pallas_kernels.xla import _gather_pages, default_scale, soft_cap
 
 CHUNK_KEYS = 64  # keys per online-softmax step: fixed, never chosen from the batch
-QUERY_TILE = 16  # query rows per tile, decode rows included: fixed, never chosen from the batch
+# Query rows per tile, decode rows included: fixed, never chosen from the batch. Small, since a
+# decode row pays for the tile's empty rows (bench_throughput, tiny, 64 requests: 16 rows 0.60x of
+# the default mode's output tok/s, 4 rows 0.82-0.90x; docs/PERF.md).
+QUERY_TILE = 4
 
 
 def tree_sum(x):
