@@ -14,8 +14,8 @@ def parsed(value, name: str, kinds: tuple = (dict,)):
         except json.JSONDecodeError as e:
             raise ValueError(f"{name} is not valid JSON: {e}") from None
     if not isinstance(value, kinds):
-        expected = " or ".join("a JSON object" if k is dict else "a JSON array" if k is list else k.__name__
-                               for k in kinds)
+        expected = " or ".join("a dict or a JSON object" if k is dict else "a list or a JSON array" if k is list
+                               else k.__name__ for k in kinds)
         raise ValueError(f"{name} must be {expected}, got {type(value).__name__}")
     return value
 
