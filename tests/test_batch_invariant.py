@@ -167,10 +167,12 @@ def test_parallel_sampling(engines):
     neighbours = _prompts(rng, 20)
     outs = llm.generate(neighbours[:10] + prompts + neighbours[10:], _params(10) + params + _params(10, seed=77),
                         use_tqdm=False)
-    for a, out in zip(alone, outs[10:14]):
-        got = samples(out)
-        assert len(got) == 3 and len({tuple(t) for t, _ in got}) > 1  # three samples, not one repeated
-        for (a_tokens, a_lps), (tokens, lps) in zip(a, got):
+    got = [samples(out) for out in outs[10:14]]
+    assert all(len(g) == 3 for g in got)
+    # the samples of a request are not one sample repeated (not in every request: seeded draws may agree)
+    assert any(len({tuple(t) for t, _ in g}) > 1 for g in got)
+    for a, g in zip(alone, got):
+        for (a_tokens, a_lps), (tokens, lps) in zip(a, g):
             assert a_tokens == tokens and np.array_equal(a_lps, lps)
 
 
