@@ -30,8 +30,8 @@ from pallas_kernels.xla import _gather_pages, default_scale, soft_cap
 
 CHUNK_KEYS = 64  # keys per online-softmax step: fixed, never chosen from the batch
 # Query rows per tile, decode rows included: fixed, never chosen from the batch. Small, since a
-# decode row pays for the tile's empty rows (bench_throughput, tiny, 64 requests: 16 rows 0.60x of
-# the default mode's output tok/s, 4 rows 0.82-0.90x; docs/PERF.md).
+# decode row pays for the tile's empty rows; of 1, 2, 4, 8 and 16 rows, 4 gave the most tokens/s
+# (bench_throughput, tiny, 64 requests; docs/PERF.md).
 QUERY_TILE = 4
 
 
