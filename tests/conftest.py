@@ -43,6 +43,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # never mix. XLA_FLAGS=--xla_backend_optimization_level=2 runs the suite at XLA's default.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# And XLA CPU's older loop emitters instead of its fusion emitters, for the same reason: measured on
+# tiny's executables at -O0, a forward compiles in 0.46 s instead of 0.80 s and a sampler in 0.33 s
+# instead of 0.56 s, while a decode step of 8 sequences runs in 12.6 ms instead of 8 ms (same
+# tokens); test_models.py + test_spec_decode.py alone at idle: 244 s -> 160 s, XLA's compile time
+# in them 152 s -> 67 s (docs/PERF.md).
+if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
 
 # One thread for torch's (OpenMP's) parallel loops: two xdist workers share the cores, and torch's
 # spinning threads on a busy core made one SmolLM2 forward take 4 s instead of 0.25 s.
