@@ -97,6 +97,10 @@ class EngineConfig:
         False, "a request's tokens and logprobs are bitwise the same whatever shares its steps (batch, chunk "
         "boundaries, prefix hits, preemption): matmuls in fixed row tiles, attention in fixed key chunks "
         "(vLLM's VLLM_BATCH_INVARIANT=1, also read here); XLA attention only")
+    optimization_level: int | None = _option(
+        None, "XLA's backend optimization level for the compiled steps (vLLM's -O): 0 compiles fastest and "
+        "runs slowest (quick experiments, small models on a CPU), 3 the reverse (default: XLA's, 2 unless "
+        "$XLA_FLAGS says otherwise)", choices=(0, 1, 2, 3))
     enforce_eager: bool = _option(False, "compile each step shape on first use instead of all at start-up "
                                   "(quick experiments; serving should leave it off)")
     background_warmup: bool = _option(True, "serve (and return from LLM(...)) once the weights are loaded, "
@@ -146,6 +150,7 @@ class EngineConfig:
 
         check("block_size", isinstance(self.block_size, int) and self.block_size in (8, 16, 32, 64, 128),
               "one of 8, 16, 32, 64, 128")
+        check("optimization_level", self.optimization_level in (None, 0, 1, 2, 3), "one of 0, 1, 2, 3")
         check("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "a fraction in (0, 1]")
         check("num_gpu_blocks_override", self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
               "None or >= 1")

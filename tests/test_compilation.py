@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jpaged
+from jpaged.config import EngineConfig
 from jpaged.runner.buckets import BLOCK_OP_SIZES
 
 BS = 16
@@ -137,3 +138,34 @@ def test_step_updates_the_pool_in_place(dtype, kv_cache_dtype):
         assert memory.temp_size_in_bytes < pool_bytes / 2, (key, memory.temp_size_in_bytes, pool_bytes)
         spanning = pool_spanning_ops(compiled.as_text(), k_pages.shape)
         assert spanning == [], (key, spanning[:3])
+
+
+def test_optimization_level_reaches_every_compile_and_the_cache_key(tmp_path, monkeypatch):
+    """optimization_level (--optimization-level): each step compiles with XLA's backend level set
+    (seen at jax's compile call), under a key of its own in the executable cache (an executable
+    of another level is never loaded), with the same greedy tokens; unset, no options are passed."""
+    monkeypatch.setenv("JPAGED_CACHE_DIR", str(tmp_path))
+    seen = []
+    compile_lowered = jax.stages.Lowered.compile
+
+    def recording(self, compiler_options=None, **kwargs):
+        seen.append(compiler_options)
+        return compile_lowered(self, compiler_options=compiler_options, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", recording)
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
+    greedy = jpaged.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens, files = {}, {}
+    for level in (None, 0, 2):
+        seen.clear()
+        before = set(p.name for p in tmp_path.iterdir())
+        llm = jpaged.LLM("tiny", optimization_level=level, enforce_eager=True, max_num_seqs=2, max_model_len=64)
+        tokens[level] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        files[level] = set(p.name for p in tmp_path.iterdir()) - before
+        steps = llm.llm_engine.runner.num_compilations
+        expected = None if level is None else {"xla_backend_optimization_level": level}
+        assert steps >= 2 and seen.count(expected) == steps, (level, steps, seen)
+        assert len(files[level]) == steps  # each compiled here, none loaded from another level
+    assert tokens[0] == tokens[2] == tokens[None]
+    with pytest.raises(ValueError, match="optimization_level"):
+        EngineConfig(optimization_level=4)

@@ -30,8 +30,8 @@ MAX_MODEL_LEN = 256
 class Server:
     """`jpaged serve` in a subprocess on a free port; its log is kept for failure messages."""
 
-    def __init__(self, *flags: str, startup_timeout: float = 600):
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    def __init__(self, *flags: str, startup_timeout: float = 600, env: dict | None = None):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", "--model", "tiny", "--port", "0",
                                       *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.log: list[str] = []
@@ -54,6 +54,14 @@ class Server:
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(60)
+
+
+def real_model_env() -> dict:
+    """A real model's server (SmolLM2) compiles at XLA's -O1, not the suite's -O0 (conftest.py):
+    there its steps' run time outweighs their compile time (test_smollm2.py alone at idle: 163 s
+    at -O0, 103 s at -O1). A level set from outside the suite stays."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {"XLA_FLAGS": flags.replace("--xla_backend_optimization_level=0", "--xla_backend_optimization_level=1")}
 
 
 # --chat-template replaces the tokenizer's: a file holding tiny's own with a system line before it.

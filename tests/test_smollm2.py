@@ -17,6 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 MAX_TOKENS = 12
+# Each engine compiles the shapes it runs, at XLA's -O1 rather than the suite's -O0 (conftest.py):
+# a real model's steps run long enough to repay it (this file alone at idle: 163 s at -O0, 103 s at -O1).
+EAGER = dict(enforce_eager=True, optimization_level=1)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,7 @@ def checkpoint():
 def plain(checkpoint):
     """The engine without speculation or adapters that several tests compare with (built once)."""
     import jpaged
-    return jpaged.LLM(model=checkpoint, max_num_seqs=4, max_model_len=128, enforce_eager=True)
+    return jpaged.LLM(model=checkpoint, max_num_seqs=4, max_model_len=128, **EAGER)
 
 
 def test_greedy_parity_with_transformers(checkpoint, plain):
@@ -62,7 +65,7 @@ def test_ngram_speculation_on_real_weights(checkpoint):
     import jpaged
     from scripts.kv_cache_accuracy import TEXT
 
-    limits = dict(max_num_seqs=2, max_model_len=512, enforce_eager=True)
+    limits = dict(max_num_seqs=2, max_model_len=512, **EAGER)
     plain = jpaged.LLM(model=checkpoint, **limits)
     prompt = plain.get_tokenizer().apply_chat_template(
         [{"role": "user", "content": f"Repeat the following text exactly:\n\n{TEXT[:400]}"}],
@@ -87,7 +90,7 @@ def test_draft_model_speculation_on_real_weights(checkpoint, plain, tmp_path):
     from scripts.bench_spec import make_layer_draft
 
     draft = make_layer_draft(checkpoint, 24, str(tmp_path / "draft"))
-    limits = dict(max_num_seqs=4, max_model_len=128, enforce_eager=True)
+    limits = dict(max_num_seqs=4, max_model_len=128, **EAGER)
     sp = jpaged.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp, use_tqdm=False)]
     llm = jpaged.LLM(model=checkpoint, speculative_config={"method": "draft_model", "model": draft,
@@ -128,7 +131,7 @@ def test_lora_adapters_on_real_weights(checkpoint, plain, tmp_path):
     for prompt, out in zip(PROMPTS, plain.generate(PROMPTS, sp, use_tqdm=False)):
         expected[None, prompt] = out.outputs[0].token_ids
     llm = jpaged.LLM(model=checkpoint, enable_lora=True, max_loras=2, max_lora_rank=16, max_num_seqs=8,
-                     max_model_len=128, enforce_eager=True)
+                     max_model_len=128, **EAGER)
     requests = {name: jpaged.LoRARequest(name, i + 1, paths[name]) for i, name in enumerate(specs)}
     batch = [(name, prompt) for name in [None, *specs] for prompt in PROMPTS]
     outs = llm.generate([p for _, p in batch], sp, lora_request=[requests.get(n) for n, _ in batch], use_tqdm=False)
@@ -147,7 +150,7 @@ def test_quantized_weights_on_real_weights(checkpoint):
     # Prompt-logprob rows count against max_num_seqs: 2 took the text one token a step (minutes in
     # fp8 on a CPU); 32 takes it 32 a step, in the pool max_num_seqs=2 had (64 blocks of 16).
     limits = dict(dtype="float32", max_model_len=512, max_num_seqs=32, num_gpu_blocks_override=64,
-                  enforce_eager=True)
+                  **EAGER)
     base = jpaged.LLM(checkpoint, **limits)
     reference, reference_bytes = perplexity(base, TEXT), linear_bytes(base)
     del base

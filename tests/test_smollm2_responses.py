@@ -27,10 +27,10 @@ def checkpoint():
 def server(checkpoint):
     """One SmolLM2 server for the file's tests (each started its own: a real model's start-up
     twice); limits that fit both: four sequences, 1024 tokens."""
-    from test_server import Server
+    from test_server import Server, real_model_env
 
     s = Server("--model", checkpoint, "--served-model-name", "smollm2", "--max-model-len", "1024",
-               "--max-num-seqs", "4", "--enforce-eager")
+               "--max-num-seqs", "4", "--enforce-eager", env=real_model_env())
     yield s
     assert s.stop() == 0, "".join(s.log[-30:])
 

@@ -5,6 +5,7 @@ and swaps) -> runner (padded host arrays, precompiled jitted step: write KV, att
 -> sampled ids -> sequences updated, detokenized, stop checks -> RequestOutputs.
 """
 
+import functools
 import gc
 import logging
 import os
@@ -142,13 +143,15 @@ class LLMEngine:
                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                      num_speculative_tokens=spec_config.num_speculative_tokens if spec_config else 0)
         cache_dir = start_up.executable_cache_dir() if config.executable_cache else None
+        options = {} if config.optimization_level is None else {"xla_backend_optimization_level": config.optimization_level}
+        executable_cache = functools.partial(ExecutableCache, cache_dir, compiler_options=options)
         fingerprint = start_up.model_fingerprint(config, loaded, self.max_model_len)
         # Speculative decoding's proposer (spec_decode/proposer.py); a draft model's owns its runner.
         self.proposer = DraftModelProposer(
-            draft, ExecutableCache(cache_dir, f"{fingerprint}\ndraft\n" + start_up.model_fingerprint(
+            draft, executable_cache(f"{fingerprint}\ndraft\n" + start_up.model_fingerprint(
                 config, draft.loaded, self.max_model_len), self.devices),
             target_lora=lora_targets is not None, **shape) if draft else \
-            Eagle3Proposer(eagle, ExecutableCache(cache_dir, f"{fingerprint}\neagle3\n{spec_config.model}", self.devices),
+            Eagle3Proposer(eagle, executable_cache(f"{fingerprint}\neagle3\n{spec_config.model}", self.devices),
                            target_lora=lora_targets is not None, **shape) if eagle else \
             NgramProposer(spec_config) if spec_config else None
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
@@ -163,7 +166,7 @@ class LLMEngine:
                                                   self.block_manager)
         self.output_processor = OutputProcessor(self.scheduler.stop_checker)
         self.runner = ModelRunner(loaded, kv_cache_spec, **shape, num_scheduler_steps=config.num_scheduler_steps,
-                                  executable_cache=ExecutableCache(cache_dir, fingerprint, self.devices),
+                                  executable_cache=executable_cache(fingerprint, self.devices),
                                   kv_scales=kv_scales,
                                   calculate_kv_scales=kv_cache_spec.quantized and config.calculate_kv_scales,
                                   proposer=self.proposer, block_manager=self.block_manager,

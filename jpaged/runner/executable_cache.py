@@ -72,17 +72,21 @@ class ExecutableCache:
     """`compile(name, jitted, args)`: the jitted function's executable for `args` (arrays or
     ShapeDtypeStructs), from `directory` when an earlier run left it there. directory=None: compile."""
 
-    def __init__(self, directory: str | None, model_fingerprint: str, devices: list | None = None):
+    def __init__(self, directory: str | None, model_fingerprint: str, devices: list | None = None,
+                 compiler_options: dict | None = None):
         """`devices`: the engine's (its mesh's, in mesh order; default: all of jax's). An
         executable is compiled for its devices: their ids are part of the key, so one compiled
-        for devices 2,3 is never loaded for 0,1 (nor on 2,3 in the other order)."""
+        for devices 2,3 is never loaded for 0,1 (nor on 2,3 in the other order).
+        `compiler_options`: XLA options for every compile (over $XLA_FLAGS), part of the key."""
+        self.compiler_options = dict(compiler_options or {})
         # Multi-host executables span other processes' devices: those always compile.
         self.directory = directory if jax.process_count() == 1 else None
         self.devices = list(jax.devices() if devices is None else devices)
         self._prefix = "\n".join([jax.__version__, jaxlib.__version__, jax.default_backend(),
                                   ",".join(sorted({d.device_kind for d in self.devices})),
                                   f"{jax.device_count()} devices; {','.join(str(d.id) for d in self.devices)}",
-                                  os.environ.get("XLA_FLAGS", ""),
+                                  os.environ.get("XLA_FLAGS", "") + "".join(
+                                      f" {k}={v}" for k, v in sorted(self.compiler_options.items())),
                                   str(jax.config.jax_enable_x64), str(jax.config.jax_default_matmul_precision),
                                   source_fingerprint(), model_fingerprint])
         self.hits = 0
@@ -200,7 +204,7 @@ class ExecutableCache:
         """Compile `lowered` (jitted.lower(*args)) and keep the executable on disk. Thread-safe:
         the warm-up compiles in a worker thread while it lowers the next executables."""
         with jax_config.enable_compilation_cache(False):  # see the module's docstring
-            executable = lowered.compile()
+            executable = lowered.compile(compiler_options=self.compiler_options or None)
         if self.directory is None:
             return executable
         partial = None
