@@ -21,6 +21,7 @@
   server per test (test_smollm2_responses.py: both tests on one SmolLM2 server). A test that needs
   a server in another state (SIGTERM, --max-queue, a crash) starts its own.
 """
+import importlib.metadata
 import os
 
 # Debug mode: every engine the tests build checks its block pool's invariants after every step.
@@ -47,8 +48,10 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # tiny's executables at -O0, a forward compiles in 0.46 s instead of 0.80 s and a sampler in 0.33 s
 # instead of 0.56 s, while a decode step of 8 sequences runs in 12.6 ms instead of 8 ms (same
 # tokens); test_models.py + test_spec_decode.py alone at idle: 244 s -> 160 s, XLA's compile time
-# in them 152 s -> 67 s (docs/PERF.md).
-if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+# in them 152 s -> 67 s (docs/PERF.md). jaxlib 0.11 dropped the flag (an unknown flag in XLA_FLAGS
+# aborts the process): only before it.
+if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "") and \
+        tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
 
 # One thread for torch's (OpenMP's) parallel loops: two xdist workers share the cores, and torch's
