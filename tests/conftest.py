@@ -12,10 +12,12 @@
   warms one directory per file and copies it for each test that damages or reloads it.
 - Engines: `shared_llm` (below) builds one per distinct arguments per worker, for tests that only
   generate greedily or with per-request seeds.
-- Compiles are cheap: the suite compiles at XLA's CPU -O0 (set below, before jax is imported;
-  servers and scripts the tests start inherit it through the environment; a test that sets its
-  own XLA_FLAGS for a subprocess keeps it, as test_multihost.py does). A test that does not test
-  the warm-up builds its engine or server with enforce_eager (compiles only the shapes it runs).
+- Compiles are cheap: the suite compiles at XLA's CPU -O0 with its older emitters (set below,
+  before jax is imported; servers and scripts the tests start inherit it through the environment;
+  a test that sets its own XLA_FLAGS for a subprocess keeps it, as test_multihost.py does). A real
+  model's engines run long enough to repay -O1: `optimization_level=1` (test_smollm2.py), and for
+  its servers `test_server.real_model_env()`. A test that does not test the warm-up builds its
+  engine or server with enforce_eager (compiles only the shapes it runs).
 - Servers: one module-scoped fixture per file (test_server.py's `server`: `Server(*flags)`, stopped
   with status 0 asserted), started with flags that fit all of the file's tests, rather than one
   server per test (test_smollm2_responses.py: both tests on one SmolLM2 server). A test that needs
