@@ -110,11 +110,11 @@ def test_seed(monkeypatch):
 
 # The longest files (measured on two busy cores), started first and longest first, so that
 # the files left for the end are short and both workers end close together (xdist hands a worker
-# its next file when it runs low). The SmolLM2 ones, then the others over ~3 minutes at load 5-8
+# its next file when it runs low): those over ~90 s in the whole-suite profile of 2026-11-25 17:09
 # (docs/PERF.md, "The test suite and CI").
-LONGEST_FILES = ("test_smollm2.py", "test_smollm2_responses.py", "test_smollm2_server.py",
-                 "test_executable_cache.py", "test_server_robustness.py", "test_models.py",
-                 "test_tensor_parallel.py", "test_lora.py")
+LONGEST_FILES = ("test_smollm2.py", "test_smollm2_responses.py", "test_batch_invariant.py",
+                 "test_smollm2_server.py", "test_tensor_parallel.py", "test_spec_decode.py",
+                 "test_spec_decode_draft.py", "test_models.py", "test_server_robustness.py", "test_ray_serve.py")
 
 
 def pytest_configure(config):
