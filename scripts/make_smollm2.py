@@ -11,6 +11,7 @@ other checkpoint.
 """
 
 import argparse
+import fcntl
 import glob
 import importlib.util
 import os
@@ -34,9 +35,21 @@ def gguf_path() -> str:
 
 def make_smollm2(out_dir: str) -> str:
     """Dequantize the GGUF into `out_dir` (skipped when it already holds the checkpoint). Written to
-    a sibling directory first and renamed, so an interrupted run leaves no half checkpoint."""
+    a sibling directory first and renamed, so an interrupted run leaves no half checkpoint. Under a
+    lock file beside it: two processes asking at once (the test suite's two workers on a fresh
+    machine) convert once, and the second finds the first's checkpoint."""
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    with open(os.path.abspath(out_dir) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(out_dir, "config.json")):
+            _convert(out_dir, parent)
+    return out_dir
+
+
+def _convert(out_dir: str, parent: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = gguf_path()
@@ -48,14 +61,12 @@ def make_smollm2(out_dir: str) -> str:
     config.quantization_config = None
     model = AutoModelForCausalLM.from_config(config, dtype="float32")
     model.load_state_dict(dequantized.state_dict())
-    os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
-    partial = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(out_dir)), prefix=".smollm2-")
+    partial = tempfile.mkdtemp(dir=parent, prefix=".smollm2-")
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     if os.path.isdir(out_dir):  # an empty directory given by the caller
         os.rmdir(out_dir)
     os.rename(partial, out_dir)
-    return out_dir
 
 
 def main():

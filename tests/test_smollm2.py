@@ -23,11 +23,8 @@ EAGER = dict(enforce_eager=True, optimization_level=1)
 
 
 @pytest.fixture(scope="module")
-def checkpoint():
-    """Made once (~30 s) and kept, like the compilation cache: later runs take ~40 s, not ~70."""
-    from scripts.make_smollm2 import make_smollm2
-    default = os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "smollm2-135m-instruct")
-    return make_smollm2(os.environ.get("JPAGED_SMOLLM2_DIR", default))
+def checkpoint(smollm2_checkpoint):
+    return smollm2_checkpoint
 
 
 @pytest.fixture(scope="module")

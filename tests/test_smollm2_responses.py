@@ -17,10 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
-def checkpoint():
-    from scripts.make_smollm2 import make_smollm2
-    default = os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "smollm2-135m-instruct")
-    return make_smollm2(os.environ.get("JPAGED_SMOLLM2_DIR", default))
+def checkpoint(smollm2_checkpoint):
+    return smollm2_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -31,12 +31,10 @@ class City(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def client():
-    from scripts.make_smollm2 import make_smollm2
+def client(smollm2_checkpoint):
     from test_server import Server, real_model_env
 
-    default = os.path.join(os.path.expanduser("~"), ".cache", "jpaged", "smollm2-135m-instruct")
-    checkpoint = make_smollm2(os.environ.get("JPAGED_SMOLLM2_DIR", default))
+    checkpoint = smollm2_checkpoint
     server = Server("--model", checkpoint, "--max-num-seqs", "4", "--max-model-len", "2048", "--enforce-eager",
                     "--chat-template", "hermes", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", env=real_model_env())
     yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
