@@ -23,25 +23,20 @@ EAGER = dict(enforce_eager=True, optimization_level=1)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(smollm2_checkpoint):
-    return smollm2_checkpoint
-
-
-@pytest.fixture(scope="module")
-def plain(checkpoint):
+def plain(smollm2_checkpoint):
     """The engine without speculation or adapters that several tests compare with (built once)."""
     import jpaged
-    return jpaged.LLM(model=checkpoint, max_num_seqs=4, max_model_len=128, **EAGER)
+    return jpaged.LLM(model=smollm2_checkpoint, max_num_seqs=4, max_model_len=128, **EAGER)
 
 
-def test_greedy_parity_with_transformers(checkpoint, plain):
+def test_greedy_parity_with_transformers(smollm2_checkpoint, plain):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import jpaged
 
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint)
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_checkpoint, dtype=torch.float32).eval()
     expected = []
     with torch.no_grad():
         for prompt in PROMPTS:
@@ -56,20 +51,20 @@ def test_greedy_parity_with_transformers(checkpoint, plain):
         assert out.outputs[0].token_ids == ref, (out.prompt, out.outputs[0].text, tokenizer.decode(ref))
 
 
-def test_ngram_speculation_on_real_weights(checkpoint):
+def test_ngram_speculation_on_real_weights(smollm2_checkpoint):
     """Prompt lookup on a copy-heavy chat request: drafts are mostly accepted, and the greedy
     output is the one without speculation."""
     import jpaged
     from scripts.kv_cache_accuracy import TEXT
 
     limits = dict(max_num_seqs=2, max_model_len=512, **EAGER)
-    plain = jpaged.LLM(model=checkpoint, **limits)
+    plain = jpaged.LLM(model=smollm2_checkpoint, **limits)
     prompt = plain.get_tokenizer().apply_chat_template(
         [{"role": "user", "content": f"Repeat the following text exactly:\n\n{TEXT[:400]}"}],
         add_generation_prompt=True, tokenize=False)
     sp = jpaged.SamplingParams(temperature=0, max_tokens=48)
     expected = plain.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
-    llm = jpaged.LLM(model=checkpoint, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+    llm = jpaged.LLM(model=smollm2_checkpoint, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                             "prompt_lookup_min": 2}, **limits)
     out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
     stats = llm.stats()
@@ -79,18 +74,18 @@ def test_ngram_speculation_on_real_weights(checkpoint):
     assert stats["spec_decode_num_accepted_tokens"] > stats["spec_decode_num_drafts"]
 
 
-def test_draft_model_speculation_on_real_weights(checkpoint, plain, tmp_path):
+def test_draft_model_speculation_on_real_weights(smollm2_checkpoint, plain, tmp_path):
     """SmolLM2 drafting for itself from its first 24 of 30 layers (it agrees with the whole model
     about a third of the time, docs/PERF.md): greedy outputs equal those without speculation, and
     some drafts are accepted, some rejected."""
     import jpaged
     from scripts.bench_spec import make_layer_draft
 
-    draft = make_layer_draft(checkpoint, 24, str(tmp_path / "draft"))
+    draft = make_layer_draft(smollm2_checkpoint, 24, str(tmp_path / "draft"))
     limits = dict(max_num_seqs=4, max_model_len=128, **EAGER)
     sp = jpaged.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp, use_tqdm=False)]
-    llm = jpaged.LLM(model=checkpoint, speculative_config={"method": "draft_model", "model": draft,
+    llm = jpaged.LLM(model=smollm2_checkpoint, speculative_config={"method": "draft_model", "model": draft,
                                                             "num_speculative_tokens": 3}, **limits)
     outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
     stats = {k: v for k, v in llm.stats().items() if k.startswith("spec")}
@@ -99,7 +94,7 @@ def test_draft_model_speculation_on_real_weights(checkpoint, plain, tmp_path):
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
 
 
-def test_lora_adapters_on_real_weights(checkpoint, plain, tmp_path):
+def test_lora_adapters_on_real_weights(smollm2_checkpoint, plain, tmp_path):
     """Three PEFT adapters made on SmolLM2 (ranks 4, 8 and 16 on different projections, random A
     and B scaled so they nudge rather than drown the model), mixed with the base model in one
     generate call under max_loras=2: jpaged's greedy tokens equal transformers + PEFT's."""
@@ -112,11 +107,11 @@ def test_lora_adapters_on_real_weights(checkpoint, plain, tmp_path):
 
     specs = {"r4": (4, ["q_proj", "v_proj"]), "r8": (8, ["q_proj", "k_proj", "v_proj", "o_proj"]),
              "r16": (16, ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])}
-    paths = dict(zip(specs, make_adapters(checkpoint, str(tmp_path), list(specs.values()), scale=0.5)))
+    paths = dict(zip(specs, make_adapters(smollm2_checkpoint, str(tmp_path), list(specs.values()), scale=0.5)))
     tokenizer = plain.get_tokenizer()
     expected = {}
     for name, path in paths.items():
-        lora = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32),
+        lora = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smollm2_checkpoint, dtype=torch.float32),
                                               path).eval()
         with torch.no_grad():  # greedy by hand: EOS allowed and not stopping (ignore_eos), as jpaged runs
             for prompt in PROMPTS:
@@ -127,7 +122,7 @@ def test_lora_adapters_on_real_weights(checkpoint, plain, tmp_path):
     sp = jpaged.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for prompt, out in zip(PROMPTS, plain.generate(PROMPTS, sp, use_tqdm=False)):
         expected[None, prompt] = out.outputs[0].token_ids
-    llm = jpaged.LLM(model=checkpoint, enable_lora=True, max_loras=2, max_lora_rank=16, max_num_seqs=8,
+    llm = jpaged.LLM(model=smollm2_checkpoint, enable_lora=True, max_loras=2, max_lora_rank=16, max_num_seqs=8,
                      max_model_len=128, **EAGER)
     requests = {name: jpaged.LoRARequest(name, i + 1, paths[name]) for i, name in enumerate(specs)}
     batch = [(name, prompt) for name in [None, *specs] for prompt in PROMPTS]
@@ -138,7 +133,7 @@ def test_lora_adapters_on_real_weights(checkpoint, plain, tmp_path):
     assert all(any(expected[n, p] != expected[None, p] for p in PROMPTS) for n in specs)
 
 
-def test_quantized_weights_on_real_weights(checkpoint):
+def test_quantized_weights_on_real_weights(smollm2_checkpoint):
     """fp8 and int8 quantized while loading: the perplexity of a natural text within 3% of the
     float32 model's, and the Linear layers (LM head aside) in a quarter of its bytes (plus scales)."""
     import jpaged
@@ -148,11 +143,11 @@ def test_quantized_weights_on_real_weights(checkpoint):
     # fp8 on a CPU); 32 takes it 32 a step, in the pool max_num_seqs=2 had (64 blocks of 16).
     limits = dict(dtype="float32", max_model_len=512, max_num_seqs=32, num_gpu_blocks_override=64,
                   **EAGER)
-    base = jpaged.LLM(checkpoint, **limits)
+    base = jpaged.LLM(smollm2_checkpoint, **limits)
     reference, reference_bytes = perplexity(base, TEXT), linear_bytes(base)
     del base
     for method in ("fp8", "int8"):
-        llm = jpaged.LLM(checkpoint, quantization=method, **limits)
+        llm = jpaged.LLM(smollm2_checkpoint, quantization=method, **limits)
         ppl = perplexity(llm, TEXT)
         print(method, "perplexity", ppl, "unquantized", reference)
         assert ppl < 1.03 * reference

@@ -17,23 +17,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
-def checkpoint(smollm2_checkpoint):
-    return smollm2_checkpoint
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint):
+def server(smollm2_checkpoint):
     """One SmolLM2 server for the file's tests (each started its own: a real model's start-up
     twice); limits that fit both: four sequences, 1024 tokens."""
     from test_server import Server, real_model_env
 
-    s = Server("--model", checkpoint, "--served-model-name", "smollm2", "--max-model-len", "1024",
+    s = Server("--model", smollm2_checkpoint, "--served-model-name", "smollm2", "--max-model-len", "1024",
                "--max-num-seqs", "4", "--enforce-eager", env=real_model_env())
     yield s
     assert s.stop() == 0, "".join(s.log[-30:])
 
 
-def test_responses_api_on_real_weights(checkpoint, server):
+def test_responses_api_on_real_weights(smollm2_checkpoint, server):
     """POST /v1/responses on SmolLM2 with the openai SDK and the openai-agents SDK: each turn's
     text equals transformers' greedy text for the conversation rendered by the model's chat
     template (instructions first; a previous_response_id's turns without its instructions)."""
@@ -44,8 +39,8 @@ def test_responses_api_on_real_weights(checkpoint, server):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_checkpoint, dtype=torch.float32).eval()
 
     def reference(messages, max_tokens):
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -34,9 +34,8 @@ class City(pydantic.BaseModel):
 def client(smollm2_checkpoint):
     from test_server import Server, real_model_env
 
-    checkpoint = smollm2_checkpoint
-    server = Server("--model", checkpoint, "--max-num-seqs", "4", "--max-model-len", "2048", "--enforce-eager",
-                    "--chat-template", "hermes", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", env=real_model_env())
+    server = Server("--model", smollm2_checkpoint, "--max-num-seqs", "4", "--max-model-len", "2048",
+                    "--enforce-eager", "--chat-template", "hermes", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", env=real_model_env())
     yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     assert server.stop() == 0, "".join(server.log[-30:])
 
