@@ -6,13 +6,18 @@ hits), and whether it is a decode or a prefill row.
 Why the XLA twins are not: they pick the key chunk and the query tile from the batch
 (`xla.chunk_pages`, `xla_query_tile`), and XLA's CPU dot sums an output element in an order it
 chooses from the operand shapes (measured: a decode row differs by 6e-8 with and without
-neighbours at a fixed chunk). Here every query tile has QUERY_TILE rows (decode rows too) and
-keys are visited in chunks of CHUNK_KEYS keys from key 0, so every q.k and p.v product is a
-batched dot of one shape, [QUERY_TILE * group, head_dim] x [head_dim, CHUNK_KEYS] (measured:
-such a dot's elements do not change with the batch count or the row's place in the tile); other
-sums are `tree_sum`, elementwise adds in a fixed pairwise order. A chunk that a row sees none
-of changes its running (max, sum, acc) by exact identities (x * 1 + 0), so the number of chunks
-visited (the longest context in the call) does not change a row's bits either.
+neighbours at a fixed chunk). Here keys are visited in chunks of CHUNK_KEYS keys from key 0 and
+queries in tiles of a fixed number of rows, so every q.k and p.v product is a batched dot
+[rows, head_dim] x [head_dim, CHUNK_KEYS] (measured: such a dot's elements do not change with the
+batch count or the row's place in the tile); other sums are `tree_sum`, elementwise adds in a
+fixed pairwise order. A chunk that a row sees none of changes its running (max, sum, acc) by
+exact identities (x * 1 + 0), so the number of chunks visited (the longest context in the call)
+does not change a row's bits either.
+
+The reference tile is QUERY_TILE rows, for decode and prefill rows alike. Where the backend's dot
+gives a row the same bits with fewer or more rows (XLA's CPU dot in jax 0.10.2: any count from 2
+rows up), measured at load by `invariant_tiles`, decode rows get tiles of their own (no empty
+rows to pay for) and prefill rows larger tiles (each key chunk gathered for fewer tiles).
 
 `attend` is shared with `LLM.policy()` (dense K/V, a static number of chunks: differentiable),
 so a trainer's forward has the engine's bits.
@@ -22,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels import tiling
@@ -29,9 +35,9 @@ from pallas_kernels.cache_ops import as_dtype
 from pallas_kernels.xla import _gather_pages, default_scale, soft_cap
 
 CHUNK_KEYS = 64  # keys per online-softmax step: fixed, never chosen from the batch
-# Query rows per tile, decode rows included: fixed, never chosen from the batch. Small, since a
-# decode row pays for the tile's empty rows; of 1, 2, 4, 8 and 16 rows, 4 gave the most tokens/s
-# (bench_throughput, tiny, 64 requests; docs/PERF.md).
+# Query rows per tile, decode rows included, where `invariant_tiles` finds no other size with the
+# same bits: fixed, never chosen from the batch. Small, since a decode row pays for the tile's empty
+# rows; of 1, 2, 4, 8 and 16 rows, 4 gave the most tokens/s (bench_throughput, tiny; docs/PERF.md).
 QUERY_TILE = 4
 
 
@@ -99,21 +105,16 @@ def attend(qt, q_pos, q_ok, chunk, num_chunks, *, scale, sliding_window=None, lo
     return out.transpose(0, 3, 1, 2, 4)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "logits_soft_cap", "kv_dtype", "num_chunks"))
-def ragged_paged_attention_invariant(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None,
-                                     sliding_window=None, logits_soft_cap=None, kv_dtype=None, num_chunks=None):
-    """ragged_paged_attention (decode rows included) with batch-invariant bits: q [T, H, d] -> [T, H, d].
-    `num_chunks` (static): visit that many chunks of CHUNK_KEYS keys (differentiable); None: up to
-    the longest context."""
-    num_tokens, num_heads, head_dim = q.shape
+def _tiles(q, k_pages, v_pages, tables, context_lens, tiles, tile, num_chunks, **opts):
+    """`attend` over the query tiles (seq, tok0, pos0, rows) of `tile` rows: [NT, tile, H, d] fp32."""
+    num_heads, head_dim = q.shape[1:]
     num_kv_heads, num_pages, page_size = k_pages.shape[:3]
-    group = num_heads // num_kv_heads
-    tile = QUERY_TILE
-    seq, tok0, pos0, rows = tiling.ragged_tiles(query_start_loc, context_lens, num_tokens, tile)
-    qt = tiling.gather_query_tiles(q, tok0, rows, tile).reshape(-1, tile, num_kv_heads, group, head_dim)
+    kv_dtype = opts.pop("kv_dtype")
+    seq, tok0, pos0, rows = tiles
+    qt = tiling.gather_query_tiles(q, tok0, rows, tile).reshape(-1, tile, num_kv_heads, num_heads // num_kv_heads,
+                                                                  head_dim)
     cp = chunk_pages(page_size)
-    tables = tiling.clamp_block_tables(block_tables, num_pages)
-    tables = jnp.pad(tables, ((0, 0), (0, (-tables.shape[1]) % cp)))[seq]
+    tables = tables[seq]
     tile_context = jnp.where(rows > 0, context_lens[seq], 0)
     row = jnp.arange(tile, dtype=jnp.int32)
     q_pos = pos0[:, None] + row[None, :]
@@ -127,9 +128,81 @@ def ragged_paged_attention_invariant(q, k_pages, v_pages, block_tables, context_
         return k, v, key, key[None, :] < tile_context[:, None]
 
     keys_per_chunk = cp * page_size
-    if num_chunks is None:
+    if num_chunks is None:  # up to the longest context among these tiles (none: no chunk at all)
         num_chunks = (jnp.max(tile_context) + keys_per_chunk - 1) // keys_per_chunk
-    out = attend(qt, q_pos, q_ok, chunk, num_chunks, scale=default_scale(scale, head_dim),
-                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
-    out = out.reshape(-1, tile, num_heads, head_dim)
-    return tiling.scatter_tiles_to_tokens(out, query_start_loc, num_tokens, tile).astype(q.dtype)
+    out = attend(qt, q_pos, q_ok, chunk, num_chunks, **opts)
+    return out.reshape(-1, tile, num_heads, head_dim)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "logits_soft_cap", "kv_dtype", "num_chunks", "tiles"))
+def ragged_paged_attention_invariant(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None,
+                                     sliding_window=None, logits_soft_cap=None, kv_dtype=None, num_chunks=None,
+                                     tiles=(QUERY_TILE, QUERY_TILE)):
+    """ragged_paged_attention (decode rows included) with batch-invariant bits: q [T, H, d] -> [T, H, d].
+    `num_chunks` (static): visit that many chunks of CHUNK_KEYS keys (differentiable); None: up to
+    the longest context. `tiles` (decode, prefill): rows per tile for one-token sequences and for
+    the others; other than QUERY_TILE only where `invariant_tiles` measured the same bits."""
+    num_tokens, _, head_dim = q.shape
+    num_pages = k_pages.shape[1]
+    cp = chunk_pages(k_pages.shape[2])
+    tables = tiling.clamp_block_tables(block_tables, num_pages)
+    tables = jnp.pad(tables, ((0, 0), (0, (-tables.shape[1]) % cp)))
+    opts = dict(scale=default_scale(scale, head_dim), sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                kv_dtype=kv_dtype)
+    decode_tile, tile = tiles
+    if tiles == (QUERY_TILE, QUERY_TILE) or isinstance(num_chunks, int):  # LLM.policy(): whole sequences
+        tile = QUERY_TILE
+        plan = tiling.ragged_tiles(query_start_loc, context_lens, num_tokens, tile)
+        out = _tiles(q, k_pages, v_pages, tables, context_lens, plan, tile, num_chunks, **opts)
+        return tiling.scatter_tiles_to_tokens(out, query_start_loc, num_tokens, tile).astype(q.dtype)
+    # Two passes, each visiting only the key chunks its own tiles need: the one-token sequences
+    # (decode rows) in one tile each of `decode_tile` rows, the others in tiles of `tile` rows.
+    qsl = query_start_loc.astype(jnp.int32)
+    q_lens = jnp.maximum(qsl[1:] - qsl[:-1], 0)
+    single = q_lens == 1
+    many = jnp.where(single, 0, q_lens)
+    plan = tiling.ragged_tiles(qsl, context_lens, num_tokens, tile, q_lens=many)
+    out = _tiles(q, k_pages, v_pages, tables, context_lens, plan, tile, num_chunks, **opts)
+    out = tiling.scatter_tiles_to_tokens(out, qsl, num_tokens, tile, q_lens=many)
+    num_seqs = q_lens.shape[0]
+    plan = (jnp.arange(num_seqs, dtype=jnp.int32), qsl[:-1], context_lens.astype(jnp.int32) - 1, single.astype(jnp.int32))
+    out1 = _tiles(q, k_pages, v_pages, tables, context_lens, plan, decode_tile, num_chunks, **opts)[:, 0]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(qsl, t, side="right") - 1, 0, num_seqs - 1)
+    from_one = single[seq] & (t >= qsl[0]) & (t < qsl[num_seqs])
+    return jnp.where(from_one[:, None, None], out1[seq], out).astype(q.dtype)
+
+
+PREFILL_TILES = (16, 8)  # larger prefill tiles tried first: fewer copies of each key chunk
+
+
+@functools.cache
+def invariant_tiles(group: int, head_dim: int) -> tuple[int, int]:
+    """(decode, prefill) rows per query tile for this backend: the fewest rows (at least 2 dot rows)
+    for a one-token sequence and the most (of PREFILL_TILES) for the others whose q.k and p.v dots
+    give the bits of QUERY_TILE-row tiles, row for row; QUERY_TILE where none does. XLA's CPU dot
+    (jax 0.10.2) sums such an element one way for every row count from 2 up, measured to 128, and
+    another way for 1 row, so a group of 1 takes 2 rows. Another backend or version may differ:
+    measured at load, on random operands, never assumed."""
+    rng = np.random.default_rng(0)
+    rows, batch = max(PREFILL_TILES) * group, 5
+    q, k, v = (rng.standard_normal((batch, n, head_dim), np.float32) for n in (rows, CHUNK_KEYS, CHUNK_KEYS))
+    p = rng.uniform(size=(batch, rows, CHUNK_KEYS)).astype(np.float32)
+    operands = ((q, k, 2), (p, v, 1))
+    step = QUERY_TILE * group  # the reference: every row in a QUERY_TILE-row tile
+    ref = [np.concatenate([np.asarray(_probe_dot(a[:, i:i + step], b, c)) for i in range(0, rows, step)], axis=1)
+           for a, b, c in operands]
+
+    def same(tile):
+        n = tile * group
+        return all(np.array_equal(np.asarray(_probe_dot(a[:, :n], b, c)), r[:, :n]) for (a, b, c), r in zip(operands, ref))
+
+    decode = -(-2 // group)
+    decode = decode if decode < QUERY_TILE and same(decode) else QUERY_TILE
+    prefill = next((t for t in PREFILL_TILES if same(t)), QUERY_TILE)
+    return decode, prefill
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _probe_dot(a, b, contract):
+    return lax.dot_general(a, b, (((2,), (contract,)), ((0,), (0,))), precision=lax.Precision.HIGHEST)

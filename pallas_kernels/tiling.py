@@ -77,18 +77,21 @@ def num_ragged_tiles(num_tokens: int, num_seqs: int, tile: int) -> int:
     return max(1, (num_tokens - m) // tile + m)
 
 
-def _seq_tiles(query_start_loc, tile: int):
-    """Per sequence: q_len and the [begin, end) range of its tiles."""
+def _seq_tiles(query_start_loc, tile: int, q_lens=None):
+    """Per sequence: q_len and the [begin, end) range of its tiles. `q_lens` (default: from
+    query_start_loc) may be smaller: those sequences' tokens are left out of the tiles."""
     qsl = query_start_loc.astype(jnp.int32)
-    q_lens = jnp.maximum(qsl[1:] - qsl[:-1], 0)
+    if q_lens is None:
+        q_lens = jnp.maximum(qsl[1:] - qsl[:-1], 0)
     tile_end = jnp.cumsum(cdiv(q_lens, tile))
     return qsl, q_lens, tile_end - cdiv(q_lens, tile), tile_end
 
 
-def ragged_tiles(query_start_loc, context_lens, num_tokens: int, tile: int):
-    """Returns (tile_seq, tile_tok0, tile_pos0, tile_rows), each int32[NT]."""
+def ragged_tiles(query_start_loc, context_lens, num_tokens: int, tile: int, q_lens=None):
+    """Returns (tile_seq, tile_tok0, tile_pos0, tile_rows), each int32[NT]. `q_lens`: as in
+    _seq_tiles (a sequence given 0 gets no tile)."""
     num_seqs = query_start_loc.shape[0] - 1
-    qsl, q_lens, tile_begin, tile_end = _seq_tiles(query_start_loc, tile)
+    qsl, q_lens, tile_begin, tile_end = _seq_tiles(query_start_loc, tile, q_lens)
     nt = num_ragged_tiles(num_tokens, num_seqs, tile)
     j = jnp.arange(nt, dtype=jnp.int32)
     seq = jnp.searchsorted(tile_end, j, side="right").astype(jnp.int32)
@@ -108,12 +111,12 @@ def gather_query_tiles(q, tile_tok0, tile_rows, tile: int):
     return q[jnp.clip(idx, 0, q.shape[0] - 1)]
 
 
-def scatter_tiles_to_tokens(out_tiles, query_start_loc, num_tokens: int, tile: int):
+def scatter_tiles_to_tokens(out_tiles, query_start_loc, num_tokens: int, tile: int, q_lens=None):
     """Inverse of gather_query_tiles: [NT, tile, ...] -> [num_tokens, ...].
     Padding tokens (outside query_start_loc[0]..[S]) get zeros. Written as a
     gather (each token finds its tile and row), which XLA does well."""
     num_seqs = query_start_loc.shape[0] - 1
-    qsl, _, tile_begin, _ = _seq_tiles(query_start_loc, tile)
+    qsl, _, tile_begin, _ = _seq_tiles(query_start_loc, tile, q_lens)
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(qsl, t, side="right") - 1, 0, num_seqs - 1)
     valid = (t >= qsl[0]) & (t < qsl[num_seqs])

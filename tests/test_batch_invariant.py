@@ -5,6 +5,7 @@ prompt alone vs in random batches, with prefix caching and different chunk sizes
 """
 
 import asyncio
+import functools
 import json
 
 import aiohttp
@@ -12,12 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jpaged
 import pallas_kernels.invariant as inv
 import pallas_kernels.xla as xla_kernels
 from jpaged.config import EngineConfig
 from jpaged.models.batch_invariant import logsumexp_last, row_tiled_dot
+from jpaged.models.layers import Attention
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -81,12 +84,63 @@ def test_attention(monkeypatch, fixed_chunk):
     alone, got = cases(inv.ragged_paged_attention_invariant)
     for name, out in got.items():
         assert np.array_equal(out, alone), name
+    # Decode rows in smaller tiles (what the engine runs where the probe allows it): the same bits.
+    tiles = inv.invariant_tiles(heads // kvh, d)
+    print("tiles (decode, prefill):", tiles)
+    _, small_got = cases(functools.partial(inv.ragged_paged_attention_invariant, tiles=tiles))
+    for name, out in small_got.items():
+        assert np.array_equal(out, alone), name
     if fixed_chunk:  # the twin's chunk fixed too: its dots still differ
         monkeypatch.setattr(xla_kernels, "chunk_pages", lambda n, pages: 4)
     twin, twin_got = cases(xla_kernels.ragged_paged_attention_xla)
     print("XLA twin, max |case - alone|:", {n: float(np.abs(o - twin).max()) for n, o in twin_got.items()})
     assert any(not np.array_equal(o, twin) for o in twin_got.values())
     np.testing.assert_allclose(alone, twin, atol=1e-5)
+
+
+@pytest.mark.parametrize("kvh, heads", [(2, 2), (1, 3), (2, 8)])
+def test_decode_tile_ragged_batches(kvh, heads):
+    """Random ragged batches, most sequences one token (decode rows): with the probe's tiles (on
+    jax 0.10.2's CPU: decode rows alone, or 2 rows for one head per kv head; prefill rows in 16-row
+    tiles) every row has the bits of QUERY_TILE-row tiles, and so has each prefill tile size."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    d, page, pages = 64, 16, 300
+    k, v = (jnp.asarray(rng.standard_normal((kvh, pages, page, d)), jnp.float32) for _ in range(2))
+    tiles = inv.invariant_tiles(heads // kvh, d)
+    print("tiles (decode, prefill):", tiles)
+    assert tiles[0] < inv.QUERY_TILE and tiles[0] * heads // kvh >= 2 and tiles[1] > inv.QUERY_TILE
+    for _ in range(4):
+        s = int(rng.integers(1, 9))
+        qlens = rng.integers(1, 20, s)
+        qlens[rng.random(s) < 0.6] = 1
+        lens = qlens + rng.integers(0, 150, s)
+        tables = rng.permutation(pages)[:s * 12].reshape(s, 12).astype(np.int32)
+        q = jnp.asarray(rng.standard_normal((int(qlens.sum()) + 3, heads, d)), jnp.float32)
+        qsl = jnp.asarray(np.concatenate([[0], np.cumsum(qlens)]), jnp.int32)
+        args = (q, k, v, jnp.asarray(tables), jnp.asarray(lens, jnp.int32), qsl)
+        ref = np.asarray(inv.ragged_paged_attention_invariant(*args))
+        for t in {tiles, (tiles[0], 8), (inv.QUERY_TILE, tiles[1])}:
+            assert np.array_equal(np.asarray(inv.ragged_paged_attention_invariant(*args, tiles=t)), ref), (t, qlens)
+
+
+def test_invariant_tiles_probe_falls_back(monkeypatch):
+    """A backend whose dots change a row's bits with the number of rows keeps QUERY_TILE tiles."""
+    real = inv._probe_dot
+
+    def drifting(a, b, contract):  # rows summed another way at any row count but QUERY_TILE * group
+        out = np.asarray(real(a, b, contract))
+        return out if a.shape[1] == 8 else out * np.float32(1 + 2 ** -20)
+
+    monkeypatch.setattr(inv, "_probe_dot", drifting)
+    inv.invariant_tiles.cache_clear()
+    try:
+        assert inv.invariant_tiles(2, 64) == (inv.QUERY_TILE, inv.QUERY_TILE)
+    finally:
+        monkeypatch.undo()
+        inv.invariant_tiles.cache_clear()
+    assert inv.invariant_tiles(2, 64) == (1, 16)
 
 
 # ---------------------------------------------------------------- engine --
@@ -137,6 +191,10 @@ def _differences(llm, prompts, params, rng):
 
 
 def test_bs1_vs_bsn(engines):
+    runner = engines["on"].llm_engine.runner
+    model = nnx.merge(runner.graphdef, runner.state)
+    tiles = {node.ops.invariant_tiles for _, node in nnx.iter_graph(model) if isinstance(node, Attention)}
+    assert tiles == {(1, 16)}, tiles  # tiny (2 heads per kv head): the probe's tiles run here
     rng = np.random.default_rng()
     prompts = _prompts(rng)
     params = _params(len(prompts))

@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 from jpaged import config
 from jpaged.file_safety import open_regular, read_json, safetensors_header
 from jpaged.models.gemma import GemmaForCausalLM
-from jpaged.models.layers import Embedding, LayerNorm, Linear, RMSNorm, WeightTarget, kernel_path
+from jpaged.models.layers import Attention, Embedding, LayerNorm, Linear, RMSNorm, WeightTarget, kernel_path
 from jpaged.models.gpt2 import GPT2LMHeadModel
 from jpaged.models.paged_attention import AttentionOps
 from jpaged.models.llama import LlamaForCausalLM
@@ -36,6 +36,7 @@ from jpaged.models.phi3 import Phi3ForCausalLM
 from jpaged.parallel import sharding
 from jpaged.quantization.formats import Quantization, quantization_of
 from jpaged.quantization.scheme import QuantizedTensor, check_scales, layout, model_memory_bytes, quantize_model
+from pallas_kernels import invariant
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,10 @@ def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.nda
         for _, node in nnx.iter_graph(model):
             if isinstance(node, (Linear, Embedding, RMSNorm, LayerNorm)):
                 node.batch_invariant = True
+            elif isinstance(node, Attention):
+                heads, head_dim = node.q_proj.out_shape
+                tiles = invariant.invariant_tiles(heads // node.k_proj.out_shape[0], head_dim)
+                node.ops = dataclasses.replace(node.ops, invariant_tiles=tiles)
     quantized = {}
     if quantization is not None:
         quantized, modules = quantize_model(model, quantization)

@@ -33,6 +33,9 @@ class AttentionOps:
     # LLM.policy()'s forward: the invariant attention visits this many key chunks (a static loop,
     # which jax.grad can reverse); None: up to the longest context (a loop with a traced end).
     static_chunks: int | None = None
+    # The invariant attention's rows per query tile, (one-token sequences, others): measured at load
+    # (invariant.invariant_tiles), other than QUERY_TILE where this backend's dots keep the bits.
+    invariant_tiles: tuple[int, int] = (invariant.QUERY_TILE, invariant.QUERY_TILE)
 
     def __call__(self, q, k, v, kv_cache: KVCache, meta: AttentionMetadata, scale: float, sliding_window=None,
                  logits_soft_cap: float | None = None):
@@ -100,7 +103,8 @@ class AttentionOps:
             return invariant.ragged_paged_attention_invariant(*args, meta.query_start_loc, scale=scale,
                                                               sliding_window=sliding_window,
                                                               logits_soft_cap=logits_soft_cap, kv_dtype=kv_dtype,
-                                                              num_chunks=self.static_chunks)
+                                                              num_chunks=self.static_chunks,
+                                                              tiles=self.invariant_tiles)
         # XLA's ragged path is as fast as its decode path on decode steps (tile 1; measured faster
         # inside the multi-step decode on a CPU): one branch, less to compile.
         if meta.decode is None or pallas_kernels.kernel_family(self.backend) == "xla":
