@@ -16,9 +16,11 @@ import time
 import aiohttp
 import jax
 import numpy as np
+import pytest
 
 import jpaged
 from jpaged.runner.executable_cache import MAGIC
+from jpaged.runner import warmup
 from jpaged.runner.warmup import FAIL_ENV
 
 LIMITS = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
@@ -63,7 +65,13 @@ def test_generate_while_compiling_matches_warm_engine_and_compiles_nothing_itsel
     assert all(limit is None or tokens <= limit for limit, tokens in limits), limits
     # Every compile meanwhile was the background's: serving compiled nothing, nor waited for one.
     assert compiles and all(name.startswith("jpaged-") for name in compiles), compiles
+    # Once steps could run, XLA's unnamed compile threads were given the background's nice value.
+    reniced = dict(runner.warmup._reniced or {})
+    if sys.platform == "linux" and not runner.warmup.done.is_set():
+        assert reniced, "no XLA thread reniced while serving"
+        assert all(_nice(tid) in (None, warmup.BACKGROUND_NICE) for tid in reniced), reniced
     assert llm.wait_for_warmup(timeout=600)
+    assert all(_nice(tid) in (None, former) for tid, former in reniced.items())  # given back
     assert llm.llm_engine.warmup_progress() == {"ready": True, "compiled": runner.num_compilations,
                                                  "total": len(list(runner.buckets.keys()))}
     # A fully warmed engine (everything loaded from the cache at construction) gives the same tokens.
@@ -71,6 +79,34 @@ def test_generate_while_compiling_matches_warm_engine_and_compiles_nothing_itsel
     assert warm.llm_engine.runner.executable_cache.hits == warm.llm_engine.runner.num_compilations
     expected = warm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in warming] == [o.outputs[0].token_ids for o in expected]
+
+
+def _nice(tid):
+    try:
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except OSError:  # the thread ended
+        return None
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values: Linux")
+def test_renice_native_threads_leaves_python_and_step_threads():
+    """Only XLA's unnamed native threads are reniced (Python's threads and XLA's named tf_* pools,
+    which run the steps, keep theirs), and the former values come back."""
+    jax.jit(lambda x: x + 1)(np.ones(3))  # XLA's threads exist
+    python = {t.native_id for t in threading.enumerate()}
+    former = warmup._renice_native_threads(nice=1)
+    try:
+        print("reniced:", former)
+        assert former and not set(former) & python
+        for tid in former:
+            assert open(f"/proc/self/task/{tid}/comm").read().strip() == open("/proc/self/comm").read().strip()
+            assert _nice(tid) in (None, 1)
+        named = [int(t) for t in os.listdir("/proc/self/task")
+                 if open(f"/proc/self/task/{t}/comm").read().startswith("tf_")]
+        assert not set(named) & set(former)
+    finally:
+        warmup._renice_native_threads(saved=former)
+    assert all(_nice(tid) in (None, value) for tid, value in former.items())
 
 
 class Server:
