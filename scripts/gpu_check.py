@@ -140,8 +140,11 @@ def features(args) -> int:
             return out.token_ids, [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
 
         alone, batched = logprobs(prompts[2:3]), logprobs(prompts[2:])
+        from pallas_kernels import invariant
+        tiles = invariant.invariant_tiles(2, 64)  # what the loader measured for tiny (group 2, head dim 64)
         report("batch invariance", alone == batched, "a prompt's tokens and logprobs alone vs in a batch of "
-               f"{len(prompts) - 2}: {'bitwise equal' if alone == batched else 'different'}")
+               f"{len(prompts) - 2}: {'bitwise equal' if alone == batched else 'different'}; "
+               f"attention tiles (decode, prefill) {tiles}")
     except Exception as e:
         report("batch invariance", False, f"{type(e).__name__}: {e}")
     return 1 if failures else 0
