@@ -6,6 +6,7 @@ import os
 from pallas_kernels import BACKENDS as ATTENTION_BACKENDS  # pallas: Triton kernels; mosaic: Mosaic GPU (sm_90+)
 
 from jpaged.core.kv_allocation import KV_ALLOCATIONS
+from jpaged.json_option import parsed
 from jpaged.kv_events.config import KVEventsConfig
 from jpaged.spec_decode.config import SpeculativeConfig
 
@@ -47,6 +48,10 @@ class EngineConfig:
     convert: str = _option("auto", "with runner='pooling', what the model gives: 'embed', 'classify' (its "
                            "classification head) or 'reward' (per token); 'auto': classify for a classifier "
                            "checkpoint, else embed", choices=CONVERTS)
+    hf_overrides: dict | str | None = _option(
+        None, "fields set on the checkpoint's config.json as it is read, vLLM's (a JSON object on the command "
+        'line): e.g. {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+        '"is_original_qwen3_reranker": true} serves Qwen3-Reranker as a cross-encoder')
     dtype: str = _option("auto", "weights and KV dtype ('auto': the checkpoint's)", choices=DTYPES)
     quantization: str | None = _option(None, "weights in 8 bits: 'fp8' or 'int8' quantizes a float checkpoint "
                                        "while loading (per output channel, computed at the activation dtype); "
@@ -187,6 +192,8 @@ class EngineConfig:
         check("attention_backend", self.attention_backend in ATTENTION_BACKENDS, f"one of {ATTENTION_BACKENDS}")
         check("runner", self.runner in RUNNERS, f"one of {RUNNERS}")
         check("convert", self.convert in CONVERTS, f"one of {CONVERTS}")
+        if self.hf_overrides is not None:
+            self.hf_overrides = parsed(self.hf_overrides, "hf_overrides")
         check("dtype", self.dtype in DTYPES, f"one of {DTYPES}")
         check("quantization", self.quantization in (None,) + QUANTIZATION_METHODS,
               f"None or one of {QUANTIZATION_METHODS}")

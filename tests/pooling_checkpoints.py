@@ -4,7 +4,7 @@ the references (SentenceTransformer.encode, CrossEncoder.predict) read the same 
 import os
 
 WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "hello", "world", "is", "good", "bad", "of", "and", "to",
-         "in", "paris", "france", "capital", "city", "river", "blue", "red", "fast", "slow"]
+         "in", "paris", "france", "capital", "city", "river", "blue", "red", "fast", "slow", "yes", "no"]
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789.,!?")
 BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 # XLM-R's ids: <s> 0, <pad> 1 (its padding_idx: positions start after it), </s> 2.
@@ -39,7 +39,7 @@ def _config(kind: str, vocab_size: int, **extra):
         return transformers.XLMRobertaConfig(max_position_embeddings=130, pad_token_id=1, bos_token_id=0,
                                              eos_token_id=2, type_vocab_size=1, **common)
     return transformers.Qwen3Config(num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                                    tie_word_embeddings=True, **common)
+                                    **{"tie_word_embeddings": True, **common})
 
 
 def make_embedder(root: str, kind: str, pooling: str, normalize: bool = True, **config_extra) -> str:
@@ -84,6 +84,23 @@ def make_cross_encoder(root: str, kind: str) -> str:
         for name, p in model.named_parameters():
             if "classifier" in name or "pooler" in name:
                 p.normal_(0, 0.5)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def make_causal_reranker(root: str, tied: bool) -> str:
+    """A Qwen3ForCausalLM whose LM head has "yes" and "no" rows (Qwen3-Reranker's shape)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(2)
+    path = os.path.join(root, f"qwen3-causal-reranker-{'tied' if tied else 'untied'}")
+    tok = _tokenizer(path, roberta=False)
+    cfg = _config("qwen3", len(tok.get_vocab()), tie_word_embeddings=tied)
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # LM-head rows that make yes and no differ, not saturate
+        model.lm_head.weight.normal_(0, 0.1)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("sentence_transformers")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from pooling_checkpoints import TEXTS, make_cross_encoder, make_embedder  # noqa: E402
+from pooling_checkpoints import TEXTS, make_causal_reranker, make_cross_encoder, make_embedder  # noqa: E402
 
 EMBEDDERS = [("bert", "mean"), ("xlm-roberta", "cls"), ("qwen3", "lasttoken")]
 
@@ -78,6 +78,59 @@ def test_rerank_matches_cross_encoder(root, kind):
     assert len(probs[0].outputs.probs) == 1 and 0 < probs[0].outputs.probs[0] < 1
     with pytest.raises(ValueError, match="runner='pooling'"):
         llm.generate("hello")
+
+
+QWEN3_RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+                  "is_original_qwen3_reranker": True}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_qwen3_reranker_from_causal_lm(root, tied):
+    """vLLM's hf_overrides for Qwen3-Reranker: a causal LM scores a pair by its last token's
+    softmax over [no, yes], yes's share; against transformers' logits, within 1e-4. With
+    classifier_from_token alone, one label per token (the LM head's rows)."""
+    import torch
+    import transformers
+
+    import jpaged
+
+    path = make_causal_reranker(root, tied)
+    query, docs = "capital of france", TEXTS
+    llm = jpaged.LLM(path, runner="pooling", hf_overrides=QWEN3_RERANKER)
+    scores = [o.outputs.score for o in llm.score(query, docs)]
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.Qwen3ForCausalLM.from_pretrained(path).eval()
+    no, yes = tok.convert_tokens_to_ids(["no", "yes"])
+    ref, rows = [], []
+    with torch.no_grad():
+        for d in docs:
+            logits = model(torch.tensor([tok(query, d)["input_ids"]])).logits[0, -1].double()
+            ref.append(torch.softmax(logits[[no, yes]], -1)[1].item())
+            rows.append(logits[[no, yes]].numpy())
+    print("scores:", np.round(scores, 4))
+    assert np.ptp(ref) > 1e-3  # the check can fail: the scores differ from document to document (by 100x its tolerance)
+    np.testing.assert_allclose(scores, ref, atol=1e-4)
+    # "auto" takes the override's architecture as a pooling model, and two labels without the flag.
+    two = jpaged.LLM(path, hf_overrides={k: v for k, v in QWEN3_RERANKER.items() if k != "is_original_qwen3_reranker"})
+    probs = [o.outputs.probs for o in two.classify([tok.decode(tok(query, d)["input_ids"], skip_special_tokens=True)
+                                                     for d in docs[:1]])]
+    assert len(probs[0]) == 2
+    logits = np.asarray(two.llm_engine.run([two.llm_engine.tokenize(query, docs[0])], "LAST", head=True))[0]
+    np.testing.assert_allclose(logits, rows[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "maybe yes"]}, "not one"),
+    ({"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": "yes"}, "list of token strings"),
+    ({"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["yes"],
+      "is_original_qwen3_reranker": True}, "two tokens"),
+    ("{not json", "hf_overrides is not valid JSON"),
+])
+def test_qwen3_reranker_bad_overrides(root, overrides, match):
+    import jpaged
+
+    with pytest.raises(ValueError, match=match):
+        jpaged.LLM(make_causal_reranker(root, True), runner="pooling", hf_overrides=overrides)
 
 
 def test_pooling_types_and_reward(embedders):

@@ -318,9 +318,17 @@ def check_regular_files(model_dir: str):
                 raise ValueError(f"{path}: cannot be read ({e.strerror})") from None
 
 
-def read_hf_config(model_dir: str) -> PretrainedConfig:
+def read_hf_config(model_dir: str, overrides: dict | None = None) -> PretrainedConfig:
     """config.json read safely (a bounded regular file, JSON of bounded depth) and its fields that
-    jpaged reads type-checked before transformers parses it; ValueError naming the file otherwise."""
+    jpaged reads type-checked before transformers parses it; ValueError naming the file otherwise.
+    `overrides` (vLLM's hf_overrides): fields set on the config after reading."""
+    config = _read_hf_config(model_dir)
+    for name, value in (overrides or {}).items():
+        setattr(config, name, value)
+    return config
+
+
+def _read_hf_config(model_dir: str) -> PretrainedConfig:
     path = os.path.join(model_dir, "config.json")
     raw = read_json(path, path)
     if not isinstance(raw, dict):
@@ -359,13 +367,13 @@ def load_model_of(config) -> LoadedModel:
     return load_model(config.model, dtype=config.dtype, attention_backend=config.attention_backend,
                       revision=config.revision, tensor_parallel_size=config.tensor_parallel_size,
                       max_model_len=config.max_model_len, quantization=config.quantization, devices=config.devices,
-                      batch_invariant=config.batch_invariant)
+                      batch_invariant=config.batch_invariant, hf_overrides=config.hf_overrides)
 
 
 def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", revision: str | None = None,
                tensor_parallel_size: int = 1, max_model_len: int | None = None,
                quantization: str | None = None, devices: list | None = None,
-               batch_invariant: bool = False) -> LoadedModel:
+               batch_invariant: bool = False, hf_overrides: dict | None = None) -> LoadedModel:
     """`quantization`: None (what the checkpoint's quantization_config says, if anything), "fp8" or
     "int8" (quantize a float checkpoint while loading), or the checkpoint's own method name.
     `devices`: the mesh's (default: the first tensor_parallel_size)."""
@@ -373,12 +381,14 @@ def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", rev
     if model == "tiny":
         from jpaged.models import tiny
         hf_config = tiny.tiny_config()
+        for name, value in (hf_overrides or {}).items():
+            setattr(hf_config, name, value)
         jdtype = resolve_dtype(dtype, hf_config)
         weights, tokenizer = tiny.tiny_weights(hf_config), tiny.tiny_tokenizer()
     else:
         model_dir = resolve_model_dir(model, revision)
         check_regular_files(model_dir)
-        hf_config = read_hf_config(model_dir)
+        hf_config = read_hf_config(model_dir, hf_overrides)
         get_model_class(hf_config)  # fail on an unsupported architecture before reading any weights
         jdtype = resolve_dtype(dtype, hf_config)
         weights = iter_safetensors(model_dir)

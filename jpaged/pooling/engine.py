@@ -18,7 +18,7 @@ from jpaged.models import loader
 from jpaged.models.bert import ENCODER_REGISTRY
 from jpaged.models.forward_context import forward_context
 from jpaged.parallel import sharding
-from jpaged.pooling.decoder import DECODER_REGISTRY, decoder_weight_names
+from jpaged.pooling.decoder import DECODER_REGISTRY, classifier_tokens, decoder_weight_names
 from jpaged.pooling.packed import NoPages, PackedAttentionOps, build_batch, pack, packed_context
 from jpaged.pooling.pooler_config import POOLING_TYPES, PoolerConfig, read_pooler_config
 
@@ -54,7 +54,7 @@ class PoolingEngine:
                              "'tiny' is a generation model")
         model_dir = loader.resolve_model_dir(config.model, config.revision)
         loader.check_regular_files(model_dir)
-        self.hf_config = hf_config = loader.read_hf_config(model_dir)
+        self.hf_config = hf_config = loader.read_hf_config(model_dir, config.hf_overrides)
         archs = getattr(hf_config, "architectures", None) or []
         arch = next((a for a in archs if a in ENCODER_REGISTRY or a in DECODER_REGISTRY), None)
         if arch is None:
@@ -77,6 +77,8 @@ class PoolingEngine:
         self.max_batch_tokens = max(config.max_num_batched_tokens or DEFAULT_MAX_BATCH_TOKENS, 16)
         self.pooler_config: PoolerConfig = read_pooler_config(model_dir, hf_config, self.is_encoder)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if getattr(hf_config, "classifier_from_token", None) is not None:  # a causal LM's LM-head rows as labels
+            hf_config.classifier_token_ids, hf_config.num_labels = classifier_tokens(hf_config, self.tokenizer)
         self.vocab_size = hf_config.vocab_size
         self.num_labels = getattr(hf_config, "num_labels", 0) if self.is_classifier else 0
         mesh = sharding.make_mesh(1, config.devices)
@@ -197,6 +199,6 @@ def resolve_runner(config: EngineConfig) -> str:
         return "generate"
     try:
         model_dir = loader.resolve_model_dir(config.model, config.revision)
-        return "pooling" if is_pooling_checkpoint(loader.read_hf_config(model_dir)) else "generate"
+        return "pooling" if is_pooling_checkpoint(loader.read_hf_config(model_dir, config.hf_overrides)) else "generate"
     except ValueError:  # the generation engine reports an unreadable checkpoint as it always did
         return "generate"
