@@ -38,6 +38,12 @@ def _config(kind: str, vocab_size: int, **extra):
     if kind == "xlm-roberta":
         return transformers.XLMRobertaConfig(max_position_embeddings=130, pad_token_id=1, bos_token_id=0,
                                              eos_token_id=2, type_vocab_size=1, **common)
+    if kind == "modernbert":  # 4 layers: global, local, local, global; an 8-token local window (4 each side);
+        # a local rotary theta far from the global one, so that using the wrong one shows
+        return transformers.ModernBertConfig(max_position_embeddings=256, local_attention=8, global_attn_every_n_layers=3,
+                                             global_rope_theta=160000.0, local_rope_theta=10.0, pad_token_id=0,
+                                             bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3,
+                                             **{**common, "num_hidden_layers": 4})
     return transformers.Qwen3Config(num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
                                     **{"tie_word_embeddings": True, **common})
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jpaged.models.layers import Embedding, HFWeights, LayerNorm, LayerStack, Linear, activation
+from jpaged.models.modernbert import ModernBertModel
 from jpaged.pooling.packed import packed_attention
 
 
@@ -128,4 +129,5 @@ ENCODER_REGISTRY = {
     "BertForSequenceClassification": BertForSequenceClassification,
     "RobertaForSequenceClassification": RobertaForSequenceClassification,
     "XLMRobertaForSequenceClassification": RobertaForSequenceClassification,
+    "ModernBertModel": ModernBertModel,
 }

@@ -196,10 +196,10 @@ class RMSNorm(nnx.Module):
 
 
 class LayerNorm(nnx.Module):
-    def __init__(self, dim, eps, *, dtype=jnp.float32):
+    def __init__(self, dim, eps, *, dtype=jnp.float32, use_bias: bool = True):
         self.eps = eps
         self.weight = weight_param((dim,), ("norm",), dtype)
-        self.bias = weight_param((dim,), ("norm",), dtype)
+        self.bias = weight_param((dim,), ("norm",), dtype) if use_bias else nnx.data(None)  # ModernBERT: none
         self.batch_invariant = False
 
     def __call__(self, x):
@@ -208,10 +208,12 @@ class LayerNorm(nnx.Module):
         mean = mean_of(x32)[..., None]
         var = mean_of(jnp.square(x32 - mean))[..., None]
         y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+        y = y * self.weight[...].astype(jnp.float32)
+        return (y if self.bias is None else y + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
     def hf_weights(self, prefix: str) -> HFWeights:
-        return {f"{prefix}.{n}": [WeightTarget(p, p.shape[-1:], lambda a: a)] for n, p in (("weight", self.weight), ("bias", self.bias))}
+        return {f"{prefix}.{n}": [WeightTarget(p, p.shape[-1:], lambda a: a)] for n, p in (("weight", self.weight), ("bias", self.bias))
+                if p is not None}
 
 
 ACTIVATIONS = {

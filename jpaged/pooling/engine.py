@@ -113,7 +113,8 @@ class PoolingEngine:
     def tokenize(self, text: str, text_pair: str | None = None) -> PoolingInput:
         enc = self.tokenizer(text, text_pair) if text_pair is not None else self.tokenizer(text)
         # (a checkpoint with one token type, RoBERTa's, has no sentence B)
-        types = enc.get("token_type_ids") if self.is_encoder and self.hf_config.type_vocab_size > 1 else None
+        types = enc.get("token_type_ids") if self.is_encoder and getattr(self.hf_config, "type_vocab_size", 1) > 1 \
+            else None
         return PoolingInput(list(enc["input_ids"]), list(types) if types is not None else None)
 
     def check(self, inp: PoolingInput, truncate_prompt_tokens: int | None = None, field: str = "prompts"):
@@ -185,8 +186,8 @@ def _forward(graphdef, no_pages, state, input_ids, positions, token_types, segme
 
 
 def model_dtype(model):
-    return model.embed_tokens.embedding.dtype if hasattr(model, "embed_tokens") else \
-        model.word_embeddings.embedding.dtype
+    table = next(getattr(model, n) for n in ("embed_tokens", "word_embeddings", "tok_embeddings") if hasattr(model, n))
+    return table.embedding.dtype
 
 
 def resolve_runner(config: EngineConfig) -> str:

@@ -38,9 +38,11 @@ def packed_context(num_rows: int, row_len: int, segments) -> ForwardContext:
     return ForwardContext(attn=meta)
 
 
-def packed_attention(q, k, v, scale: float, causal: bool, logits_soft_cap: float | None = None):
+def packed_attention(q, k, v, scale: float, causal: bool, logits_soft_cap: float | None = None, window=None):
     """Attention inside each packed input: q [tokens, heads, head_dim], k/v [tokens, kv_heads,
-    head_dim] (GQA: heads a multiple of kv_heads); bidirectional, or causal for decoders."""
+    head_dim] (GQA: heads a multiple of kv_heads); bidirectional, or causal for decoders. `window`
+    (an int, possibly traced): only keys at most that many positions away (ModernBERT's local
+    layers); an input's tokens are contiguous in its row, so a row distance is a position one."""
     meta = get_forward_context().attn
     rows, row_len = meta.block_tables.shape
     seg = meta.context_lens.reshape(rows, row_len)
@@ -55,6 +57,9 @@ def packed_attention(q, k, v, scale: float, causal: bool, logits_soft_cap: float
     mask = seg[:, :, None] == seg[:, None, :]  # padding (-1) attends to padding: finite, never read
     if causal:
         mask &= jnp.tril(jnp.ones((row_len, row_len), bool))[None]
+    if window is not None:
+        at = jnp.arange(row_len)
+        mask &= (jnp.abs(at[:, None] - at[None, :]) <= window)[None]
     s = jnp.where(mask[:, None, None], s, -1e30)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     out = jnp.einsum("rhgqk,rkhd->rqhgd", p, vr, precision=precision)
