@@ -74,21 +74,22 @@ def make_embedder(root: str, kind: str, pooling: str, normalize: bool = True, **
     return out
 
 
-def make_cross_encoder(root: str, kind: str) -> str:
-    """A BertForSequenceClassification or XLMRobertaForSequenceClassification with one label."""
+def make_cross_encoder(root: str, kind: str, **config_extra) -> str:
+    """A BertForSequenceClassification, XLMRobertaForSequenceClassification or
+    ModernBertForSequenceClassification with one label."""
     import torch
     import transformers
 
     torch.manual_seed(1)
-    path = os.path.join(root, f"{kind}-reranker")
+    path = os.path.join(root, f"{kind}-reranker" + "".join(f"-{v}" for v in config_extra.values()))
     tok = _tokenizer(path, roberta=kind == "xlm-roberta")
-    cfg = _config(kind, len(tok.get_vocab()), num_labels=1)
-    cls = (transformers.BertForSequenceClassification if kind == "bert"
-           else transformers.XLMRobertaForSequenceClassification)
+    cfg = _config(kind, len(tok.get_vocab()), num_labels=1, **config_extra)
+    cls = {"bert": transformers.BertForSequenceClassification, "xlm-roberta": transformers.XLMRobertaForSequenceClassification,
+           "modernbert": transformers.ModernBertForSequenceClassification}[kind]
     model = cls(cfg).eval()
     with torch.no_grad():  # classifier weights large enough that the scores differ
         for name, p in model.named_parameters():
-            if "classifier" in name or "pooler" in name:
+            if "classifier" in name or "pooler" in name or name.startswith("head."):
                 p.normal_(0, 0.5)
     model.save_pretrained(path)
     tok.save_pretrained(path)

@@ -82,12 +82,14 @@ def test_score_of_an_embedder_is_cosine(embedders):
     np.testing.assert_allclose([s.outputs.score for s in scores], [1.0, e[0] @ e[1]], atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
-def test_rerank_matches_cross_encoder(root, kind):
+@pytest.mark.parametrize("kind, extra", [("bert", {}), ("xlm-roberta", {}), ("modernbert", {"classifier_pooling": "cls"}),
+                                         ("modernbert", {"classifier_pooling": "mean"})],
+                         ids=["bert", "xlm-roberta", "modernbert-cls", "modernbert-mean"])
+def test_rerank_matches_cross_encoder(root, kind, extra):
     import jpaged
     from sentence_transformers import CrossEncoder
 
-    path = make_cross_encoder(root, kind)
+    path = make_cross_encoder(root, kind, **extra)
     llm = jpaged.LLM(path, runner="pooling")
     query, docs = "capital of france", TEXTS
     scores = [o.outputs.score for o in llm.score(query, docs)]

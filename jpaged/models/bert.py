@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jpaged.models.layers import Embedding, HFWeights, LayerNorm, LayerStack, Linear, activation
-from jpaged.models.modernbert import ModernBertModel
+from jpaged.models.modernbert import ModernBertForSequenceClassification, ModernBertModel
 from jpaged.pooling.packed import packed_attention
 
 
@@ -130,4 +130,5 @@ ENCODER_REGISTRY = {
     "RobertaForSequenceClassification": RobertaForSequenceClassification,
     "XLMRobertaForSequenceClassification": RobertaForSequenceClassification,
     "ModernBertModel": ModernBertModel,
+    "ModernBertForSequenceClassification": ModernBertForSequenceClassification,
 }

@@ -68,6 +68,7 @@ class ModernBertModel(nnx.Module):
     """The encoder: hidden states of every token, [tokens, hidden] (after the final norm)."""
 
     is_encoder = True
+    base_prefix = ""  # where the checkpoint keeps the encoder's tensors (the classifier: "model.")
     ignored_hf_weights = (r".*position_ids", r"head\..*", r"decoder\..*")
 
     def __init__(self, cfg, *, dtype, ops=None, max_model_len=None):
@@ -85,11 +86,38 @@ class ModernBertModel(nnx.Module):
         return self.final_norm(x), kv_cache
 
     def hf_weights(self) -> HFWeights:
-        layers = self.layers.hf_weights(lambda i: f"layers.{i}")
+        p = self.base_prefix
+        layers = self.layers.hf_weights(lambda i: f"{p}layers.{i}")
         # The first layer has no attention norm: its slice of the stacked norm stays unread (zeros).
-        layers = {name: targets for name, targets in layers.items() if not name.startswith("layers.0.attn_norm.")}
-        return {**self.tok_embeddings.hf_weights("embeddings.tok_embeddings.weight"),
-                **self.embed_norm.hf_weights("embeddings.norm"), **layers,
-                **self.final_norm.hf_weights("final_norm")}
+        layers = {name: targets for name, targets in layers.items() if not name.startswith(f"{p}layers.0.attn_norm.")}
+        return {**self.tok_embeddings.hf_weights(f"{p}embeddings.tok_embeddings.weight"),
+                **self.embed_norm.hf_weights(f"{p}embeddings.norm"), **layers,
+                **self.final_norm.hf_weights(f"{p}final_norm")}
+
+
+class ModernBertForSequenceClassification(ModernBertModel):
+    """`classifier_pooling` (CLS or mean) -> head (dense, activation, norm) -> classifier."""
+
+    base_prefix = "model."
+    ignored_hf_weights = (r".*position_ids",)
+
+    def __init__(self, cfg, *, dtype, ops=None, max_model_len=None):
+        super().__init__(cfg, dtype=dtype)
+        hidden = cfg.hidden_size
+        self.dense = Linear((hidden,), (hidden,), ("embed", "mlp"), use_bias=cfg.classifier_bias, dtype=dtype)
+        self.head_act = cfg.classifier_activation
+        self.head_norm = LayerNorm(hidden, cfg.norm_eps, dtype=dtype, use_bias=cfg.norm_bias)
+        self.classifier = Linear((hidden,), (cfg.num_labels,), ("embed", "vocab"), use_bias=True, dtype=dtype)
+
+    @staticmethod
+    def classify_pooling(cfg) -> str:
+        return "MEAN" if cfg.classifier_pooling == "mean" else "CLS"
+
+    def classify(self, pooled):
+        return self.classifier(self.head_norm(activation(self.head_act)(self.dense(pooled)))).astype(jnp.float32)
+
+    def hf_weights(self) -> HFWeights:
+        return {**super().hf_weights(), **self.dense.hf_weights("head.dense"), **self.head_norm.hf_weights("head.norm"),
+                **self.classifier.hf_weights("classifier")}
 
 

@@ -103,7 +103,9 @@ class PoolingEngine:
 
     @property
     def classify_pooling(self) -> str:
-        """Encoders classify their CLS token, decoders their last."""
+        """Encoders classify their CLS token (ModernBERT: as its config says), decoders their last."""
+        if hasattr(self.model, "classify_pooling"):
+            return self.model.classify_pooling(self.hf_config)
         return "CLS" if self.is_encoder else "LAST"
 
     @property
