@@ -67,11 +67,13 @@ def test_generate_while_compiling_matches_warm_engine_and_compiles_nothing_itsel
     assert compiles and all(name.startswith("jpaged-") for name in compiles), compiles
     # Once steps could run, XLA's unnamed compile threads were given the background's nice value.
     reniced = dict(runner.warmup._reniced or {})
-    if sys.platform == "linux" and not runner.warmup.done.is_set():
+    if sys.platform == "linux" and not runner.warmup.done.is_set() and \
+            os.getpriority(os.PRIO_PROCESS, 0) < warmup.BACKGROUND_NICE:  # (not when the tests run niced)
         assert reniced, "no XLA thread reniced while serving"
         assert all(_nice(tid) in (None, warmup.BACKGROUND_NICE) for tid in reniced), reniced
     assert llm.wait_for_warmup(timeout=600)
-    assert all(_nice(tid) in (None, former) for tid, former in reniced.items())  # given back
+    if os.geteuid() == 0:  # given back (a lower nice value takes privileges)
+        assert all(_nice(tid) in (None, former) for tid, former in reniced.items())
     assert llm.llm_engine.warmup_progress() == {"ready": True, "compiled": runner.num_compilations,
                                                  "total": len(list(runner.buckets.keys()))}
     # A fully warmed engine (everything loaded from the cache at construction) gives the same tokens.
@@ -94,19 +96,23 @@ def test_renice_native_threads_leaves_python_and_step_threads():
     which run the steps, keep theirs), and the former values come back."""
     jax.jit(lambda x: x + 1)(np.ones(3))  # XLA's threads exist
     python = {t.native_id for t in threading.enumerate()}
-    former = warmup._renice_native_threads(nice=1)
+    nice = os.getpriority(os.PRIO_PROCESS, 0) + 1  # one above the process's own (the tests may run niced)
+    if nice > 19:
+        pytest.skip("the process already runs at the lowest priority")
+    former = warmup._renice_native_threads(nice=nice)
     try:
         print("reniced:", former)
         assert former and not set(former) & python
         for tid in former:
             assert open(f"/proc/self/task/{tid}/comm").read().strip() == open("/proc/self/comm").read().strip()
-            assert _nice(tid) in (None, 1)
+            assert _nice(tid) in (None, nice)
         named = [int(t) for t in os.listdir("/proc/self/task")
                  if open(f"/proc/self/task/{t}/comm").read().startswith("tf_")]
         assert not set(named) & set(former)
     finally:
         warmup._renice_native_threads(saved=former)
-    assert all(_nice(tid) in (None, value) for tid, value in former.items())
+    if os.geteuid() == 0:  # giving a lower nice value back takes privileges (CAP_SYS_NICE)
+        assert all(_nice(tid) in (None, value) for tid, value in former.items())
 
 
 class Server:

@@ -81,7 +81,8 @@ def _renice_native_threads(nice: int | None = BACKGROUND_NICE, saved: dict | Non
     2-core CPU (tiny, 16 streams while warming): two of them took most of a core at nice 0 while
     steps ran 2.7x slower. They get `nice` here; the threads that run steps (XLA's named pools,
     tf_*) and Python's own threads keep theirs. Returns {thread id: former nice}; with `saved`,
-    puts those back instead. Linux only; elsewhere nothing."""
+    puts those back instead (a lower value takes privileges: without them these compile threads stay
+    at the background's nice). Linux only; elsewhere nothing."""
     if saved is not None:
         for tid, value in saved.items():
             try:
