@@ -99,6 +99,22 @@ class RayCluster:
         serve.delete("bench")
 
 
+def wait_until_warm(url: str, timeout_s: float = 1800):
+    """Until /health says "ready" (every replica's background warm-up done): TTFT is measured warm."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=10) as r:
+                if json.load(r).get("ready"):
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url}: not warm after {timeout_s} s")
+
+
 def workload(args) -> list[list[int]]:
     rng = random.Random(args.seed)
     systems = [[rng.randrange(1, 255) for _ in range(args.system_tokens)] for _ in range(args.num_prefixes)]
@@ -189,6 +205,7 @@ def main():
         else:
             proc, url, log = start_server(args, int(size), policy)
         try:
+            wait_until_warm(url)
             # Warm-up: the step shapes run once, on prompts that share nothing with the workload.
             asyncio.run(run_clients(url, workload(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}))
                                     [:args.concurrency], args))

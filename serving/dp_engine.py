@@ -12,7 +12,7 @@ import asyncio
 import logging
 
 from jpaged.config import EngineConfig
-from jpaged.data_parallel.engine import FrontEngine, sum_stats
+from jpaged.data_parallel.engine import FrontEngine, sum_stats, warmup_health
 from jpaged.data_parallel.fleet import Fleet, ReplicaDiedError
 from jpaged.engine.llm_engine import StepFailedError
 from jpaged.sampling_params import SamplingParams
@@ -44,7 +44,8 @@ class DPAsyncEngine:
         return list(self.fleet.stats)
 
     def health(self) -> dict:
-        return self.fleet.health()
+        """The replicas' states, and their warm-up's progress ("ready": every live replica warm)."""
+        return {**self.fleet.health(), **warmup_health(self.fleet.stats)}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self):

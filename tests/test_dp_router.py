@@ -29,15 +29,35 @@ def test_the_longest_cached_prefix_wins_within_the_load_slack():
     assert router.route(a + [7]) == 0  # beyond the slack: the least-loaded one
     router.loads = [0, 0, 0]
     assert router.route(b + [7]) == 0
-    assert router.route(list(range(500, 530))) == 0  # nobody has it: the least-loaded, lowest rank
+    # Nobody has it: the least-loaded; among equals, the one caching fewest blocks (2 against 6).
+    assert router.route(list(range(500, 530))) == 1
     router.loads = [2, 1, 2]
     assert router.route(list(range(500, 530))) == 1
-    # Equal prefixes: the less loaded, then the lower rank.
+    router.loads = [1, 2, 1]
+    assert router.route(list(range(500, 530))) == 0  # 6 blocks each: the lower rank
+    # Equal prefixes: the less loaded, then the one caching fewer blocks, then the lower rank.
     router.on_events(0, stored(router, a))
     router.loads = [2, 1, 1]
     assert router.route(a + [9]) == 2
     router.loads = [1, 1, 1]
-    assert router.route(a + [9]) == 0
+    assert router.route(a + [9]) == 2  # 6 blocks against rank 0's 12
+    router.on_events(2, stored(router, b))
+    assert router.route(a + [9]) == 0  # 12 each: the lower rank
+
+
+def test_idle_replicas_share_new_prefixes():
+    """One request at a time (every load 0): each new prefix goes to the replica caching fewer
+    blocks, so both caches fill, and a prefix seen before returns to its replica."""
+    router = Router(2, BLOCK)
+    prefixes = [list(range(1000 * k, 1000 * k + 24)) for k in range(1, 7)]
+    placed = {}
+    for k, prefix in enumerate(prefixes):
+        rank = router.route(prefix + [k])
+        router.on_events(rank, stored(router, prefix + [k]))
+        placed[k] = rank
+    assert sorted(placed.values()) == [0, 0, 0, 1, 1, 1]
+    for k, prefix in enumerate(prefixes):
+        assert router.route(prefix + [99]) == placed[k]
 
 
 def test_the_block_of_the_last_token_never_counts():

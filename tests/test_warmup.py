@@ -233,3 +233,17 @@ def test_jpaged_warmup_fills_the_cache_and_a_server_loads_it_all(tmp_path):
         server.proc.kill()
     log = "".join(server.log)
     assert f"({len(files)} loaded from the executable cache)" in log, log[-3000:]
+    # Data parallelism: /health sums the replicas' progress, which idle replicas report as it
+    # goes (no request is sent before "ready").
+    server = Server(tmp_path, "--data-parallel-size", "2")
+    try:
+        seen = [health(server)]
+        while not seen[-1]["ready"]:
+            time.sleep(0.2)
+            seen.append(health(server))
+        print("data-parallel progress:", [(h["compiled"], h["total"]) for h in seen[::max(1, len(seen) // 8)]])
+        assert seen[-1]["compiled"] == seen[-1]["total"] == 2 * len(files), seen[-1]
+        assert all(h["compiled"] <= h["total"] and not h["degraded"] for h in seen), seen
+        assert server.stop() == 0
+    finally:
+        server.proc.kill()

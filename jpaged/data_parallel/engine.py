@@ -69,6 +69,15 @@ def sum_stats(stats: list[dict | None]) -> dict:
     return total
 
 
+def warmup_health(stats: list[dict | None]) -> dict:
+    """/health's warm-up fields over replicas (from their stats; those down count nothing):
+    executables compiled of all, and "ready" once every live replica has all of its own."""
+    live = [s for s in stats if s is not None]
+    total = sum(s.get("warmup_executables_total", 0) for s in live)
+    remaining = sum(s.get("warmup_executables_remaining", 0) for s in live)
+    return {"ready": bool(live) and remaining == 0, "compiled": total - remaining, "total": total}
+
+
 class DataParallelLLMEngine:
     """Offline engine over `config.data_parallel_size` replicas: requests are routed as the
     server routes them; `step` returns whatever outputs the replicas sent since the last call."""

@@ -89,6 +89,7 @@ class _Loop:
     def __init__(self, engine, events: _EventTee, commands, messages):
         self.engine, self.events, self.commands, self.messages = engine, events, commands, messages
         self.running = True
+        self.warming_sent = engine.stats_while_warming()  # an idle replica sends it when it changes
 
     def run(self):
         from jpaged.engine.llm_engine import StepFailedError
@@ -102,8 +103,9 @@ class _Loop:
                 if not self.running:
                     break
             if not engine.has_unfinished_requests():
-                if commanded:
-                    self._send_step([], None)  # the aborts' and calls' effect on the stats
+                warming = engine.stats_while_warming()
+                if commanded or warming != self.warming_sent:
+                    self._send_step([], None)  # the aborts', calls' or warm-up's effect on the stats
                 continue
             failed = None
             try:
@@ -113,6 +115,7 @@ class _Loop:
             self._send_step(outputs, failed)
 
     def _send_step(self, outputs, failed):
+        self.warming_sent = self.engine.stats_while_warming()
         self.messages.send(("step", outputs, failed, self.events.take(), self.engine.stats()))
 
     def _run_commands(self):

@@ -3,8 +3,11 @@
 `prefix` (the default) sends a request to the replica whose prefix cache holds the longest run of
 its leading full blocks, unless that replica is busier than the least-loaded one by more than
 `load_slack` requests (waiting + running): then the least-loaded one takes it, so one hot prefix
-cannot pile every request onto one replica. Ties go to the less loaded replica, then the lower
-rank. A request no replica has a block of goes to the least-loaded one.
+cannot pile every request onto one replica. Ties go to the less loaded replica, then to the one
+caching fewer blocks, then the lower rank. A request no replica has a block of goes to the
+least-loaded one, and among equally loaded ones to the one caching fewer blocks (SGLang's
+cache-aware router's smallest-tree rule): new prefixes spread over the replicas even when they
+idle, where the lower rank would take every one and the other replicas' caches stay empty.
 
 The router knows what a replica caches only from that replica's KV events (jpaged/kv_events:
 BlockStored adds hashes, BlockRemoved drops them, AllBlocksCleared empties the replica's set),
@@ -86,12 +89,12 @@ class Router:
             raise RuntimeError("no data-parallel replica is up")
         if self.policy == "round-robin":
             return next(r for r in self._turns if self.up[r])
-        least = min(ranks, key=lambda r: (self.loads[r], r))
         if self.policy == "least-loaded":
-            return least
+            return min(ranks, key=lambda r: (self.loads[r], r))
+        least = min(ranks, key=lambda r: (self.loads[r], len(self.cached[r]), r))
         hashes = self.block_hashes(prompt_token_ids, cache_salt)
         matched = {r: self.matched_blocks(r, hashes) for r in ranks}
-        best = min(ranks, key=lambda r: (-matched[r], self.loads[r], r))
+        best = min(ranks, key=lambda r: (-matched[r], self.loads[r], len(self.cached[r]), r))
         if matched[best] == 0 or self.loads[best] > self.loads[least] + self.load_slack:
             return least
         return best

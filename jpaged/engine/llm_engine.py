@@ -231,6 +231,7 @@ class LLMEngine:
         """The stats a background warm-up changes while no step runs."""
         warmup = self.runner.warmup
         return {} if warmup is None else {"warmup_executables_remaining": warmup.remaining,
+                                          "warmup_executables_total": warmup.total,
                                           "num_compilations": self.runner.num_compilations}
 
     # ------------------------------------------------------------------ requests
@@ -435,6 +436,7 @@ class LLMEngine:
             "num_cached_gpu_blocks": bm.get_num_cached_gpu_blocks(),
             "num_compilations": self.runner.num_compilations,
             "warmup_executables_remaining": 0 if self.runner.warmup is None else self.runner.warmup.remaining,
+            "warmup_executables_total": 0 if self.runner.warmup is None else self.runner.warmup.total,
             "kv_cache_dtype": self.kv_cache_dtype,
             "model_memory_bytes": self.model_memory_bytes,
             "kv_cache_bytes": 0 if self.runner.kv_cache is None else self.runner.kv_cache_spec.bytes_per_block

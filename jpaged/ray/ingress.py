@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from jpaged.config import EngineConfig
-from jpaged.data_parallel.engine import FrontEngine, sum_stats
+from jpaged.data_parallel.engine import FrontEngine, sum_stats, warmup_health
 from jpaged.ray.router import routers
 from jpaged.ray.server import GenerateRequest
 from jpaged.sampling_params import SamplingParams
@@ -79,10 +79,12 @@ class RayAsyncEngine:
 
     def health(self) -> dict:
         replicas = [{"replica": r.replica_id.unique_id, "pid": self._report(r).get("pid"),
-                     "state": "down" if self._report(r).get("dead") else "up"} for r in self._replicas()]
+                     "state": "down" if self._report(r).get("dead") else "up",
+                     **({"processes": self._report(r)["processes"]} if len(self._report(r).get("processes", ())) > 1
+                        else {})} for r in self._replicas()]
         up = sum(r["state"] == "up" for r in replicas)
         status = "ok" if up and up == len(replicas) else "degraded" if up else "down"
-        return {"status": status, "replicas": replicas}
+        return {"status": status, "replicas": replicas, **warmup_health(self.replica_stats())}
 
     # ------------------------------------------------------------------ requests
     async def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,

@@ -26,7 +26,8 @@ REFUSED = {"host": "Ray Serve's proxy listens: `serve run --host` / http_options
            "data_parallel_size": "replicas are Ray Serve's: num_replicas or autoscaling_config",
            "enable_lora_runtime_updates": "adapters loaded at run time would reach one replica: use lora_modules",
            "enable_sleep_mode": "/sleep would reach one replica",
-           "process_id": "set for each process of a replica by jpaged.ray"}
+           "process_id": "set for each process of a replica by jpaged.ray",
+           "coordinator_address": "set for each replica by jpaged.ray (on the node of its process 0)"}
 # Requests one replica may hold (queued in its engine): Ray Serve's default, 5, would leave a
 # replica's batch nearly empty.
 DEFAULT_MAX_ONGOING_REQUESTS = 1024
@@ -158,10 +159,24 @@ def serve_options(args: dict) -> tuple[EngineConfig, ServerOptions, RayOptions]:
     from serving import cli
 
     config, server = cli.serve_options(parser.parse_args(words))
-    if config.num_processes and config.num_processes > 1:
-        raise ValueError(f"num_processes={config.num_processes}: a replica over several hosts (jax.distributed) is not "
-                         "started by jpaged.ray yet; a replica's tensor_parallel_size devices must be on one node")
     from jpaged.pooling.engine import resolve_runner
     if resolve_runner(config) == "pooling":
         raise ValueError(f"model={config.model!r} is a pooling model: jpaged.ray serves generation models")
-    return config, server, ray_options(args)
+    ray = ray_options(args)
+    if config.num_processes and config.num_processes > 1:
+        _place_processes(config.num_processes, ray)
+    return config, server, ray
+
+
+def _place_processes(num_processes: int, ray: RayOptions):
+    """A replica over several processes (hosts; jax.distributed) takes one placement group
+    bundle per process: by default each like the replica's own resources, on distinct nodes."""
+    if ray.placement_group_bundles is None:
+        resources = ray.ray_actor_options
+        bundle = {"CPU": resources.get("num_cpus", 1) or 1, **({"GPU": resources["num_gpus"]}
+                                                               if resources.get("num_gpus") else {})}
+        ray.placement_group_bundles = [dict(bundle) for _ in range(num_processes)]
+        ray.placement_group_strategy = ray.placement_group_strategy or "STRICT_SPREAD"
+    elif len(ray.placement_group_bundles) != num_processes:
+        raise ValueError(f"placement_group_bundles: {len(ray.placement_group_bundles)} bundles for num_processes="
+                         f"{num_processes}; a replica over several processes needs one bundle per process")

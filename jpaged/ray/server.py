@@ -65,8 +65,62 @@ class _CacheTracker:
         self.publisher.shutdown()
 
 
+class ProcessFollower:
+    """Process i > 0 of a replica that spans hosts (num_processes > 1): one Ray actor in bundle i
+    of the replica's placement group, running the driver's device operations (jax.distributed)."""
+
+    def where(self) -> dict:
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def run(self, config: EngineConfig) -> None:
+        """Joins the driver's jax.distributed job, builds the same engine and follows its steps
+        until the driver ends (returns) or fails (raises)."""
+        from jpaged.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(config)
+        try:
+            engine.runner.follow()
+        finally:
+            engine.shutdown()
+
+
+def _start_followers(config: EngineConfig) -> tuple[EngineConfig, list, list, list]:
+    """For a replica over config.num_processes processes: the coordinator on this node, one
+    ProcessFollower per further process in the replica's placement group bundles 1.. (bundle 0
+    holds this actor), each started on its engine; returns process 0's config, the actors, their
+    `run` calls (which end only when the replica does) and where they run."""
+    import socket
+
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = ray.util.get_current_placement_group()
+    bundles = group.bundle_specs if group is not None else []
+    if len(bundles) != config.num_processes:
+        raise ValueError(f"num_processes={config.num_processes}: the replica needs one placement group bundle per "
+                         f"process, it has {len(bundles)}")
+    with socket.socket() as s:  # a free port on this node for jax.distributed's coordinator
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    address = f"{ray.util.get_node_ip_address()}:{port}"
+    followers, runs, places = [], [], []
+    for i in range(1, config.num_processes):
+        bundle = bundles[i]
+        follower = ray.remote(ProcessFollower).options(
+            num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)).remote()
+        places.append(follower.where.remote())  # before `run`: an actor runs its calls in order
+        runs.append(follower.run.remote(dataclasses.replace(config, coordinator_address=address, process_id=i)))
+        followers.append(follower)
+    places = [{"process_id": i + 1, **where} for i, where in enumerate(ray.get(places))]
+    return dataclasses.replace(config, coordinator_address=address, process_id=0), followers, runs, places
+
+
 class LLMServer:
     def __init__(self, config: EngineConfig, model_name: str, lora_modules=()):
+        import ray
         from ray import serve
 
         from serving.async_engine import AsyncLLMEngine
@@ -74,6 +128,12 @@ class LLMServer:
 
         context = serve.get_replica_context()
         self.replica = context.replica_id.unique_id if context is not None else "local"
+        self.followers, self._runs = [], []
+        processes = [{"process_id": 0, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}]
+        if config.num_processes and config.num_processes > 1:  # jax.distributed over the placement group
+            config, self.followers, self._runs, places = _start_followers(config)
+            processes += places
+        self.processes = processes
         engine, _ = _start(config, list(lora_modules))
         self.tracker = _CacheTracker(engine.kv_event_publisher.publisher, config.block_size)
         engine.kv_event_publisher = self.tracker
@@ -122,15 +182,38 @@ class LLMServer:
         return await self.engine.call(fn)
 
     async def check_health(self):
-        """Ray Serve's health check: raises once the engine has died (Ray then replaces the replica)."""
+        """Ray Serve's health check: raises once the engine has died, or one of the replica's
+        other processes has ended (Ray then replaces the replica, its followers with it)."""
         if self.engine.dead is not None:
             raise RuntimeError(f"replica {self.replica}: the engine stopped after an error: {self.engine.dead!r}")
+        if self._runs:
+            import ray
+
+            ended, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=0)
+            if ended:
+                i = self._runs.index(ended[0]) + 1
+                try:
+                    ray.get(ended[0])
+                    why = "returned"
+                except Exception as e:  # noqa: BLE001 (reported as the health check's failure)
+                    why = f"failed: {type(e).__name__}: {e}"
+                raise RuntimeError(f"replica {self.replica}: its process {i} (jax.distributed follower) {why}")
+
+    def __del__(self):
+        import ray
+
+        for follower in getattr(self, "followers", ()):  # Ray kills them with this actor too; sooner is better
+            try:
+                ray.kill(follower)
+            except Exception:  # noqa: BLE001 (Ray is shutting down)
+                pass
 
     async def record_routing_stats(self) -> dict:
         """What the request router knows about this replica (Ray Serve pulls it every
         request_routing_stats_period_s)."""
-        stats = self.engine.stats
-        return {"replica": self.replica, "pid": self.info["pid"], "hashes": self.tracker.hashes(),
+        stats = dict(self.engine.stats, **self.engine.engine.stats_while_warming())  # fresh while idle
+        return {"replica": self.replica, "pid": self.info["pid"], "processes": self.processes,
+                "hashes": self.tracker.hashes(),
                 "load": stats["num_running"] + stats["num_waiting"] + self.engine.num_pending_adds,
                 "stats": stats, "block_size": self.engine.engine.config.block_size,
                 "dead": None if self.engine.dead is None else repr(self.engine.dead)}
