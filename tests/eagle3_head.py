@@ -8,9 +8,13 @@ import numpy as np
 import safetensors.numpy
 
 
-def write_head(path, target_cfg, *, draft_vocab: int = 64, seed: int = 0, aux_layers=None, **overrides) -> str:
-    """A random head for `target_cfg` (a transformers config) in `path`; `overrides`: config fields."""
+def write_head(path, target_cfg, *, draft_vocab: int = 64, seed: int = 0, aux_layers=None, draft_ids=None,
+               **overrides) -> str:
+    """A random head for `target_cfg` (a transformers config) in `path`; `overrides`: config fields;
+    `draft_ids`: the draft vocabulary (target ids; default: `draft_vocab` random ones)."""
     rng = np.random.default_rng(seed)
+    if draft_ids is not None:
+        draft_vocab = len(draft_ids)
     h, heads, kv, d = target_cfg.hidden_size, 4, 2, 32
     inter = 2 * h
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
@@ -26,7 +30,7 @@ def write_head(path, target_cfg, *, draft_vocab: int = 64, seed: int = 0, aux_la
         return (rng.standard_normal((out_dim, in_dim)) * gain / np.sqrt(in_dim)).astype(np.float32)
 
     # The draft vocabulary: a sorted subset of the target's (d2t: target id - draft id).
-    draft_ids = np.sort(rng.choice(cfg["vocab_size"], draft_vocab, replace=False))
+    draft_ids = np.sort(rng.choice(cfg["vocab_size"], draft_vocab, replace=False) if draft_ids is None else draft_ids)
     t2d = np.zeros(cfg["vocab_size"], bool)
     t2d[draft_ids] = True
     weights = {
@@ -49,6 +53,47 @@ def write_head(path, target_cfg, *, draft_vocab: int = 64, seed: int = 0, aux_la
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg))
     safetensors.numpy.save_file(weights, str(path / "model.safetensors"))
+    return str(path)
+
+
+def write_successor_head(path, target_cfg, embed, successors: dict) -> str:
+    """A head built by hand (not random) whose drafts follow `successors` {token: next token}: after
+    token t it drafts successors[t], then successors of that, ... (for a token not in the map, one
+    of the successors). Its attention reads only the token's embedding and attends to itself (q and
+    k are that embedding); the value carries the embedding into the first 64 hidden dimensions and
+    subtracts the hidden input (the chain's last output), so each step's output is the embedding of
+    its own token. fc and the MLP are zero; the LM head's row for successors[t] is t's embedding."""
+    write_head(path, target_cfg, draft_ids=sorted(set(successors.values())))
+    cfg = json.loads(open(f"{path}/config.json").read())
+    weights = safetensors.numpy.load_file(f"{path}/model.safetensors")
+    h, d, eps = cfg["hidden_size"], cfg["head_dim"], cfg["rms_norm_eps"]
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 2) and 2 * d <= h
+    w = 2 * d  # the dimensions carried: kv head j carries [j * d, (j + 1) * d)
+    # The hidden input's first w dims, after hidden_norm, are about 1 / sqrt(w / h) times the output's.
+    cancel = np.sqrt(w / h)
+    eye = np.eye(d, dtype=np.float32)
+    q, k, v = (np.zeros((n * d, 2 * h), np.float32) for n in (4, 2, 2))
+    o = np.zeros((h, 4 * d), np.float32)
+    for head in range(4):
+        kv = head // 2
+        q[head * d:(head + 1) * d, kv * d:(kv + 1) * d] = 2 * eye
+    for kv in range(2):
+        k[kv * d:(kv + 1) * d, kv * d:(kv + 1) * d] = 2 * eye
+        v[kv * d:(kv + 1) * d, kv * d:(kv + 1) * d] = eye
+        v[kv * d:(kv + 1) * d, h + kv * d:h + (kv + 1) * d] = -cancel * eye
+        o[kv * d:(kv + 1) * d, 2 * kv * d:(2 * kv + 1) * d] = eye  # q heads 0 and 2; 1 and 3 add nothing
+    normed = embed / np.sqrt((embed.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps)
+    draft_ids = [int(i) for i in np.arange(len(weights["d2t"])) + weights["d2t"]]
+    lm_head = np.zeros((len(draft_ids), h), np.float32)
+    for t, nxt in successors.items():
+        lm_head[draft_ids.index(nxt), :w] = normed[t, :w]
+    weights.update({"fc.weight": np.zeros_like(weights["fc.weight"]), "midlayer.self_attn.q_proj.weight": q,
+                    "midlayer.self_attn.k_proj.weight": k, "midlayer.self_attn.v_proj.weight": v,
+                    "midlayer.self_attn.o_proj.weight": o, "lm_head.weight": lm_head,
+                    "midlayer.input_layernorm.weight": np.ones(h, np.float32),
+                    "midlayer.hidden_norm.weight": np.ones(h, np.float32),
+                    "midlayer.mlp.down_proj.weight": np.zeros_like(weights["midlayer.mlp.down_proj.weight"])})
+    safetensors.numpy.save_file(weights, f"{path}/model.safetensors")
     return str(path)
 
 
