@@ -33,7 +33,8 @@ so the same rule emits exactly the target's draws (draft_model.py).
 Drafts that were rejected leave K/V past the sequence's computed tokens, which nothing reads and
 later tokens overwrite; prefix-cache hashes cover accepted tokens only.
 With LoRA, the target's rows verify with each request's adapter (a draft model drafts without
-adapters: fewer drafts are accepted, the output is the adapted target's). With async scheduling,
+adapters: fewer drafts are accepted, the output is the adapted target's; an EAGLE head reads the
+hidden states of the target with the request's adapter, and the target's current embedding). With async scheduling,
 a step that may take drafts waits for the last step's tokens (drafts start from the last token,
 and a step that verified drafts leaves the accepted count unknown until read): the speculator's
 `may_draft`, in step_needs.can_overlap; other steps (above disable_by_batch_size, requests that

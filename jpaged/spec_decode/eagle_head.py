@@ -68,6 +68,10 @@ class Eagle3Head(nnx.Module):
 
     # The target's embedding (shared), and the vocabulary maps (read apart).
     ignored_hf_weights = (r"embed_tokens\.weight", r"d2t", r"t2d")
+    # The target's modules the head calls: the head's attribute -> the target model's. EagleRunner
+    # passes their current weights from the target's state at every call (LoRA slot writes donate
+    # the target's state: a copy held here would be deleted).
+    shared = {"embed_tokens": "embed_tokens"}
 
     def __init__(self, cfg, *, dtype, ops, max_model_len=None):
         hidden = cfg.hidden_size
@@ -87,8 +91,12 @@ class Eagle3Head(nnx.Module):
     def __call__(self, aux, next_ids, positions, kv_cache):
         """A target step's tokens: `aux` [tokens, 3 * hidden] (the target's features at each token)
         and `next_ids` (the token after each): the midlayer's outputs [tokens, hidden]."""
-        return self.midlayer(self.embed_tokens(next_ids), self.fc(aux.astype(self.fc.kernel.dtype)),
-                             positions, kv_cache)
+        return self.step(next_ids, self.fc(aux.astype(self.fc.kernel.dtype)), positions, kv_cache)
+
+    def step(self, ids, hidden, positions, kv_cache):
+        """One midlayer step: tokens `ids` with the hidden states before them (fc's output, or the
+        head's own last outputs in the draft chain)."""
+        return self.midlayer(self.embed_tokens(ids), hidden, positions, kv_cache)
 
     def draft(self, hidden):
         """The most likely next token after each midlayer output, as a target token id."""
