@@ -1,4 +1,4 @@
-"""Speculative decoding with LoRA adapters (n-gram, draft model, EAGLE-3): the outputs of a batch
+"""Speculative decoding with LoRA adapters (n-gram, draft model, EAGLE): the outputs of a batch
 that mixes two adapters and the base model equal those without speculation, greedy and seeded.
 
 The n-gram drafts come from an oracle (tests/test_spec_decode.py's `draft_from`: the outputs
@@ -16,7 +16,7 @@ from test_spec_decode import draft_from
 
 SEED = 20261125
 VOCAB = 259
-K_LORA = 3  # EAGLE-3's drafts per step
+K_LORA = 3  # an EAGLE head's drafts per step
 ADAPTERS = {"attn-r4": (4, 8, ["q_proj", "v_proj"]), "all-r8": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                          "gate_proj", "up_proj", "down_proj"])}
 LIMITS = dict(max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64, enable_lora=True, max_loras=2,
@@ -89,14 +89,16 @@ def adapted_float64(base_dir, adapter_dir):
     return model.double().eval()
 
 
-def test_eagle3_with_lora_reads_the_adapted_hidden_states(checkpoint, tmp_path):
-    """EAGLE-3 on a batch mixing two adapters and the base model: the outputs (greedy and seeded)
-    equal those without speculation, and every proposal equals a float64 head's over the hidden
-    states of the request's own adapted model (PEFT, merged); over the base model's hidden states
-    the adapted requests' proposals mostly differ (the check would see a head reading those)."""
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_eagle_with_lora_reads_the_adapted_hidden_states(checkpoint, method, tmp_path):
+    """An EAGLE head (EAGLE-3's layout, or EAGLE-1/2's) on a batch mixing two adapters and the
+    base model: the outputs (greedy and seeded) equal those without speculation, and every
+    proposal equals a float64 head's over the hidden states of the request's own adapted model
+    (PEFT, merged); over the base model's hidden states the adapted requests' proposals mostly
+    differ (the check would see a head reading those)."""
     import torch
 
-    from eagle3_head import ReferenceHead, write_head
+    from eagle3_head import ReferenceEagleHead, ReferenceHead, write_eagle_head, write_head
     from jpaged.models.loader import read_hf_config
     from test_eagle3 import record_drafts
 
@@ -104,8 +106,11 @@ def test_eagle3_with_lora_reads_the_adapted_hidden_states(checkpoint, tmp_path):
     print("seed", SEED)
     rng = np.random.default_rng(SEED)
     prompts, requests = batch(adapters, rng)
-    aux_layers = (0, 1, 1)  # the base has 2 layers: the embeddings and layer 1's input (after layer 0's LoRA)
-    head = write_head(tmp_path / "head", read_hf_config(base_dir), seed=SEED, aux_layers=aux_layers)
+    aux_layers = (0, 1, 1)  # EAGLE-3's: the base has 2 layers (the embeddings; layer 1's input, after layer 0's LoRA)
+    if method == "eagle3":
+        head = write_head(tmp_path / "head", read_hf_config(base_dir), seed=SEED, aux_layers=aux_layers)
+    else:
+        head = write_eagle_head(tmp_path / "head", read_hf_config(base_dir), seed=SEED)
     greedy = jpaged.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     seeded = [jpaged.SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True, seed=100 + i)
               for i in range(len(prompts))]
@@ -119,7 +124,7 @@ def test_eagle3_with_lora_reads_the_adapted_hidden_states(checkpoint, tmp_path):
         whole = next((f for f in full if f[:len(tokens)] == tokens), tokens)
         return whole[len(tokens):] or [0] * K_LORA
 
-    llm = jpaged.LLM(base_dir, speculative_config={"method": "eagle3", "model": head,
+    llm = jpaged.LLM(base_dir, speculative_config={"method": method, "model": head,
                                                    "num_speculative_tokens": K_LORA}, **LIMITS)
     records = record_drafts(llm, oracle, rng)
     for name, sp in (("greedy", greedy), ("seeded", seeded)):
@@ -130,12 +135,20 @@ def test_eagle3_with_lora_reads_the_adapted_hidden_states(checkpoint, tmp_path):
     assert stats["spec_decode_num_accepted_tokens_per_pos"][1] > 0 and len(records) > 50
 
     models = {name: adapted_float64(base_dir, adapters.get(name)) for name in (None, *ADAPTERS)}
-    reference = ReferenceHead(head, models[None].model.embed_tokens.weight.detach().numpy())
+    embed = models[None].model.embed_tokens.weight.detach().numpy()
+    if method == "eagle3":
+        reference = ReferenceHead(head, embed)
+    else:  # LoRA leaves the LM head alone
+        reference = ReferenceEagleHead(head, embed, models[None].lm_head.weight.detach().numpy())
 
     def drafts_over(model, tokens, k):
         with torch.no_grad():
-            states = model(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
-        return reference.drafts(tokens, np.concatenate([states[i][0].numpy() for i in aux_layers], -1), k)
+            out = model.model(torch.tensor([tokens[:-1]]), output_hidden_states=True)
+        if method == "eagle3":
+            features = np.concatenate([out.hidden_states[i][0].numpy() for i in aux_layers], -1)
+        else:  # the output after the final norm
+            features = out.last_hidden_state[0].numpy()
+        return reference.drafts(tokens, features, k)
 
     adapter_of = {p[0]: None if r is None else r.lora_name for p, r in zip(prompts, requests)}
     mismatches, adapted, unadapted_equal = 0, 0, 0

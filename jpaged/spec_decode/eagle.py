@@ -1,13 +1,15 @@
-"""EAGLE-3 speculative decoding (`{"method": "eagle3", "model": PATH, "num_speculative_tokens": k}`):
-a one-layer draft head (eagle_head.py) that reads the target's own hidden states.
+"""EAGLE speculative decoding (`{"method": "eagle3" or "eagle", "model": PATH, "num_speculative_tokens": k}`):
+a one-layer draft head (eagle_head.py) that reads the target's own hidden states. The two methods
+differ only in the head (its layout, the features it reads, its LM head); this file runs either.
 
 Its KV pages: a pool of one layer with the target's number of blocks, addressed by the target's
 block ids (as a draft model's, draft_model.py): block copies, swaps, prefix caching and recompute
 need nothing new. Entry i of its pages holds the head's K/V of (the target's fused features at
 token i, the embedding of token i + 1).
 
-Every target step (the runner's `after_step` hook, on the device): the forward returns the hidden
-states entering the head's three target layers at every token of the step, and its input ids;
+Every target step (the runner's `after_step` hook, on the device): the forward returns the
+head's features at every token of the step (EAGLE-3: the hidden states entering three target
+layers; EAGLE-1/2: the target's output), and its input ids;
 with the step's sampled tokens, the head runs over the step's tokens, each paired with the token
 after it (the next one in the step, or the token sampled at it), writing its pages. At a row that
 sampled, its output is the first draft after the sampled token; each sampling row's output and
@@ -113,9 +115,9 @@ class EagleRunner(ModelRunner):
         # The head's own weights apart from the target's modules it calls (`shared`): those are
         # read from the target's state at every call (`attach`); until then, the ones loaded with it.
         self.shared_names = dict(model.shared)
-        owned = nnx.Not(nnx.Any(*(nnx.PathContains(name) for name in self.shared_names)))
-        self.graphdef, self.state, loaded_shared = nnx.split(model, owned, ...)
-        self._loaded_shared = _shared_state({name: loaded_shared[name] for name in self.shared_names})
+        self.owned = nnx.Not(nnx.Any(*(nnx.PathContains(name) for name in self.shared_names)))
+        self.graphdef, self.state, loaded_shared = nnx.split(model, self.owned, ...)
+        self.loaded_shared = _shared_state({name: loaded_shared[name] for name in self.shared_names})
         self.target = None
         self._fill = lambda layout: jax.jit(functools.partial(fill, self.graphdef, layout=layout, max_rows=self.max_rows),
                                             donate_argnums=(2,), out_shardings=(pool, (rep, rep)))
@@ -125,7 +127,7 @@ class EagleRunner(ModelRunner):
     def shared(self) -> nnx.State:
         """The target's modules the head calls, as the target's runner holds them now."""
         if self.target is None:
-            return self._loaded_shared
+            return self.loaded_shared
         return _shared_state({name: self.target.state[attr] for name, attr in self.shared_names.items()})
 
     def output_sizes(self, num_tokens: int):
@@ -150,11 +152,11 @@ class EagleRunner(ModelRunner):
             _, tokens, size = key
             layout = layout_of(self._abstract_inputs(tokens, lora=self.target_lora))
             hidden = (jax.ShapeDtypeStruct((tokens, self.aux_width), self.dtype, sharding=rep), i32((tokens,)))
-            return self._fill(layout), (self.state, self._loaded_shared, self.kv_cache, self._packed(layout), hidden,
+            return self._fill(layout), (self.state, self.loaded_shared, self.kv_cache, self._packed(layout), hidden,
                                         i32((size,)))
         if key[0] == "eagle_chain":
             seqs = key[1]
-            return self._chain, (self.state, self._loaded_shared, self.kv_cache, self.rows, i32((seqs,)), i32((seqs,)),
+            return self._chain, (self.state, self.loaded_shared, self.kv_cache, self.rows, i32((seqs,)), i32((seqs,)),
                                  i32((seqs, self.buckets.width)), i32((self.num_chain_steps, seqs)))
         return super()._jitted_and_args(key)
 
@@ -169,14 +171,14 @@ class EagleRunner(ModelRunner):
         return drafts
 
 
-class Eagle3Proposer(RunnerProposer):
+class EagleProposer(RunnerProposer):
     """Drafts after scheduling (the plan reserves k slots per speculating sequence), from the
     target's hidden states through the head's EagleRunner (`runner`)."""
 
-    method = "eagle3"
     needs_hidden_states = True
 
     def __init__(self, head: EagleHead, executable_cache, target_lora: bool = False, **shape):
+        self.method = head.method
         self.aux_hidden_layers = head.aux_layers
         self.k = shape["num_speculative_tokens"]
         self.runner = EagleRunner(head, self.k - 1, target_lora, executable_cache, **shape)
