@@ -128,6 +128,29 @@ def test_tensor_parallel_and_a_head_without_fc_bias(reference_target, shared_llm
     assert mismatches <= len(records) // 50, f"{mismatches} of {len(records)} proposals differ from the reference"
 
 
+def test_target_with_tied_embeddings(head, tmp_path):
+    """A target whose LM head is its embedding (no lm_head tensor): the head drafts with it, as
+    the reference does; outputs as without speculation."""
+    import safetensors.numpy
+
+    target_dir = write_tiny(tmp_path / "tied", tie_word_embeddings=True)
+    weights = safetensors.numpy.load_file(f"{target_dir}/model.safetensors")
+    del weights["lm_head.weight"]
+    safetensors.numpy.save_file(weights, f"{target_dir}/model.safetensors")
+    rng = np.random.default_rng(SEED)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (4, 13, 7)]
+    sp = jpaged.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.token_ids for o in generate(jpaged.LLM(target_dir, enforce_eager=True, **LIMITS), prompts, sp)]
+    llm = jpaged.LLM(target_dir, speculative_config=eagle_config(head), enforce_eager=True, **LIMITS)
+    records = record_drafts(llm, oracle_of(prompts, expected), rng)
+    assert [o.token_ids for o in generate(llm, prompts, sp)] == expected
+    assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0 and len(records) > 5
+    target = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
+    assert torch.equal(target.lm_head.weight, target.model.embed_tokens.weight)
+    mismatches = reference_mismatches(head, target, records)
+    assert mismatches <= len(records) // 50, f"{mismatches} of {len(records)} proposals differ from the reference"
+
+
 def test_bad_heads_are_value_errors(tmp_path):
     cfg = tiny.tiny_config()
     cases = [
