@@ -119,7 +119,8 @@ class EngineConfig:
         None, "speculative decoding, vLLM's dict (a JSON object on the command line): "
         '{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m, '
         '"disable_by_batch_size": b}, {"method": "draft_model", "model": PATH_OR_ID, "num_speculative_tokens": k}, '
-        'or {"method": "eagle3", "model": EAGLE3_HEAD_DIR, "num_speculative_tokens": k}')
+        '{"method": "eagle3", "model": EAGLE3_HEAD_DIR, "num_speculative_tokens": k}, or {"method": "eagle", '
+        '"model": EAGLE_HEAD_DIR, "num_speculative_tokens": k} (EAGLE-1/2 heads)')
     kv_events_config: dict | str | None = _option(
         None, "publish the prefix cache's stores and evictions for KV-aware routers, vLLM's KVEventsConfig (a "
         'JSON object on the command line): {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '

@@ -135,17 +135,20 @@ def kernel_cases(families_here=("pallas", "mosaic")):
 
 def _abstract_model(runner):
     """A runner's model, its attention's shard_map on the abstract mesh instead of the CPU's, and
-    its state, KV pool and last_tokens as shapes only (no CPU placement)."""
+    its state, KV pool and last_tokens as shapes only (no CPU placement). An EAGLE head's runner:
+    its state is (its own, the target's modules it calls)."""
     strip = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-    model = nnx.merge(runner.graphdef, runner.state)
+    head = hasattr(runner, "loaded_shared")
+    model = nnx.merge(runner.graphdef, runner.state, *((runner.loaded_shared,) if head else ()))
     for _, node in nnx.iter_graph(model):
         if isinstance(node, Attention):
             node.ops = dataclasses.replace(node.ops, mesh=MESH)
-    graphdef, state = nnx.split(model)
+    graphdef, *states = nnx.split(model, runner.owned, ...) if head else nnx.split(model)
+    state = jax.tree.map(strip, tuple(states) if head else states[0])
     # A GPU's pool holds its dtype (the CPU's holds raw bits: KVCache.raw_of).
     pages = jax.ShapeDtypeStruct(runner.kv_cache.k_pages.shape, runner.kv_cache.dtype)
     kv_cache = jax.tree.map(strip, runner.kv_cache).replace(k_pages=pages, v_pages=pages, raw_of=None)
-    return graphdef, jax.tree.map(strip, state), kv_cache, strip(runner.last_tokens)
+    return graphdef, state, kv_cache, strip(runner.last_tokens)
 
 
 _ENGINES = {}
@@ -171,6 +174,7 @@ def forward_cases(families_here=("pallas", "mosaic")):
     for backend, kv_cache_dtype, spec in (("pallas", "auto", None), ("mosaic", "auto", None),
                                           ("pallas", "fp8", None), ("mosaic", "fp8", None), ("pallas", "auto", "ngram"),
                                           ("mosaic", "auto", "draft_model"), ("pallas", "auto", "eagle3"),
+                                          ("pallas", "auto", "eagle"),  # (the test heads: head_dim 32, Triton only)
                                           ("mosaic", "auto", "lora"),
                                           ("mosaic", "auto", "weights:fp8"), ("pallas", "auto", "weights:int8"),
                                           ("pallas", "auto", "weights:w8a8"), ("pallas", "auto", "weights:w4a16-asym")):
@@ -184,7 +188,8 @@ def forward_cases(families_here=("pallas", "mosaic")):
         weights = spec.removeprefix("weights:") if spec and spec.startswith("weights:") else None
         spec = None if lora or weights else spec
         config = {"method": spec, "num_speculative_tokens": 3, **({"model": "tiny"} if spec == "draft_model" else
-                                                                  {"model": eagle3_head()} if spec == "eagle3" else {})}
+                                                                  {"model": eagle3_head()} if spec == "eagle3" else
+                                                                  {"model": eagle_head()} if spec == "eagle" else {})}
         model = "tiny" if weights in (None, "fp8", "int8") else os.path.join(ROOT, "tests", "data",
                                                                               f"llmcompressor-{weights}")
         llm = engine(model, dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8,
@@ -221,8 +226,8 @@ def forward_cases(families_here=("pallas", "mosaic")):
                 lambda f=forward_kv, a=(state, kv_cache, packed, last_tokens):
                 lower_for_cuda(f, *a, donate_argnums=(1,))), backend
             runner, steps, label = draft, 3, f"draft model proposals {backend} tokens=8 steps=3"
-        elif spec == "eagle3":  # the head over that step (its pages), and its 3-draft chain
-            yield from eagle3_cases(runner.proposer.runner, backend)
+        elif spec in ("eagle3", "eagle"):  # the head over that step (its pages), and its 3-draft chain
+            yield from eagle_cases(runner.proposer.runner, backend, "EAGLE-3" if spec == "eagle3" else "EAGLE-1")
             continue
         elif spec:
             continue
@@ -310,24 +315,38 @@ def eagle3_head() -> str:
     return write_head(pathlib.Path(tempfile.mkdtemp()) / "head", tiny.tiny_config())
 
 
-def eagle3_cases(eagle, backend):
+@functools.cache
+def eagle_head() -> str:
+    """A random EAGLE-1/2 head for the tiny model, in the public layout (tests/eagle3_head.py)."""
+    import pathlib
+    import tempfile
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from eagle3_head import write_eagle_head
+    from jpaged.models import tiny
+
+    return write_eagle_head(pathlib.Path(tempfile.mkdtemp()) / "head", tiny.tiny_config())
+
+
+def eagle_cases(eagle, backend, name):
+    """An EAGLE head's pass over a target step (its pages) and its 3-draft chain."""
     from jpaged.spec_decode import eagle as eagle_module
 
-    graphdef, state, kv_cache, _ = _abstract_model(eagle)
+    graphdef, (state, shared), kv_cache, _ = _abstract_model(eagle)
     layout = layout_of(eagle._abstract_inputs(32))
     fill = functools.partial(eagle_module.fill, graphdef, layout=layout, max_rows=eagle.max_rows)
     hidden = (jax.ShapeDtypeStruct((32, eagle.aux_width), jnp.bfloat16), jax.ShapeDtypeStruct((32,), jnp.int32))
-    args = (state, kv_cache, jax.ShapeDtypeStruct((layout.size,), jnp.int32), hidden,
+    args = (state, shared, kv_cache, jax.ShapeDtypeStruct((layout.size,), jnp.int32), hidden,
             jax.ShapeDtypeStruct((eagle.output_sizes(32)[0],), jnp.int32))
-    yield f"EAGLE-3 head over a step {backend} tokens=32", (
-        lambda f=fill, a=args: lower_for_cuda(f, *a, donate_argnums=(1,))), backend
+    yield f"{name} head over a step {backend} tokens=32", (
+        lambda f=fill, a=args: lower_for_cuda(f, *a, donate_argnums=(2,))), backend
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     rows = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), eagle.rows)
     chain = functools.partial(eagle_module.chain, graphdef, num_steps=eagle.num_chain_steps)
-    args = (state, kv_cache, rows, i32((8,)), i32((8,)), i32((8, eagle.buckets.width)),
+    args = (state, shared, kv_cache, rows, i32((8,)), i32((8,)), i32((8, eagle.buckets.width)),
             i32((eagle.num_chain_steps, 8)))
-    yield f"EAGLE-3 draft chain {backend} seqs=8 drafts=3", (
-        lambda f=chain, a=args: lower_for_cuda(f, *a, donate_argnums=(1,))), backend
+    yield f"{name} draft chain {backend} seqs=8 drafts=3", (
+        lambda f=chain, a=args: lower_for_cuda(f, *a, donate_argnums=(2,))), backend
 
 
 def main() -> int:

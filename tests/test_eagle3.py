@@ -14,8 +14,9 @@ import transformers
 
 import jpaged
 from jpaged.models import tiny
-from eagle3_head import ReferenceHead, write_head
+from eagle3_head import ReferenceHead, write_head, write_successor_head
 from test_async_scheduling import generate_counting_overlaps
+from test_spec_decode import assert_same_distributions, sampled_token_counts
 from test_spec_decode_draft import write_tiny
 
 LIMITS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
@@ -128,6 +129,26 @@ def test_outputs_equal_without_speculation_and_nothing_compiles_after_warm_up(he
         assert ours.token_ids == ref.token_ids
     for top, ref_top in zip(outputs[0].logprobs, reference[0].logprobs):  # the target's logprobs
         assert top.keys() == ref_top.keys() and all(abs(top[t] - ref_top[t]) < 1e-4 for t in top)
+
+
+def test_sampled_distribution_matches_without_speculation(shared_llm, tmp_path):
+    """Unseeded requests at temperature 1, with and without the head (engines of different seeds):
+    a two-sample chi-square over output positions 1-3 must not tell them apart. The head's drafts
+    are its argmax (a one-hot proposal); the head follows the prompt's greedy continuation from
+    the token just sampled (tests/eagle3_head.py's write_successor_head), so runs of drafts are
+    accepted and many are rejected: verification must keep the target's distribution."""
+    print("seed", SEED)
+    rng = np.random.default_rng(SEED)
+    prompt = rng.integers(0, 256, 6).tolist()
+    greedy = generate(shared_llm("tiny", enforce_eager=True, **LIMITS), [prompt],
+                      jpaged.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0].token_ids
+    embed = next(tiny.tiny_weights(tiny.tiny_config()))[1]
+    likely = write_successor_head(tmp_path / "likely", tiny.tiny_config(), embed, dict(zip(greedy, greedy[1:])))
+    plain, _ = sampled_token_counts(prompt, None, seed=1)
+    spec, stats = sampled_token_counts(prompt, eagle_config(likely), seed=2)
+    print(stats)
+    assert 300 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"] // 2
+    assert_same_distributions(plain, spec)
 
 
 def test_bad_heads_are_value_errors(tmp_path):

@@ -258,25 +258,27 @@ def test_sampled_distribution_matches_without_speculation(monkeypatch, plain):
     prompt = rng.integers(0, VOCAB, 6).tolist()
     greedy = generate(plain, [prompt],
                       jpaged.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids
-    guesses = {}
 
     def propose(token_ids, k, lookup_min, lookup_max):  # the greedy continuation of every prefix seen
         done = len(token_ids) - len(prompt)
         return list(greedy[done:done + k]) if done < len(greedy) else []
 
     monkeypatch.setattr(ngram, "propose_ngram", propose)
-    num = 1500
-    sp = jpaged.SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
-    counts = {}
-    for name, spec, seed in (("plain", None, 1), ("spec", NGRAM, 2)):
-        llm = jpaged.LLM("tiny", speculative_config=spec, seed=seed, enforce_eager=True, max_model_len=32,
-                         max_num_seqs=256, max_num_batched_tokens=1024)
-        outputs = generate(llm, [prompt] * num, sp)
-        counts[name] = [np.bincount([o.token_ids[i] for o in outputs], minlength=VOCAB) for i in (1, 2, 3)]
-        guesses[name] = spec_stats(llm)
-    print(guesses["spec"])
-    assert guesses["spec"]["spec_decode_num_accepted_tokens"] > 100
-    assert_same_distributions(counts["plain"], counts["spec"])
+    plain_counts, _ = sampled_token_counts(prompt, None, seed=1)
+    spec_counts, stats = sampled_token_counts(prompt, NGRAM, seed=2)
+    print(stats)
+    assert stats["spec_decode_num_accepted_tokens"] > 100
+    assert_same_distributions(plain_counts, spec_counts)
+
+
+def sampled_token_counts(prompt, spec, seed: int, num: int = 1500):
+    """`num` unseeded copies of `prompt` at temperature 1, 4 tokens each, on an engine with `seed`
+    (and `spec`): the token counts at output positions 1, 2, 3 (the ones drafts can cover), and the
+    engine's speculation counters."""
+    llm = jpaged.LLM("tiny", speculative_config=spec, seed=seed, enforce_eager=True, max_model_len=32,
+                     max_num_seqs=256, max_num_batched_tokens=1024)
+    outputs = generate(llm, [prompt] * num, jpaged.SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))
+    return [np.bincount([o.token_ids[i] for o in outputs], minlength=VOCAB) for i in (1, 2, 3)], spec_stats(llm)
 
 
 def assert_same_distributions(plain, spec):

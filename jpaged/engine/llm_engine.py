@@ -45,9 +45,10 @@ from jpaged.runner.executable_cache import ExecutableCache
 from jpaged.runner.model_runner import ModelRunner
 from jpaged.runner.step_inputs import DispatchedStep
 from jpaged.sampling_params import SamplingParams
+from jpaged.spec_decode.config import EAGLE_METHODS
 from jpaged.spec_decode.draft_model import DraftModelProposer, load_draft_model
-from jpaged.spec_decode.eagle import Eagle3Proposer
-from jpaged.spec_decode.eagle_head import load_eagle3_head
+from jpaged.spec_decode.eagle import EagleProposer
+from jpaged.spec_decode.eagle_head import load_eagle_head
 from jpaged.spec_decode.ngram import NgramProposer
 from jpaged.spec_decode.speculator import Speculator
 
@@ -117,7 +118,7 @@ class LLMEngine:
             raise ValueError(f"enable_lora: {config.model} has no projection LoRA can adapt (q/k/v/o, gate/up/down)")
         draft = load_draft_model(config, loaded, self.max_model_len) \
             if spec_config and spec_config.method == "draft_model" else None
-        eagle = load_eagle3_head(config, loaded) if spec_config and spec_config.method == "eagle3" else None
+        eagle = load_eagle_head(config, loaded) if spec_config and spec_config.method in EAGLE_METHODS else None
         # Per device: its kv heads' part of every block (a draft's pages have the same blocks).
         bytes_per_block = kv_cache_spec.bytes_per_block + sum(d.kv_cache_spec.bytes_per_block for d in (draft, eagle) if d)
         # Every process must allocate the same pool: the smallest one that fits everywhere.
@@ -151,8 +152,9 @@ class LLMEngine:
             draft, executable_cache(f"{fingerprint}\ndraft\n" + start_up.model_fingerprint(
                 config, draft.loaded, self.max_model_len), self.devices),
             target_lora=lora_targets is not None, **shape) if draft else \
-            Eagle3Proposer(eagle, executable_cache(f"{fingerprint}\neagle3\n{spec_config.model}", self.devices),
-                           target_lora=lora_targets is not None, **shape) if eagle else \
+            EagleProposer(eagle, executable_cache(f"{fingerprint}\n{spec_config.method}\n{spec_config.model}",
+                                                  self.devices),
+                          target_lora=lora_targets is not None, **shape) if eagle else \
             NgramProposer(spec_config) if spec_config else None
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,

@@ -83,6 +83,9 @@ def get_forward_context() -> ForwardContext:
 
 # EAGLE-3's auxiliary hidden states: a step that asks (capture_hidden_states) gets the residual
 # stream entering each of the given decoder layers, at every token (LayerStack records it).
+# In a step's list of layers (step_functions.forward), MODEL_OUTPUT stands for the model's output
+# after its final norm, what the LM head reads: EAGLE-1/2's feature.
+MODEL_OUTPUT = -1
 _aux_capture: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jpaged_aux_hidden", default=None)
 
 

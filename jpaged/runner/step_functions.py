@@ -3,6 +3,7 @@ logits of the rows to sample), the sampler on packed metadata, the multi-step de
 token-history upload, the LoRA slot write, and the packing of the sampler's outputs into one
 int32 array (and back)."""
 
+import contextlib
 import dataclasses
 import functools
 from typing import NamedTuple
@@ -12,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged.models.forward_context import AttentionMetadata, ForwardContext, capture_hidden_states, forward_context
+from jpaged.models.forward_context import (MODEL_OUTPUT, AttentionMetadata, ForwardContext, capture_hidden_states,
+                                          forward_context)
 from jpaged.runner import sampler
 from jpaged.runner.input_batch import Layout, unpack
 
@@ -49,14 +51,17 @@ def forward(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *, 
     the final hidden states of those rows, [rows, hidden] (for a proposer that drafts from the
     target's hidden states, EAGLE-style); a tuple of layer ids: instead the hidden states
     entering those layers at every token, [tokens, len(ids) * hidden], with the step's input ids
-    (pending ones resolved), as EAGLE-3 reads them; off, the executable is the one it always was."""
+    (pending ones resolved), as EAGLE-3 reads them (MODEL_OUTPUT: the model's output, EAGLE-1's);
+    off, the executable is the one it always was."""
     inputs = _with_pending_tokens(unpack(packed, layout), last_tokens)
     if not isinstance(return_hidden, tuple):
         return _model_logits(graphdef, logits_sharding, state, kv_cache, inputs, return_hidden)
-    with capture_hidden_states(return_hidden) as capture:
-        logits, kv_cache = _model_logits(graphdef, logits_sharding, state, kv_cache, inputs)
-    aux = capture["states"]  # [layers, tokens, hidden]
-    aux = jnp.moveaxis(aux, 0, 1).reshape(aux.shape[1], -1)
+    layers = tuple(i for i in return_hidden if i != MODEL_OUTPUT)
+    capture = capture_hidden_states(layers) if layers else contextlib.nullcontext({"states": None})
+    with capture as captured:
+        logits, kv_cache, output = _model_logits(graphdef, logits_sharding, state, kv_cache, inputs, "tokens")
+    states = {MODEL_OUTPUT: output, **{i: captured["states"][j] for j, i in enumerate(layers)}}  # [tokens, hidden] each
+    aux = jnp.concatenate([states[i] for i in return_hidden], axis=-1)
     return logits, kv_cache, (jax.lax.with_sharding_constraint(aux, logits_sharding), inputs.input_ids)
 
 
@@ -76,13 +81,17 @@ def _with_pending_tokens(inputs: StepInputs, last_tokens) -> StepInputs:
     return dataclasses.replace(inputs, input_ids=input_ids)
 
 
-def _model_logits(graphdef, logits_sharding, state, kv_cache, inputs: StepInputs, return_hidden: bool = False):
+def _model_logits(graphdef, logits_sharding, state, kv_cache, inputs: StepInputs, return_hidden: bool | str = False):
+    """The logits of the rows to sample; `return_hidden` True: also those rows' final hidden
+    states; "tokens": every token's."""
     model = nnx.merge(graphdef, state)
     with forward_context(ForwardContext(attn=inputs.attn, lora_slots=inputs.lora_slots)):  # what every layer may read of the step
-        hidden, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache)
-    hidden = hidden[inputs.logits_indices]
+        output, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache)
+    hidden = output[inputs.logits_indices]
     # Vocabulary-parallel logits are gathered: every device samples the same full rows.
     logits = jax.lax.with_sharding_constraint(model.compute_logits(hidden), logits_sharding)
+    if return_hidden == "tokens":
+        return logits, kv_cache, output
     if return_hidden:
         return logits, kv_cache, jax.lax.with_sharding_constraint(hidden, logits_sharding)
     return logits, kv_cache

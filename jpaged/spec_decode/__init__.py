@@ -13,10 +13,12 @@ keeps exactly the target's distribution.
                 drafts after scheduling and the step's block moves (Scheduler.set_drafts puts
                 them in the plan in place of the reserved ones)
   eagle_head.py the EAGLE-3 head (fc, one midlayer, norm, a reduced-vocabulary LM head, d2t/t2d)
-                in the public checkpoints' layout, loaded and checked against the target
-  eagle.py      Eagle3Proposer: the head's pages (one layer, the target's block ids), its pass over
-                every target step (the target's hidden states entering three of its layers) and
-                its k-draft chain on the device, after scheduling
+                and the EAGLE-1/2 head (fc over the embedding and the target's output, one decoder
+                layer, the target's LM head), in the public checkpoints' layouts, loaded and checked
+                against the target
+  eagle.py      EagleProposer: the head's pages (one layer, the target's block ids), its pass over
+                every target step (the target's hidden states entering three of its layers, or its
+                output) and its k-draft chain on the device, after scheduling
   speculator.py which sequences speculate and how many drafts they take this step, and the
                 counters (stats(), Prometheus); the acceptance is Scheduler._accept's
 
@@ -33,7 +35,8 @@ so the same rule emits exactly the target's draws (draft_model.py).
 Drafts that were rejected leave K/V past the sequence's computed tokens, which nothing reads and
 later tokens overwrite; prefix-cache hashes cover accepted tokens only.
 With LoRA, the target's rows verify with each request's adapter (a draft model drafts without
-adapters: fewer drafts are accepted, the output is the adapted target's). With async scheduling,
+adapters: fewer drafts are accepted, the output is the adapted target's; an EAGLE head reads the
+hidden states of the target with the request's adapter, and the target's current embedding). With async scheduling,
 a step that may take drafts waits for the last step's tokens (drafts start from the last token,
 and a step that verified drafts leaves the accepted count unknown until read): the speculator's
 `may_draft`, in step_needs.can_overlap; other steps (above disable_by_batch_size, requests that

@@ -4,8 +4,9 @@ import dataclasses
 
 from jpaged.json_option import option_fields
 
-METHODS = ("ngram", "draft_model", "eagle3")
-MODEL_METHODS = ("draft_model", "eagle3")  # methods that read speculative_config.model
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+EAGLE_METHODS = ("eagle", "eagle3")  # a head over the target's hidden states (EAGLE-1/2's layout, EAGLE-3's)
+MODEL_METHODS = ("draft_model", *EAGLE_METHODS)  # methods that read speculative_config.model
 # Bounds on the integers. Drafts per step: each is a row of every decoding sequence in the step (and
 # a draft model's step per draft); acceptance falls geometrically with the position, so beyond a
 # few tens a draft is almost never accepted. The n-gram lookup tries each n from prompt_lookup_max
@@ -21,7 +22,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None  # ngram: the longest suffix looked up (default: 4)
     prompt_lookup_min: int | None = None  # ngram: the shortest (default: 1)
     # draft_model: a smaller checkpoint (path or hub id) with the target's vocabulary;
-    # eagle3: an EAGLE-3 head's directory (spec_decode/eagle_head.py)
+    # eagle3 / eagle: an EAGLE-3 / EAGLE-1/2 head's directory (spec_decode/eagle_head.py)
     model: str | None = None
     # No speculation while more than this many sequences run (large batches are compute bound:
     # verifying drafts that may be rejected costs more than it saves).

@@ -1,13 +1,15 @@
-"""EAGLE-3 speculative decoding (`{"method": "eagle3", "model": PATH, "num_speculative_tokens": k}`):
-a one-layer draft head (eagle_head.py) that reads the target's own hidden states.
+"""EAGLE speculative decoding (`{"method": "eagle3" or "eagle", "model": PATH, "num_speculative_tokens": k}`):
+a one-layer draft head (eagle_head.py) that reads the target's own hidden states. The two methods
+differ only in the head (its layout, the features it reads, its LM head); this file runs either.
 
 Its KV pages: a pool of one layer with the target's number of blocks, addressed by the target's
 block ids (as a draft model's, draft_model.py): block copies, swaps, prefix caching and recompute
 need nothing new. Entry i of its pages holds the head's K/V of (the target's fused features at
 token i, the embedding of token i + 1).
 
-Every target step (the runner's `after_step` hook, on the device): the forward returns the hidden
-states entering the head's three target layers at every token of the step, and its input ids;
+Every target step (the runner's `after_step` hook, on the device): the forward returns the
+head's features at every token of the step (EAGLE-3: the hidden states entering three target
+layers; EAGLE-1/2: the target's output), and its input ids;
 with the step's sampled tokens, the head runs over the step's tokens, each paired with the token
 after it (the next one in the step, or the token sampled at it), writing its pages. At a row that
 sampled, its output is the first draft after the sampled token; each sampling row's output and
@@ -44,7 +46,7 @@ from jpaged.spec_decode.proposer import DRAFT_PENDING, RunnerProposer
 logger = logging.getLogger(__name__)
 
 
-def fill(graphdef, state, kv_cache, packed, hidden, sampled, *, layout, max_rows: int):
+def fill(graphdef, state, shared, kv_cache, packed, hidden, sampled, *, layout, max_rows: int):
     """The head over one target step (see the module's doc): its pages, and each sampling row's
     midlayer output and first draft, padded to `max_rows` rows."""
     inputs = unpack(packed, layout)
@@ -58,7 +60,7 @@ def fill(graphdef, state, kv_cache, packed, hidden, sampled, *, layout, max_rows
     real = (li != 0) | ((arange == 0) & row0)
     first = jnp.full(num_tokens, num_rows, jnp.int32).at[jnp.where(real, li, num_tokens)].min(arange, mode="drop")
     next_ids = jnp.where(first < num_rows, tokens[jnp.minimum(first, num_rows - 1)], jnp.roll(ids, -1))
-    head = nnx.merge(graphdef, state)
+    head = nnx.merge(graphdef, state, shared)
     with forward_context(ForwardContext(attn=dataclasses.replace(inputs.attn, layer=jnp.int32(0)))):
         out, kv_cache = head(aux, next_ids, inputs.positions, kv_cache)
     rows_out = out[inputs.logits_indices]
@@ -66,10 +68,10 @@ def fill(graphdef, state, kv_cache, packed, hidden, sampled, *, layout, max_rows
     return kv_cache, (jnp.pad(rows_out, ((0, pad), (0, 0))), jnp.pad(head.draft(rows_out), (0, pad)))
 
 
-def chain(graphdef, state, kv_cache, rows_state, rows, positions, block_tables, slots, *, num_steps: int):
+def chain(graphdef, state, shared, kv_cache, rows_state, rows, positions, block_tables, slots, *, num_steps: int):
     """Drafts of `rows`' sequences (their rows in the last step's `rows_state`): the first from
     there, then `num_steps` midlayer steps at positions + j (slots[j]; -1: padding): [1 + steps, seqs]."""
-    head = nnx.merge(graphdef, state)
+    head = nnx.merge(graphdef, state, shared)
     outs, drafts = rows_state
     hidden, draft = outs[rows], drafts[rows]
     live = positions >= 0
@@ -80,7 +82,7 @@ def chain(graphdef, state, kv_cache, rows_state, rows, positions, block_tables, 
         attn = AttentionMetadata(slots[j], block_tables, jnp.where(live, positions + j + 1, 0),
                                  jnp.arange(num_seqs + 1, dtype=jnp.int32), True, jnp.int32(0))
         with forward_context(ForwardContext(attn=attn)):
-            hidden, kv_cache = head.midlayer(head.embed_tokens(draft), hidden, jnp.maximum(positions, 0) + j, kv_cache)
+            hidden, kv_cache = head.step(draft, hidden, jnp.maximum(positions, 0) + j, kv_cache)
         draft = head.draft(hidden)
         return (kv_cache, hidden, draft), draft
 
@@ -88,6 +90,12 @@ def chain(graphdef, state, kv_cache, rows_state, rows, positions, block_tables, 
         return draft[None], kv_cache
     (kv_cache, _, _), later = jax.lax.scan(one_step, (kv_cache, hidden, draft), jnp.arange(num_steps))
     return jnp.concatenate([draft[None], later]), kv_cache
+
+
+def _shared_state(modules: dict) -> nnx.State:
+    """{the head's attribute: a module's state} as one State, of the same tree type whether the
+    states come from the head's split or the target's state."""
+    return nnx.State({name: nnx.State(dict(state)) for name, state in modules.items()})
 
 
 class EagleRunner(ModelRunner):
@@ -102,11 +110,25 @@ class EagleRunner(ModelRunner):
         rep, pool = self._replicated, jax.tree.map(lambda x: x.sharding, self.kv_cache)
         self.rows = (jnp.zeros((self.max_rows, hidden), self.dtype, device=rep),
                      jnp.zeros(self.max_rows, jnp.int32, device=rep))
-        self.aux_width = 3 * hidden
+        model = head.loaded.model
+        self.aux_width = model.num_aux * hidden
+        # The head's own weights apart from the target's modules it calls (`shared`): those are
+        # read from the target's state at every call (`attach`); until then, the ones loaded with it.
+        self.shared_names = dict(model.shared)
+        self.owned = nnx.Not(nnx.Any(*(nnx.PathContains(name) for name in self.shared_names)))
+        self.graphdef, self.state, loaded_shared = nnx.split(model, self.owned, ...)
+        self.loaded_shared = _shared_state({name: loaded_shared[name] for name in self.shared_names})
+        self.target = None
         self._fill = lambda layout: jax.jit(functools.partial(fill, self.graphdef, layout=layout, max_rows=self.max_rows),
-                                            donate_argnums=(1,), out_shardings=(pool, (rep, rep)))
-        self._chain = jax.jit(functools.partial(chain, self.graphdef, num_steps=num_steps), donate_argnums=(1,),
+                                            donate_argnums=(2,), out_shardings=(pool, (rep, rep)))
+        self._chain = jax.jit(functools.partial(chain, self.graphdef, num_steps=num_steps), donate_argnums=(2,),
                               out_shardings=(rep, pool))
+
+    def shared(self) -> nnx.State:
+        """The target's modules the head calls, as the target's runner holds them now."""
+        if self.target is None:
+            return self.loaded_shared
+        return _shared_state({name: self.target.state[attr] for name, attr in self.shared_names.items()})
 
     def output_sizes(self, num_tokens: int):
         """The sampler's packed output sizes of a step of `num_tokens` (fast, full: step_functions.pack_output)."""
@@ -130,37 +152,41 @@ class EagleRunner(ModelRunner):
             _, tokens, size = key
             layout = layout_of(self._abstract_inputs(tokens, lora=self.target_lora))
             hidden = (jax.ShapeDtypeStruct((tokens, self.aux_width), self.dtype, sharding=rep), i32((tokens,)))
-            return self._fill(layout), (self.state, self.kv_cache, self._packed(layout), hidden, i32((size,)))
+            return self._fill(layout), (self.state, self.loaded_shared, self.kv_cache, self._packed(layout), hidden,
+                                        i32((size,)))
         if key[0] == "eagle_chain":
             seqs = key[1]
-            return self._chain, (self.state, self.kv_cache, self.rows, i32((seqs,)), i32((seqs,)),
+            return self._chain, (self.state, self.loaded_shared, self.kv_cache, self.rows, i32((seqs,)), i32((seqs,)),
                                  i32((seqs, self.buckets.width)), i32((self.num_chain_steps, seqs)))
         return super()._jitted_and_args(key)
 
     def run_fill(self, num_tokens: int, inputs, hidden, sampled):
         aux, ids = hidden
         self.kv_cache, self.rows = self._executable(("eagle_fill", num_tokens, sampled.shape[0]))(
-            self.state, self.kv_cache, inputs, (aux.astype(self.dtype), ids), sampled)
+            self.state, self.shared(), self.kv_cache, inputs, (aux.astype(self.dtype), ids), sampled)
 
     def run_chain(self, rows, positions, block_tables, slots):
         drafts, self.kv_cache = self._executable(("eagle_chain", len(rows)))(
-            self.state, self.kv_cache, self.rows, rows, positions, block_tables, slots)
+            self.state, self.shared(), self.kv_cache, self.rows, rows, positions, block_tables, slots)
         return drafts
 
 
-class Eagle3Proposer(RunnerProposer):
+class EagleProposer(RunnerProposer):
     """Drafts after scheduling (the plan reserves k slots per speculating sequence), from the
     target's hidden states through the head's EagleRunner (`runner`)."""
 
-    method = "eagle3"
     needs_hidden_states = True
 
     def __init__(self, head: EagleHead, executable_cache, target_lora: bool = False, **shape):
+        self.method = head.method
         self.aux_hidden_layers = head.aux_layers
         self.k = shape["num_speculative_tokens"]
         self.runner = EagleRunner(head, self.k - 1, target_lora, executable_cache, **shape)
 
     # ------------------------------------------------------------------ the runner's hooks
+    def attach(self, runner):
+        self.runner.target = runner
+
     def after_step(self, num_tokens: int, inputs, hidden, sampled):
         self.runner.run_fill(num_tokens, inputs, hidden, sampled)
 

@@ -10,6 +10,7 @@ A proposer with device state hooks into the target's runner (jpaged/runner/model
 calls the hooks and knows nothing else of it: `shared_pools` are KV pools addressed by the
 target's block ids (block copies and swaps iterate over them with the runner's own), `forward_kv`
 sees every step's forward inputs (a draft model keeps its pages level with the target's),
+`attach` hands it the target's runner (whose weights an EAGLE head reads),
 `device_ops` are its device operations by name (a multi-host driver sends those too),
 `warm_up` compiles its executables, and `check_sleep` refuses sleep when it cannot follow.
 The defaults are a proposer with no device state; `Proposer()` itself proposes nothing (the
@@ -43,6 +44,11 @@ class Proposer:
         the target's rows sample with."""
 
     # ------------------------------------------------------------------ the runner's hooks
+    def attach(self, runner) -> None:
+        """The target's runner, once built. A proposer that uses the target's weights (an EAGLE
+        head: its embedding) reads them from `runner.state` at every call: LoRA slot writes
+        (donated) and load_weights replace those arrays."""
+
     def shared_pools(self) -> list:
         """KV pools addressed by the target's block ids: each has copy_pool_blocks(src, dst),
         swap_pool_out(gpu, cpu) and swap_pool_in(cpu, gpu) (a ModelRunner does)."""
