@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from test_scheduler import FakeEngine
 
+import jpaged.data_parallel.router as router_module
 from jpaged.data_parallel.router import Router
 from jpaged.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -34,7 +35,7 @@ def test_the_longest_cached_prefix_wins_within_the_load_slack():
     router.loads = [2, 1, 2]
     assert router.route(list(range(500, 530))) == 1
     router.loads = [1, 2, 1]
-    assert router.route(list(range(500, 530))) == 0  # 6 blocks each: the lower rank
+    assert router.route(list(range(600, 630))) == 0  # 6 blocks each: the lower rank
     # Equal prefixes: the less loaded, then the one caching fewer blocks, then the lower rank.
     router.on_events(0, stored(router, a))
     router.loads = [2, 1, 1]
@@ -43,6 +44,23 @@ def test_the_longest_cached_prefix_wins_within_the_load_slack():
     assert router.route(a + [9]) == 2  # 6 blocks against rank 0's 12
     router.on_events(2, stored(router, b))
     assert router.route(a + [9]) == 0  # 12 each: the lower rank
+
+
+def test_a_prefix_just_sent_counts_as_cached_there_until_its_events_or_the_ttl(monkeypatch):
+    """Requests with one new prefix, in a burst (before the replica's events): they follow the
+    first to its replica, within the load slack, for SENT_TTL_S; an eviction event ends it."""
+    clock = [100.0]
+    monkeypatch.setattr(router_module.time, "monotonic", lambda: clock[0])
+    router = Router(2, BLOCK)
+    prefix = list(range(700, 724))
+    first = router.route(prefix + [1])
+    router.loads[first] = 3  # busier than the other, within the slack
+    assert router.route(prefix + [2]) == first
+    clock[0] += router_module.SENT_TTL_S + 0.1  # no event came: the guess expires
+    assert router.route(prefix + [3]) == 1 - first
+    hashes = router.block_hashes(prefix + [4])
+    router.on_events(1 - first, [BlockRemoved(hashes[:1], "GPU")])  # evicted there: no longer counted
+    assert router.matched_blocks(1 - first, hashes) == 0
 
 
 def test_idle_replicas_share_new_prefixes():

@@ -245,3 +245,35 @@ def test_killed_replica_restarts(cluster):
     assert len(replicas) == 2 and victim["replica"] not in replicas, health
     for i in range(4):
         assert client.completions.create(model="tiny", prompt=PROMPTS[i % 3], max_tokens=4).usage.completion_tokens == 4
+
+
+def test_dead_engine_fails_the_health_check_and_ray_replaces_the_replica(cluster):
+    """The engine (not the actor) dies: LLMServer.check_health raises, Ray replaces that replica,
+    /health shows it down meanwhile, and requests after it succeed."""
+    def _die_on_next_step(engine):  # nested: Ray pickles it by value (the workers cannot import tests)
+        """In the replica's engine thread (LLMServer.call): its next step raises; a request of
+        its own makes that step happen."""
+        def step():
+            raise RuntimeError("injected engine failure")
+
+        engine.step = step
+        engine.add_request("poison", [1, 2, 3], jpaged.SamplingParams(max_tokens=1))
+
+    health = json.loads(asyncio.run(_get(cluster + "/health"))[1])
+    victim = health["replicas"][0]["replica"]
+    handle = serve.get_deployment_handle("LLMServer", app_name="prefix")
+    handle.call.remote(_die_on_next_step, target_replica=victim).result(timeout_s=60)
+    deadline = time.monotonic() + 120
+    states = []
+    while time.monotonic() < deadline:
+        health = json.loads(asyncio.run(_get(cluster + "/health"))[1])
+        states.append({r["replica"]: r["state"] for r in health["replicas"]})
+        up = {r for r, state in states[-1].items() if state == "up"}
+        if len(up) == 2 and victim not in up:
+            break
+        time.sleep(0.5)
+    print("replica states:", states[::max(1, len(states) // 6)])
+    assert len(up) == 2 and victim not in up, states[-3:]
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key="none", max_retries=0)
+    for i in range(4):
+        assert client.completions.create(model="tiny", prompt=PROMPTS[i % 3], max_tokens=4).usage.completion_tokens == 4

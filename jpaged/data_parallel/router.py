@@ -9,15 +9,18 @@ least-loaded one, and among equally loaded ones to the one caching fewer blocks 
 cache-aware router's smallest-tree rule): new prefixes spread over the replicas even when they
 idle, where the lower rank would take every one and the other replicas' caches stay empty.
 
-The router knows what a replica caches only from that replica's KV events (jpaged/kv_events:
+The router knows what a replica caches from that replica's KV events (jpaged/kv_events:
 BlockStored adds hashes, BlockRemoved drops them, AllBlocksCleared empties the replica's set),
-never from where it sent requests. It hashes a request's blocks as the engines do
+and, for SENT_TTL_S after it sends a request, counts that request's blocks as cached there too:
+the events come only once the replica has computed them, and a burst of requests with one new
+prefix would otherwise be spread over every replica, each computing the prefix. It hashes a request's blocks as the engines do
 (`block_manager.hash_block_tokens`, chained from the request's cache salt; a LoRA adapter salts
 its requests), in the events' external form, so adapters and salts separate prefixes here as in
 one engine. Loads come from the replicas' own counts (`set_load`).
 """
 
 import itertools
+import time
 
 from jpaged.config import DP_ROUTINGS as POLICIES
 from jpaged.core.block_manager import hash_block_tokens
@@ -26,6 +29,8 @@ from jpaged.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored,
 # Requests (waiting + running) the replica with the best prefix may have beyond the least-loaded
 # one and still take the request.
 DEFAULT_LOAD_SLACK = 8
+# How long a prefix the router sent a replica counts as cached there without the replica saying so.
+SENT_TTL_S = 5.0
 
 
 class Router:
@@ -37,6 +42,7 @@ class Router:
             raise ValueError(f"data_parallel_size={num_replicas!r}; expected >= 1")
         self.policy, self.block_size, self.load_slack = policy, block_size, load_slack
         self.cached: list[set] = [set() for _ in range(num_replicas)]  # external block hashes, per replica
+        self.sent: list[dict] = [{} for _ in range(num_replicas)]  # {block hash: when sent}, per replica
         self.loads = [0] * num_replicas
         self.up = [True] * num_replicas
         self._turns = itertools.cycle(range(num_replicas))
@@ -47,14 +53,17 @@ class Router:
 
     # ---- what the replicas report
     def on_events(self, rank: int, events):
-        cached = self.cached[rank]
+        cached, sent = self.cached[rank], self.sent[rank]
         for event in events:
             if isinstance(event, BlockStored):
                 cached.update(event.block_hashes)
             elif isinstance(event, BlockRemoved):
                 cached.difference_update(event.block_hashes)
+                for block_hash in event.block_hashes:
+                    sent.pop(block_hash, None)
             elif isinstance(event, AllBlocksCleared):
                 cached.clear()
+                sent.clear()
 
     def set_load(self, rank: int, load: int):
         self.loads[rank] = load
@@ -63,6 +72,7 @@ class Router:
         """A replica down takes no requests; when it comes back its cache is empty (a new process)."""
         self.up[rank] = up
         self.cached[rank].clear()
+        self.sent[rank].clear()
 
     # ---- the choice
     def block_hashes(self, prompt_token_ids: list[int], cache_salt: bytes | None = None) -> list:
@@ -75,12 +85,20 @@ class Router:
         return hashes
 
     def matched_blocks(self, rank: int, hashes: list) -> int:
-        cached, n = self.cached[rank], 0
+        cached, sent, n = self.cached[rank], self.sent[rank], 0
+        expired = time.monotonic() - SENT_TTL_S
         for block_hash in hashes:
-            if block_hash not in cached:
+            if block_hash not in cached and sent.get(block_hash, expired) <= expired:
                 break
             n += 1
         return n
+
+    def _note_sent(self, rank: int, hashes: list):
+        now, sent = time.monotonic(), self.sent[rank]
+        for block_hash in [h for h, when in sent.items() if when <= now - SENT_TTL_S]:
+            del sent[block_hash]
+        for block_hash in hashes:
+            sent[block_hash] = now
 
     def route(self, prompt_token_ids: list[int], cache_salt: bytes | None = None) -> int:
         """The rank that should serve this prompt."""
@@ -95,6 +113,6 @@ class Router:
         hashes = self.block_hashes(prompt_token_ids, cache_salt)
         matched = {r: self.matched_blocks(r, hashes) for r in ranks}
         best = min(ranks, key=lambda r: (-matched[r], self.loads[r], len(self.cached[r]), r))
-        if matched[best] == 0 or self.loads[best] > self.loads[least] + self.load_slack:
-            return least
-        return best
+        rank = least if matched[best] == 0 or self.loads[best] > self.loads[least] + self.load_slack else best
+        self._note_sent(rank, hashes)
+        return rank

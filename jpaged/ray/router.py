@@ -26,13 +26,11 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from jpaged.data_parallel.router import DEFAULT_LOAD_SLACK, Router
+from jpaged.data_parallel.router import DEFAULT_LOAD_SLACK, SENT_TTL_S, Router
 
 if typing.TYPE_CHECKING:
     from jpaged.ray.server import GenerateRequest
 
-# How long a prefix the router sent a replica counts as cached there without the replica saying so.
-SENT_TTL_S = 5.0
 _ROUTERS: dict[tuple[str, str], list] = {}  # (app, deployment) -> the routers made in this process
 
 
