@@ -222,17 +222,25 @@ def test_offline_llm_spreads_prompts_and_keeps_their_order(reference):
                 except OSError:
                     continue
 
-    port = two_free_ports()
     context = zmq.Context.instance()
-    subscribers = []
-    for rank in (0, 1):  # vLLM's rule: replica r publishes on the endpoint's port + r
-        sub = context.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(f"tcp://127.0.0.1:{port + rank}")
-        subscribers.append(sub)
-    llm = jpaged.LLM("tiny", data_parallel_size=2, dp_routing="round-robin", dp_restart=False,
-                     enable_prefix_caching=True, kv_events_config={"enable_kv_cache_events": True,
-                                                                   "endpoint": f"tcp://*:{port}"}, **OFFLINE)
+    for attempt in range(3):  # another process (a parallel test) may take a port between the check and the bind
+        port = two_free_ports()
+        subscribers = []
+        for rank in (0, 1):  # vLLM's rule: replica r publishes on the endpoint's port + r
+            sub = context.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(f"tcp://127.0.0.1:{port + rank}")
+            subscribers.append(sub)
+        try:
+            llm = jpaged.LLM("tiny", data_parallel_size=2, dp_routing="round-robin", dp_restart=False,
+                             enable_prefix_caching=True, kv_events_config={"enable_kv_cache_events": True,
+                                                                           "endpoint": f"tcp://*:{port}"}, **OFFLINE)
+            break
+        except RuntimeError as e:
+            for sub in subscribers:
+                sub.close(linger=0)
+            if "Address already in use" not in str(e) or attempt == 2:
+                raise
     try:
         time.sleep(0.5)  # the subscriptions reach the publishers (ZMQ drops what is sent before)
         sp = jpaged.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

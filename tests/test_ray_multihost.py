@@ -83,6 +83,7 @@ def test_placement_group_per_process_and_bad_placements():
             build_app(args)
 
 
+@pytest.mark.slow
 def test_processes_on_two_nodes_answer_as_one_engine(app):
     url, nodes = app
     reference = jpaged.LLM("tiny", max_model_len=128, enforce_eager=True)
@@ -95,6 +96,7 @@ def test_processes_on_two_nodes_answer_as_one_engine(app):
     assert {p["node_id"] for p in processes} == nodes  # STRICT_SPREAD: one process per node
 
 
+@pytest.mark.slow
 def test_killed_follower_replaces_the_replica(app):
     url, _ = app
     before = _replica(url)
