@@ -101,7 +101,7 @@ def main(argv=None):
                         help="data preparation + training: training takes what data preparation leaves")
     parser.add_argument("--minutes", type=float, default=None, help="training time (default: from --budget-minutes)")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-prompts", type=int, default=512,
+    parser.add_argument("--num-prompts", type=int, default=640,
                         help="training prompts (of the (templates + extra templates) x subjects)")
     parser.add_argument("--draft-vocab", type=int, default=2048)
     parser.add_argument("--ttt-steps", type=int, default=3)
