@@ -15,6 +15,11 @@ import safetensors.numpy
 EPS = 1e-5
 
 
+def rope_theta_of(cfg: dict) -> float:
+    """The target's RoPE base (transformers >= 5 keeps it in rope_parameters)."""
+    return float((cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+
+
 def _rms(x, w):
     return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS) * w
 
@@ -58,7 +63,7 @@ def make_loss(cfg, embed, ttt_steps):
     h = cfg["hidden_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or h // heads
-    theta = cfg.get("rope_theta", 10000.0)
+    theta = rope_theta_of(cfg)
     embed = jnp.asarray(embed)
 
     def qkv(p, emb, hid, positions):
@@ -134,7 +139,8 @@ def batches(seqs, feats, argmax, t2d, steps, batch, length, rng):
                 n_ok = min(len(lab), len(f), len(s) - j - 2)
                 if n_ok <= 0:
                     continue
-                d = t2d[lab[:n_ok]]
+                lab = lab[:n_ok]
+                d = np.where(lab >= 0, t2d[np.maximum(lab, 0)], -1)  # -1: no label (the prompt)
                 labels[j, b, :n_ok] = np.maximum(d, 0)
                 valid[j, b, :n_ok] = d >= 0
         yield aux, ids, labels, valid
@@ -142,7 +148,8 @@ def batches(seqs, feats, argmax, t2d, steps, batch, length, rng):
 
 def train_head(cfg, seqs, feats, argmax, embed, final_norm, args):
     """(params, draft vocabulary ids) after `args.minutes` of AdamW."""
-    counts = np.bincount(np.concatenate([np.asarray(a) for a in argmax]), minlength=cfg["vocab_size"])
+    known = np.concatenate([np.asarray(a) for a in argmax])
+    counts = np.bincount(known[known >= 0], minlength=cfg["vocab_size"])
     draft_ids = np.sort(np.argsort(-counts)[:args.draft_vocab])
     covered = counts[draft_ids].sum() / counts.sum()
     print(f"draft vocabulary: {len(draft_ids)} tokens cover {covered:.1%} of the target's argmax tokens", flush=True)
@@ -186,7 +193,7 @@ def write_head(out, tcfg, params, draft_ids, layers):
            "intermediate_size": tcfg["intermediate_size"], "num_attention_heads": tcfg["num_attention_heads"],
            "num_key_value_heads": tcfg["num_key_value_heads"],
            "head_dim": tcfg.get("head_dim") or h // tcfg["num_attention_heads"], "num_hidden_layers": 1,
-           "hidden_act": "silu", "rms_norm_eps": tcfg.get("rms_norm_eps", EPS), "rope_theta": tcfg.get("rope_theta"),
+           "hidden_act": "silu", "rms_norm_eps": tcfg.get("rms_norm_eps", EPS), "rope_theta": rope_theta_of(tcfg),
            "max_position_embeddings": tcfg.get("max_position_embeddings"), "vocab_size": tcfg["vocab_size"],
            "draft_vocab_size": len(draft_ids), "torch_dtype": "float32", "tie_word_embeddings": False,
            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}}
@@ -197,3 +204,73 @@ def write_head(out, tcfg, params, draft_ids, layers):
     tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in params.items()}
     tensors.update(d2t=(draft_ids - np.arange(len(draft_ids))).astype(np.int64), t2d=t2d)
     safetensors.numpy.save_file(tensors, os.path.join(out, "model.safetensors"))
+
+
+def target_features_jax(model_dir, cfg, seqs, layers, tokens_per_batch=3072):
+    """Per sequence: the hidden states entering the target's `layers` [len, 3 * hidden] (float16),
+    by a jitted float32 forward of the target's first max(layers) layers (no LM head: the labels
+    are the target's own greedy tokens). Sequences are batched by length (padded to a multiple of
+    64 tokens); right padding leaves the real tokens' causal attention unchanged."""
+    weights = {}
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            weights.update(safetensors.numpy.load_file(os.path.join(model_dir, name)))
+    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or h // heads
+    theta = rope_theta_of(cfg)
+    eps = cfg.get("rms_norm_eps", EPS)
+    top = max(layers)
+    names = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    stacked = {n: jnp.asarray(np.stack([weights[f"model.layers.{i}.{n}.weight"] for i in range(top)]), jnp.float32)
+               for n in names}
+    embed = jnp.asarray(weights["model.embed_tokens.weight"], jnp.float32)
+
+    def rms(x, w):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * w
+
+    def layer(x, w):
+        b, t = x.shape[:2]
+        pos = jnp.arange(t)
+        y = rms(x, w["input_layernorm"])
+        q = (y @ w["self_attn.q_proj"].T).reshape(b, t, heads, d)
+        k = (y @ w["self_attn.k_proj"].T).reshape(b, t, kv, d)
+        v = (y @ w["self_attn.v_proj"].T).reshape(b, t, kv, d)
+        q, k = _rope(q, pos, theta, d), _rope(k, pos, theta, d)
+        q = q.reshape(b, t, kv, heads // kv, d)
+        s = jnp.einsum("bqkgd,bskd->bkgqs", q, k) * d ** -0.5
+        s = jnp.where(pos[None, :] <= pos[:, None], s, -1e30)
+        a = jnp.einsum("bkgqs,bskd->bqkgd", jax.nn.softmax(s, -1), v).reshape(b, t, heads * d)
+        x = x + a @ w["self_attn.o_proj"].T
+        y = rms(x, w["post_attention_layernorm"])
+        x = x + (jax.nn.silu(y @ w["mlp.gate_proj"].T) * (y @ w["mlp.up_proj"].T)) @ w["mlp.down_proj"].T
+        return x, None
+
+    @jax.jit
+    def forward(stacked, embed, ids):  # the weights as arguments: not folded into the program as constants
+        def body(carry, w):
+            x, feats = carry
+            # One scan over the layers (one body to compile); the inputs of `layers` kept on the way.
+            feats = jnp.stack([jnp.where(w["index"] == i, x, f) for i, f in zip(layers, feats)])
+            return (layer(x, w)[0], feats), None
+
+        x = embed[ids]
+        (x, feats), _ = jax.lax.scan(body, (x, jnp.zeros((len(layers),) + x.shape, x.dtype)),
+                                     dict(stacked, index=jnp.arange(top)))
+        return jnp.concatenate([x if i == top else f for i, f in zip(layers, feats)], -1).astype(jnp.float16)
+
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out = [None] * len(seqs)
+    i = 0
+    while i < len(order):
+        width = -(-len(seqs[order[i]]) // 64) * 64
+        n = max(1, tokens_per_batch // width)
+        part = [j for j in order[i:i + n] if len(seqs[j]) <= width]
+        ids = np.zeros((n, width), np.int32)  # a fixed batch size per width: fewer shapes to compile
+        for r, j in enumerate(part):
+            ids[r, :len(seqs[j])] = seqs[j]
+        feats = np.asarray(forward(stacked, embed, ids))
+        for r, j in enumerate(part):
+            out[j] = feats[r, :len(seqs[j])]
+        i += len(part)
+    return out, weights

@@ -2,21 +2,24 @@
 write it in the public layout (jpaged/spec_decode/eagle_head.py) for speculative_config
 {"method": "eagle3", "model": OUT}.
 
-  1. chat prompts (templates x subjects, split into train and held-out by subject), chat-templated;
+  1. chat prompts ((templates + extra templates) x subjects; the held-out subjects and
+     scripts/bench_spec.py's chat prompts never trained on), chat-templated;
   2. the target's own greedy answers (jpaged, batched);
-  3. the target's hidden states entering layers (2, L/2, L-3) and its argmax at every token
-     (Hugging Face transformers, float32);
+  3. the target's hidden states entering layers (2, L/2, L-3), by a jitted JAX forward of its
+     first L-3 layers (no LM head: in the answers, the target's argmax is the next token; prompt
+     tokens take no loss, as SpecForge's loss mask);
   4. the head, trained with optax (AdamW, cosine) on the target's argmax tokens, unrolled over
      `--ttt-steps` draft steps (EAGLE-3's training-time test: step j's hidden input is step
      j - 1's output, and its query attends the true entries before the anchor and the anchor's
-     own chain, as the drafting chain does), for `--minutes`;
+     own chain, as the drafting chain does), for what `--budget-minutes` leaves after the data
+     (or `--minutes`);
   5. acceptance on the held-out prompts: see scripts/eagle3_acceptance.py.
 
 The draft vocabulary: the `--draft-vocab` most frequent target tokens of the training answers.
 The head starts from the target where it can: lm_head from the target's embedding rows (tied
 SmolLM2), norm from its final norm, fc selecting the high layer's features.
 
-  python scripts/train_eagle3.py --out /tmp/eagle3-smollm2 [--minutes 20] [--model DIR]
+  python scripts/train_eagle3.py --out /tmp/eagle3-smollm2 [--budget-minutes 29] [--model DIR]
 """
 
 import argparse
@@ -36,7 +39,14 @@ SUBJECTS = ["the ocean", "volcanoes", "honey bees", "the moon", "bicycles", "cof
             "clouds", "vaccines", "solar panels", "elephants", "friendship", "mountains", "airplanes", "recycling",
             "the brain", "deserts", "chocolate", "robots", "the printing press", "rivers", "owls", "sleep", "soap",
             "cheese", "lightning", "windmills", "ants", "the stock market", "tea", "castles", "magnets", "snow",
-            "bridges", "vitamins", "the piano", "coral reefs", "time zones", "camels", "paper", "wolves", "autumn"]
+            "bridges", "vitamins", "the piano", "coral reefs", "time zones", "camels", "paper", "wolves", "autumn",
+            "butterflies", "the Great Wall of China", "rockets", "saving money", "dogs", "cats", "rice", "football",
+            "the violin", "bamboo", "frogs", "the Olympic Games", "satellites", "potatoes", "hurricanes",
+            "the alphabet", "wind turbines", "sharks", "cooking pasta", "the Amazon river", "batteries", "telescopes",
+            "gravity", "maps", "horses", "cameras", "spiders", "olive oil", "the moon landing", "ice cream",
+            "compasses", "volcanic islands", "fireflies", "the water cycle", "clocks", "salt", "kangaroos",
+            "hot air balloons", "bats", "yoga", "the Vikings", "strawberries", "traffic lights", "tigers", "wool",
+            "the periodic table", "canals", "parrots", "umbrellas", "ancient Egypt"]
 # Held out: never seen in training (with scripts/bench_spec.py's chat prompts).
 HELD_OUT_SUBJECTS = ["dinosaurs", "the sun", "mushrooms", "submarines", "bees' wax", "tornadoes", "octopuses",
                      "lighthouses", "kites", "comets"]
@@ -44,54 +54,55 @@ TEMPLATES = ["Explain how {} works in simple terms.", "Write a short poem about 
              "Tell me three interesting facts about {}.", "Write a short story about {}.",
              "What are the benefits of learning about {}?", "Describe {} to a child.",
              "Give me a short summary of the history of {}.", "Why is {} important?"]
-HIDDEN_EPS = 1e-5
+# Training only (the held-out prompts of scripts/eagle3_acceptance.py use TEMPLATES).
+EXTRA_TEMPLATES = ["What is {}?", "Write a haiku about {}.", "List five facts about {}.",
+                   "How would you explain {} to a ten-year-old?", "Write a short blog post about {}.",
+                   "What are some common misconceptions about {}?", "Write a limerick about {}.",
+                   "Compare {} with something from everyday life.",
+                   "Give me a fun quiz question about {} and its answer.",
+                   "Write a short dialogue between two friends talking about {}.",
+                   "What would the world be like without {}?",
+                   "Summarize what scientists know about {} in a paragraph."]
 
-
-def prompts_of(subjects):
-    return [t.format(s) for s in subjects for t in TEMPLATES]
+def prompts_of(subjects, templates=TEMPLATES):
+    return [t.format(s) for s in subjects for t in templates]
 
 
 def generate(model, prompts, max_tokens):
-    """Chat-templated prompts and the target's greedy answers, as token id lists (prompt + answer)."""
+    """Chat-templated prompts and the target's greedy answers: (token id lists (prompt + answer),
+    the prompts' lengths)."""
     import jpaged
 
-    llm = jpaged.LLM(model, max_num_seqs=64, max_model_len=512, max_num_batched_tokens=2048, enforce_eager=True)
+    llm = jpaged.LLM(model, max_num_seqs=128, max_model_len=512, max_num_batched_tokens=2048, enforce_eager=True)
     tok = llm.get_tokenizer()
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
              for p in prompts]
     outs = llm.generate(texts, jpaged.SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-    return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    return ([list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs],
+            [len(o.prompt_token_ids) for o in outs])
 
 
-def target_features(model, seqs, layers, batch=8):
-    """Per sequence: the hidden states entering `layers` [len, 3 * hidden] (float16) and the
-    target's argmax at each token [len]."""
-    import torch
-    import transformers
-
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    target = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    feats, argmax = [], []
-    for start in range(0, len(seqs), batch):
-        part = seqs[start:start + batch]
-        width = max(map(len, part))
-        ids = torch.tensor([s + [0] * (width - len(s)) for s in part])
-        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in part])
-        with torch.no_grad():
-            out = target(ids, attention_mask=mask, output_hidden_states=True)
-        for i, s in enumerate(part):
-            feats.append(torch.cat([out.hidden_states[j][i, :len(s)] for j in layers], -1).numpy().astype(np.float16))
-            argmax.append(out.logits[i, :len(s)].argmax(-1).numpy().astype(np.int32))
-    return feats, argmax, target
+def next_token_labels(seqs, prompt_lens):
+    """The target's argmax at each token, where it is known without its LM head: in the answer,
+    the next token (the target's own greedy choice); -1 elsewhere (in the prompt, at the end)."""
+    labels = []
+    for s, n in zip(seqs, prompt_lens):
+        a = np.full(len(s), -1, np.int32)
+        a[n - 1:len(s) - 1] = s[n:]
+        labels.append(a)
+    return labels
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=os.path.expanduser("~/.cache/jpaged/smollm2-135m-instruct"))
     parser.add_argument("--out", required=True)
-    parser.add_argument("--minutes", type=float, default=20.0, help="training time (data preparation apart)")
+    parser.add_argument("--budget-minutes", type=float, default=29.0,
+                        help="data preparation + training: training takes what data preparation leaves")
+    parser.add_argument("--minutes", type=float, default=None, help="training time (default: from --budget-minutes)")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-prompts", type=int, default=160, help="training prompts (of the templates x subjects)")
+    parser.add_argument("--num-prompts", type=int, default=640,
+                        help="training prompts (of the (templates + extra templates) x subjects)")
     parser.add_argument("--draft-vocab", type=int, default=2048)
     parser.add_argument("--ttt-steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
@@ -101,7 +112,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.model, "config.json")) as f:
         tcfg = json.load(f)
-    num_layers, hidden = tcfg["num_hidden_layers"], tcfg["hidden_size"]
+    num_layers = tcfg["num_hidden_layers"]
     layers = (2, num_layers // 2, num_layers - 3)
     data_path = args.data or os.path.join(args.out, "data.npz")
     t0 = time.time()
@@ -109,22 +120,32 @@ def main(argv=None):
         data = np.load(data_path, allow_pickle=True)
         seqs, feats, argmax = list(data["seqs"]), list(data["feats"]), list(data["argmax"])
         embed, final_norm = data["embed"], data["final_norm"]
+        print(f"read {data_path}: {len(seqs)} sequences, {sum(map(len, seqs))} tokens", flush=True)
     else:
-        prompts = prompts_of(SUBJECTS)
+        from scripts.eagle3_train_lib import target_features_jax
+
+        prompts = prompts_of(SUBJECTS, TEMPLATES + EXTRA_TEMPLATES)
         prompts = [prompts[i] for i in np.random.default_rng(0).permutation(len(prompts))[:args.num_prompts]]
-        seqs = generate(args.model, prompts, args.max_tokens)
-        print(f"generated {len(seqs)} answers, {sum(map(len, seqs))} tokens in {time.time() - t0:.0f} s", flush=True)
-        feats, argmax, target = target_features(args.model, seqs, layers)
-        embed = target.model.embed_tokens.weight.detach().numpy()
-        final_norm = target.model.norm.weight.detach().numpy()
+        seqs, prompt_lens = generate(args.model, prompts, args.max_tokens)
+        t_gen = time.time() - t0
+        print(f"phase generate: {len(seqs)} answers, {sum(map(len, seqs)) - sum(prompt_lens)} answer tokens "
+              f"({sum(prompt_lens)} prompt tokens) in {t_gen:.0f} s", flush=True)
+        feats, weights = target_features_jax(args.model, tcfg, seqs, layers)
+        argmax = next_token_labels(seqs, prompt_lens)
+        embed, final_norm = weights["model.embed_tokens.weight"], weights["model.norm.weight"]
         np.savez(data_path, seqs=np.array(seqs, dtype=object), feats=np.array(feats, dtype=object),
                  argmax=np.array(argmax, dtype=object), embed=embed, final_norm=final_norm)
-        print(f"features ready after {time.time() - t0:.0f} s", flush=True)
+        print(f"phase features: {sum(map(len, seqs))} tokens in {time.time() - t0 - t_gen:.0f} s "
+              f"(data ready after {time.time() - t0:.0f} s)", flush=True)
+    if args.minutes is None:
+        args.minutes = max(1.0, args.budget_minutes - (time.time() - t0) / 60 - 0.5)
+    t1 = time.time()
     from scripts.eagle3_train_lib import train_head, write_head
 
     params, draft_ids = train_head(tcfg, seqs, feats, argmax, embed, final_norm, args)
+    print(f"phase train: {time.time() - t1:.0f} s", flush=True)
     write_head(args.out, tcfg, params, draft_ids, layers)
-    print(f"wrote {args.out} after {time.time() - t0:.0f} s", flush=True)
+    print(f"wrote {args.out} after {time.time() - t0:.0f} s in all", flush=True)
 
 
 if __name__ == "__main__":
