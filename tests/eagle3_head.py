@@ -9,6 +9,31 @@ import numpy as np
 import safetensors.numpy
 
 
+HEAD_SHAPE = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+
+
+def _head_config(target_cfg, architecture: str, **fields) -> dict:
+    """A one-layer Llama head's config for `target_cfg` (4 heads, 2 kv heads of 32, MLP 2h)."""
+    h = target_cfg.hidden_size
+    return {"architectures": [architecture], "model_type": "llama", "hidden_size": h, "intermediate_size": 2 * h,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 1,
+            "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096,
+            "vocab_size": target_cfg.vocab_size, "torch_dtype": "float32", "tie_word_embeddings": False, **fields}
+
+
+def _random_linear(rng):
+    def linear(out_dim, in_dim, gain=1.0):
+        return (rng.standard_normal((out_dim, in_dim)) * gain / np.sqrt(in_dim)).astype(np.float32)
+    return linear
+
+
+def _save(path, cfg: dict, weights: dict) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    safetensors.numpy.save_file(weights, str(path / "model.safetensors"))
+    return str(path)
+
+
 def write_head(path, target_cfg, *, draft_vocab: int = 64, seed: int = 0, aux_layers=None, draft_ids=None,
                **overrides) -> str:
     """A random head for `target_cfg` (a transformers config) in `path`; `overrides`: config fields;
@@ -16,19 +41,12 @@ def write_head(path, target_cfg, *, draft_vocab: int = 64, seed: int = 0, aux_la
     rng = np.random.default_rng(seed)
     if draft_ids is not None:
         draft_vocab = len(draft_ids)
-    h, heads, kv, d = target_cfg.hidden_size, 4, 2, 32
-    inter = 2 * h
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
-           "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d,
-           "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-           "max_position_embeddings": 4096, "vocab_size": target_cfg.vocab_size, "draft_vocab_size": draft_vocab,
-           "torch_dtype": "float32", "tie_word_embeddings": False}
+    cfg = _head_config(target_cfg, "LlamaForCausalLMEagle3", draft_vocab_size=draft_vocab)
+    h, heads, kv, d, inter = (cfg[k] for k in HEAD_SHAPE)
     if aux_layers is not None:
         cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}
     cfg.update(overrides)
-
-    def linear(out_dim, in_dim, gain=1.0):
-        return (rng.standard_normal((out_dim, in_dim)) * gain / np.sqrt(in_dim)).astype(np.float32)
+    linear = _random_linear(rng)
 
     # The draft vocabulary: a sorted subset of the target's (d2t: target id - draft id).
     draft_ids = np.sort(rng.choice(cfg["vocab_size"], draft_vocab, replace=False) if draft_ids is None else draft_ids)
@@ -51,10 +69,7 @@ def write_head(path, target_cfg, *, draft_vocab: int = 64, seed: int = 0, aux_la
         "d2t": (draft_ids - np.arange(draft_vocab)).astype(np.int64),
         "t2d": t2d,
     }
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg))
-    safetensors.numpy.save_file(weights, str(path / "model.safetensors"))
-    return str(path)
+    return _save(path, cfg, weights)
 
 
 def write_successor_head(path, target_cfg, embed, successors: dict) -> str:
@@ -116,17 +131,10 @@ def write_eagle_head(path, target_cfg, *, seed: int = 0, fc_bias: bool = True, *
     public files it carries embed_tokens.weight (random here: the target's must be used) and here
     a layers.0.input_layernorm.weight far from 1 (vLLM does not read it: neither may we)."""
     rng = np.random.default_rng(seed)
-    h, heads, kv, d = target_cfg.hidden_size, 4, 2, 32
-    inter = 2 * h
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
-           "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d,
-           "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-           "max_position_embeddings": 4096, "vocab_size": target_cfg.vocab_size, "bias": fc_bias,
-           "torch_dtype": "float32", "tie_word_embeddings": False}
+    cfg = _head_config(target_cfg, "LlamaForCausalLM", bias=fc_bias)
+    h, heads, kv, d, inter = (cfg[k] for k in HEAD_SHAPE)
     cfg.update(overrides)
-
-    def linear(out_dim, in_dim, gain=1.0):
-        return (rng.standard_normal((out_dim, in_dim)) * gain / np.sqrt(in_dim)).astype(np.float32)
+    linear = _random_linear(rng)
 
     # fc's gain: the embedding (rms 1) and the target's output (rms 1 after its norm) both count.
     weights = {
@@ -144,10 +152,7 @@ def write_eagle_head(path, target_cfg, *, seed: int = 0, fc_bias: bool = True, *
     }
     if fc_bias:
         weights["fc.bias"] = (0.5 * rng.standard_normal(h)).astype(np.float32)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg))
-    safetensors.numpy.save_file(weights, str(path / "model.safetensors"))
-    return str(path)
+    return _save(path, cfg, weights)
 
 
 def _load(path):

@@ -117,16 +117,21 @@ def test_outputs_equal_without_speculation_and_nothing_compiles_after_warm_up(he
     # shared engine other files ran first would have moved on).
     reference = generate(jpaged.LLM("tiny", enforce_eager=True, **LIMITS), prompts, params)
     # Warmed up (every bucket), on fewer buckets than the reference's: outputs do not depend on them.
-    llm = jpaged.LLM("tiny", speculative_config=eagle_config(head), max_model_len=128, max_num_seqs=4,
-                     max_num_batched_tokens=32, background_warmup=False)  # every bucket compiled on return
+    assert_warmed_engine_matches(eagle_config(head), prompts, params, reference, min_draft_tokens=50)
+
+
+def assert_warmed_engine_matches(speculative_config, prompts, params, reference, min_draft_tokens: int):
+    """A speculating engine warmed up on return (every bucket): nothing compiles while it
+    generates, it drafts, and its tokens and the first request's logprobs are `reference`'s."""
+    llm = jpaged.LLM("tiny", speculative_config=speculative_config, max_model_len=128, max_num_seqs=4,
+                     max_num_batched_tokens=32, background_warmup=False)
     compiled = llm.stats()["num_compilations"]
     outputs = generate(llm, prompts, params)
     stats = spec_stats(llm)
     print(stats)
     assert llm.stats()["num_compilations"] == compiled, "a draft or verification shape compiled after warm-up"
-    assert stats["spec_decode_num_draft_tokens"] > 50
-    for ours, ref in zip(outputs, reference):
-        assert ours.token_ids == ref.token_ids
+    assert stats["spec_decode_num_draft_tokens"] > min_draft_tokens
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
     for top, ref_top in zip(outputs[0].logprobs, reference[0].logprobs):  # the target's logprobs
         assert top.keys() == ref_top.keys() and all(abs(top[t] - ref_top[t]) < 1e-4 for t in top)
 

@@ -8,7 +8,6 @@ health check, so Ray replaces the replica (both processes) and later requests su
 
 import os
 import signal
-import socket
 import time
 
 import openai
@@ -20,18 +19,13 @@ from ray.cluster_utils import Cluster
 
 import jpaged
 from jpaged.ray import build_app
+from test_ray_serve import _free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = {"model": "tiny", "num_processes": 2, "tensor_parallel_size": 4, "max_model_len": 128, "max_num_seqs": 4,
         "max_num_batched_tokens": 64, "enforce_eager": True, "disable_log_requests": True,
         "disable_log_stats": True, "health_check_period_s": 1, "ray_actor_options": {"num_cpus": 1}}
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79], [2, 71, 82, 81, 82, 84, 59]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

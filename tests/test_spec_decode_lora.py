@@ -49,11 +49,8 @@ def batch(adapters, rng):
     return prompts, requests
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculation_with_lora_equals_without(checkpoint, method, monkeypatch):
-    base_dir, adapters = checkpoint
-    rng = np.random.default_rng(SEED)
-    prompts, requests = batch(adapters, rng)
+def outputs_without_speculation(base_dir, prompts, requests):
+    """Greedy and per-request seeded sampling params, and each one's token ids with no speculation."""
     greedy = jpaged.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     seeded = [jpaged.SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True, seed=100 + i)
               for i in range(len(prompts))]
@@ -61,6 +58,15 @@ def test_speculation_with_lora_equals_without(checkpoint, method, monkeypatch):
     expected = {name: [o.outputs[0].token_ids for o in plain.generate(prompts, sp, lora_request=requests,
                                                                       use_tqdm=False)]
                 for name, sp in (("greedy", greedy), ("seeded", seeded))}
+    return greedy, seeded, expected
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_with_lora_equals_without(checkpoint, method, monkeypatch):
+    base_dir, adapters = checkpoint
+    rng = np.random.default_rng(SEED)
+    prompts, requests = batch(adapters, rng)
+    greedy, seeded, expected = outputs_without_speculation(base_dir, prompts, requests)
     if method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": 3}
         # Oracle drafts: each request's outputs without speculation, some tokens wrong.
@@ -111,13 +117,7 @@ def test_eagle_with_lora_reads_the_adapted_hidden_states(checkpoint, method, tmp
         head = write_head(tmp_path / "head", read_hf_config(base_dir), seed=SEED, aux_layers=aux_layers)
     else:
         head = write_eagle_head(tmp_path / "head", read_hf_config(base_dir), seed=SEED)
-    greedy = jpaged.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    seeded = [jpaged.SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True, seed=100 + i)
-              for i in range(len(prompts))]
-    plain = jpaged.LLM(base_dir, **LIMITS)
-    expected = {name: [o.outputs[0].token_ids for o in plain.generate(prompts, sp, lora_request=requests,
-                                                                      use_tqdm=False)]
-                for name, sp in (("greedy", greedy), ("seeded", seeded))}
+    greedy, seeded, expected = outputs_without_speculation(base_dir, prompts, requests)
     full = [p + list(o) for p, o in zip(prompts, expected["greedy"])]
 
     def oracle(tokens):  # the greedy continuation (the seeded runs: whatever follows, often wrong)

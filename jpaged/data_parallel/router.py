@@ -33,6 +33,20 @@ DEFAULT_LOAD_SLACK = 8
 SENT_TTL_S = 5.0
 
 
+def note_sent(sent: dict, hashes: list):
+    """Records `hashes` as sent now in `sent` ({block hash: when}, kept in the order of those
+    times) and drops what has expired, from the oldest: a route costs what it adds."""
+    now = time.monotonic()
+    for block_hash in hashes:
+        sent.pop(block_hash, None)
+        sent[block_hash] = now
+    while sent:
+        oldest = next(iter(sent))
+        if sent[oldest] > now - SENT_TTL_S:
+            break
+        del sent[oldest]
+
+
 class Router:
     def __init__(self, num_replicas: int, block_size: int, policy: str = "prefix",
                  load_slack: int = DEFAULT_LOAD_SLACK):
@@ -94,11 +108,7 @@ class Router:
         return n
 
     def _note_sent(self, rank: int, hashes: list):
-        now, sent = time.monotonic(), self.sent[rank]
-        for block_hash in [h for h, when in sent.items() if when <= now - SENT_TTL_S]:
-            del sent[block_hash]
-        for block_hash in hashes:
-            sent[block_hash] = now
+        note_sent(self.sent[rank], hashes)
 
     def route(self, prompt_token_ids: list[int], cache_salt: bytes | None = None) -> int:
         """The rank that should serve this prompt."""

@@ -18,7 +18,6 @@ registers itself in this process (`routers`): the ingress reads the replicas' re
 
 import itertools
 import sys
-import time
 import typing
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
@@ -26,7 +25,7 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from jpaged.data_parallel.router import DEFAULT_LOAD_SLACK, SENT_TTL_S, Router
+from jpaged.data_parallel.router import DEFAULT_LOAD_SLACK, Router, note_sent
 
 if typing.TYPE_CHECKING:
     from jpaged.ray.server import GenerateRequest
@@ -96,9 +95,7 @@ class _PrefixRouting(RequestRouter):
             last = self._cached[replica_id] = (stats, set(stats.get("hashes", ())))
         sent = self._sent.get(replica_id)
         if sent:
-            expired = time.monotonic() - SENT_TTL_S
-            for block_hash in [h for h, when in sent.items() if when < expired]:
-                del sent[block_hash]
+            note_sent(sent, [])  # drops the expired
             return last[1] | sent.keys()
         return last[1]
 
@@ -128,9 +125,8 @@ class _PrefixRouting(RequestRouter):
         replica = replica_id.unique_id
         self._in_flight.setdefault(replica, set()).add(pending_request.metadata.internal_request_id)
         if self.policy == "prefix":
-            now, sent = time.monotonic(), self._sent.setdefault(replica, {})
-            for block_hash in Router(1, self.block_size).block_hashes(request.prompt_token_ids, request.cache_salt):
-                sent[block_hash] = now
+            note_sent(self._sent.setdefault(replica, {}),
+                      Router(1, self.block_size).block_hashes(request.prompt_token_ids, request.cache_salt))
 
     def on_request_completed(self, replica_id, internal_request_id: str):
         self._in_flight.get(replica_id.unique_id, set()).discard(internal_request_id)
