@@ -1,7 +1,8 @@
 """The pooling endpoints (`jpaged serve --runner pooling`), as vLLM serves them: POST
 /v1/embeddings (OpenAI), /pooling, /classify, /score, /rerank, /v1/rerank and /v2/rerank (Jina's
-and Cohere's formats). Requests that arrive while a forward runs are packed into the next one
-(PoolingBatcher); the engine runs in its own thread, never on the event loop.
+and Cohere's formats). Each input is a request of the engine's scheduler; the engine's thread
+steps it while requests are in (AsyncPoolingEngine), never on the event loop, so inputs that
+arrive while a forward runs are packed into the next.
 
 The app, its lifecycle and GET /v1/models, /metrics, /health and POST /tokenize are in
 serving/pooling_server.py; a generation endpoint there, or a pooling one on a generation server,
@@ -10,7 +11,9 @@ is a 400 naming the runner (`refuse`).
 
 import asyncio
 import base64
-import concurrent.futures
+import dataclasses
+import itertools
+import logging
 import threading
 import time
 import uuid
@@ -22,6 +25,8 @@ from jpaged.pooling.engine import PoolingEngine, PoolingInput
 from jpaged.pooling.llm_methods import activation, check_dimensions, finish_embedding
 from serving.protocol import APIError, field
 from serving.request_body import json_body
+
+logger = logging.getLogger(__name__)
 
 MAX_INPUTS = 2048  # inputs in one request (OpenAI's limit for /v1/embeddings)
 POOLING_ROUTES = ("/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank",
@@ -36,49 +41,110 @@ def refuse(runner: str, other: str):
     return handler
 
 
-class PoolingBatcher:
-    """One engine thread; what is pending when it is free runs as one packed forward per kind."""
+@dataclasses.dataclass(eq=False)
+class _Call:
+    """One HTTP request's inputs, each a scheduler request; settled when the last finishes."""
+
+    inputs: list[PoolingInput]
+    pooling: str
+    head: bool
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    request_ids: list[str] = dataclasses.field(default_factory=list)
+    results: list = dataclasses.field(default_factory=list)
+    left: int = 0
+
+
+class AsyncPoolingEngine:
+    """The engine's own thread steps the PoolingEngine (its scheduler) while requests are in it:
+    inputs that arrive join the queue at once and the next step takes them (FCFS, within
+    max_num_batched_tokens), as the generation server's engine loop does. A client that leaves
+    aborts its inputs still waiting."""
 
     def __init__(self, engine: PoolingEngine):
         self.engine = engine
-        self._lock = threading.Lock()
-        self._pending: list = []
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jpaged-pooling")
-        self.running = 0
+        self._cond = threading.Condition()
+        self._new: list[_Call] = []
+        self._aborted: list[_Call] = []
+        self._stop = False
+        self._owner: dict[str, tuple[_Call, int]] = {}
+        self._ids = itertools.count()
+        self.running = 0  # HTTP requests waiting for their inputs' results
+        self._thread = threading.Thread(target=self._loop, name="jpaged-pooling", daemon=True)
+        self._thread.start()
 
     async def run(self, inputs: list[PoolingInput], pooling: str, head: bool = False) -> list[np.ndarray]:
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        with self._lock:
-            self._pending.append((inputs, pooling, head, future, loop))
+        call = _Call(inputs, pooling, head, loop.create_future(), loop, results=[None] * len(inputs),
+                     left=len(inputs))
+        with self._cond:
+            if self._stop:
+                raise APIError("the server is shutting down", status=503, code="shutting_down")
+            self._new.append(call)
+            self._cond.notify()
         self.running += 1
         try:
-            self._thread.submit(self._drain)
-            return await future
+            return await call.future
+        except asyncio.CancelledError:
+            with self._cond:
+                self._aborted.append(call)
+                self._cond.notify()
+            raise
         finally:
             self.running -= 1
 
-    def _drain(self):
-        with self._lock:
-            todo, self._pending = self._pending, []
-        kinds: dict = {}
-        for item in todo:
-            kinds.setdefault(item[1:3], []).append(item)
-        for (pooling, head), items in kinds.items():
-            items = [i for i in items if not i[3].cancelled()]  # their clients left
-            try:
-                results = self.engine.run([x for i in items for x in i[0]], pooling, head)
-            except Exception as e:  # noqa: BLE001 (handed to each waiting request)
-                for _, _, _, future, loop in items:
-                    loop.call_soon_threadsafe(_settle, future, None, e)
+    def _loop(self):
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not (self._new or self._aborted or self._stop or engine.has_unfinished_requests()):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                new, self._new = self._new, []
+                aborted, self._aborted = self._aborted, []
+            for call in new:
+                for k, inp in enumerate(call.inputs):
+                    request_id = f"pool-{next(self._ids)}"
+                    call.request_ids.append(request_id)
+                    self._owner[request_id] = (call, k)
+                    engine.add_request(request_id, inp, call.pooling, call.head)
+            for call in aborted:
+                self._drop(call)
+            if not engine.has_unfinished_requests():
                 continue
-            at = 0
-            for inputs, _, _, future, loop in items:
-                loop.call_soon_threadsafe(_settle, future, results[at:at + len(inputs)], None)
-                at += len(inputs)
+            try:
+                finished = engine.step()
+            except Exception as e:  # noqa: BLE001 (a bug in the step: every request in it gets the error)
+                logger.exception("a pooling step failed")
+                finished = []
+                for call in {c for c, _ in self._owner.values()}:
+                    self._drop(call)
+                    call.loop.call_soon_threadsafe(_settle, call.future, None, e)
+            for request_id, result in finished:
+                if request_id not in self._owner:
+                    continue
+                call, k = self._owner.pop(request_id)
+                if isinstance(result, Exception):
+                    self._drop(call)
+                    call.loop.call_soon_threadsafe(_settle, call.future, None, result)
+                    continue
+                call.results[k] = result
+                call.left -= 1
+                if not call.left:
+                    call.loop.call_soon_threadsafe(_settle, call.future, call.results, None)
+
+    def _drop(self, call: _Call):
+        """The call's inputs still in the engine are aborted (its client left, or one of them failed)."""
+        for request_id in call.request_ids:
+            if self._owner.pop(request_id, None) is not None:
+                self.engine.abort_request(request_id)
 
     def shutdown(self):
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
 
 
 def _settle(future, result, error):
@@ -91,10 +157,10 @@ def _as_400(e: ValueError, param: str) -> APIError:
 
 
 class PoolingEndpoints:
-    """Handlers; `self.engine` a PoolingEngine, `self.batcher` its PoolingBatcher."""
+    """Handlers; `self.engine` a PoolingEngine, `self.batcher` its AsyncPoolingEngine."""
 
     engine: PoolingEngine
-    batcher: PoolingBatcher
+    batcher: AsyncPoolingEngine
     model_name: str
     body_timeout: float
 

@@ -14,7 +14,7 @@ from jpaged import __version__
 from jpaged.config import EngineConfig
 from jpaged.pooling.engine import PoolingEngine
 from serving.metrics import PREFIX
-from serving.pooling import POOLING_ROUTES, PoolingBatcher, PoolingEndpoints
+from serving.pooling import POOLING_ROUTES, AsyncPoolingEngine, PoolingEndpoints
 from serving.protocol import APIError, field
 from serving.request_body import MAX_BODY_BYTES, json_body
 from serving.server_options import ServerOptions
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 class PoolingServer(PoolingEndpoints):
     def __init__(self, engine: PoolingEngine, options: ServerOptions):
-        self.engine, self.batcher = engine, PoolingBatcher(engine)
+        self.engine, self.batcher = engine, AsyncPoolingEngine(engine)
         self.model_name, self.api_key = options.served_model_name, options.api_key
         self.body_timeout = options.timeout_keep_alive
         self.created = int(time.time())
@@ -79,6 +79,8 @@ class PoolingServer(PoolingEndpoints):
         lines = []
         for name, kind, help, value in (
                 ("num_requests_running", "gauge", "Requests waiting for or in a pooling forward.", self.batcher.running),
+                ("num_requests_waiting", "gauge", "Inputs the scheduler has not admitted yet.",
+                 len(self.engine.scheduler.waiting)),
                 ("prompt_tokens_total", "counter", "Prompt tokens pooled.", self.engine.num_prompt_tokens),
                 ("pooling_inputs_total", "counter", "Inputs pooled.", self.engine.num_requests)):
             lines += [f"# HELP {PREFIX}{name} {help}", f"# TYPE {PREFIX}{name} {kind}", f"{PREFIX}{name}{{{labels}}} {value}"]

@@ -196,6 +196,61 @@ def test_bad_inputs_and_truncation(embedders):
         llm.classify("hello")
 
 
+def test_pooling_runs_through_the_scheduler_in_budgeted_steps(embedders):
+    """A small step budget: the inputs run FCFS over several scheduler steps (each whole, each
+    step within max_num_batched_tokens = max_model_len = 128 and 8 seats), with the same embeddings as one
+    engine that takes them all in one step."""
+    import jpaged
+
+    path, llm = embedders["bert"]
+    rng = np.random.default_rng()
+    texts = [TEXTS[i] for i in rng.integers(0, len(TEXTS), 24)]
+    small = jpaged.LLM(path, runner="pooling", max_model_len=128, max_num_batched_tokens=128, max_num_seqs=8)
+    engine = small.llm_engine
+    assert engine.scheduler.max_num_batched_tokens == 128
+    lengths = [len(engine.tokenize(t).token_ids) for t in texts]
+    before = engine.stats()["num_steps"]
+    ours = np.array([o.outputs.embedding for o in small.embed(texts)])
+    steps = engine.stats()["num_steps"] - before
+    assert steps >= max(-(-sum(lengths) // 128), -(-len(texts) // 8)) and steps > 1, (steps, lengths)
+    np.testing.assert_allclose(ours, [o.outputs.embedding for o in llm.embed(texts)], atol=1e-5)
+    assert not engine.has_unfinished_requests()
+
+
+def test_server_loop_packs_concurrent_requests_and_drops_cancelled_ones(embedders):
+    """serving/pooling.py's AsyncPoolingEngine: calls that arrive together run in one step;
+    a call whose client left is aborted in the scheduler, and the others still finish."""
+    import asyncio
+
+    from serving.pooling import AsyncPoolingEngine
+
+    _, llm = embedders["bert"]
+    engine = llm.llm_engine
+    inputs = [engine.tokenize(t) for t in TEXTS]
+    alone = engine.run(inputs, "MEAN")
+    server = AsyncPoolingEngine(engine)
+
+    async def main():
+        with server._cond:  # the engine's thread waits: every call below is queued before its next step
+            tasks = [asyncio.ensure_future(server.run([inp], "MEAN")) for inp in inputs]
+            await asyncio.sleep(0)  # each call is queued
+            tasks[2].cancel()
+            await asyncio.sleep(0)
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        steps = engine.num_steps
+        got = asyncio.run(main())
+        assert engine.num_steps - steps == 1
+        assert isinstance(got[2], asyncio.CancelledError)
+        for k, out in enumerate(got):
+            if k != 2:
+                np.testing.assert_allclose(out[0], alone[k], atol=1e-5)
+        assert not engine.has_unfinished_requests() and not server._owner
+    finally:
+        server.shutdown()
+
+
 def test_packing_never_pads_to_the_longest():
     from jpaged.pooling.packed import pack
 

@@ -509,3 +509,57 @@ def test_prefix_caching_under_preemption(preemption_mode):
     assert engine.scheduler.num_preemptions > 0 and engine.bm.prefix_cache_hits >= 5 * 12
     for i in range(6):
         assert engine.outputs(f"r{i}") == run_alone(f"r{i}", 13 + i, 10, 1 + i % 2, prefix)
+
+
+def test_pooling_requests_run_whole_fcfs_and_take_no_blocks():
+    """Prefill-only pooling requests beside a decoding one: each is admitted FCFS with its whole
+    input in one step, within the token budget and seats, never chunked; it takes no KV blocks
+    and finishes with that step, its pooled row handed back by update_from_output. One over
+    max_model_len is ignored; aborting a waiting one frees nothing."""
+    seed = random.randrange(2**32)
+    print("seed", seed)
+    rng = random.Random(seed)
+    bm = BlockManager(4, 16, 0)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32)
+    gen = SequenceGroup("gen", [Sequence(sched.new_seq_id(), list(range(6)))], SamplingParams(max_tokens=8), 0.0)
+    sched.add_seq_group(gen)
+    lengths = [rng.randint(1, 32) for _ in range(14)]
+    groups = []
+    for i, n in enumerate(lengths + [33, 5]):
+        g = SequenceGroup(f"p{i}", [Sequence(sched.new_seq_id(), [i] * n)], SamplingParams(max_tokens=1), 0.0)
+        g.pooling = "MEAN"  # (what the pooling engine reads; the scheduler only tests it against None)
+        groups.append(g)
+        sched.add_seq_group(g)
+    sched.abort_seq_group("p15")  # waiting: nothing to free
+    admitted = []
+    while sched.has_unfinished_seqs():
+        waiting = [g.request_id for g in sched.waiting if g.pooling is not None]
+        out = sched.schedule()
+        pooled = [s for s in out.scheduled_seq_groups if s.seq_group.pooling is not None]
+        assert all(s.token_chunk_size == len(s.seq_group.prompt_token_ids) and s.start == 0 for s in pooled)
+        assert out.num_batched_tokens <= 32 and len(out.scheduled_seq_groups) <= 4
+        ids = [s.seq_group.request_id for s in pooled]
+        assert ids == waiting[:len(ids)]  # FCFS: a prefix of the queue
+        if len(ids) < len(waiting) and waiting[len(ids)] != "p14":  # the next did not fit what was left
+            nxt = next(g for g in groups if g.request_id == waiting[len(ids)])
+            assert (len(nxt.prompt_token_ids) > 32 - out.num_batched_tokens
+                    or len(out.scheduled_seq_groups) == 4)
+        results = []
+        for k, s in enumerate(pooled):
+            sched.on_dispatched(s)
+            results.append((s, [[("pooled", s.seq_group.request_id)] * len(pooled)], k))
+        for s in out.scheduled_seq_groups:
+            if s.seq_group is gen:
+                sched.on_dispatched(s)
+                results.append((s, [SamplerOutput.of_tokens([7] * sum(s.samples))], 0))
+        sched.update_from_output(results)
+        admitted += ids
+        # Blocks belong to the decoding request alone.
+        held = sum(len(t) for t in bm.gpu_tables.values())
+        assert held == bm.num_gpu_blocks - bm.gpu_pool.get_num_free_blocks()
+        assert set(bm.gpu_tables) <= {gen.seqs[0].seq_id}
+    assert admitted == [f"p{i}" for i in range(14)]
+    assert all(g.pooled == ("pooled", g.request_id) and g.is_finished() for g in groups[:14])
+    assert groups[14].seqs[0].status is SequenceStatus.FINISHED_IGNORED
+    assert groups[15].seqs[0].status is SequenceStatus.FINISHED_ABORTED and groups[15].pooled is None
+    assert gen.is_finished() and bm.gpu_pool.get_num_free_blocks() == bm.num_gpu_blocks

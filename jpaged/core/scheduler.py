@@ -19,6 +19,10 @@ With speculative decoding (a Speculator, spec_decode/), a decoding sequence may 
 drafts: lookahead slots for them, a chunk of 1 + drafts tokens, from the token budget the
 decodes leave; update_from_output accepts them (`_accept`).
 
+Pooling requests (embeddings, classification: `SequenceGroup.pooling` set) are prefill only:
+admitted FCFS with their whole input in one step (encoders attend both ways, and the input is
+pooled at once); they take no KV blocks and finish with the step that computes them.
+
 After the step, `update_from_output` makes every change its sampled tokens bring: appends (a
 fresh prompt forks into its best_of sequences), beam search, accepted drafts, stop checks
 (StopChecker), and frees the blocks of what finished. `on_dispatched` records, as the step starts, that its tokens
@@ -151,7 +155,9 @@ class Scheduler:
             if group.is_finished():
                 continue
             try:
-                if len(outs) == 1:
+                if group.pooling is not None:
+                    self._pooled(group, outs[0][row])
+                elif len(outs) == 1:
                     self._process(scheduled, outs[0], row)
                 else:
                     if columns_of is not outs:
@@ -162,6 +168,12 @@ class Scheduler:
                 failed[group.request_id] = (group, e)
         self.free_finished_seq_groups()
         return failed
+
+    @staticmethod
+    def _pooled(group: SequenceGroup, pooled):
+        group.pooled = pooled
+        for seq in group.seqs:
+            seq.status = SequenceStatus.FINISHED_STOPPED
 
     def _process(self, scheduled: ScheduledSequenceGroup, out, row: int):
         """Prompt logprobs, then append each sampled sequence's new token (forking a fresh prompt
@@ -379,11 +391,17 @@ class Scheduler:
             if (seq_group.get_unfinished_seqs()[0].get_len() > self.max_model_len
                     or seq_group.get_max_num_running_seqs() > self.max_num_seqs):
                 status = AllocStatus.NEVER
+            elif seq_group.pooling is not None:  # no KV pages
+                status = AllocStatus.OK
             else:
                 status = self.block_manager.can_allocate(seq_group)
             if status is AllocStatus.NEVER:
                 self.waiting.popleft()
                 self._ignore(seq_group, out)
+                continue
+            if seq_group.pooling is not None:
+                if not self._admit_pooling(seq_group, out, budget):
+                    break
                 continue
             num_seqs = seq_group.get_max_num_running_seqs()
             if (status is AllocStatus.LATER or num_seqs > budget.num_seqs or not self._lora_fits(seq_group)
@@ -399,6 +417,23 @@ class Scheduler:
             self.running.append(seq_group)
             budget.num_seqs -= num_seqs
             self._add(out, budget, seq_group, self._chunk_size(seq_group, budget))
+
+    def _admit_pooling(self, seq_group: SequenceGroup, out: SchedulerOutputs, budget: _Budget) -> bool:
+        """A pooling request joins the step with its whole input, or waits (FCFS). (Its engine
+        keeps max_num_batched_tokens >= max_model_len, as vLLM does without chunked prefill, so
+        every input fits an empty step.)"""
+        num_tokens = seq_group.get_num_uncomputed_tokens()
+        if budget.num_seqs < 1 or num_tokens > budget.num_tokens:
+            return False
+        self.waiting.popleft()
+        for seq in seq_group.seqs:
+            seq.status = SequenceStatus.RUNNING
+        if seq_group.num_cached_tokens is None:
+            seq_group.num_cached_tokens = 0
+        self.running.append(seq_group)
+        budget.num_seqs -= 1
+        self._add(out, budget, seq_group, num_tokens)
+        return True
 
     def _lora_fits(self, seq_group: SequenceGroup) -> bool:
         """Whether the group's adapter can join the running ones: at most max_loras distinct
@@ -431,7 +466,7 @@ class Scheduler:
         if running is None:
             running = seq_group.get_seqs(SequenceStatus.RUNNING)
         bm = self.block_manager
-        if bm.enable_caching or bm.sliding_window is not None:  # (both no-ops otherwise)
+        if (bm.enable_caching or bm.sliding_window is not None) and seq_group.pooling is None:  # (no-ops otherwise)
             for seq in running:
                 # The blocks this step fills are cached from now on. A group admitted later in this
                 # step may read them at once: every layer writes the step's new K/V before attending.
@@ -494,6 +529,6 @@ class Scheduler:
 
     def _finish(self, seq_group: SequenceGroup, status: SequenceStatus):
         for seq in seq_group.get_unfinished_seqs():
-            if seq.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
+            if seq.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED) and seq_group.pooling is None:
                 self.block_manager.free(seq)
             seq.status = status

@@ -155,6 +155,10 @@ class SequenceGroup:
             [None] if sampling_params.prompt_logprobs is not None else None
         self.num_sent_prompt_logprobs = 0  # RequestOutputKind.DELTA: entries already sent
         self.num_cached_tokens: int | None = None  # prefix-cache hits at the first admission
+        # A pooling request (jpaged/pooling/): prefill only, no KV pages kept; its pooled output
+        # lands in `pooled` (Scheduler.update_from_output) and it finishes with that step.
+        self.pooling = None
+        self.pooled = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -1,10 +1,13 @@
-"""PoolingEngine: the pooling runner's engine. Inputs are tokenized and checked up front, packed
-ragged into batches (jpaged/pooling/packed.py), each batch one prefill-only forward (no decode, no
-KV pages kept), pooled on the device (CLS, MEAN, LAST; ALL returns every token) and, for
-classifiers, through the model's head. One compiled executable per (rows, row length) shape."""
+"""PoolingEngine: the pooling runner's engine. Inputs are tokenized and checked up front and go
+through the generation engine's scheduler (core/scheduler.py) as prefill-only requests: each step
+takes the waiting inputs FCFS, whole, within max_num_batched_tokens, packs them ragged
+(jpaged/pooling/packed.py) into one prefill-only forward per kind (no decode, no KV pages kept),
+pooled on the device (CLS, MEAN, LAST; ALL returns every token) and, for classifiers, through the
+model's head. One compiled executable per (rows, row length) shape."""
 
 import dataclasses
 import functools
+import itertools
 import logging
 
 import jax
@@ -14,6 +17,9 @@ from flax import nnx
 from transformers import AutoTokenizer
 
 from jpaged.config import EngineConfig
+from jpaged.core.block_manager import BlockManager
+from jpaged.core.scheduler import Scheduler
+from jpaged.core.sequence import Sequence, SequenceGroup
 from jpaged.models import loader
 from jpaged.models.bert import ENCODER_REGISTRY
 from jpaged.models.forward_context import forward_context
@@ -21,6 +27,7 @@ from jpaged.parallel import sharding
 from jpaged.pooling.decoder import DECODER_REGISTRY, classifier_tokens, decoder_weight_names
 from jpaged.pooling.packed import NoPages, PackedAttentionOps, build_batch, pack, packed_context
 from jpaged.pooling.pooler_config import POOLING_TYPES, PoolerConfig, read_pooler_config
+from jpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +45,18 @@ def is_pooling_checkpoint(hf_config) -> bool:
 class PoolingInput:
     token_ids: list[int]
     token_types: list[int] | None = None  # BERT's sentence A / B, for cross-encoder pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolingTask:
+    """What a pooling request's step computes: SequenceGroup.pooling."""
+
+    input: PoolingInput
+    pooling: str  # one of POOLING_TYPES
+    head: bool  # the classifier's logits of the pooled state
+
+
+_NO_SAMPLING = SamplingParams(max_tokens=1)
 
 
 class PoolingEngine:
@@ -90,16 +109,27 @@ class PoolingEngine:
         graphdef, self.state = nnx.split(self.model)
         self._forward = jax.jit(functools.partial(_forward, graphdef, NoPages.of(hf_config.num_hidden_layers)),
                                 static_argnames=("num_rows", "row_len", "num_seqs", "pooling", "head"))
-        self.num_compiled_shapes = 0
+        # No KV pages: the block manager only satisfies the scheduler (pooling requests take no
+        # blocks). A step's budget holds any one input whole (vLLM's rule without chunked prefill);
+        # max_batch_tokens bounds each forward of it (a step may pack into several).
+        step_tokens = max(self.max_batch_tokens, self.max_model_len)
+        self.scheduler = Scheduler(BlockManager(block_size=16, num_gpu_blocks=1, num_cpu_blocks=0),
+                                   max_num_seqs=min(config.max_num_seqs, step_tokens),
+                                   max_num_batched_tokens=step_tokens, max_model_len=self.max_model_len)
+        self._request_ids = itertools.count()
+        self.num_steps = 0  # steps that ran a forward
         self.num_requests = 0
         self.num_prompt_tokens = 0
         logger.info("pooling model %s (%s): %s pooling, normalize=%s, max_model_len=%d", config.model, arch,
                     self.pooler_config.pooling_type, self.pooler_config.normalize, self.max_model_len)
 
     def stats(self) -> dict:
-        """LLM.stats() of a pooling LLM (no KV pool, no scheduler): inputs and tokens pooled so far."""
+        """LLM.stats() of a pooling LLM (no KV pool): inputs and tokens pooled so far, the steps
+        that ran them, and the scheduler's queues."""
         return {"num_requests": self.num_requests, "num_prompt_tokens": self.num_prompt_tokens,
-                "max_model_len": self.max_model_len, "max_num_batched_tokens": self.max_batch_tokens}
+                "num_steps": self.num_steps, "num_waiting": len(self.scheduler.waiting),
+                "max_model_len": self.max_model_len, "max_num_batched_tokens": self.max_batch_tokens,
+                "max_num_seqs": self.scheduler.max_num_seqs}
 
     @property
     def classify_pooling(self) -> str:
@@ -141,11 +171,87 @@ class PoolingEngine:
                              f"{self.max_model_len} (truncate_prompt_tokens truncates it)")
         return inp
 
-    def run(self, inputs: list[PoolingInput], pooling: str, head: bool = False) -> list[np.ndarray]:
-        """Each input's pooled hidden state (float32 [hidden]; ALL: [tokens, hidden]); with `head`,
-        the classifier's logits of the pooled state instead ([num_labels]; ALL: per token)."""
+    # ------------------------------------------------------------------ requests and steps
+    def add_request(self, request_id: str, inp: PoolingInput, pooling: str, head: bool = False):
+        """Queue a checked input (`check`) for the scheduler."""
         if pooling not in POOLING_TYPES:
             raise ValueError(f"pooling type {pooling!r}; expected one of {POOLING_TYPES}")
+        group = SequenceGroup(request_id, [Sequence(self.scheduler.new_seq_id(), list(inp.token_ids))], _NO_SAMPLING,
+                              arrival_time=0.0)
+        group.pooling = PoolingTask(inp, pooling, head)
+        self.scheduler.add_seq_group(group)
+
+    def abort_request(self, request_id: str):
+        self.scheduler.abort_seq_group(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_seqs()
+
+    def step(self) -> list[tuple[str, np.ndarray | Exception]]:
+        """One scheduler step: (request id, its pooled output, or the error that ended it) for each
+        request it finished. A forward that fails ends its own requests only."""
+        plan = self.scheduler.schedule()
+        done: list[tuple[str, np.ndarray | Exception]] = [
+            (g.request_id, ValueError(f"an input of {g.seqs[0].get_len()} tokens is over max_model_len="
+                                      f"{self.max_model_len}")) for g in plan.ignored_seq_groups]
+        kinds: dict[tuple[str, bool], list] = {}
+        for scheduled in plan.scheduled_seq_groups:
+            self.scheduler.on_dispatched(scheduled)
+            task = scheduled.seq_group.pooling
+            kinds.setdefault((task.pooling, task.head), []).append(scheduled)
+        results = []
+        for (pooling, head), items in kinds.items():
+            try:
+                pooled = self._run_packed([s.seq_group.pooling.input for s in items], pooling, head)
+            except Exception as e:  # noqa: BLE001 (handed to its requests; the engine keeps serving)
+                logger.exception("a pooling forward failed")
+                for s in items:
+                    self.scheduler.abort_seq_group(s.seq_group.request_id)
+                    done.append((s.seq_group.request_id, e))
+                continue
+            results += [(s, [pooled], k) for k, s in enumerate(items)]
+        failed = self.scheduler.update_from_output(results)
+        for scheduled, _, _ in results:
+            group = scheduled.seq_group
+            if group.request_id in failed:
+                self.scheduler.abort_seq_group(group.request_id)
+                done.append((group.request_id, failed[group.request_id][1]))
+            else:
+                done.append((group.request_id, group.pooled))
+                self.num_requests += 1
+                self.num_prompt_tokens += len(group.prompt_token_ids)
+        self.num_steps += bool(results)
+        return done
+
+    def run(self, inputs: list[PoolingInput], pooling: str, head: bool = False) -> list[np.ndarray]:
+        """Each input's pooled hidden state (float32 [hidden]; ALL: [tokens, hidden]); with `head`,
+        the classifier's logits of the pooled state instead ([num_labels]; ALL: per token). Stepped
+        to the end here (offline); the inputs join the queue in packing order (longest first, short
+        ones beside them), so FCFS steps pack as tightly as one plan over all of them."""
+        if pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling type {pooling!r}; expected one of {POOLING_TYPES}")
+        if self.has_unfinished_requests():
+            raise RuntimeError("PoolingEngine.run: the engine has requests of another caller in flight")
+        order = [i for _, _, rows in pack([len(x.token_ids) for x in inputs], self.max_model_len,
+                                          self.max_batch_tokens) for row in rows for i in row]
+        index = {}
+        for i in order:
+            request_id = f"pool-{next(self._request_ids)}"
+            index[request_id] = i
+            self.add_request(request_id, inputs[i], pooling, head)
+        results: list[np.ndarray | None] = [None] * len(inputs)
+        while self.has_unfinished_requests():
+            for request_id, result in self.step():
+                if isinstance(result, Exception):
+                    for other in index:
+                        self.abort_request(other)
+                    raise result
+                results[index[request_id]] = result
+        return results
+
+    def _run_packed(self, inputs: list[PoolingInput], pooling: str, head: bool) -> list[np.ndarray]:
+        """One step's inputs of one kind, packed ragged: usually one forward (more when packing
+        leaves more rows than the token budget's)."""
         results: list[np.ndarray | None] = [None] * len(inputs)
         token_ids = [i.token_ids for i in inputs]
         types = [i.token_types for i in inputs]
@@ -161,8 +267,6 @@ class PoolingEngine:
             for k, i in enumerate(batch.items):
                 results[i] = (out[batch.starts[k]:batch.starts[k] + batch.lengths[k]] if pooling == "ALL"
                               else out[k])
-        self.num_requests += len(inputs)
-        self.num_prompt_tokens += sum(map(len, token_ids))
         return results
 
 
