@@ -36,10 +36,7 @@ def child(args):
     """Runs in the measured process: build the engine, generate one token, wait for the warm-up,
     report (times: time.time(), for the parent to subtract its spawn time)."""
     import jpaged
-    from jpaged.runner import warmup
 
-    if args.serving_share is not None:
-        warmup.SERVING_SHARE = args.serving_share
     t_import = time.time()
     llm = jpaged.LLM(model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                      background_warmup=not args.no_background)
@@ -56,8 +53,7 @@ def child(args):
         load["warm_tokens_per_s"], _ = streams(llm, args, seed=2)
     print(CHILD_MARK + json.dumps({"import_at": t_import, "engine_at": t_engine, "first_token_at": t_token,
                                    "warm_at": t_warm, **load,
-                                   "num_compilations": llm.stats()["num_compilations"],
-                                   "warmup_yielded_s": llm.stats()["warmup_yielded_s"]}), flush=True)
+                                   "num_compilations": llm.stats()["num_compilations"]}), flush=True)
 
 
 def streams(llm, args, seed: int) -> tuple[float, bool]:
@@ -79,8 +75,7 @@ def measure(model: str, cache_dir: str, args, load: int = 0) -> dict:
     env = dict(os.environ, JPAGED_CACHE_DIR=cache_dir, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model,
            "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-           "--load", str(load), "--load-tokens", str(args.load_tokens)] + (["--no-background"] if args.no_background else []) \
-        + (["--serving-share", str(args.serving_share)] if args.serving_share is not None else [])
+           "--load", str(load), "--load-tokens", str(args.load_tokens)] + (["--no-background"] if args.no_background else [])
     start = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(CHILD_MARK)]
@@ -117,8 +112,6 @@ def main():
     parser.add_argument("--no-background", action="store_true", help="compile everything before LLM() returns")
     parser.add_argument("--load", type=int, default=0, help="streams of the while-warming throughput run (cold)")
     parser.add_argument("--load-tokens", type=int, default=64, help="tokens per stream of the throughput runs")
-    parser.add_argument("--serving-share", type=float, default=None,
-                        help="jpaged.runner.warmup.SERVING_SHARE for the run (0: compiles never wait for steps)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -141,8 +134,7 @@ def main():
               f"{r['cold']['warm_s']:12.1f} {r['cold']['num_compilations']:12d}")
         if args.load:
             print(f"{'':10} {args.load} streams: {r['cold']['warming_tokens_per_s']:.0f} tokens/s while warming "
-                  f"(warm-up over by their end: {r['cold']['warming_done_during_load']}; compiles waited "
-                  f"{r['cold']['warmup_yielded_s']:.1f} s for steps), "
+                  f"(warm-up over by their end: {r['cold']['warming_done_during_load']}), "
                   f"{r['cold']['warm_tokens_per_s']:.0f} warm")
     if args.output:
         with open(args.output, "w") as f:

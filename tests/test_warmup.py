@@ -83,48 +83,6 @@ def test_generate_while_compiling_matches_warm_engine_and_compiles_nothing_itsel
     assert [o.outputs[0].token_ids for o in warming] == [o.outputs[0].token_ids for o in expected]
 
 
-def test_background_compiles_wait_for_running_steps_up_to_their_share():
-    """warmup.py's SERVING_SHARE: once steps can run, a background compile first waits while the
-    engine steps, for up to the share times the last compile's time; not at all when the engine
-    is idle, before the first bucket is ready, or once stopped."""
-
-    class Runner:
-        mesh = None  # (the platform: jax's default backend, the CPU here)
-        last_step_at = 0.0
-        _executables = {}
-
-    runner = Runner()
-    w = warmup.WarmUp(runner, [], [])
-    assert w.serving_share == warmup.SERVING_SHARE > 0
-    w._last_compile_s = 60.0
-    w._yield_to_serving()  # no bucket ready yet: nothing serves, no wait
-    assert w.yielded_s == 0
-    w._ready = [1]
-    runner.last_step_at = time.monotonic() - 1
-    w._yield_to_serving()  # idle engine: no wait
-    assert w.yielded_s < 60
-    stepping = threading.Event()
-
-    def steps():
-        while not stepping.is_set():
-            runner.last_step_at = time.monotonic()
-            time.sleep(0.005)
-
-    thread = threading.Thread(target=steps)
-    thread.start()
-    try:
-        before, w._last_compile_s = w.yielded_s, 0.3
-        w._yield_to_serving()  # steps run: the compile waits its share
-        assert w.yielded_s - before >= 0.3 * w.serving_share
-        w.stop.set()
-        before, w._last_compile_s = w.yielded_s, 60.0
-        w._yield_to_serving()  # stopping (SIGTERM): no wait
-        assert w.yielded_s - before < 60
-    finally:
-        stepping.set()
-        thread.join()
-
-
 def _nice(tid):
     try:
         return os.getpriority(os.PRIO_PROCESS, tid)

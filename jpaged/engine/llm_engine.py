@@ -439,8 +439,6 @@ class LLMEngine:
             "num_compilations": self.runner.num_compilations,
             "warmup_executables_remaining": 0 if self.runner.warmup is None else self.runner.warmup.remaining,
             "warmup_executables_total": 0 if self.runner.warmup is None else self.runner.warmup.total,
-            # seconds the background compiles waited while steps ran (warmup.py's SERVING_SHARE)
-            "warmup_yielded_s": 0.0 if self.runner.warmup is None else round(self.runner.warmup.yielded_s, 3),
             "kv_cache_dtype": self.kv_cache_dtype,
             "model_memory_bytes": self.model_memory_bytes,
             "kv_cache_bytes": 0 if self.runner.kv_cache is None else self.runner.kv_cache_spec.bytes_per_block

@@ -39,7 +39,6 @@ import functools
 import logging
 import math
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -150,7 +149,6 @@ class ModelRunner:
             self._executables[("broadcast", distributed.BROADCAST_CHUNK)] = distributed.broadcast_executable()[0]
         self._warm = False
         self.warmup: WarmUp | None = None  # a background warm-up (start_warm_up)
-        self.last_step_at = 0.0  # time.monotonic() of the last step dispatched: the warm-up yields while steps run
         self._kv_scales_computed = False
         self._copy = jax.jit(functools.partial(kv_transfer.copy_blocks, num_layers), in_shardings=(pool, rep, rep),
                              out_shardings=pool, donate_argnums=(0,))
@@ -318,7 +316,6 @@ class ModelRunner:
         whose inputs cannot be built are left out; if the batch fails to dispatch, each group
         runs alone to find the one(s) at fault (computing a group's tokens twice rewrites the
         same K/V into the same slots). `lora_slots`: the step's adapters' device slots."""
-        self.last_step_at = time.monotonic()
         batch, failed = self.step_builder.build(plan, lora_slots)
         step = DispatchedStep(plan, [], [], failed)
         if not batch.groups:

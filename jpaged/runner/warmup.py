@@ -73,13 +73,6 @@ def _lower_priority():
 
 
 BACKGROUND_NICE = 10
-# On a CPU the compiles and the steps share the cores. Once steps can run, each background compile
-# of c seconds is followed, while the engine is stepping, by up to SERVING_SHARE * c seconds with
-# no compile: under load serving has the cores at least half the time (measured: a step beside a
-# compile ran ~3x slower on 2 cores). An engine with no step for IDLE_S seconds does not wait, so
-# an idle warm-up takes as long as before. On a GPU the steps run on the device: no wait.
-SERVING_SHARE = 1.0
-IDLE_S = 0.1
 
 
 def _renice_native_threads(nice: int | None = BACKGROUND_NICE, saved: dict | None = None) -> dict:
@@ -133,11 +126,6 @@ class WarmUp:
         self._background = False
         self._reniced = None  # XLA's threads given BACKGROUND_NICE once steps can run: {id: former nice}
         self._renice_lock = threading.Lock()
-        mesh = getattr(runner, "mesh", None)
-        on_cpu = (mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()) == "cpu"
-        self.serving_share = SERVING_SHARE if on_cpu else 0.0
-        self._last_compile_s = 0.0
-        self.yielded_s = 0.0  # time the compiles waited for serving (stats)
         failing = os.environ.get(FAIL_ENV, "")
         self._failing = [s for s in failing.split(";") if s]
 
@@ -290,30 +278,12 @@ class WarmUp:
             return
         if self._background:
             _lower_priority()
-            self._yield_to_serving()
-        start = time.monotonic()
         try:
             executable = self.runner.executable_cache.compile_lowered(repr(key), args, lowered)
         except Exception as e:
             self._fail(key, e)
             return
-        finally:
-            self._last_compile_s = time.monotonic() - start
         self._add(key, executable, bar)
-
-    def _yield_to_serving(self):
-        """Before the next background compile: while steps run (one dispatched within IDLE_S), wait
-        up to serving_share times the last compile's time (SERVING_SHARE)."""
-        if not (self.serving_share and self._ready):
-            return
-        start = time.monotonic()
-        deadline = start + self.serving_share * self._last_compile_s
-        while not self.stop.is_set():
-            now = time.monotonic()
-            if now >= deadline or now - self.runner.last_step_at > IDLE_S:
-                break
-            time.sleep(0.01)
-        self.yielded_s += time.monotonic() - start
 
     def _add(self, key, executable, bar):
         self.runner._executables[key] = executable
