@@ -47,6 +47,7 @@ def test_generate_while_compiling_matches_warm_engine_and_compiles_nothing_itsel
         if event == COMPILE_EVENT:
             compiles.append(threading.current_thread().name)
 
+    switch_interval = sys.getswitchinterval()
     llm = jpaged.LLM("tiny", **LIMITS)
     runner = llm.llm_engine.runner
     assert not llm.llm_engine.warmup_progress()["ready"]  # returned before the warm-up ended
@@ -71,7 +72,13 @@ def test_generate_while_compiling_matches_warm_engine_and_compiles_nothing_itsel
             os.getpriority(os.PRIO_PROCESS, 0) < warmup.BACKGROUND_NICE:  # (not when the tests run niced)
         assert reniced, "no XLA thread reniced while serving"
         assert all(_nice(tid) in (None, warmup.BACKGROUND_NICE) for tid in reniced), reniced
+    # While warming, Python switched threads more often (warmup.SWITCH_INTERVAL_S); set back after.
+    current = sys.getswitchinterval()
+    if not runner.warmup.done.is_set():
+        assert current <= warmup.SWITCH_INTERVAL_S
     assert llm.wait_for_warmup(timeout=600)
+    runner.warmup._thread.join(60)
+    assert sys.getswitchinterval() == switch_interval
     if os.geteuid() == 0:  # given back (a lower nice value takes privileges)
         assert all(_nice(tid) in (None, former) for tid, former in reniced.items())
     assert llm.llm_engine.warmup_progress() == {"ready": True, "compiled": runner.num_compilations,

@@ -17,6 +17,7 @@ GPU several compiles would autotune side by side, and tracing in several threads
 import concurrent.futures
 import logging
 import os
+import sys
 import threading
 import time
 
@@ -73,6 +74,27 @@ def _lower_priority():
 
 
 BACKGROUND_NICE = 10
+# While the background warm-up runs, Python switches threads every SWITCH_INTERVAL_S instead of
+# every 5 ms: the warm-up's threads (lowering, the compiles' Python parts) hold the GIL while the
+# serving thread waits for it after each device call. Measured on 2 cores (tiny, 16 streams while
+# warming): 26-32% -> 47-51% of the warm throughput (docs/PERF.md). Set back when it ends.
+SWITCH_INTERVAL_S = 0.0005
+_switch = {"warming": 0, "former": None}  # background warm-ups running in this process, and the interval before
+_switch_lock = threading.Lock()
+
+
+def _fast_switching(on: bool):
+    """The first background warm-up in sets SWITCH_INTERVAL_S; the last out sets the former back."""
+    with _switch_lock:
+        if on:
+            if not _switch["warming"]:
+                _switch["former"] = sys.getswitchinterval()
+                sys.setswitchinterval(min(_switch["former"], SWITCH_INTERVAL_S))
+            _switch["warming"] += 1
+        else:
+            _switch["warming"] -= 1
+            if not _switch["warming"]:
+                sys.setswitchinterval(_switch["former"])
 
 
 def _renice_native_threads(nice: int | None = BACKGROUND_NICE, saved: dict | None = None) -> dict:
@@ -202,6 +224,7 @@ class WarmUp:
     def _run_logged(self):
         _lower_priority()
         start = time.perf_counter()
+        _fast_switching(True)
         try:
             self.run()
             logger.info("warm-up done: %d of %d step executables in %.1f s (%d loaded from the executable cache)%s",
@@ -214,6 +237,7 @@ class WarmUp:
                 _renice_native_threads(saved=self._reniced or {})
                 self._reniced = {}
             self.done.set()
+            _fast_switching(False)  # (after `done`: while it is unset, the interval is the warm-up's)
             self._update()
 
     def _check_stop(self):
