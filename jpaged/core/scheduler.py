@@ -316,7 +316,8 @@ class Scheduler:
         Returns the groups still prefilling (they need no new blocks), in order."""
         queue, self.running = self.running, collections.deque()
         prefilling, swapped_out = [], []
-        spare = self._spare_draft_tokens(queue, budget)
+        spare = 0 if self.speculator is None else \
+            self.speculator.spare_tokens(queue, budget.num_tokens, self.max_num_batched_tokens, self.max_num_seqs)
         bm, pool = self.block_manager, self.block_manager.gpu_pool
         while queue:
             seq_group = queue.popleft()
@@ -347,22 +348,6 @@ class Scheduler:
         # Victims were taken latest first; keep the swapped queue in arrival order.
         self.swapped.extend(reversed(swapped_out))
         return prefilling
-
-    def _spare_draft_tokens(self, queue, budget: _Budget) -> int:
-        """Tokens this step's drafts may take: what the decodes leave of the budget, and at most
-        max_num_batched_tokens - max_num_seqs, so that sampled rows (a seat or a draft each) never
-        outnumber the largest token bucket. 0 without speculation, or with more sequences
-        running than disable_by_batch_size."""
-        if self.speculator is None:
-            return 0
-        running = decoding = 0
-        for group in queue:
-            num_seqs = group.num_unfinished_seqs()
-            running += num_seqs
-            decoding += 0 if group.is_prefill() else num_seqs
-        if not self.speculator.enabled(running):
-            return 0
-        return max(0, min(budget.num_tokens - decoding, self.max_num_batched_tokens - self.max_num_seqs))
 
     def _schedule_swapped(self, out: SchedulerOutputs, budget: _Budget):
         while self.swapped:
@@ -474,31 +459,11 @@ class Scheduler:
                 bm.cache_full_blocks(seq, seq.num_computed_tokens + chunk - len(drafts or ()), seq_group.lora_request)
                 bm.free_out_of_window(seq)
         num_tokens = chunk * len(running)
-        scheduled = self._scheduled(seq_group, running, chunk, drafts)
+        scheduled = ScheduledSequenceGroup.of(seq_group, running, chunk, drafts)
         out.scheduled_seq_groups.append(scheduled)
         out.num_batched_tokens += num_tokens
         budget.num_tokens -= num_tokens
         budget.num_seqs -= scheduled.prompt_rows
-
-    @staticmethod
-    def _scheduled(seq_group: SequenceGroup, running: list[Sequence], chunk: int,
-                   drafts: list[int] | None = None) -> ScheduledSequenceGroup:
-        """Which rows the group's step samples: a sequence whose chunk reaches its end samples
-        what follows (beam search: one row per beam, its candidates from the row's top logprobs;
-        drafts: a row after its last token and after each draft)."""
-        first = running[0]
-        start = first.num_computed_tokens
-        if drafts:
-            return ScheduledSequenceGroup(seq_group, chunk, start, 0, running, [chunk], spec_token_ids=drafts)
-        end = start + chunk
-        prompt_rows = seq_group.prompt_logprob_rows(start, end) if seq_group.prompt_logprobs is not None else 0
-        # A prefill chunk short of the end: nothing sampled (lockstep). (first.get_len(), inlined)
-        if end != len(first.prompt_token_ids) + len(first.output_token_ids) + first.num_pending_tokens:
-            return ScheduledSequenceGroup(seq_group, chunk, start, prompt_rows, running, [0] * len(running))
-        sp = seq_group.sampling_params
-        fresh = len(seq_group.seqs) == 1 and not first.output_token_ids
-        n = sp.best_of if fresh and not sp.use_beam_search else 1
-        return ScheduledSequenceGroup(seq_group, chunk, start, prompt_rows, running, [n] * len(running))
 
     def _append_slots(self, seq_group: SequenceGroup, out: SchedulerOutputs, num_lookahead_slots: int = 0):
         for seq in seq_group.get_seqs(SequenceStatus.RUNNING):

@@ -24,6 +24,27 @@ class ScheduledSequenceGroup:
     # (token_chunk_size = 1 + drafts), each position sampling a row (samples = 1 + drafts).
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
 
+    @classmethod
+    def of(cls, seq_group: SequenceGroup, running: list[Sequence], chunk: int,
+           drafts: list[int] | None = None) -> "ScheduledSequenceGroup":
+        """The running sequences' share computing `chunk` tokens each: which rows it samples. A
+        sequence whose chunk reaches its end samples what follows (beam search: one row per beam,
+        its candidates from the row's top logprobs; drafts: a row after its last token and after
+        each draft)."""
+        first = running[0]
+        start = first.num_computed_tokens
+        if drafts:
+            return cls(seq_group, chunk, start, 0, running, [chunk], spec_token_ids=drafts)
+        end = start + chunk
+        prompt_rows = seq_group.prompt_logprob_rows(start, end) if seq_group.prompt_logprobs is not None else 0
+        # A prefill chunk short of the end: nothing sampled (lockstep). (first.get_len(), inlined)
+        if end != len(first.prompt_token_ids) + len(first.output_token_ids) + first.num_pending_tokens:
+            return cls(seq_group, chunk, start, prompt_rows, running, [0] * len(running))
+        sp = seq_group.sampling_params
+        fresh = len(seq_group.seqs) == 1 and not first.output_token_ids
+        n = sp.best_of if fresh and not sp.use_beam_search else 1
+        return cls(seq_group, chunk, start, prompt_rows, running, [n] * len(running))
+
     @property
     def sampled(self) -> list[tuple[Sequence, int]]:
         """(sequence, rows) of the sequences that sample."""

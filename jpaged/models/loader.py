@@ -252,28 +252,28 @@ class HostStacks:
     def __init__(self, mesh: jax.sharding.Mesh, limit: int | None = None):
         self.mesh = mesh
         self.limit = HOST_STACKS_BYTES if limit is None else limit
-        self.buffers: dict[int, tuple[nnx.Param, np.ndarray]] = {}
+        self.buffers: list[tuple[nnx.Param, np.ndarray]] = []  # (a few dozen stacks: found by identity)
         self.nbytes = 0
 
     def set_slice(self, param: nnx.Param, index: tuple[int, ...], value) -> bool:
         """Write the slice here (True), or leave it to the devices (False: the stack is on them
         already, the value is a device array, or the host budget is spent)."""
-        entry = self.buffers.get(id(param))
-        if entry is None:
+        at = next((i for i, (p, _) in enumerate(self.buffers) if p is param), None)
+        if at is None:
             stacked = param.get_value()
             nbytes = math.prod(stacked.shape) * np.dtype(stacked.dtype).itemsize
             if isinstance(stacked, jax.Array) or isinstance(value, jax.Array) or self.nbytes + nbytes > self.limit:
                 return False
-            entry = self.buffers[id(param)] = (param, np.zeros(stacked.shape, stacked.dtype))
+            self.buffers.append((param, np.zeros(stacked.shape, stacked.dtype)))
             self.nbytes += nbytes
         elif isinstance(value, jax.Array):  # (a device array for a stack begun here: the stack moves there)
-            self._put(*self.buffers.pop(id(param)))
+            self._put(*self.buffers.pop(at))
             return False
-        entry[1][index] = np.asarray(value)
+        self.buffers[-1 if at is None else at][1][index] = np.asarray(value)
         return True
 
     def finish(self):
-        for param, buffer in self.buffers.values():
+        for param, buffer in self.buffers:
             self._put(param, buffer)
         self.buffers.clear()
 

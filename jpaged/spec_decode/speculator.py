@@ -29,6 +29,20 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         return limit is None or num_running_seqs <= limit
 
+    def spare_tokens(self, running_groups, budget_tokens: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+        """Tokens this step's drafts may take: what the decodes of `running_groups` leave of the
+        step's token budget, and at most max_num_batched_tokens - max_num_seqs, so that sampled
+        rows (a seat or a draft each) never outnumber the largest token bucket. 0 with more
+        sequences running than disable_by_batch_size."""
+        running = decoding = 0
+        for group in running_groups:
+            num_seqs = group.num_unfinished_seqs()
+            running += num_seqs
+            decoding += 0 if group.is_prefill() else num_seqs
+        if not self.enabled(running):
+            return 0
+        return max(0, min(budget_tokens - decoding, max_num_batched_tokens - max_num_seqs))
+
     def may_draft(self, groups) -> bool:
         """Whether the next step may give any of the running `groups` drafts (async scheduling
         then waits for the last step's tokens: step_needs.can_overlap)."""
