@@ -51,8 +51,11 @@ class _Call:
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     request_ids: list[str] = dataclasses.field(default_factory=list)
-    results: list = dataclasses.field(default_factory=list)
-    left: int = 0
+    results: list = dataclasses.field(init=False)
+    left: int = dataclasses.field(init=False)  # inputs without a result yet
+
+    def __post_init__(self):
+        self.results, self.left = [None] * len(self.inputs), len(self.inputs)
 
 
 class AsyncPoolingEngine:
@@ -75,8 +78,7 @@ class AsyncPoolingEngine:
 
     async def run(self, inputs: list[PoolingInput], pooling: str, head: bool = False) -> list[np.ndarray]:
         loop = asyncio.get_running_loop()
-        call = _Call(inputs, pooling, head, loop.create_future(), loop, results=[None] * len(inputs),
-                     left=len(inputs))
+        call = _Call(inputs, pooling, head, loop.create_future(), loop)
         with self._cond:
             if self._stop:
                 raise APIError("the server is shutting down", status=503, code="shutting_down")

@@ -376,17 +376,15 @@ class Scheduler:
             if (seq_group.get_unfinished_seqs()[0].get_len() > self.max_model_len
                     or seq_group.get_max_num_running_seqs() > self.max_num_seqs):
                 status = AllocStatus.NEVER
-            elif seq_group.pooling is not None:  # no KV pages
-                status = AllocStatus.OK
+            elif seq_group.pooling is not None:  # no KV pages: its whole input now, or it waits
+                if not self._admit_pooling(seq_group, out, budget):
+                    break
+                continue
             else:
                 status = self.block_manager.can_allocate(seq_group)
             if status is AllocStatus.NEVER:
                 self.waiting.popleft()
                 self._ignore(seq_group, out)
-                continue
-            if seq_group.pooling is not None:
-                if not self._admit_pooling(seq_group, out, budget):
-                    break
                 continue
             num_seqs = seq_group.get_max_num_running_seqs()
             if (status is AllocStatus.LATER or num_seqs > budget.num_seqs or not self._lora_fits(seq_group)

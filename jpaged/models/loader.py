@@ -259,6 +259,9 @@ class HostStacks:
         """Write the slice here (True), or leave it to the devices (False: the stack is on them
         already, the value is a device array, or the host budget is spent)."""
         at = next((i for i, (p, _) in enumerate(self.buffers) if p is param), None)
+        if at is not None and isinstance(value, jax.Array):  # (a device array for a stack begun here: it moves there)
+            self._put(*self.buffers.pop(at))
+            return False
         if at is None:
             stacked = param.get_value()
             nbytes = math.prod(stacked.shape) * np.dtype(stacked.dtype).itemsize
@@ -266,10 +269,8 @@ class HostStacks:
                 return False
             self.buffers.append((param, np.zeros(stacked.shape, stacked.dtype)))
             self.nbytes += nbytes
-        elif isinstance(value, jax.Array):  # (a device array for a stack begun here: the stack moves there)
-            self._put(*self.buffers.pop(at))
-            return False
-        self.buffers[-1 if at is None else at][1][index] = np.asarray(value)
+        buffer = self.buffers[at if at is not None else -1][1]
+        buffer[index] = np.asarray(value)
         return True
 
     def finish(self):

@@ -227,9 +227,8 @@ class PoolingEngine:
         """Each input's pooled hidden state (float32 [hidden]; ALL: [tokens, hidden]); with `head`,
         the classifier's logits of the pooled state instead ([num_labels]; ALL: per token). Stepped
         to the end here (offline); the inputs join the queue in packing order (longest first, short
-        ones beside them), so FCFS steps pack as tightly as one plan over all of them."""
-        if pooling not in POOLING_TYPES:
-            raise ValueError(f"pooling type {pooling!r}; expected one of {POOLING_TYPES}")
+        ones beside them), so FCFS steps pack as tightly as one plan over all of them (a bad
+        `pooling` fails at the first add_request, with nothing queued)."""
         if self.has_unfinished_requests():
             raise RuntimeError("PoolingEngine.run: the engine has requests of another caller in flight")
         order = [i for _, _, rows in pack([len(x.token_ids) for x in inputs], self.max_model_len,
