@@ -65,7 +65,7 @@ def stub_device(runner, vocab_size: int):
     rng = np.random.default_rng(0)
 
     def run_step(key, inputs, smeta):
-        num_tokens, full = key
+        num_tokens, full, _ = key
         rows, k = runner.buckets.sample_rows(runner.buckets.seqs(num_tokens)), MAX_LOGPROBS if full else 0
         packed = np.zeros(rows * (3 + 2 * k), np.int32)
         packed[:rows] = rng.integers(0, vocab_size, rows)

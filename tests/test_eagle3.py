@@ -17,6 +17,7 @@ from jpaged.models import tiny
 from eagle3_head import ReferenceHead, write_head, write_successor_head
 from test_async_scheduling import generate_counting_overlaps
 from test_spec_decode import assert_same_distributions, sampled_token_counts
+from test_spec_decode_async import count_proposer_work
 from test_spec_decode_draft import write_tiny
 
 LIMITS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
@@ -102,9 +103,11 @@ def test_drafts_are_the_reference_heads(head, preemption_mode, shared_llm, tmp_p
     assert mismatches <= len(records) // 50, f"{mismatches} of {len(records)} proposals differ from the reference"
 
 
-def test_outputs_equal_without_speculation_and_nothing_compiles_after_warm_up(head, shared_llm):
+@pytest.mark.parametrize("disable_by_batch_size", [None, 2])
+def test_outputs_equal_without_speculation_and_nothing_compiles_after_warm_up(head, disable_by_batch_size, shared_llm):
     """Greedy with logprobs, seeded sampling with top-p / top-k, a penalty and a grammar in one
-    batch: token for token the outputs without speculation."""
+    batch: token for token the outputs without speculation. With disable_by_batch_size, the
+    steps above it run forwards without hidden states, compiled at warm-up too."""
     rng = np.random.default_rng(SEED)
     prompts = [rng.integers(0, 256, n).tolist() for n in (3, 9, 17, 30, 5, 12)]
     params = [jpaged.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2),
@@ -117,7 +120,8 @@ def test_outputs_equal_without_speculation_and_nothing_compiles_after_warm_up(he
     # shared engine other files ran first would have moved on).
     reference = generate(jpaged.LLM("tiny", enforce_eager=True, **LIMITS), prompts, params)
     # Warmed up (every bucket), on fewer buckets than the reference's: outputs do not depend on them.
-    assert_warmed_engine_matches(eagle_config(head), prompts, params, reference, min_draft_tokens=50)
+    assert_warmed_engine_matches(eagle_config(head, disable_by_batch_size=disable_by_batch_size), prompts, params,
+                                 reference, min_draft_tokens=50 if disable_by_batch_size is None else 10)
 
 
 def assert_warmed_engine_matches(speculative_config, prompts, params, reference, min_draft_tokens: int):
@@ -174,8 +178,9 @@ def test_bad_heads_are_value_errors(tmp_path):
 
 
 def test_async_scheduling_and_disable_by_batch_size(head, shared_llm):
-    """With async scheduling, steps above disable_by_batch_size overlap (the head's pages still
-    follow every step) and the thinned-out batch speculates: outputs as without speculation."""
+    """With async scheduling, steps above disable_by_batch_size overlap and skip the head (no
+    hidden states, no fill: its pages miss those steps' entries), and the thinned-out batch
+    speculates again: outputs as without speculation."""
     rng = np.random.default_rng(SEED)
     prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(3, 20, 4)]
     params = [jpaged.SamplingParams(temperature=1.0 if i % 2 else 0, top_k=20, seed=i, max_tokens=n, ignore_eos=True)
@@ -183,9 +188,12 @@ def test_async_scheduling_and_disable_by_batch_size(head, shared_llm):
     expected = [o.token_ids for o in generate(shared_llm("tiny", enforce_eager=True, **LIMITS), prompts, params)]
     llm = jpaged.LLM("tiny", speculative_config=eagle_config(head, disable_by_batch_size=2), async_scheduling=True,
                      enforce_eager=True, **LIMITS)
+    work = count_proposer_work(llm, "after_step")
     outputs, overlapped = generate_counting_overlaps(llm, prompts, params)
+    print(work, spec_stats(llm))
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert overlapped > 0 and spec_stats(llm)["spec_decode_num_draft_tokens"] > 0
+    assert work["without"] > 0 and work["calls"] == work["with"] > 0
 
 
 def test_tensor_parallel(head, shared_llm):

@@ -303,6 +303,8 @@ class Scheduler:
             self._schedule_swapped(out, budget)
             if not self.swapped and not self._batch_closed():
                 self._schedule_waiting(out, budget)
+        if self.speculator is not None:  # disable_by_batch_size: the proposer skips its per-step work too
+            out.spec_disabled = not self.speculator.enabled(sum(g.num_unfinished_seqs() for g in self.running))
         return out
 
     def _batch_closed(self) -> bool:

@@ -61,6 +61,9 @@ class SchedulerOutputs:
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst) on the device
     ignored_seq_groups: list[SequenceGroup] = dataclasses.field(default_factory=list)  # now FINISHED_IGNORED
     preempted: int = 0  # groups preempted this step
+    # More sequences run than disable_by_batch_size: no drafts, and the proposer skips its per-step
+    # work (a draft model's K/V forward, an EAGLE head's fill), as vLLM's skip_proposer.
+    spec_disabled: bool = False
 
     def is_empty(self) -> bool:
         return not (self.scheduled_seq_groups or self.blocks_to_swap_out or self.blocks_to_swap_in

@@ -173,7 +173,8 @@ class LLMEngine:
                                   calculate_kv_scales=kv_cache_spec.quantized and config.calculate_kv_scales,
                                   proposer=self.proposer, block_manager=self.block_manager,
                                   structured_output=self.structured_output, stop_checker=self.scheduler.stop_checker,
-                                  seed=config.seed)
+                                  seed=config.seed,
+                                  disable_by_batch_size=spec_config.disable_by_batch_size if spec_config else None)
         self.lora_manager = LoRAManager(lora_targets, self.runner, max_loras=config.max_loras,
                                         max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
                                         dtype=loaded.dtype) if lora_targets else None

@@ -98,3 +98,44 @@ def min_across_processes(value: int) -> int:
     if jax.process_count() == 1:
         return value
     return int(np.min(multihost_utils.process_allgather(np.int32(value))))
+
+
+class DriverOps:
+    """A runner's device operations in a multi-host job (ModelRunner's base): the driver sends
+    each one's name and host inputs to the other processes before running it (`dispatch_op`),
+    and they run the same in `follow` until the driver's `lead` ends. Subclasses set `is_driver`
+    and `_multihost` and run an operation by name in `_run_op(op, args)`."""
+
+    def dispatch_op(self, op: str, *args):
+        """Run device operation `op` on host inputs `args`; in a multi-host job the driver first
+        sends it to the other processes, which run it in `follow`."""
+        if self._multihost:
+            broadcast_object((op, args))
+        return self._run_op(op, args)
+
+    def follow(self):
+        """On a process other than 0: run the driver's device operations until its `lead` ends,
+        then return the driver's result (or raise its error)."""
+        while True:
+            op, args = broadcast_object()
+            if op == "done":
+                result, error = args
+                if error is not None:
+                    raise error
+                return result
+            self._run_op(op, args)
+
+    def lead(self, drive):
+        """Run `drive()` (anything that steps the engine: a generate call, a server) on process 0
+        while the other processes follow; every process returns its result. One process: drive()."""
+        if not self._multihost:
+            return drive()
+        if not self.is_driver:
+            return self.follow()
+        try:
+            result = drive()
+        except BaseException as e:  # the followers stop too, also on Ctrl-C
+            broadcast_object(("done", (None, e)))
+            raise
+        broadcast_object(("done", (result, None)))
+        return result

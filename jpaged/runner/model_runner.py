@@ -65,12 +65,12 @@ from jpaged.spec_decode.proposer import Proposer
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner:
+class ModelRunner(distributed.DriverOps):
     def __init__(self, loaded: LoadedModel, kv_cache_spec: KVCacheSpec, *, num_gpu_blocks: int, num_cpu_blocks: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_scheduler_steps: int = 1,
                  executable_cache: ExecutableCache | None = None, kv_scales=None, calculate_kv_scales: bool = False,
                  num_speculative_tokens: int = 0, proposer: Proposer | None = None, block_manager=None,
-                 structured_output=None, stop_checker=None, seed: int = 0):
+                 structured_output=None, stop_checker=None, seed: int = 0, disable_by_batch_size: int | None = None):
         """`kv_scales`: fp8 pages' per-layer (k, v) scales from the checkpoint; else 1.0, or
         computed by the first step with `calculate_kv_scales`. `proposer`: speculative decoding's
         (spec_decode/proposer.py): the runner calls its hooks (each step's K/V forward, warm-up,
@@ -126,6 +126,11 @@ class ModelRunner:
         self.return_hidden = self.proposer.needs_hidden_states
         self.hidden_layers = tuple(getattr(self.proposer, "aux_hidden_layers", ()) or ())
         self.hidden_states = None
+        # Steps of a plan with spec_disabled (disable_by_batch_size) skip the proposer's hooks from
+        # this many tokens on: an EAGLE head's from the smallest bucket above the limit (a step of
+        # more sequences has more tokens), whose forwards also compile without hidden states.
+        self.hookless_from = math.inf if disable_by_batch_size is None else 0 if not self.return_hidden else \
+            min((t for t in self.buckets.tokens if t > disable_by_batch_size), default=math.inf)
         self.last_prepared = None  # with hidden states: the last step's host inputs (which row is whose)
         self._forward = lambda layout, hidden: jax.jit(
             functools.partial(step_functions.forward, self.graphdef, rep, layout=layout,
@@ -165,8 +170,13 @@ class ModelRunner:
         """False once the KV pages are gone: a step that failed after donating them."""
         return not any(pages.is_deleted() for pages in jax.tree.leaves(self.kv_cache)) and self.proposer.is_alive()
 
-    def forward_key(self, num_tokens: int) -> tuple:
-        return ("forward", num_tokens) + (("hidden",) if self.return_hidden else ())
+    def forward_key(self, num_tokens: int, hooks: bool = True) -> tuple:
+        return ("forward", num_tokens) + (("hidden",) if self.return_hidden and hooks else ())
+
+    def forward_keys(self, num_tokens: int) -> list[tuple]:
+        """The forwards a step of `num_tokens` may run (without the proposer's hooks too: hookless_from)."""
+        both = self.return_hidden and num_tokens >= self.hookless_from
+        return [self.forward_key(num_tokens)] + ([self.forward_key(num_tokens, False)] if both else [])
 
     def _warm_up_plan(self, stop, keys) -> WarmUp:
         """Every executable in order of need (warmup.py); `keys`: these instead."""
@@ -174,7 +184,7 @@ class ModelRunner:
             return WarmUp(self, list(keys), [], stop)
         base = [k for k in self.buckets.keys() if k[0] not in ("forward", "multi_step", "sample")] \
             + ([("write_lora",)] if self.lora_linears else [])
-        return WarmUp(self, need_order(self.buckets, self.forward_key, base), base, stop)
+        return WarmUp(self, need_order(self.buckets, self.forward_keys, base), base, stop)
 
     def warm_up(self, stop: threading.Event | None = None, keys=None):
         """Compile (or load) every executable now, so serving never compiles (warmup.py: loads,
@@ -322,14 +332,14 @@ class ModelRunner:
             return step
         groups = batch.groups
         try:
-            step.handles.append(self.dispatch(batch, multi_step))
+            step.handles.append(self.dispatch(batch, multi_step, plan.spec_disabled))
             step.results = [(scheduled, 0, row) for scheduled, _, row in groups]
         except Exception:
             if len(batch.groups) == 1 or not self.is_alive():
                 raise
             for k, (scheduled, _, _) in enumerate(groups):
                 try:
-                    step.handles.append(self.dispatch(batch.group(k), multi_step))
+                    step.handles.append(self.dispatch(batch.group(k), multi_step, plan.spec_disabled))
                 except Exception as e:
                     if not self.is_alive():
                         raise
@@ -338,24 +348,26 @@ class ModelRunner:
                 step.results.append((scheduled, len(step.handles) - 1, 0))
         return step
 
-    def dispatch(self, batch: StepBatch, multi_step: bool = False) -> "StepHandle":
+    def dispatch(self, batch: StepBatch, multi_step: bool = False, spec_disabled: bool = False) -> "StepHandle":
         """Start one step on the device and return at once. `multi_step`: a decode step (one
         token and one sample per sequence, fast sampler) run num_scheduler_steps times in one
         device call, each step's sampled tokens the next one's inputs; the block tables must hold
-        the later tokens' slots (the scheduler's lookahead slots)."""
+        the later tokens' slots (the scheduler's lookahead slots). `spec_disabled`: skip the
+        proposer's hooks (from hookless_from tokens)."""
         ib = self.input_batch
         step = prepare_step(batch, ib, self.serving_buckets, self.block_size, multi_step,
                             lora_slots=ib.lora_slot[batch.rows] if self.lora_linears else None)
         inputs, num_sample_rows = step.inputs, len(step.inputs.logits_indices)
-        if self.return_hidden:
-            self.last_prepared = step
+        hooks = not (spec_disabled and step.num_tokens >= self.hookless_from)
+        if self.return_hidden:  # (None: this step keeps no hidden states; no row drafts from it)
+            self.last_prepared = step if hooks else None
         full = not multi_step and step_inputs.needs_full_sampler(ib, batch)
         smeta = self.sampling_metadata(batch, num_sample_rows, full)
         if not multi_step:
             history = step_inputs.history_inputs(
                 ib, batch, num_sample_rows, self.max_model_len,
                 lambda rows, tokens: self.dispatch_op("write_history", rows, tokens)) if full else None
-            out = self.dispatch_op("run_step", (step.num_tokens, full), pack(inputs),
+            out = self.dispatch_op("run_step", (step.num_tokens, full, hooks), pack(inputs),
                                    pack((smeta, step.dst_rows, history)))
             return StepHandle(out, num_sample_rows, smeta.num_logprobs, step.num_rows)
         out = self.dispatch_op("run_multi_step", step.num_tokens,
@@ -371,12 +383,13 @@ class ModelRunner:
         return [unpack_output(part, handle.num_rows, handle.num_logprobs, handle.num_real_rows) for part in packed]
 
     def _run_step(self, key, inputs: np.ndarray, smeta: np.ndarray):
-        num_tokens, full = key
-        key = self.forward_key(num_tokens)
+        num_tokens, full, hooks = key
+        key = self.forward_key(num_tokens, hooks)
         logits, self.kv_cache, *hidden = self._executable(key)(self.state, self.kv_cache, inputs, self.last_tokens)
         if hidden:
             self.hidden_states = hidden[0]
-        self.proposer.forward_kv(num_tokens, inputs, self.last_tokens)  # (before last_tokens is donated)
+        if hooks:
+            self.proposer.forward_kv(num_tokens, inputs, self.last_tokens)  # (before last_tokens is donated)
         if self.kv_cache.scales_pending is not None and not self._kv_scales_computed:
             self._kv_scales_computed = True  # this step computed them: later steps keep them
             self.kv_cache = self.kv_cache.replace(
@@ -404,14 +417,7 @@ class ModelRunner:
             self.state, self.kv_cache, inputs, self.last_tokens)
         return out
 
-    # ------------------------------------------------------------------ multi-host
-    def dispatch_op(self, op: str, *args):
-        """Run device operation `op` on host inputs `args`; in a multi-host job the driver first
-        sends it to the other processes, which run it in `follow`."""
-        if self._multihost:
-            distributed.broadcast_object((op, args))
-        return self._run_op(op, args)
-
+    # ------------------------------------------------------------------ multi-host (distributed.DriverOps)
     def _run_op(self, op: str, args: tuple):
         """Device operation `op` (a name: a multi-host driver sends it) on host inputs `args`. The
         table is built per call, so methods replaced on the instance count (scripts/bench_host.py
@@ -420,33 +426,6 @@ class ModelRunner:
                "copy_blocks": self._copy_blocks, "swap_out": self._swap_out, "swap_in": self._swap_in,
                "write_lora": self._write_lora, **self.proposer.device_ops()}
         return ops[op](*args)
-
-    def follow(self):
-        """On a process other than 0: run the driver's device operations until its `lead` ends,
-        then return the driver's result (or raise its error)."""
-        while True:
-            op, args = distributed.broadcast_object()
-            if op == "done":
-                result, error = args
-                if error is not None:
-                    raise error
-                return result
-            self._run_op(op, args)
-
-    def lead(self, drive):
-        """Run `drive()` (anything that steps the engine: a generate call, a server) on process 0
-        while the other processes follow; every process returns its result. One process: drive()."""
-        if not self._multihost:
-            return drive()
-        if not self.is_driver:
-            return self.follow()
-        try:
-            result = drive()
-        except BaseException as e:  # the followers stop too, also on Ctrl-C
-            distributed.broadcast_object(("done", (None, e)))
-            raise
-        distributed.broadcast_object(("done", (result, None)))
-        return result
 
     # ------------------------------------------------------------------ block copies
     def copy_blocks(self, pairs: list[tuple[int, int]]):

@@ -30,13 +30,13 @@ logger = logging.getLogger(__name__)
 FAIL_ENV = "JPAGED_INJECT_COMPILE_FAILURE"
 
 
-def need_order(buckets, forward_key, base_keys: list) -> list:
+def need_order(buckets, forward_keys, base_keys: list) -> list:
     """Every executable, in the order a serving engine needs them: `base_keys` (any step may need
-    them), then per token bucket (smallest first) its forward (`forward_key(tokens)`), multi-step
+    them), then per token bucket (smallest first) its forwards (`forward_keys(tokens)`), multi-step
     decode and samplers."""
     order = list(base_keys)
     for tokens in token_order(buckets):
-        order += [k for k in step_keys(buckets, forward_key, tokens) if k not in order]
+        order += [k for k in step_keys(buckets, forward_keys, tokens) if k not in order]
     return order
 
 
@@ -48,10 +48,10 @@ def token_order(buckets) -> list[int]:
     return [decode] + [t for t in buckets.tokens if t != decode]
 
 
-def step_keys(buckets, forward_key, tokens: int) -> list:
+def step_keys(buckets, forward_keys, tokens: int) -> list:
     """The executables a step padded to `tokens` may run."""
     rows = buckets.sample_rows(tokens)
-    keys = [forward_key(tokens)]
+    keys = list(forward_keys(tokens))
     if buckets.num_scheduler_steps > 1 and tokens in buckets.decode_tokens:
         keys.append(("multi_step", tokens))
     return keys + [("sample", rows, False), ("sample", rows, True)]
@@ -180,7 +180,7 @@ class WarmUp:
         buckets = self.runner.buckets
         if all(k in have or k in failed for k in self.base_keys):
             self._ready = [t for t in buckets.tokens
-                           if all(k in have for k in step_keys(buckets, self.runner.forward_key, t))]
+                           if all(k in have for k in step_keys(buckets, self.runner.forward_keys, t))]
         # Once steps can run, XLA's compile threads yield the cores to them; before, nothing serves,
         # and the first executables compile at full speed.
         if self._background and self._ready and not self.done.is_set():
