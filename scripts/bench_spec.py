@@ -116,6 +116,8 @@ def main(argv=None):
     parser.add_argument("--eagle3", default=None,
                         help="propose with this EAGLE-3 head's directory (scripts/train_eagle3.py)")
     parser.add_argument("--workloads", nargs="+", default=["copy", "chat"], choices=["copy", "chat"])
+    parser.add_argument("--disabled-only", action="store_true",
+                        help="above --disable-by-batch-size, only the configuration with it")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     model = args.model
@@ -146,7 +148,7 @@ def main(argv=None):
     for name, prompts in chat.items():
         for batch in args.batch_sizes:
             batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
-            configs = [(method, spec)]
+            configs = [] if args.disabled_only and batch > args.disable_by_batch_size else [(method, spec)]
             if batch > args.disable_by_batch_size:
                 configs.append((f"{method}, disable_by_batch_size={args.disable_by_batch_size}",
                                 dict(spec, disable_by_batch_size=args.disable_by_batch_size)))

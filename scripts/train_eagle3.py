@@ -4,10 +4,10 @@ write it in the public layout (jpaged/spec_decode/eagle_head.py) for speculative
 
   1. chat prompts ((templates + extra templates) x subjects; the held-out subjects and
      scripts/bench_spec.py's chat prompts never trained on), chat-templated;
-  2. the target's own greedy answers (jpaged, batched);
-  3. the target's hidden states entering layers (2, L/2, L-3), by a jitted JAX forward of its
-     first L-3 layers (no LM head: in the answers, the target's argmax is the next token; prompt
-     tokens take no loss, as SpecForge's loss mask);
+  2. the target's own greedy answers (jpaged, batched), and
+  3. its hidden states entering layers (2, L/2, L-3), recorded by the generating steps themselves
+     (the runner's EAGLE-3 hook; no LM head needed: in the answers, the target's argmax is the next
+     token; prompt tokens take no loss, as SpecForge's loss mask);
   4. the head, trained with optax (AdamW, cosine) on the target's argmax tokens, unrolled over
      `--ttt-steps` draft steps (EAGLE-3's training-time test: step j's hidden input is step
      j - 1's output, and its query attends the true entries before the anchor and the anchor's
@@ -32,6 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
+
+from jpaged.spec_decode.proposer import Proposer  # noqa: E402
 
 SUBJECTS = ["the ocean", "volcanoes", "honey bees", "the moon", "bicycles", "coffee", "chess", "rain forests",
             "the human heart", "electricity", "pyramids", "penguins", "bread", "music", "trains", "glaciers",
@@ -68,18 +70,60 @@ def prompts_of(subjects, templates=TEMPLATES):
     return [t.format(s) for s in subjects for t in templates]
 
 
-def generate(model, prompts, max_tokens):
-    """Chat-templated prompts and the target's greedy answers: (token id lists (prompt + answer),
-    the prompts' lengths)."""
+def generate(model, prompts, max_tokens, layers):
+    """Chat-templated prompts, the target's greedy answers and its hidden states entering `layers`
+    at every token, from the generating steps themselves (a FeatureRecorder in the proposer's
+    place: no second forward): (token id lists (prompt + answer), the prompts' lengths, features
+    [len, 3 * hidden] float16 per sequence; the last token, never fed, has zeros)."""
     import jpaged
 
-    llm = jpaged.LLM(model, max_num_seqs=128, max_model_len=512, max_num_batched_tokens=2048, enforce_eager=True)
+    llm = jpaged.LLM(model, max_num_seqs=256, max_model_len=512, max_num_batched_tokens=2048, enforce_eager=True)
+    recorder = FeatureRecorder.install(llm.llm_engine.runner, layers)
     tok = llm.get_tokenizer()
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
              for p in prompts]
     outs = llm.generate(texts, jpaged.SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-    return ([list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs],
-            [len(o.prompt_token_ids) for o in outs])
+    seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    return seqs, [len(o.prompt_token_ids) for o in outs], recorder.features(seqs)
+
+
+class FeatureRecorder(Proposer):
+    """A proposer that drafts nothing and keeps every step's hidden states entering `layers`, by
+    sequence and position (the runner's EAGLE-3 hook: Proposer.after_step)."""
+
+    needs_hidden_states = True
+
+    @classmethod
+    def install(cls, runner, layers):
+        """Put a recorder in `runner`'s proposer seat (an engine without speculation; enforce_eager:
+        the forwards with hidden states compile as they come)."""
+        recorder = cls()
+        recorder.aux_hidden_layers, recorder.runner, recorder.parts = tuple(layers), runner, {}
+        runner.proposer, runner.return_hidden, runner.hidden_layers = recorder, True, tuple(layers)
+        return recorder
+
+    def after_step(self, num_tokens, inputs, hidden, sampled):
+        step = self.runner.last_prepared
+        aux, ids = (np.asarray(x) for x in hidden)
+        qsl, pos = step.inputs.attn.query_start_loc, step.inputs.positions
+        for j, row in enumerate(step.rows):
+            a, b = qsl[j], qsl[j + 1]
+            self.parts.setdefault(self.runner.input_batch.seq_ids[row], []).append(
+                (pos[a:b].copy(), ids[a:b].copy(), aux[a:b].astype(np.float16)))
+
+    def features(self, seqs):
+        """Per sequence of `seqs` (in the order they were added: their sequence ids ascending)."""
+        out = []
+        for seq, seq_id in zip(seqs, sorted(self.parts)):
+            feats, seen = np.zeros((len(seq), self.parts[seq_id][0][2].shape[1]), np.float16), np.zeros(len(seq), bool)
+            for pos, ids, aux in self.parts[seq_id]:
+                if not (np.asarray(seq)[pos] == ids).all():
+                    raise RuntimeError(f"sequence {seq_id}: the recorded steps' tokens are not its own")
+                feats[pos], seen[pos] = aux, True
+            if not seen[:-1].all():
+                raise RuntimeError(f"sequence {seq_id}: no hidden states at {np.flatnonzero(~seen[:-1])[:8]}")
+            out.append(feats)
+        return out
 
 
 def next_token_labels(seqs, prompt_lens):
@@ -122,21 +166,23 @@ def main(argv=None):
         embed, final_norm = data["embed"], data["final_norm"]
         print(f"read {data_path}: {len(seqs)} sequences, {sum(map(len, seqs))} tokens", flush=True)
     else:
-        from scripts.eagle3_train_lib import target_features_jax
+        import safetensors.numpy
 
         prompts = prompts_of(SUBJECTS, TEMPLATES + EXTRA_TEMPLATES)
         prompts = [prompts[i] for i in np.random.default_rng(0).permutation(len(prompts))[:args.num_prompts]]
-        seqs, prompt_lens = generate(args.model, prompts, args.max_tokens)
-        t_gen = time.time() - t0
-        print(f"phase generate: {len(seqs)} answers, {sum(map(len, seqs)) - sum(prompt_lens)} answer tokens "
-              f"({sum(prompt_lens)} prompt tokens) in {t_gen:.0f} s", flush=True)
-        feats, weights = target_features_jax(args.model, tcfg, seqs, layers)
+        seqs, prompt_lens, feats = generate(args.model, prompts, args.max_tokens, layers)
+        print(f"phase generate (with the hidden states): {len(seqs)} answers, "
+              f"{sum(map(len, seqs)) - sum(prompt_lens)} answer tokens ({sum(prompt_lens)} prompt tokens) "
+              f"in {time.time() - t0:.0f} s", flush=True)
         argmax = next_token_labels(seqs, prompt_lens)
+        weights = {}
+        for name in sorted(os.listdir(args.model)):
+            if name.endswith(".safetensors"):
+                weights.update(safetensors.numpy.load_file(os.path.join(args.model, name)))
         embed, final_norm = weights["model.embed_tokens.weight"], weights["model.norm.weight"]
         np.savez(data_path, seqs=np.array(seqs, dtype=object), feats=np.array(feats, dtype=object),
                  argmax=np.array(argmax, dtype=object), embed=embed, final_norm=final_norm)
-        print(f"phase features: {sum(map(len, seqs))} tokens in {time.time() - t0 - t_gen:.0f} s "
-              f"(data ready after {time.time() - t0:.0f} s)", flush=True)
+        print(f"data ready after {time.time() - t0:.0f} s", flush=True)
     if args.minutes is None:
         args.minutes = max(1.0, args.budget_minutes - (time.time() - t0) / 60 - 0.5)
     t1 = time.time()

@@ -40,5 +40,8 @@ hidden states of the target with the request's adapter, and the target's current
 a step that may take drafts waits for the last step's tokens (drafts start from the last token,
 and a step that verified drafts leaves the accepted count unknown until read): the speculator's
 `may_draft`, in step_needs.can_overlap; other steps (above disable_by_batch_size, requests that
-cannot speculate) overlap as without speculation.
+cannot speculate) overlap as without speculation. Steps above disable_by_batch_size
+(SchedulerOutputs.spec_disabled) also skip the proposer's per-step hooks (the runner's
+`hookless_from`): a draft model's or EAGLE head's pages then miss those steps' tokens, which
+lowers later acceptance, never changes the output.
 """

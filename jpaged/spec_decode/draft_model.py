@@ -8,7 +8,9 @@ the same tokens). So prefix caching, copy-on-write, swapping and recompute need 
 runner copies and swaps both pools' blocks together, and the pool is sized on the two models'
 bytes per block summed. The draft's pages stay level with the target's: every step runs the
 draft's K/V-only forward over the same tokens (prefill chunks, decodes, verified drafts), so
-wherever the target has K/V, the draft has too (a cached prefix, a swapped-in sequence).
+wherever the target has K/V, the draft has too (a cached prefix, a swapped-in sequence); except
+steps above disable_by_batch_size, which skip it (vLLM's skip_proposer): their tokens' draft K/V
+stay missing, so drafts after them are accepted less often, the output unchanged.
 DraftModelProposer owns all of it: the draft's ModelRunner (weights, pages, executables), run
 through the hooks of the Proposer interface (proposer.py).
 

@@ -16,7 +16,9 @@ sampled, its output is the first draft after the sampled token; each sampling ro
 first draft stay on the device (`rows`). Where a verified draft was rejected, the entries past
 the accepted ones are wrong, and the next step, which starts there, rewrites them. (A prefill
 chunk that is not a prompt's last leaves its last entry paired with the next sequence's token:
-fewer drafts are accepted there, the output is unchanged.)
+fewer drafts are accepted there, the output is unchanged.) Steps above disable_by_batch_size
+skip all of it (the runner's forward without hidden states, no fill): their entries stay stale,
+and the first step after them drafts nothing (`last_prepared` is None), then drafting resumes.
 
 A step's drafts (`propose`, after scheduling and the block moves): for each speculating sequence,
 the last step's row that sampled its last token gives the first draft and the midlayer's output;
