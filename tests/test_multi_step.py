@@ -19,9 +19,9 @@ def generate_counting_multi_steps(llm, prompts, params):
     runner = llm.llm_engine.runner
     dispatch, count = runner.dispatch, [0]
 
-    def counting(batch, multi_step=False):
+    def counting(batch, multi_step=False, *rest):
         count[0] += multi_step
-        return dispatch(batch, multi_step)
+        return dispatch(batch, multi_step, *rest)
 
     runner.dispatch = counting
     try:
