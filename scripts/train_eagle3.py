@@ -93,13 +93,16 @@ class FeatureRecorder(Proposer):
 
     needs_hidden_states = True
 
+    def __init__(self, runner, layers):
+        self.runner, self.aux_hidden_layers = runner, tuple(layers)
+        self.parts = {}  # seq_id -> [(positions, input ids, hidden states)], one per step
+
     @classmethod
     def install(cls, runner, layers):
         """Put a recorder in `runner`'s proposer seat (an engine without speculation; enforce_eager:
         the forwards with hidden states compile as they come)."""
-        recorder = cls()
-        recorder.aux_hidden_layers, recorder.runner, recorder.parts = tuple(layers), runner, {}
-        runner.proposer, runner.return_hidden, runner.hidden_layers = recorder, True, tuple(layers)
+        recorder = cls(runner, layers)
+        runner.proposer, runner.return_hidden, runner.hidden_layers = recorder, True, recorder.aux_hidden_layers
         return recorder
 
     def after_step(self, num_tokens, inputs, hidden, sampled):
