@@ -304,7 +304,7 @@ class Scheduler:
             if not self.swapped and not self._batch_closed():
                 self._schedule_waiting(out, budget)
         if self.speculator is not None:  # disable_by_batch_size: the proposer skips its per-step work too
-            out.spec_disabled = not self.speculator.enabled(sum(g.num_unfinished_seqs() for g in self.running))
+            out.spec_disabled = not self.speculator.enabled_for(self.running)
         return out
 
     def _batch_closed(self) -> bool:

@@ -29,6 +29,10 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         return limit is None or num_running_seqs <= limit
 
+    def enabled_for(self, groups) -> bool:
+        """`enabled` for the running `groups` (counted only when there is a limit: every step asks)."""
+        return self.config.disable_by_batch_size is None or self.enabled(sum(g.num_unfinished_seqs() for g in groups))
+
     def spare_tokens(self, running_groups, budget_tokens: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """Tokens this step's drafts may take: what the decodes of `running_groups` leave of the
         step's token budget, and at most max_num_batched_tokens - max_num_seqs, so that sampled
@@ -46,7 +50,7 @@ class Speculator:
     def may_draft(self, groups) -> bool:
         """Whether the next step may give any of the running `groups` drafts (async scheduling
         then waits for the last step's tokens: step_needs.can_overlap)."""
-        return self.enabled(sum(g.num_unfinished_seqs() for g in groups)) and \
+        return self.enabled_for(groups) and \
             any(len(g.seqs) == 1 and g.needs.speculate for g in groups)
 
     def propose(self, group: SequenceGroup, max_drafts: int) -> list[int]:
