@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from jpaged.engine.kv_pool_size import (CPU_POOL_SEQUENCES, CPU_POOL_TOKENS, DEFAULT_SWAP_SPACE_GIB, GIB, pool_size)
+from jpaged.engine.kv_pool_size import (CPU_POOL_SEQUENCES, CPU_POOL_TOKENS, DEFAULT_SWAP_SPACE_GIB, GIB,
+                                       GPU_MARGIN_BYTES, GPU_MARGIN_FRACTION, pool_size)
 
 KIB = 1024
 
@@ -60,12 +61,32 @@ def test_cpu_kvcache_space_and_explicit_options():
     assert cpu(swap_space=0).num_cpu_blocks == 0
 
 
-def test_gpu_sizing_is_unchanged():
-    stats = {"bytes_limit": 80 * GIB, "bytes_in_use": 10 * GIB}
-    pool = cpu(memory_stats=stats, environ={"JPAGED_CPU_KVCACHE_SPACE": "1"})  # a CPU's variable: not read
-    assert pool.num_gpu_blocks == int((80 * GIB * 0.9 - 10 * GIB) // (64 * KIB))
-    assert pool.num_cpu_blocks == DEFAULT_SWAP_SPACE_GIB * GIB // (64 * KIB)
-    assert pool.how == "gpu_memory_utilization=0.9"
+def test_gpu_plan_takes_weights_step_state_peak_and_margin_off_the_pool(test_seed):
+    rng = random.Random(test_seed)
+    for _ in range(200):
+        limit = rng.randint(8, 141) * GIB + rng.randint(0, GIB)
+        resident, state, peak = rng.randint(0, limit // 4), rng.randint(0, GIB), rng.randint(0, 4 * GIB)
+        bytes_per_block, util = rng.randint(1, 1024) * KIB, rng.uniform(0.3, 1.0)
+        margin = GPU_MARGIN_BYTES + int(GPU_MARGIN_FRACTION * limit)
+        room = int(limit * util) - resident - state - peak - margin
+        stats = {"bytes_limit": limit, "bytes_in_use": resident}
+        if room < bytes_per_block:
+            with pytest.raises(ValueError, match="no room for the KV cache.*gpu_memory_utilization.*"
+                                                 "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+                cpu(memory_stats=stats, bytes_per_block=bytes_per_block, gpu_memory_utilization=util,
+                    step_state=state, peak=peak, peak_of="forward 8192")
+            continue
+        pool = cpu(memory_stats=stats, bytes_per_block=bytes_per_block, gpu_memory_utilization=util,
+                   step_state=state, peak=peak, peak_of="forward 8192",
+                   environ={"JPAGED_CPU_KVCACHE_SPACE": "1"})  # a CPU's variable: not read on a GPU
+        assert pool.num_gpu_blocks == room // bytes_per_block
+        plan = pool.plan
+        # Everything planned plus what is left free is what jax may use; the free part is at
+        # least the (1 - utilization) share.
+        assert plan.resident + plan.step_state + plan.peak + plan.margin + plan.pool + plan.free == limit
+        assert plan.free >= limit - int(limit * util)
+        assert "forward 8192" in pool.how and f"{plan.pool / GIB:.2f} GiB" in pool.how
+        assert pool.num_cpu_blocks == DEFAULT_SWAP_SPACE_GIB * GIB // bytes_per_block
 
 
 def test_the_offline_tiny_engine_says_how_its_pool_was_sized(monkeypatch, caplog):
@@ -80,3 +101,55 @@ def test_the_offline_tiny_engine_says_how_its_pool_was_sized(monkeypatch, caplog
     assert "pool sized by the CPU default, 32768 tokens; $JPAGED_CPU_KVCACHE_SPACE=GiB sets it" in caplog.text
     monkeypatch.setenv("JPAGED_CPU_KVCACHE_SPACE", "0.0625")
     assert jpaged.LLM("tiny", enforce_eager=True).stats()["num_gpu_blocks"] == 1024
+
+
+def _random_llama(path, seed: int) -> str:
+    """A Llama checkpoint made by transformers' save_pretrained (not the built-in tiny model)."""
+    import torch
+    import transformers
+
+    from jpaged.models import tiny
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+                                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tiny.tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("model", ["tiny", "checkpoint"])
+def test_engine_on_a_gpu_plans_its_pool_from_the_executables_memory(model, monkeypatch, caplog, tmp_path, test_seed):
+    """With a GPU's memory stats (faked here: the CPU has none), the engine measures its largest
+    executables on an abstract runner before the pool exists, and the pool is what the plan leaves.
+    The measured peak equals the one of the engine's own executables, compiled for the real pool
+    (a different size): the temporaries do not depend on the pool's size."""
+    import jpaged
+    from jpaged.engine import start_up
+    from jpaged.runner import step_memory
+
+    path = "tiny" if model == "tiny" else _random_llama(tmp_path / "llama", test_seed)
+    limit, resident = GIB, 40 * 2**20
+    monkeypatch.setattr(start_up, "tightest_memory_stats", lambda devices: {"bytes_limit": limit,
+                                                                           "bytes_in_use": resident})
+    kwargs = dict(max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64, background_warmup=False)
+    with caplog.at_level(logging.INFO, logger="jpaged.engine.llm_engine"):
+        llm = jpaged.LLM(path, **kwargs)
+    engine = llm.llm_engine
+    plan, runner = engine.memory_plan, engine.runner
+    measured = step_memory.measure(runner, compile_fn=runner._executable)  # the warm-up's executables
+    top = step_memory.peak(measured)
+    assert plan.peak == top.transient > 0 and plan.peak_of == " ".join(map(str, top.key))
+    assert {s.key[0] for s in measured} >= {"forward", "sample", "copy_blocks", "swap_out", "swap_in"}
+    assert plan.step_state == 4 * 8 * (256 + 1)
+    bytes_per_block = runner.kv_cache_spec.bytes_per_block
+    room = int(limit * 0.9) - resident - plan.step_state - plan.peak - plan.margin
+    assert llm.stats()["num_gpu_blocks"] == room // bytes_per_block == runner.num_gpu_blocks
+    assert "peak step temporaries" in caplog.text and "left free" in caplog.text
+    out = llm.generate([[1, 2, 3, 4]], jpaged.SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    # A device too small for any pool: a clear error at start, naming the numbers and the options.
+    monkeypatch.setattr(start_up, "tightest_memory_stats", lambda devices: {"bytes_limit": GIB // 2,
+                                                                           "bytes_in_use": resident})
+    with pytest.raises(ValueError, match=r"no room for the KV cache: gpu_memory_utilization=0.9 of the 0.50 GiB"):
+        jpaged.LLM(path, **kwargs)

@@ -1,6 +1,11 @@
 """How many KV blocks the engine reserves: on the device (the pool) and in host memory (swap space).
 
-- A GPU: what `gpu_memory_utilization` leaves after the weights (vLLM's rule); swap space
+- A GPU: planned as vLLM's `determine_available_memory` does (GpuMemoryPlan): of the memory jax
+  may use on the device (its `bytes_limit`: XLA_PYTHON_CLIENT_MEM_FRACTION of the device, 0.75 by
+  default, preallocated or not), `gpu_memory_utilization` of it, minus what is resident before
+  the pool (the weights: `bytes_in_use`), minus the runner's step state (token histories), minus
+  the peak transient memory of the executables the engine will run (measured from their
+  compiled memory analysis: runner/step_memory.py), minus a stated margin. Swap space
   `swap_space` GiB (default 4).
 - A CPU, where the pool and the swap space are the same RAM as everything else, sized as vLLM's CPU
   backend sizes it (VLLM_CPU_KVCACHE_SPACE):
@@ -25,6 +30,54 @@ CPU_KVCACHE_SPACE_ENV = ("JPAGED_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE")
 CPU_POOL_TOKENS = 32_768
 CPU_POOL_SEQUENCES = 4
 CPU_POOL_RAM_FRACTION = 0.05
+# Left free on a GPU besides the executables' measured needs: allocator rounding and
+# fragmentation, cuBLAS/cuDNN handles, autotuning buffers of compiles during a background warm-up.
+GPU_MARGIN_BYTES = 512 * 2**20
+GPU_MARGIN_FRACTION = 0.01  # ... plus this much of the memory jax may use
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuMemoryPlan:
+    """A GPU's memory, planned before the pool is allocated (bytes per device)."""
+
+    limit: int  # what jax may use on the device (memory_stats' bytes_limit)
+    utilization: float  # gpu_memory_utilization
+    resident: int  # in use before the pool: the weights and what else the process holds
+    step_state: int  # the runner's per-row device state (token histories, last tokens)
+    peak: int  # the largest executable's transient bytes (temporaries, new outputs, inputs)
+    peak_of: str  # which executable
+    margin: int
+    pool: int  # the KV pool, a whole number of blocks
+
+    @property
+    def free(self) -> int:
+        """Left unplanned: the (1 - utilization) share and what the blocks' rounding leaves."""
+        return self.limit - self.resident - self.step_state - self.peak - self.margin - self.pool
+
+    def describe(self) -> str:
+        g = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
+        return (f"gpu_memory_utilization={self.utilization} of the {g(self.limit)} jax may use: weights and other "
+                f"resident {g(self.resident)}, step state {g(self.step_state)}, peak step temporaries "
+                f"{g(self.peak)} ({self.peak_of}), margin {g(self.margin)}, KV pool {g(self.pool)}, "
+                f"{g(self.free)} left free")
+
+
+def plan_gpu_memory(*, bytes_per_block: int, gpu_memory_utilization: float, memory_stats: dict, step_state: int = 0,
+                    peak: int = 0, peak_of: str = "not measured") -> tuple[int, GpuMemoryPlan]:
+    """The pool in blocks on a GPU, and the plan that gave it. A pool of no block is a ValueError
+    that gives the numbers and the options to change."""
+    limit, resident = int(memory_stats["bytes_limit"]), int(memory_stats["bytes_in_use"])
+    margin = GPU_MARGIN_BYTES + int(GPU_MARGIN_FRACTION * limit)
+    room = int(limit * gpu_memory_utilization) - resident - step_state - peak - margin
+    num_blocks = max(room, 0) // bytes_per_block
+    plan = GpuMemoryPlan(limit, gpu_memory_utilization, resident, step_state, peak, peak_of, margin,
+                         num_blocks * bytes_per_block)
+    if num_blocks < 1:
+        raise ValueError(f"no room for the KV cache: {plan.describe()}; the pool needs {bytes_per_block} bytes "
+                         f"per block. Raise gpu_memory_utilization (--gpu-memory-utilization), lower max_num_seqs or "
+                         f"max_num_batched_tokens (smaller steps), use a smaller model or dtype, or give "
+                         f"jax more of the device (XLA_PYTHON_CLIENT_MEM_FRACTION)")
+    return num_blocks, plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +85,7 @@ class PoolSize:
     num_gpu_blocks: int
     num_cpu_blocks: int
     how: str  # the rule that sized the pool, for the start-up line
+    plan: GpuMemoryPlan | None = None  # a GPU's, when the pool was planned from its memory
 
 
 def cpu_kvcache_space(environ=os.environ) -> float | None:
@@ -53,20 +107,23 @@ def cpu_kvcache_space(environ=os.environ) -> float | None:
 
 def pool_size(*, bytes_per_block: int, block_size: int, max_model_len: int, max_num_seqs: int,
               num_gpu_blocks_override: int | None, gpu_memory_utilization: float, swap_space: float | None,
-              memory_stats: dict | None, ram_bytes: int, environ=os.environ) -> PoolSize:
+              memory_stats: dict | None, ram_bytes: int, environ=os.environ, step_state: int = 0,
+              peak: int = 0, peak_of: str = "not measured") -> PoolSize:
     """The pool and swap space in blocks. `memory_stats`: the device's (a GPU's bytes_limit and
-    bytes_in_use), None on a CPU; `ram_bytes`: the machine's RAM."""
+    bytes_in_use), None on a CPU; `ram_bytes`: the machine's RAM. On a GPU, `step_state` and
+    `peak` (the largest executable's transient bytes, `peak_of` names it) come off the pool."""
     blocks_per_seq = math.ceil(max_model_len / block_size)
     on_gpu = bool(memory_stats and "bytes_limit" in memory_stats)
     wanted = max(math.ceil(CPU_POOL_TOKENS / block_size), CPU_POOL_SEQUENCES * blocks_per_seq)
     ram_cap = int(CPU_POOL_RAM_FRACTION * ram_bytes // bytes_per_block)
     cpu_default = max(min(wanted, max_num_seqs * blocks_per_seq, ram_cap), 1)
+    plan = None
     if num_gpu_blocks_override:
         num_blocks, how = num_gpu_blocks_override, "num_gpu_blocks_override"
     elif on_gpu:
-        # Weights are already resident; leave (1 - utilization) of the device for activations.
-        budget = memory_stats["bytes_limit"] * gpu_memory_utilization - memory_stats["bytes_in_use"]
-        num_blocks, how = int(budget // bytes_per_block), f"gpu_memory_utilization={gpu_memory_utilization}"
+        num_blocks, plan = plan_gpu_memory(bytes_per_block=bytes_per_block, gpu_memory_utilization=gpu_memory_utilization,
+                                           memory_stats=memory_stats, step_state=step_state, peak=peak, peak_of=peak_of)
+        how = plan.describe()
     elif (gib := cpu_kvcache_space(environ)) is not None:
         num_blocks, how = int(gib * GIB // bytes_per_block), f"${_env_name(environ)}={gib:g} GiB"
     else:
@@ -79,7 +136,7 @@ def pool_size(*, bytes_per_block: int, block_size: int, max_model_len: int, max_
         swap_bytes = DEFAULT_SWAP_SPACE_GIB * GIB
     else:
         swap_bytes = min(DEFAULT_SWAP_SPACE_GIB * GIB, max(num_blocks, cpu_default) * bytes_per_block)
-    return PoolSize(num_blocks, int(swap_bytes // bytes_per_block), how)
+    return PoolSize(num_blocks, int(swap_bytes // bytes_per_block), how, plan)
 
 
 def _env_name(environ) -> str:

@@ -121,9 +121,23 @@ class LLMEngine:
         eagle = load_eagle_head(config, loaded) if spec_config and spec_config.method in EAGLE_METHODS else None
         # Per device: its kv heads' part of every block (a draft's pages have the same blocks).
         bytes_per_block = kv_cache_spec.bytes_per_block + sum(d.kv_cache_spec.bytes_per_block for d in (draft, eagle) if d)
+        cache_dir = start_up.executable_cache_dir() if config.executable_cache else None
+        options = {} if config.optimization_level is None else {"xla_backend_optimization_level": config.optimization_level}
+        executable_cache = functools.partial(ExecutableCache, cache_dir, compiler_options=options)
+        fingerprint = start_up.model_fingerprint(config, loaded, self.max_model_len)
+        shape = dict(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                     max_model_len=self.max_model_len,
+                     num_speculative_tokens=spec_config.num_speculative_tokens if spec_config else 0)
+        # On a GPU the pool is what the memory plan leaves after the largest executables' needs,
+        # measured from their compiled memory analysis (kv_pool_size.py, runner/step_memory.py).
+        measure = lambda: start_up.measure_step_memory(  # noqa: E731
+            loaded, kv_cache_spec, shape, config.num_scheduler_steps,
+            executable_cache(fingerprint, self.devices))[:2]
         # Every process must allocate the same pool: the smallest one that fits everywhere.
-        pool = start_up.kv_pool_size(config, self.max_model_len, bytes_per_block, self.devices)
+        pool = start_up.kv_pool_size(config, self.max_model_len, bytes_per_block, self.devices, measure)
         num_gpu_blocks, num_cpu_blocks = distributed.min_across_processes(pool.num_gpu_blocks), pool.num_cpu_blocks
+        self.memory_plan = pool.plan  # a GPU's (kv_pool_size.GpuMemoryPlan), None when not planned from its memory
+        start_up.reserve_device_memory(self.devices, num_gpu_blocks * bytes_per_block)
         kv_scales, scales = start_up.kv_scales(config, loaded, kv_cache_spec)
         start_up.log_start_up(config, loaded, self.devices, pool, num_gpu_blocks, bytes_per_block,
                               kv_cache_spec.dtype.name, scales)
@@ -140,13 +154,7 @@ class LLMEngine:
             self.block_manager.enable_kv_events()
         # Debug mode (the tests turn it on): check the block pool's invariants after every step.
         self.check_invariants = os.environ.get("JPAGED_CHECK_INVARIANTS", "0") not in ("", "0")
-        shape = dict(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs,
-                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
-                     num_speculative_tokens=spec_config.num_speculative_tokens if spec_config else 0)
-        cache_dir = start_up.executable_cache_dir() if config.executable_cache else None
-        options = {} if config.optimization_level is None else {"xla_backend_optimization_level": config.optimization_level}
-        executable_cache = functools.partial(ExecutableCache, cache_dir, compiler_options=options)
-        fingerprint = start_up.model_fingerprint(config, loaded, self.max_model_len)
+        shape = dict(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, **shape)
         # Speculative decoding's proposer (spec_decode/proposer.py); a draft model's owns its runner.
         self.proposer = DraftModelProposer(
             draft, executable_cache(f"{fingerprint}\ndraft\n" + start_up.model_fingerprint(
@@ -175,6 +183,8 @@ class LLMEngine:
                                   structured_output=self.structured_output, stop_checker=self.scheduler.stop_checker,
                                   seed=config.seed,
                                   disable_by_batch_size=spec_config.disable_by_batch_size if spec_config else None)
+        start_up.check_allocated([p.kv_cache for p in self.runner.pools], num_gpu_blocks * bytes_per_block,
+                                 self.devices)
         self.lora_manager = LoRAManager(lora_targets, self.runner, max_loras=config.max_loras,
                                         max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
                                         dtype=loaded.dtype) if lora_targets else None

@@ -11,7 +11,7 @@ import jax
 
 from jpaged import devices as device_platform
 from jpaged.config import HOST_ONLY_OPTIONS, EngineConfig
-from jpaged.engine.kv_pool_size import PoolSize, pool_size
+from jpaged.engine.kv_pool_size import GIB, PoolSize, pool_size
 from jpaged.models.kv_cache import KVCacheSpec
 
 logger = logging.getLogger("jpaged.engine.llm_engine")  # the engine's own lines
@@ -48,17 +48,82 @@ def tightest_memory_stats(devices: list) -> dict | None:
     return min(stats, key=lambda s: s["bytes_limit"] - s["bytes_in_use"]) if stats else None
 
 
-def kv_pool_size(config: EngineConfig, max_model_len: int, bytes_per_block: int, devices: list) -> PoolSize:
-    """The KV pool and swap space in blocks (kv_pool_size.py: a GPU's free memory, a CPU's rule),
-    sized on the engine's devices."""
+# The abstract pool the memory probe compiles with (its executables' temporaries do not depend on
+# the pool's size; a fixed size keeps the probe's executables in the on-disk cache across starts).
+PROBE_BLOCKS = 256
+
+
+def step_state_bytes(max_num_seqs: int, max_model_len: int) -> int:
+    """The runner's per-row device state: token histories (int32[max_num_seqs, max_model_len]) and last tokens."""
+    return 4 * max_num_seqs * (max_model_len + 1)
+
+
+def measure_step_memory(loaded, kv_cache_spec, shape: dict, num_scheduler_steps: int, executable_cache):
+    """The largest executables' memory (runner/step_memory.py), compiled on an abstract runner of
+    the engine's shapes before the pool exists: (peak transient bytes, its executable, every
+    measurement). Without a proposer: a draft's or an EAGLE head's executables are not measured
+    (their weights are resident already, so counted)."""
+    from jpaged.runner import step_memory
+    from jpaged.runner.model_runner import ModelRunner
+
+    probe = ModelRunner(loaded, kv_cache_spec, **{**shape, "num_gpu_blocks": PROBE_BLOCKS, "num_cpu_blocks": 0},
+                        num_scheduler_steps=num_scheduler_steps, executable_cache=executable_cache, abstract=True)
+    steps = step_memory.measure(probe)
+    top = step_memory.peak(steps)
+    return top.transient, " ".join(map(str, top.key)), steps
+
+
+def kv_pool_size(config: EngineConfig, max_model_len: int, bytes_per_block: int, devices: list,
+                 measure=None) -> PoolSize:
+    """The KV pool and swap space in blocks (kv_pool_size.py: a GPU's memory plan, a CPU's rule),
+    sized on the engine's devices. `measure()`: (peak transient bytes, its executable) of the
+    engine's executables, called only when a GPU's memory sizes the pool."""
+    stats = tightest_memory_stats(devices)
+    peak, peak_of = 0, "not measured"
+    if stats is not None and not config.num_gpu_blocks_override and measure is not None:
+        peak, peak_of = measure()
     pool = pool_size(bytes_per_block=bytes_per_block, block_size=config.block_size, max_model_len=max_model_len,
                      max_num_seqs=config.max_num_seqs, num_gpu_blocks_override=config.num_gpu_blocks_override,
                      gpu_memory_utilization=config.gpu_memory_utilization, swap_space=config.swap_space,
-                     memory_stats=tightest_memory_stats(devices),
-                     ram_bytes=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+                     memory_stats=stats, ram_bytes=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
+                     step_state=step_state_bytes(config.max_num_seqs, max_model_len) if stats else 0,
+                     peak=peak, peak_of=peak_of)
     if pool.num_gpu_blocks < math.ceil(max_model_len / config.block_size):
         logger.warning("only %d KV blocks fit: fewer than one max_model_len sequence needs", pool.num_gpu_blocks)
     return pool
+
+
+def reserve_device_memory(devices: list, nbytes: int) -> None:
+    """Make room for `nbytes` (the KV pool, per device) in one piece before the pool's arrays are
+    allocated, and free it again. Under jax's growing allocator (XLA_PYTHON_CLIENT_PREALLOCATE=false)
+    the BFC allocator takes memory in regions whose sizes double up to the request's power of two: a
+    47 GiB K array took a 64 GiB region of an H200's 104.9 GiB, and the V array's 47 GiB then fitted
+    nowhere (the first GPU run's out-of-memory error, reported late by the first sampler call).
+    One region of the whole pool's size, freed, holds both. With preallocation (jax's default) the
+    one region exists already and this costs a fill. An allocation that fails here is a clear error."""
+    for device in devices:
+        if device.platform != "gpu" or device.process_index != jax.process_index():
+            continue
+        rows = -(-nbytes // 2**20)
+        try:
+            room = jax.numpy.zeros((rows, 2**20), jax.numpy.uint8, device=device)
+            room.block_until_ready()
+        except Exception as e:  # jax raises JaxRuntimeError (RESOURCE_EXHAUSTED) for a failed allocation
+            raise ValueError(f"the KV pool ({nbytes / GIB:.2f} GiB per device) could not be allocated on {device}: "
+                             f"{str(e).splitlines()[0]}. Lower gpu_memory_utilization or set num_gpu_blocks_override; "
+                             f"{device.memory_stats()}") from e
+        room.delete()
+
+
+def check_allocated(pools: list, nbytes: int, devices: list) -> None:
+    """Wait for the KV pools' allocation (jax allocates asynchronously: a failure would otherwise
+    surface at the first request, from whichever executable reads the pool first)."""
+    try:
+        jax.block_until_ready(pools)
+    except Exception as e:
+        raise ValueError(f"the KV pool ({nbytes / GIB:.2f} GiB per device) could not be allocated on "
+                         f"{devices}: {str(e).splitlines()[0]}. Lower gpu_memory_utilization or set "
+                         f"num_gpu_blocks_override") from e
 
 
 def kv_scales(config: EngineConfig, loaded, spec: KVCacheSpec):

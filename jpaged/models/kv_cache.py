@@ -123,6 +123,20 @@ class KVCacheSpec:
         return cache
 
 
+    def abstract(self, num_blocks: int, sharding, scales=None, calculate_scales: bool = False) -> KVCache:
+        """The KVCache `allocate` would return, as shapes (jax.ShapeDtypeStruct) only: nothing is
+        allocated (a runner that compiles to measure memory before the pool is sized)."""
+        shape, raw = self.pool_shape(num_blocks), stores_raw_bits(self.dtype, sharding)
+        pages = jax.ShapeDtypeStruct(shape, RAW_BITS[self.dtype.itemsize] if raw else self.dtype, sharding=sharding)
+        cache = KVCache(pages, pages, raw_of=self.dtype if raw else None)
+        if self.quantized:
+            replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+            scale = jax.ShapeDtypeStruct((self.num_layers,), jnp.float32, sharding=replicated)
+            cache = cache.replace(k_scale=scale, v_scale=scale, scales_pending=jax.ShapeDtypeStruct(
+                (), jnp.bool_, sharding=replicated) if calculate_scales else None)
+        return cache
+
+
 def stores_raw_bits(dtype, sharding) -> bool:
     """Whether a pool of `dtype` on `sharding`'s devices holds raw bits: on a CPU, for floats
     narrower than 32 bits (see KVCache.raw_of)."""

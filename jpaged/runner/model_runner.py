@@ -70,14 +70,17 @@ class ModelRunner(distributed.DriverOps):
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_scheduler_steps: int = 1,
                  executable_cache: ExecutableCache | None = None, kv_scales=None, calculate_kv_scales: bool = False,
                  num_speculative_tokens: int = 0, proposer: Proposer | None = None, block_manager=None,
-                 structured_output=None, stop_checker=None, seed: int = 0, disable_by_batch_size: int | None = None):
+                 structured_output=None, stop_checker=None, seed: int = 0, disable_by_batch_size: int | None = None,
+                 abstract: bool = False):
         """`kv_scales`: fp8 pages' per-layer (k, v) scales from the checkpoint; else 1.0, or
         computed by the first step with `calculate_kv_scales`. `proposer`: speculative decoding's
         (spec_decode/proposer.py): the runner calls its hooks (each step's K/V forward, warm-up,
         device operations), and block copies and swaps iterate over `pools`, these pages and
         the proposer's pools that share their block ids. What `execute` reads of the engine,
         read only (step_inputs.StepBuilder): `block_manager` (block tables), `structured_output`
-        (grammar masks), `stop_checker` (EOS for min_tokens) and the engine `seed`."""
+        (grammar masks), `stop_checker` (EOS for min_tokens) and the engine `seed`. `abstract`: the
+        KV pool and the device-side step state are shapes only, nothing is allocated: a runner that
+        only compiles, to measure its executables' memory (`step_memory`) before the pool is sized."""
         self.kv_cache_spec, self.num_gpu_blocks = kv_cache_spec, num_gpu_blocks
         self.block_size = block_size = kv_cache_spec.block_size
         self.vocab_size = loaded.hf_config.vocab_size
@@ -98,12 +101,15 @@ class ModelRunner(distributed.DriverOps):
         self.proposer = proposer if proposer is not None else Proposer()
         self.pools = [self] + self.proposer.shared_pools()  # KV pools addressed by the same block ids
         self.proposer.attach(self)
-        self.kv_cache: KVCache = kv_cache_spec.allocate(num_gpu_blocks, kv, kv_scales, calculate_kv_scales)
+        self.abstract = abstract
+        self.kv_cache: KVCache = (kv_cache_spec.abstract if abstract else kv_cache_spec.allocate)(
+            num_gpu_blocks, kv, kv_scales, calculate_kv_scales)
         pool = jax.tree.map(lambda x: x.sharding, self.kv_cache)  # pages split on kv heads, scales replicated
         # Host pool for swapped-out pages, one per local shard, keyed by the shard's first kv head:
         # [layer, k/v, kv_heads / tp, cpu_blocks, block_size, head_dim].
-        self.host_kv = {index[0].start or 0: np.zeros(kv_cache_spec.host_shape(num_cpu_blocks), self.kv_cache.k_pages.dtype)
-                        for index in kv.addressable_devices_indices_map(kv_cache_spec.pool_shape(num_gpu_blocks)).values()}
+        self.host_kv = {} if abstract else {
+            index[0].start or 0: np.zeros(kv_cache_spec.host_shape(num_cpu_blocks), self.kv_cache.k_pages.dtype)
+            for index in kv.addressable_devices_indices_map(kv_cache_spec.pool_shape(num_gpu_blocks)).values()}
         # Swapped pages in flight: [layer, k/v, kv_heads, blocks, block_size, head_dim], split on kv heads.
         self._pages_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, None, TP_AXIS))
         self.buckets = Buckets.create(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size),
@@ -112,11 +118,13 @@ class ModelRunner(distributed.DriverOps):
         self.step_builder = StepBuilder(self.input_batch, block_manager, structured_output, stop_checker, seed)
         # The token each InputBatch row sampled last, kept on the device: the next step can read it
         # before the host has (overlap).
-        self.last_tokens = jnp.zeros(max_num_seqs, jnp.int32, device=rep)
+        state_array = functools.partial(jax.ShapeDtypeStruct, sharding=rep) if abstract else \
+            (lambda shape, dtype, fill=0: jnp.full(shape, fill, dtype, device=rep))
+        self.last_tokens = state_array((max_num_seqs,), jnp.int32)
         # Penalties' tokens, kept on the device per InputBatch row (prompt, then outputs; the
         # full sampler appends each sampled token): sent once per sequence, not every step.
         # `InputBatch.history` says what each row holds: (seq_id, tokens).
-        self.token_history = jnp.full((max_num_seqs, max_model_len), -1, jnp.int32, device=rep)
+        self.token_history = state_array((max_num_seqs, max_model_len), jnp.int32, *(() if abstract else (-1,)))
         # Each takes its inputs packed in one int32 array (one transfer), unpacked by `layout`.
         # `return_hidden`: the forward also returns the sampled rows' hidden states, kept in
         # `hidden_states` (on the device) for a proposer that drafts from them (EAGLE-style).
@@ -150,7 +158,7 @@ class ModelRunner(distributed.DriverOps):
                                                   donate_argnums=(1,), out_shardings=pool)
         self.executable_cache = executable_cache or ExecutableCache(None, "")
         self._executables = {}
-        if self._multihost:  # the driver's broadcasts: one executable, compiled now
+        if self._multihost and not abstract:  # the driver's broadcasts: one executable, compiled now
             self._executables[("broadcast", distributed.BROADCAST_CHUNK)] = distributed.broadcast_executable()[0]
         self._warm = False
         self.warmup: WarmUp | None = None  # a background warm-up (start_warm_up)
