@@ -6,16 +6,23 @@ Decode: for each (batch, context, heads/kv_heads) point it times, on the same da
   xla         pallas_kernels.paged_attention_xla (gather pages + attention)
   contiguous  dense einsum/softmax over contiguous [B, kvh, L, d] K/V (the
               paper's non-paged FasterTransformer-style comparison)
+  contiguous cudnn  (GPU only) cuDNN's attention over contiguous [B, L, kvh, d] K/V,
+              jax.nn.dot_product_attention(implementation="cudnn"); its error if cuDNN
+              refuses the shape
   jax_peer    jax.experimental.pallas.ops.gpu.paged_attention, if importable
               (needs pages_per_seq % k_splits == 0; same page layout)
-and prints a markdown table with microseconds, achieved GB/s (K/V bytes read
-once / time) and that rate as % of a device-to-device copy measured in the
-same run.
+and prints a markdown table with microseconds, achieved GB/s (bytes read + written:
+K/V once, q, the block tables and lengths, the output; / time) and that rate as % of
+a device-to-device copy's, measured in the same run and counted the same way (bytes
+read + written by an in-place `x + 1` over a 1 GiB buffer on a GPU, after a warm-up;
+the median of several timed batches).
 
 Prefill (ragged_paged_attention, one causal prompt per sequence, all of its K/V in the
 pages): pallas, mosaic and xla against dense causal attention on contiguous K/V
-(jax.nn.dot_product_attention: cuDNN's flash attention on a GPU, when it takes the shapes),
-in TFLOP/s (causal: 2 * batch * heads * L^2 * head_dim flops).
+(jax.nn.dot_product_attention with implementation="cudnn", cuDNN's flash attention, on a GPU
+when it takes the shape and dtype (fp16/bf16); else implementation="xla", the table's row then
+says `dense xla` and a note under it why), in TFLOP/s (causal: 2 * batch * heads * L^2 *
+head_dim flops).
 
   python scripts/bench_kernels.py            # GPU grid (CPU: tiny grid)
   python scripts/bench_kernels.py --quick    # a few long-context points (scripts/gpu_check.sh)
@@ -61,11 +68,41 @@ def time_call(fn, *args, iters):
     return (time.perf_counter() - start) / iters
 
 
-def copy_bandwidth(nbytes, iters):
-    """Device-to-device copy rate in bytes/s (read + write counted)."""
-    x = jnp.zeros((nbytes // 4,), jnp.float32)
-    sec = time_call(jax.jit(lambda a: a + 1.0), x, iters=iters)
-    return 2 * x.nbytes / sec
+COPY_BYTES = 1 << 30  # the copy reference's buffer on a GPU (smaller where less memory is free)
+
+
+def copy_bytes(on_gpu: bool) -> int:
+    """The copy reference's buffer size: 1 GiB on a GPU (at most a quarter of its free memory), 64 MiB
+    off it (past any CPU cache, quick)."""
+    if not on_gpu:
+        return 64 << 20
+    stats = jax.devices()[0].memory_stats() or {}
+    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    return COPY_BYTES if free <= 0 else max(16 << 20, min(COPY_BYTES, free // 4))
+
+
+def copy_bandwidth(nbytes, samples=10, reps=5, warmup_s=0.5):
+    """Device memory rate of a copy in bytes/s, bytes read plus bytes written: `x + 1` over one
+    buffer of `nbytes`, in place (donated: no allocation per call), after `warmup_s` seconds of the
+    same (an idle GPU runs its memory clock low at first); the median of `samples` timings of
+    `reps` calls each, each timing ended by block_until_ready."""
+    step = jax.jit(lambda a: a + jnp.uint32(1), donate_argnums=0)
+    x = jax.block_until_ready(jnp.zeros((nbytes // 4,), jnp.uint32))
+    start = time.perf_counter()
+    while True:  # compile, then warm up
+        x = jax.block_until_ready(step(x))
+        if time.perf_counter() - start >= warmup_s:
+            break
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        for _ in range(reps):
+            x = step(x)
+        jax.block_until_ready(x)
+        times.append((time.perf_counter() - start) / reps)
+    moved = 2 * x.nbytes
+    del x
+    return moved / sorted(times)[len(times) // 2]
 
 
 def contiguous_attention(q, k, v, lens):
@@ -78,6 +115,13 @@ def contiguous_attention(q, k, v, lens):
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bkgl,bkld->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o.reshape(b, h, d).astype(q.dtype)
+
+
+def contiguous_attention_cudnn(q, k, v, lens):
+    """q [B, H, d]; k, v [B, L, kvh, d]: cuDNN's attention (jax.nn.dot_product_attention,
+    implementation="cudnn"), keys past each sequence's length masked."""
+    out = jax.nn.dot_product_attention(q[:, None], k, v, key_value_seq_lengths=lens, implementation="cudnn")
+    return out[:, 0]
 
 
 def jax_peer(interpret, pages_per_seq):
@@ -122,13 +166,32 @@ def time_impls(impls, iters):
     return results
 
 
-def dense_causal_attention(q, k, v):
-    """q, k, v [B, L, heads or kv_heads, d] contiguous: jax's fused attention (cuDNN on a GPU)."""
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+def dense_causal_attention(q, k, v, implementation="xla"):
+    """q, k, v [B, L, heads or kv_heads, d] contiguous: jax.nn.dot_product_attention, causal."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
-def bench_prefill(batch, length, heads, kv_heads, grid, iters):
-    """Each sequence one causal prompt of `length` tokens, its K/V already in the pages."""
+def dense_reference(args, on_gpu):
+    """(jitted dense causal attention, its implementation, why not cuDNN or None): cuDNN's flash
+    attention where it compiles and runs for `args` (a GPU, fp16/bf16, a head_dim it takes), else
+    XLA's."""
+    xla = jax.jit(dense_causal_attention)
+    if not on_gpu:
+        return xla, "xla", "no GPU"
+    dtype = jnp.dtype(args[0].dtype)
+    if dtype not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        return xla, "xla", f"cuDNN's attention takes fp16/bf16, not {dtype.name}"
+    cudnn = jax.jit(lambda q, k, v: dense_causal_attention(q, k, v, implementation="cudnn"))
+    try:
+        jax.block_until_ready(cudnn(*args))
+    except Exception as e:  # refused at trace or compile time, or failed to run: say why
+        return xla, "xla", f"cuDNN refused: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return cudnn, "cudnn", None
+
+
+def bench_prefill(batch, length, heads, kv_heads, grid, iters, on_gpu=False):
+    """Each sequence one causal prompt of `length` tokens, its K/V already in the pages. Returns
+    (name -> seconds or failure, the dense reference's implementation, why it is not cuDNN's)."""
     head_dim, page, dtype = grid["head_dim"], grid["page"], grid["dtype"]
     _, k_pages, v_pages, tables, lens = make_inputs(
         jax.random.PRNGKey(length + batch), batch, length, heads, kv_heads, head_dim, page, dtype
@@ -142,8 +205,10 @@ def bench_prefill(batch, length, heads, kv_heads, grid, iters):
         name: (jax.jit(lambda *a, b=name: pk.ragged_paged_attention(*a, backend=b)), paged)
         for name in ("pallas", "mosaic", "xla")
     }
-    impls["dense"] = (jax.jit(dense_causal_attention), (q.reshape(batch, length, heads, head_dim), k_dense, v_dense))
-    return time_impls(impls, iters)
+    dense_args = (q.reshape(batch, length, heads, head_dim), k_dense, v_dense)
+    dense, implementation, why = dense_reference(dense_args, on_gpu)
+    impls["dense"] = (dense, dense_args)
+    return time_impls(impls, iters), implementation, why
 
 
 def bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters, kv_cache_dtype=None):
@@ -162,6 +227,9 @@ def bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters, kv_cache_d
         "xla": (jax.jit(pk.paged_attention_xla), (q, k_pages, v_pages, tables, lens)),
         "contiguous": (jax.jit(contiguous_attention), (q, k_dense, v_dense, lens)),
     }
+    if on_gpu:  # cuDNN's attention on the same contiguous K/V, in its [B, L, kvh, d] layout
+        k_bthd, v_bthd = k_dense.transpose(0, 2, 1, 3), v_dense.transpose(0, 2, 1, 3)
+        impls["contiguous cudnn"] = (jax.jit(contiguous_attention_cudnn), (q, k_bthd, v_bthd, lens))
     if kv_cache_dtype:  # the same pages in fp8 (the KV cache's kv_cache_dtype): half the bytes to read
         fp8 = FP8_DTYPES[kv_cache_dtype]
         k8, v8 = k_pages.astype(fp8), v_pages.astype(fp8)
@@ -177,7 +245,7 @@ def bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters, kv_cache_d
     results = time_impls(impls, iters)
     if why:
         results["jax_peer"] = why
-    del k_dense, v_dense, k_pages, v_pages
+    del k_dense, v_dense, k_pages, v_pages, impls
     return results
 
 
@@ -188,18 +256,20 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=1 << 21, help="skip points with batch * context above this")
     parser.add_argument("--kv-cache-dtype", choices=sorted(FP8_DTYPES),
-                        help="also decode from fp8 pages (GB/s counted on the fp8 bytes read)")
+                        help="also decode from fp8 pages (their GB/s counted on the fp8 K/V bytes)")
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     tiny = args.tiny or not on_gpu
     grid = TINY_GRID if tiny else QUICK_GRID if args.quick else GPU_GRID
     iters = args.iters or (2 if tiny else 20)
-    copy_bw = copy_bandwidth((1 << 20) if tiny else (1 << 30), iters)
+    nbytes = copy_bytes(on_gpu)
+    copy_bw = copy_bandwidth(nbytes, warmup_s=0.5 if on_gpu else 0.05)
     itemsize = jnp.dtype(grid["dtype"]).itemsize
     print(
         f"backend={jax.default_backend()} device={jax.devices()[0].device_kind}"
         f" dtype={jnp.dtype(grid['dtype']).name} head_dim={grid['head_dim']}"
-        f" page={grid['page']} copy={copy_bw / 1e9:.1f} GB/s"
+        f" page={grid['page']} copy={copy_bw / 1e9:.1f} GB/s (bytes read + written, in-place x + 1 over"
+        f" {nbytes / 2**30:.3g} GiB; GB/s below: each kernel's bytes read + written / time)"
         f"{' (pallas and mosaic in interpret mode)' if not on_gpu else ''}\n"
     )
     print("| batch | context | heads/kv | impl | µs | GB/s | % copy |")
@@ -211,34 +281,46 @@ def main(argv=None):
                 if batch * context > args.max_tokens:
                     continue
                 kv_bytes = 2 * batch * context * kv_heads * grid["head_dim"] * itemsize
+                # besides K/V: q read, the output written (both in the grid's dtype), block tables and lengths read
+                other_bytes = 2 * batch * heads * grid["head_dim"] * itemsize + 4 * batch * (context // grid["page"] + 1)
                 res = bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters, args.kv_cache_dtype)
                 for impl, sec in res.items():
-                    read = kv_bytes if not impl.endswith(str(args.kv_cache_dtype)) else kv_bytes // itemsize
+                    kv = kv_bytes if not impl.endswith(str(args.kv_cache_dtype)) else kv_bytes // itemsize
+                    moved = kv + other_bytes
                     row = dict(kind="decode", batch=batch, context=context, heads=heads, kv_heads=kv_heads, impl=impl,
-                               seconds=sec)
+                               seconds=sec, bytes=moved)
                     rows.append(row)
                     if isinstance(sec, str):
                         cells = f"{sec} | | "
                     else:
-                        rate = read / sec
+                        rate = moved / sec
                         cells = f"{sec * 1e6:.1f} | {rate / 1e9:.1f} | {100 * rate / copy_bw:.0f}"
                     print(f"| {batch} | {context} | {heads}/{kv_heads} | {impl} | {cells} |", flush=True)
     print("\n| batch | prompt | heads/kv | impl | ms | TFLOP/s | % dense |")
     print("|---|---|---|---|---|---|---|")
     heads, kv_heads = grid["heads"][0]
+    notes = {}  # why the dense reference is XLA's -> the points it was
     for batch, length in grid["prefill"]:
         flops = 2 * batch * heads * length * length * grid["head_dim"]  # QK^T and PV, causal half
-        res = bench_prefill(batch, length, heads, kv_heads, grid, iters)
+        res, implementation, why = bench_prefill(batch, length, heads, kv_heads, grid, iters, on_gpu)
+        if why:
+            notes.setdefault(why, []).append(f"{batch}x{length}")
         dense = res.get("dense")
         for impl, sec in res.items():
-            rows.append(dict(kind="prefill", batch=batch, context=length, heads=heads, kv_heads=kv_heads, impl=impl,
-                             seconds=sec))
+            row = dict(kind="prefill", batch=batch, context=length, heads=heads, kv_heads=kv_heads, impl=impl,
+                       seconds=sec)
+            if impl == "dense":
+                row["implementation"] = implementation
+            rows.append(row)
             if isinstance(sec, str):
                 cells = f"{sec} | | "
             else:
                 share = f"{100 * dense / sec:.0f}" if isinstance(dense, float) else ""
                 cells = f"{sec * 1e3:.2f} | {flops / sec / 1e12:.2f} | {share}"
-            print(f"| {batch} | {length} | {heads}/{kv_heads} | {impl} | {cells} |", flush=True)
+            label = f"dense {implementation}" if impl == "dense" else impl
+            print(f"| {batch} | {length} | {heads}/{kv_heads} | {label} | {cells} |", flush=True)
+    for why, points in notes.items():
+        print(f"\ndense xla (batch x prompt {', '.join(points)}): XLA's attention instead of cuDNN's: {why}")
     return rows
 
 

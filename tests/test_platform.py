@@ -17,19 +17,69 @@ import pallas_kernels as pk
 from jpaged.config import ATTENTION_BACKENDS, EngineConfig
 
 ENGINE = dict(max_model_len=64, max_num_seqs=2, num_gpu_blocks_override=16, enforce_eager=True)
+CHECKOUT = Path(__file__).parents[1]
+
+# The device tests hold on either machine. Where jax's default backend is the GPU (scripts/gpu_check.sh
+# runs this file there), a CPU-only case runs in a new process: `device='cpu'` cannot run in a process
+# whose jax already runs on the GPU, and `device='cuda'` cannot fail for want of a CUDA backend there.
+
+
+def _env(**changes) -> dict:
+    """This process's environment with `changes` (None: removed), the checkout first on PYTHONPATH and
+    no pytest-xdist worker variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT_TEST"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(CHECKOUT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    for key, value in changes.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def _rerun_on_cpu(test_name: str):
+    """This file's test `test_name` in a pytest process with JAX_PLATFORMS=cpu: its CPU case."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"tests/test_platform.py::{test_name}"], cwd=CHECKOUT, env=_env(JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "1 passed" in done.stdout, (done.stdout + done.stderr)[-3000:]
 
 
 def test_device_cuda_without_gpu_is_a_clear_error():
-    with pytest.raises(RuntimeError, match=r"device='cuda'.*CUDA"):
-        jpaged.LLM("tiny", device="cuda", **ENGINE)
+    """device='cuda' where jax has no CUDA backend is a clear error, not an engine on the CPU; on a
+    GPU, it runs there (and the error is checked in a process with JAX_PLATFORMS=cpu)."""
+    if jax.default_backend() != "gpu":
+        with pytest.raises(RuntimeError, match=r"device='cuda'.*CUDA"):
+            jpaged.LLM("tiny", device="cuda", **ENGINE)
+        return
+    llm = jpaged.LLM("tiny", device="cuda", **ENGINE)
+    out = llm.generate([[1, 2, 3]], jpaged.SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2 and llm.llm_engine.devices[0].platform == "gpu"
+    del llm
+    _rerun_on_cpu("test_device_cuda_without_gpu_is_a_clear_error")
 
 
 def test_device_option_checked():
+    """device='cpu' runs on the CPU, and keeps jax off a GPU when it comes first in the process
+    (devices.select); once jax runs on the GPU it is a clear error instead."""
     with pytest.raises(ValueError, match="device='tpu'"):
         EngineConfig(device="tpu")
-    llm = jpaged.LLM("tiny", device="cpu", **ENGINE)
-    out = llm.generate([[1, 2, 3]], jpaged.SamplingParams(max_tokens=2), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 2
+    if jax.default_backend() == "cpu":
+        llm = jpaged.LLM("tiny", device="cpu", **ENGINE)
+        out = llm.generate([[1, 2, 3]], jpaged.SamplingParams(max_tokens=2), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 2
+        return
+    with pytest.raises(RuntimeError, match=r"device='cpu' but jax already runs on 'gpu': set JAX_PLATFORMS=cpu"):
+        jpaged.LLM("tiny", device="cpu", **ENGINE)
+    script = ("import jax, jpaged\n"
+              f"llm = jpaged.LLM('tiny', device='cpu', **{ENGINE!r})\n"
+              "out = llm.generate([[1, 2, 3]], jpaged.SamplingParams(max_tokens=2), use_tqdm=False)\n"
+              "print('result', len(out[0].outputs[0].token_ids), jax.default_backend(),\n"
+              "      llm.llm_engine.devices[0].platform)\n")
+    done = subprocess.run([sys.executable, "-c", script], env=_env(JAX_PLATFORMS=None), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "result 2 cpu cpu" in done.stdout, done.stdout
 
 
 def test_kernel_family_names_match_the_config():
@@ -96,8 +146,13 @@ def test_import_survives_a_jax_without_the_triton_backend(tmp_path):
 
 
 def test_gpu_check_devices_step_runs_on_cpu(capsys):
-    """scripts/gpu_check.sh's backend step, with the device it asserts set to the CPU."""
+    """scripts/gpu_check.sh's backend step, with the device it asserts set to the CPU (on a GPU machine:
+    in a process with JAX_PLATFORMS=cpu, the step itself runs on the GPU there)."""
     import importlib.util
+
+    if jax.default_backend() != "cpu":
+        _rerun_on_cpu("test_gpu_check_devices_step_runs_on_cpu")
+        return
 
     spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parents[1] / "scripts/gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)

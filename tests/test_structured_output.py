@@ -196,3 +196,51 @@ def test_compiled_grammars_are_bounded_by_bytes(monkeypatch):
     out = llm.generate([[1]], jpaged.SamplingParams(temperature=1.0, max_tokens=4, guided_regex="[0-9]{1}"),
                        use_tqdm=False)[0].outputs[0]
     assert re.fullmatch("[0-9]", out.text)
+
+
+def test_grammar_worker_starts_with_its_modules_only_on_pythonpath(tmp_path):
+    """The worker runs isolated (`python -I`, which drops PYTHONPATH), yet starts where jpaged is
+    importable only through PYTHONPATH (a checkout) and llguidance and numpy only through a
+    `pip install --target DIR` tree on it, as on the first GPU machine: here an interpreter with an
+    empty site-packages (a new venv), PYTHONPATH=<checkout>:<target>, the target holding links to
+    this interpreter's llguidance and numpy."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    import venv
+    from pathlib import Path
+
+    from jpaged.core.structured_output import StructuredOutputManager
+    from jpaged.models.tiny import tiny_tokenizer
+
+    target = tmp_path / "target"
+    target.mkdir()
+    for name in ("llguidance", "numpy"):
+        site = Path(importlib.util.find_spec(name).submodule_search_locations[0]).parent
+        for entry in site.glob(f"{name}*"):  # the package, its dist-info, numpy.libs (its BLAS)
+            (target / entry.name).symlink_to(entry)
+    venv.create(tmp_path / "venv", with_pip=False)
+    python = tmp_path / "venv" / "bin" / "python"
+    bare = subprocess.run([python, "-c", "import llguidance"], capture_output=True, text=True, timeout=60)
+    assert bare.returncode != 0 and "No module named 'llguidance'" in bare.stderr  # only the target has it
+
+    tokenizer = tiny_tokenizer()
+    args = tmp_path / "tokenizer.json"
+    args.write_text(json.dumps(StructuredOutputManager(tokenizer, len(tokenizer))._tokenizer_args))
+    script = ("import json, sys\n"
+              "from jpaged.core.grammar_worker import GrammarWorker\n"
+              "worker = GrammarWorker(tuple(json.load(open(sys.argv[1]))), timeout=60, memory_mib=1024)\n"
+              "grammar, cost, only_empty = worker.check('guided_regex', '[0-9]{4}')\n"
+              "print('compiled', cost > 0, only_empty)\n"
+              "try:\n"
+              "    worker.check('guided_regex', 'a(?!b)')\n"
+              "except ValueError as e:\n"
+              "    print('refused', e)\n")
+    checkout = Path(__file__).parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env["PYTHONPATH"] = f"{checkout}{os.pathsep}{target}"
+    done = subprocess.run([python, "-c", script, str(args)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiled True False" in done.stdout and "refused not a valid grammar" in done.stdout, done.stdout

@@ -8,12 +8,20 @@ token mask here, in a child process with an address-space limit (RLIMIT_AS) that
 the budget runs out. Only a grammar that passed is compiled again in the serving process (a
 matcher cannot cross processes), where that compile is known to be quick.
 
-The child imports no jax, torch or transformers: stdlib and llguidance only (~0.3 s to start).
+The child imports no jax, torch or transformers: stdlib, llguidance and numpy only (~0.3 s to start).
 Messages are length-prefixed pickles over its stdin and stdout.
+
+The child runs isolated (`python -I`): no PYTHON* environment variables (PYTHONINSPECT, PYTHONWARNINGS,
+PYTHONHASHSEED... set for the serving process), no user site-packages, and not this file's directory
+first on sys.path (where a module could shadow the standard library's). -I also drops PYTHONPATH, which
+may be the only way llguidance and numpy are importable (a checkout, or a `pip install --target DIR` tree
+on PYTHONPATH): so the directories this process imports them from are given to the child as its
+arguments, and it puts those its own sys.path lacks first, as PYTHONPATH would have (`_import_dirs`).
 """
 
 import contextlib
 import ctypes
+import importlib.util
 import os
 import pickle
 import re
@@ -25,6 +33,7 @@ import threading
 import time
 
 _LENGTH = struct.Struct(">Q")
+_CHILD_MODULES = ("llguidance", "numpy")  # what the child imports besides the standard library
 
 
 class GrammarLimitError(ValueError):
@@ -64,8 +73,8 @@ class GrammarWorker:
         raise ValueError(f"not a valid grammar: {clean_error(rest[0])}")
 
     def _start(self):
-        self._proc = subprocess.Popen([sys.executable, "-I", __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.DEVNULL, close_fds=True)
+        self._proc = subprocess.Popen([sys.executable, "-I", __file__, *_import_dirs()], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
         try:  # building the tokenizer's trie takes about a second for a 150k vocabulary
             self._call((self._tokenizer_args, self.memory_mib), 120)
         except (TimeoutError, EOFError) as e:
@@ -86,6 +95,28 @@ class GrammarWorker:
     def _call(self, message, timeout: float):
         _send(self._proc.stdin, message)
         return _receive(self._proc.stdout, time.monotonic() + timeout)
+
+
+def _import_dirs() -> list[str]:
+    """The directories (absolute sys.path entries) this process imports the child's modules from."""
+    dirs = []
+    for name in _CHILD_MODULES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            continue  # the child reports it: its import fails
+        if spec.submodule_search_locations:  # a package: the entry is its directory's parent
+            directory = os.path.dirname(os.path.normpath(next(iter(spec.submodule_search_locations))))
+        elif spec.origin:
+            directory = os.path.dirname(spec.origin)
+        else:
+            continue
+        directory = os.path.abspath(directory)
+        if directory not in dirs:
+            dirs.append(directory)
+    return dirs
 
 
 def clean_error(message: str) -> str:
@@ -137,6 +168,9 @@ def _main():
     import json
     import resource
 
+    # The parent's directories for llguidance and numpy that -I left out, first (as PYTHONPATH puts
+    # them); those the interpreter has anyway keep their place.
+    sys.path[:0] = [d for d in dict.fromkeys(sys.argv[1:]) if d not in sys.path]
     import llguidance
     import llguidance.numpy
     import numpy as np
