@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpaged.runner.buckets import fit, history_widths
 from jpaged.runner.input_batch import InputBatch, layout_of, pack, unpack
 
 
@@ -65,7 +66,7 @@ def test_pack_round_trips_every_dtype_inside_jit():
 # through SamplingMetadata.from_rows (what the engine did before the InputBatch kept the knobs).
 
 V = 300  # vocabulary: bitmask rows of 10 words
-HISTORY_LEN = 256  # the token history's width (max_model_len)
+HISTORY_LEN = 1024  # the token history's width (max_model_len); uploads are 256 or 1024 wide
 
 
 class FakeBlockManager:
@@ -242,9 +243,14 @@ def test_step_inputs_equal_a_from_scratch_build_over_random_steps():
         # its sequence's tokens (prompt, outputs, the drafts before it), as the device would.
         appends = []
         if full:
-            history = step_inputs.history_inputs(ib, batch, num_rows, HISTORY_LEN,
-                                                 lambda rows, tokens: device_history.__setitem__(
-                                                     rows[rows >= 0], tokens[rows >= 0]))
+            def upload(rows, tokens):  # as the device's write_history: the first tokens.shape[1] positions
+                uploads.append((tokens.shape[1], int((tokens >= 0).sum(axis=1).max())))
+                device_history[rows[rows >= 0], :tokens.shape[1]] = tokens[rows >= 0]
+
+            uploads = []
+            history = step_inputs.history_inputs(ib, batch, num_rows, history_widths(HISTORY_LEN), upload)
+            # each upload as narrow as its longest sequence allows
+            assert all(w == fit(history_widths(HISTORY_LEN), longest) for w, longest in uploads)
             i = 0
             for scheduled in plan.scheduled_seq_groups:
                 sp = scheduled.seq_group.sampling_params

@@ -50,3 +50,33 @@ def test_penalties_match_hf(tmp_path):
     for prompt, sp, out in zip(prompts, params, outs):
         assert out.outputs[0].token_ids == hf_greedy_penalised(hf, prompt, sp.max_tokens, sp), sp
     assert_all_blocks_free(llm)
+
+
+def test_penalties_with_history_uploads_narrower_than_max_model_len(tmp_path, test_seed, monkeypatch):
+    """Token-history uploads are as wide as their longest sequence needs (32, 128 or 256 columns
+    here), not max_model_len: rows reused by a shorter sequence keep a longer one's tokens past
+    its length, which the sampler must never read."""
+    from jpaged.runner import buckets
+
+    monkeypatch.setattr(buckets, "HISTORY_MIN_WIDTH", 32)  # (256: the model's whole length)
+    hf = make_checkpoint(tmp_path, "llama3-gqa-rope-scaling")
+    llm = jpaged.LLM(str(tmp_path), dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=3,
+                     max_num_batched_tokens=256)
+    assert llm.llm_engine.runner.buckets.history == (32, 128, 256)
+    rng = np.random.default_rng(test_seed)
+    uploads = []
+    runner = llm.llm_engine.runner
+    write = runner._write_history
+    runner._write_history = lambda rows, tokens: (uploads.append(tokens.shape[1]), write(rows, tokens))
+    # Long prompts first, then short ones that take over their rows.
+    lengths = [int(rng.integers(130, 230)) for _ in range(3)] + [int(rng.integers(8, 20)) for _ in range(5)]
+    prompts = [rng.integers(0, VOCAB // 4, size=n).tolist() for n in lengths]
+    params = [jpaged.SamplingParams(temperature=0, max_tokens=int(rng.integers(6, 12)), ignore_eos=True,
+                                    repetition_penalty=float(rng.choice([1.4, 0.7])),
+                                    presence_penalty=float(rng.choice([0.0, 0.8, -0.5])),
+                                    frequency_penalty=float(rng.choice([0.0, 0.6]))) for _ in prompts]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert 32 in uploads and 256 in uploads, uploads
+    for prompt, sp, out in zip(prompts, params, outs):
+        assert out.outputs[0].token_ids == hf_greedy_penalised(hf, prompt, sp.max_tokens, sp), sp
+    assert_all_blocks_free(llm)

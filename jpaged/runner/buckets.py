@@ -10,6 +10,14 @@ BLOCK_OPS = ("copy_blocks", "swap_out", "swap_in")
 # Token histories uploaded to the device at once (more: several calls), for penalised sequences
 # whose row does not hold their tokens yet.
 HISTORY_UPLOAD_ROWS = 16
+# ... each upload as wide as its longest sequence needs, on this ladder (x4) up to max_model_len:
+# an upload of short prompts does not carry max_model_len columns (131072 for Llama 3).
+HISTORY_MIN_WIDTH = 256
+
+
+def history_widths(max_model_len: int) -> list[int]:
+    """The token-history upload's widths: HISTORY_MIN_WIDTH, x4, ..., max_model_len."""
+    return ladder(min(HISTORY_MIN_WIDTH, max_model_len), max_model_len, factor=4)
 
 
 def ladder(smallest: int, largest: int, factor: int = 2) -> list[int]:
@@ -44,11 +52,12 @@ class Buckets:
     max_num_seqs: int
     width: int
     num_scheduler_steps: int = 1
+    history: tuple[int, ...] = ()  # the token-history upload's widths (history_widths)
 
     @classmethod
     def create(cls, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
                num_scheduler_steps: int = 1, num_speculative_tokens: int = 0,
-               batch_invariant: bool = False) -> "Buckets":
+               batch_invariant: bool = False, max_model_len: int | None = None) -> "Buckets":
         """Speculative decoding samples a row per draft too: up to max_num_seqs * (1 + k) rows
         (the scheduler keeps them within max_num_batched_tokens), on a doubling ladder above
         max_num_seqs, so that steps without drafts keep their row buckets. `batch_invariant`: no
@@ -60,7 +69,8 @@ class Buckets:
         if max_rows > max_num_seqs:
             rows += ladder(2 * max_num_seqs, max_rows)
         # Doubling token ladder: at most 2x padding.
-        return cls(ladder(least, max_num_batched_tokens), rows, max_num_seqs, max_blocks_per_seq, num_scheduler_steps)
+        return cls(ladder(least, max_num_batched_tokens), rows, max_num_seqs, max_blocks_per_seq, num_scheduler_steps,
+                   tuple(history_widths(max_model_len)) if max_model_len else ())
 
     def seqs(self, num_tokens: int) -> int:
         """Sequence rows of a step of `num_tokens` (a bucket): each sequence has a token."""
@@ -93,4 +103,5 @@ class Buckets:
         for op in BLOCK_OPS:
             for num_blocks in BLOCK_OP_SIZES:
                 yield (op, num_blocks)
-        yield ("write_history", HISTORY_UPLOAD_ROWS)
+        for width in self.history:
+            yield ("write_history", HISTORY_UPLOAD_ROWS, width)

@@ -113,7 +113,7 @@ class ModelRunner(distributed.DriverOps):
         # Swapped pages in flight: [layer, k/v, kv_heads, blocks, block_size, head_dim], split on kv heads.
         self._pages_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, None, TP_AXIS))
         self.buckets = Buckets.create(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size),
-                                      num_scheduler_steps, num_speculative_tokens, self.batch_invariant)
+                                      num_scheduler_steps, num_speculative_tokens, self.batch_invariant, max_model_len)
         self.input_batch = InputBatch(max_num_seqs, self.buckets.width)
         self.step_builder = StepBuilder(self.input_batch, block_manager, structured_output, stop_checker, seed)
         # The token each InputBatch row sampled last, kept on the device: the next step can read it
@@ -263,7 +263,7 @@ class ModelRunner(distributed.DriverOps):
             return self._lora_writer, (self.state, slot, abstract_slot(self.lora_linears.values(), self._replicated))
         if key[0] == "write_history":
             rows = jax.ShapeDtypeStruct((key[1],), jnp.int32, sharding=self._replicated)
-            tokens = jax.ShapeDtypeStruct((key[1], self.max_model_len), jnp.int32, sharding=self._replicated)
+            tokens = jax.ShapeDtypeStruct((key[1], key[2]), jnp.int32, sharding=self._replicated)
             return self._history_writer, (self.token_history, rows, tokens)
         op, num_blocks = key
         blocks = jax.ShapeDtypeStruct((num_blocks,), jnp.int32, sharding=self._replicated)
@@ -373,7 +373,7 @@ class ModelRunner(distributed.DriverOps):
         smeta = self.sampling_metadata(batch, num_sample_rows, full)
         if not multi_step:
             history = step_inputs.history_inputs(
-                ib, batch, num_sample_rows, self.max_model_len,
+                ib, batch, num_sample_rows, self.buckets.history,
                 lambda rows, tokens: self.dispatch_op("write_history", rows, tokens)) if full else None
             out = self.dispatch_op("run_step", (step.num_tokens, full, hooks), pack(inputs),
                                    pack((smeta, step.dst_rows, history)))
@@ -410,7 +410,7 @@ class ModelRunner(distributed.DriverOps):
         return out
 
     def _write_history(self, rows: np.ndarray, tokens: np.ndarray):
-        self.token_history = self._executable(("write_history", len(rows)))(self.token_history, rows, tokens)
+        self.token_history = self._executable(("write_history",) + tokens.shape)(self.token_history, rows, tokens)
 
     def run_kv_forward(self, num_tokens: int, inputs: np.ndarray, last_tokens, lora: bool = False):
         """Another runner's step's K/V-only forward over these pages (a draft's); `lora`: its inputs carry LoRA slots."""

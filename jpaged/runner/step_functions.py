@@ -118,8 +118,10 @@ def sample(logits, packed, last_tokens, token_history, *, layout: Layout):
 
 
 def write_history(token_history, rows, tokens):
-    """Rows' whole token histories (-1 padded); row -1: skipped."""
-    return token_history.at[jnp.where(rows < 0, token_history.shape[0], rows)].set(tokens, mode="drop")
+    """Rows' token histories, their first tokens.shape[1] positions (-1 padded; the sampler reads
+    a row only up to its sequence's length); row -1: skipped."""
+    rows = jnp.where(rows < 0, token_history.shape[0], rows)
+    return token_history.at[rows, :tokens.shape[1]].set(tokens, mode="drop")
 
 
 def multi_step(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *, layout: Layout,

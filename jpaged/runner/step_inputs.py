@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 from jpaged.config import MAX_LOGPROBS
-from jpaged.runner.buckets import HISTORY_UPLOAD_ROWS
+from jpaged.runner.buckets import HISTORY_UPLOAD_ROWS, fit
 from jpaged.runner.input_batch import MAX_BANNED_TOKENS, InputBatch
 from jpaged.runner.sampler import SamplingMetadata
 from jpaged.runner.step_functions import HistoryInputs
@@ -269,10 +269,12 @@ def sampling_metadata(ib: InputBatch, batch: StepBatch | None, num_rows: int, fu
         do_guided=full, batch_invariant=batch_invariant)
 
 
-def history_inputs(ib: InputBatch, batch: StepBatch, num_rows: int, max_model_len: int, upload) -> HistoryInputs:
+def history_inputs(ib: InputBatch, batch: StepBatch, num_rows: int, widths, upload) -> HistoryInputs:
     """The full sampler's history rows; first uploads (`upload(rows, tokens)`, a device
     operation) the tokens of penalised sequences whose row does not hold them (a new row, or
-    tokens the sampler did not append: forks, beams, drafts)."""
+    tokens the sampler did not append: forks, beams, drafts). Each upload is as wide as the
+    smallest of `widths` (Buckets.history) its longest sequence fits: the sampler reads a row
+    only up to its sequence's length, so what lies beyond is never read."""
     history = HistoryInputs(*(np.full(num_rows, fill, np.int32) for fill in (-1, 0, 0, -1)))
     uploads = {}
     for i, (j, row, seq, drafts, appends) in batch.history.items():
@@ -297,7 +299,7 @@ def history_inputs(ib: InputBatch, batch: StepBatch, num_rows: int, max_model_le
     for start in range(0, len(items), HISTORY_UPLOAD_ROWS):
         chunk = items[start:start + HISTORY_UPLOAD_ROWS]
         upload_rows = np.full(HISTORY_UPLOAD_ROWS, -1, np.int32)
-        tokens = np.full((HISTORY_UPLOAD_ROWS, max_model_len), -1, np.int32)
+        tokens = np.full((HISTORY_UPLOAD_ROWS, fit(list(widths), max(len(ids) for _, ids in chunk))), -1, np.int32)
         for k, (row, ids) in enumerate(chunk):
             upload_rows[k] = row
             tokens[k, :len(ids)] = ids
