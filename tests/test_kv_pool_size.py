@@ -8,7 +8,7 @@ import random
 import pytest
 
 from jpaged.engine.kv_pool_size import (CPU_POOL_SEQUENCES, CPU_POOL_TOKENS, DEFAULT_SWAP_SPACE_GIB, GIB,
-                                       GPU_MARGIN_BYTES, GPU_MARGIN_FRACTION, pool_size)
+                                       GPU_MARGIN_BYTES, GPU_MARGIN_FRACTION, GROWTH_SLACK_BYTES, pool_size)
 
 KIB = 1024
 
@@ -116,6 +116,31 @@ def _random_llama(path, seed: int) -> str:
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     tiny.tiny_tokenizer().save_pretrained(path)
     return str(path)
+
+
+def test_gpu_plan_under_a_growing_allocator_fits_the_pool_in_one_piece(test_seed):
+    """XLA_PYTHON_CLIENT_PREALLOCATE=false: the allocator holds regions (pool_bytes) below its limit;
+    the pool is reserved in one piece, from a new region or the largest free block, so it is capped
+    by the larger of the two (the first GPU run: 8B weights in doubling regions would leave no
+    room for a 77 GiB pool in one piece)."""
+    rng = random.Random(test_seed)
+    for _ in range(200):
+        limit = rng.randint(20, 141) * GIB
+        resident = rng.randint(0, limit // 4)
+        held = resident + rng.randint(0, resident + 1)  # regions are up to twice what they hold
+        largest_free = rng.randint(0, held - resident)
+        stats = {"bytes_limit": limit, "bytes_in_use": resident, "pool_bytes": held,
+                 "largest_free_block_bytes": largest_free}
+        pool = cpu(memory_stats=stats, bytes_per_block=512 * KIB, step_state=2**27, peak=GIB)
+        plain = cpu(memory_stats={"bytes_limit": limit, "bytes_in_use": resident}, bytes_per_block=512 * KIB,
+                    step_state=2**27, peak=GIB)
+        piece = max(limit - held, largest_free) - GROWTH_SLACK_BYTES
+        assert pool.num_gpu_blocks == min(plain.num_gpu_blocks, piece // (512 * KIB))
+        assert pool.plan.contiguous == piece and "in one piece" in pool.how
+        assert plain.plan.contiguous is None and "in one piece" not in plain.how
+    # Preallocated (pool_bytes == bytes_limit): no cap.
+    stats = {"bytes_limit": 80 * GIB, "bytes_in_use": 10 * GIB, "pool_bytes": 80 * GIB}
+    assert cpu(memory_stats=stats).plan.contiguous is None
 
 
 @pytest.mark.parametrize("model", ["tiny", "checkpoint"])

@@ -34,6 +34,7 @@ CPU_POOL_RAM_FRACTION = 0.05
 # fragmentation, cuBLAS/cuDNN handles, autotuning buffers of compiles during a background warm-up.
 GPU_MARGIN_BYTES = 512 * 2**20
 GPU_MARGIN_FRACTION = 0.01  # ... plus this much of the memory jax may use
+GROWTH_SLACK_BYTES = 64 * 2**20  # a growing allocator's rounding, below its largest piece
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,7 @@ class GpuMemoryPlan:
     peak_of: str  # which executable
     margin: int
     pool: int  # the KV pool, a whole number of blocks
+    contiguous: int | None = None  # a growing allocator's largest piece for the pool (None: preallocated)
 
     @property
     def free(self) -> int:
@@ -58,8 +60,10 @@ class GpuMemoryPlan:
         g = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
         return (f"gpu_memory_utilization={self.utilization} of the {g(self.limit)} jax may use: weights and other "
                 f"resident {g(self.resident)}, step state {g(self.step_state)}, peak step temporaries "
-                f"{g(self.peak)} ({self.peak_of}), margin {g(self.margin)}, KV pool {g(self.pool)}, "
-                f"{g(self.free)} left free")
+                f"{g(self.peak)} ({self.peak_of}), margin {g(self.margin)}, KV pool {g(self.pool)}"
+                + (f" (at most {g(self.contiguous)} in one piece: jax's allocator grows, "
+                   f"XLA_PYTHON_CLIENT_PREALLOCATE=false)" if self.contiguous is not None else "")
+                + f", {g(self.free)} left free")
 
 
 def plan_gpu_memory(*, bytes_per_block: int, gpu_memory_utilization: float, memory_stats: dict, step_state: int = 0,
@@ -69,9 +73,17 @@ def plan_gpu_memory(*, bytes_per_block: int, gpu_memory_utilization: float, memo
     limit, resident = int(memory_stats["bytes_limit"]), int(memory_stats["bytes_in_use"])
     margin = GPU_MARGIN_BYTES + int(GPU_MARGIN_FRACTION * limit)
     room = int(limit * gpu_memory_utilization) - resident - step_state - peak - margin
+    contiguous = None
+    if memory_stats.get("pool_bytes") is not None and memory_stats["pool_bytes"] < limit:
+        # A growing allocator (no preallocation): the pool is reserved in one piece (start_up.
+        # reserve_device_memory), from a new region within what the allocator has not taken yet,
+        # or from the largest free piece of the regions it holds.
+        contiguous = max(limit - int(memory_stats["pool_bytes"]), int(memory_stats.get("largest_free_block_bytes", 0)))
+        contiguous -= GROWTH_SLACK_BYTES
+        room = min(room, contiguous)
     num_blocks = max(room, 0) // bytes_per_block
     plan = GpuMemoryPlan(limit, gpu_memory_utilization, resident, step_state, peak, peak_of, margin,
-                         num_blocks * bytes_per_block)
+                         num_blocks * bytes_per_block, contiguous)
     if num_blocks < 1:
         raise ValueError(f"no room for the KV cache: {plan.describe()}; the pool needs {bytes_per_block} bytes "
                          f"per block. Raise gpu_memory_utilization (--gpu-memory-utilization), lower max_num_seqs or "
