@@ -37,14 +37,15 @@ class StepMemory:
 def memory_keys(runner) -> list[tuple]:
     """The executables that bound a step's memory: the largest forward (with the proposer's hidden
     states when it asks for them), the largest multi-step decode, the sampler at its largest row
-    bucket (fast and full), each block operation and the history upload. Smaller buckets of the
+    bucket (fast and full), each block operation and the widest history upload. Smaller buckets of the
     same function need less."""
     buckets = runner.buckets
     keys = [runner.forward_key(buckets.tokens[-1])]
     if buckets.num_scheduler_steps > 1 and buckets.decode_tokens:
         keys.append(("multi_step", buckets.decode_tokens[-1]))
     keys += [("sample", buckets.rows[-1], full) for full in (False, True)]
-    keys += [k for k in buckets.keys() if k[0] in BLOCK_OPS or k[0] == "write_history"]
+    keys += [k for k in buckets.keys() if k[0] in BLOCK_OPS]
+    keys += [max((k for k in buckets.keys() if k[0] == "write_history"), key=lambda k: k[2])]  # the widest
     return keys
 
 
