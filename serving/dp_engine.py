@@ -18,6 +18,7 @@ from jpaged.engine.llm_engine import StepFailedError
 from jpaged.sampling_params import SamplingParams
 from serving.async_engine import EngineDeadError, RequestStream
 from serving.metrics import Metrics
+from serving.protocol import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,8 @@ class DPAsyncEngine:
             raise EngineDeadError(f"the engine stopped after an error: {self.dead!r}")
         try:
             rank = self.fleet.submit(request_id, prompt_token_ids, sampling_params, lora_request)
-        except ReplicaDiedError as e:
-            raise EngineDeadError(str(e)) from None
+        except ReplicaDiedError as e:  # none is up now; some is coming back (else the server is dead)
+            raise APIError(f"{e}; retry later", status=503, code="no_replica_up") from None
         stream = RequestStream(self, request_id, prompt_token_ids, sampling_params, self.replica_metrics[rank])
         self._streams[request_id] = stream
         added = self._adds[request_id] = asyncio.get_running_loop().create_future()
@@ -97,7 +98,8 @@ class DPAsyncEngine:
         """fn(engine) in every replica that is up; the first one's result (a refusal: its ValueError)."""
         answers = await self.call_all(fn)
         if not answers:
-            raise EngineDeadError(f"no data-parallel replica is up: {self.fleet.health()['replicas']}")
+            raise APIError(f"no data-parallel replica is up: {self.fleet.health()['replicas']}; retry later",
+                           status=503, code="no_replica_up")
         for error in answers.values():
             if isinstance(error, Exception):
                 raise error
@@ -151,7 +153,7 @@ class DPAsyncEngine:
         """A replica went down or came up: the server is dead only when none can ever serve again."""
         if self.fleet.up or self.dead is not None:
             return
-        if any(state == "starting" for state in self.fleet.states):
+        if self.fleet.coming_back:
             return
         self.dead = ReplicaDiedError(f"every data-parallel replica is down: {self.fleet.health()['replicas']}")
         for request_id in list(self._streams):

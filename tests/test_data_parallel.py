@@ -10,6 +10,7 @@ returns what one engine returns, in input order. Routing rules themselves: test_
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -196,6 +197,41 @@ def test_a_killed_replica_is_reported_restarted_and_its_streams_end_with_an_erro
     assert [a["choices"][0]["text"] for _, a in answers] == base
 
 
+def test_with_no_replica_up_requests_get_503_with_retry_after(server, reference):
+    """Both replicas killed: until one is back, requests are told to retry (503, Retry-After), not
+    failed with a 500, and the server lives on."""
+    base, _ = reference
+    pids = [r["pid"] for r in health(server.url)["replicas"]]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+
+    async def during_restart():
+        async with aiohttp.ClientSession() as session:
+            while True:
+                async with session.get(server.url + "/health") as r:
+                    state = json.loads(await r.text())
+                if state.get("down") == [0, 1]:
+                    break
+                await asyncio.sleep(0.02)
+            async with session.post(server.url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4}) as r:
+                return r.status, r.headers.get("Retry-After"), json.loads(await r.text()), state
+
+    status, retry_after, body, state = asyncio.run(during_restart())
+    print("during the restart:", state)
+    assert status == 503 and retry_after is not None and int(retry_after) >= 1, (status, body)
+    assert body["error"]["code"] == "no_replica_up" and body["error"]["type"] == "server_error"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        status, text = asyncio.run(_get(server.url, "/health"))
+        if status == 200 and not json.loads(text)["degraded"]:
+            break
+        time.sleep(0.5)
+    assert server.proc.poll() is None and not health(server.url)["degraded"]
+    status, answer = asyncio.run(_post(server.url, "/v1/completions", {
+        "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True}))
+    assert status == 200 and answer["choices"][0]["text"] == base[0]
+
+
 def test_sigterm_stops_every_replica_and_exits_0(server):
     pids = [r["pid"] for r in health(server.url)["replicas"]]
     assert server.stop() == 0, "".join(server.log[-30:])
@@ -347,3 +383,88 @@ def test_a_dead_replicas_unstarted_requests_move_and_started_ones_fail():
     fleet._on_message(fleet.replicas[0], ("exit",))
     with pytest.raises(Exception, match="no replica can take the request"):
         fleet.submit("f", [1, 2, 3], params)
+
+
+def test_a_replica_that_dies_while_restarting_is_restarted_again_with_backoff(monkeypatch):
+    """Whatever state a replica dies in, a new one takes its rank: at once after serving, then
+    after 1, 2, 4, ... s (scaled down here) while its restarts keep dying before they are ready."""
+    from jpaged.data_parallel import fleet as fleet_module
+
+    monkeypatch.setattr(fleet_module, "RESTART_BACKOFF_S", 0.05)
+    fleet = Fleet(EngineConfig(data_parallel_size=2, dp_restart=True, dp_routing="round-robin"))
+    fleet.replicas, fleet.states, fleet.started = [_FakeReplica(0), _FakeReplica(1)], ["up", "up"], True
+    spawned = []
+
+    def spawn(rank):
+        fleet.states[rank], fleet.errors[rank] = "starting", None
+        fleet.replicas[rank] = _FakeReplica(rank)
+        spawned.append(time.monotonic())
+
+    monkeypatch.setattr(fleet, "_spawn", spawn)
+    fleet._on_message(fleet.replicas[1], ("exit",))  # died while up: restarted at once
+    assert len(spawned) == 1 and fleet.states[1] == "starting" and fleet.restarts[1] == 1
+    for expected_delay in (0.05, 0.1, 0.2):  # each restart dies while starting
+        died = time.monotonic()
+        fleet._on_message(fleet.replicas[1], ("exit",))
+        assert fleet.states[1] == "restarting" and fleet.coming_back
+        assert fleet.health()["status"] == "degraded" and fleet.health()["down"] == [1]
+        fleet.wait_until(lambda n=len(spawned): len(spawned) > n, timeout=5)
+        assert fleet.states[1] == "starting" and spawned[-1] - died >= expected_delay * 0.9
+    fleet._on_message(fleet.replicas[1], ("ready", {"stats": {}}))
+    assert fleet.states[1] == "up" and fleet.failures[1] == 0 and fleet.restarts[1] == 4
+    fleet._on_message(fleet.replicas[1], ("exit",))  # up again: the next restart is immediate
+    assert len(spawned) == 5 and fleet.states[1] == "starting"
+
+
+def test_a_silent_replica_is_killed_and_its_queued_requests_move(monkeypatch):
+    fleet = Fleet(EngineConfig(data_parallel_size=2, dp_restart=False, dp_routing="round-robin"))
+    fleet.replicas, fleet.states, fleet.started = [_FakeReplica(0), _FakeReplica(1)], ["up", "up"], True
+    killed = []
+    for replica in fleet.replicas:
+        replica.exitcode, replica.last_seen = None, time.monotonic()
+        replica.kill = lambda r=replica: (killed.append(r.rank), fleet._on_message(r, ("exit",)))
+    params = jpaged.SamplingParams(max_tokens=4)
+    assert [fleet.submit(rid, [1, 2, 3], params) for rid in "ab"] == [0, 1]
+    now = time.monotonic()
+    fleet.check_heartbeats(now + fleet.heartbeat_timeout / 2)  # within the timeout: nothing
+    fleet.pump(timeout=0.1)
+    assert killed == []
+    fleet.replicas[0].last_seen = now + fleet.heartbeat_timeout  # replica 0 keeps answering
+    fleet.check_heartbeats(now + fleet.heartbeat_timeout + 1)
+    fleet.pump(timeout=1)
+    assert killed == [1] and "no heartbeat for" in fleet.health()["replicas"][1]["last_exit"]
+    assert fleet.rank_of("b") == 0  # it had produced nothing: moved
+
+
+def test_no_heartbeat_timeout_but_seconds():
+    from jpaged.data_parallel.fleet import heartbeat_timeout
+
+    assert heartbeat_timeout({}) == 30.0 and heartbeat_timeout({"JPAGED_DP_HEARTBEAT_TIMEOUT": "2.5"}) == 2.5
+    for bad in ("0", "-1", "soon", "inf", "nan"):
+        with pytest.raises(ValueError, match="JPAGED_DP_HEARTBEAT_TIMEOUT"):
+            heartbeat_timeout({"JPAGED_DP_HEARTBEAT_TIMEOUT": bad})
+
+
+def test_a_stopped_replica_is_detected_killed_and_replaced(reference, monkeypatch):
+    """SIGSTOP: the process lives, its pipe stays open, it answers nothing. Its heartbeats stop,
+    so after the timeout the fleet kills it, moves its requests (none had output) to the other
+    replica and starts a new one in its rank. Every request is answered, none hangs."""
+    base, _ = reference
+    monkeypatch.setenv("JPAGED_DP_HEARTBEAT_TIMEOUT", "3")
+    llm = jpaged.LLM("tiny", data_parallel_size=2, dp_routing="round-robin", **OFFLINE)
+    try:
+        fleet = llm.llm_engine.fleet
+        stopped = fleet.replicas[1].pid
+        os.kill(stopped, signal.SIGSTOP)
+        sp = jpaged.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        start = time.monotonic()
+        assert [o.outputs[0].text for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == base
+        print(f"answered in {time.monotonic() - start:.1f} s with replica 1 stopped")
+        state = fleet.health()["replicas"][1]
+        assert state["pid"] != stopped and state["restarts"] == 1, state
+        assert "no heartbeat for" in state["last_exit"], state
+        assert fleet.wait_until(lambda: fleet.states[1] == "up", timeout=300), fleet.health()
+    finally:
+        llm.shutdown()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped, signal.SIGKILL)

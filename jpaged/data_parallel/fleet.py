@@ -7,9 +7,14 @@ a writer thread (commands never block the driver on a busy replica's full pipe);
 their work to the driver through `_post`.
 
 Faults: a replica that dies (kill -9, a crash) closes its pipe, so its reader sees EOF at once.
-Its requests that have produced nothing yet are routed to another replica; the others end with
-an error naming the replica. With `dp_restart` a new process takes its rank (loading its
-executables from the cache) and, once ready, gets the adapters loaded at run time replayed.
+A replica that stops answering (SIGSTOP, a hang) sends no heartbeat (one a second, from its own
+thread, even while it compiles or steps): after HEARTBEAT_TIMEOUT_S of silence it is killed, and
+handled as one that died. Its requests that have produced nothing yet are routed to another
+replica; the others end with an error naming the replica. With `dp_restart` a new process takes
+its rank (loading its executables from the cache) whatever state the old one died in, at once
+after serving and with a doubling backoff (RESTART_BACKOFF_S up to RESTART_BACKOFF_MAX_S) while
+its restarts keep dying before they are ready; once ready it gets the adapters loaded at run time
+replayed.
 """
 
 import asyncio
@@ -35,6 +40,25 @@ logger = logging.getLogger(__name__)
 
 # How long a replica may take to stop after the shutdown command before it is killed.
 SHUTDOWN_TIMEOUT_S = 30
+# A replica silent this long (no message, no heartbeat) is killed and replaced: $JPAGED_DP_HEARTBEAT_TIMEOUT.
+HEARTBEAT_TIMEOUT_S = 30.0
+HEARTBEAT_INTERVAL_S = 1.0  # the replica's heartbeat period, and how often the fleet checks
+# Restarts of a rank whose previous restart died before it was ready wait 1, 2, 4, ... 30 s.
+RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0
+
+
+def heartbeat_timeout(environ=os.environ) -> float:
+    value = environ.get("JPAGED_DP_HEARTBEAT_TIMEOUT", "").strip()
+    if not value:
+        return HEARTBEAT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"$JPAGED_DP_HEARTBEAT_TIMEOUT={value!r}; expected seconds > 0")
+    return seconds
 
 
 _live_fleets: "weakref.WeakSet[Fleet]" = weakref.WeakSet()
@@ -88,6 +112,7 @@ class ReplicaProcess:
         os.close(commands_read)  # the child's ends: once it exits, our reads see EOF
         os.close(messages_write)
         self.rank, self.pid = rank, self.process.pid
+        self.last_seen = time.monotonic()  # its last message or heartbeat (the reader thread sets it)
         self._commands = multiprocessing.connection.Connection(commands_write, readable=False)
         self._messages = multiprocessing.connection.Connection(messages_read, writable=False)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -121,6 +146,9 @@ class ReplicaProcess:
                 break
             except Exception as e:  # a message that cannot be unpickled: the replica cannot be trusted
                 message = ("fatal", f"unreadable message: {e!r}", "")
+            self.last_seen = time.monotonic()
+            if message == ("heartbeat",):
+                continue
             self._post(lambda m=message: self._on_message(self, m))
         self._messages.close()
         self._post(lambda: self._on_message(self, ("exit",)))
@@ -168,9 +196,14 @@ class Fleet:
             logger.warning("dp_routing='prefix' without enable_prefix_caching: the replicas cache no prefixes, "
                            "so requests go to the least-loaded replica")
         self.replicas: list[ReplicaProcess | None] = [None] * self.size
-        self.states = ["down"] * self.size  # starting, up, down, failed (a restart did not start)
+        # starting, up, restarting (a new process follows, after a backoff), down, failed (a
+        # restart did not start and none follows: dp_restart off)
+        self.states = ["down"] * self.size
         self.errors: list[str | None] = [None] * self.size
         self.restarts = [0] * self.size
+        self.failures = [0] * self.size  # deaths since the rank was last ready (the backoff's exponent)
+        self.heartbeat_timeout = heartbeat_timeout()
+        self.started = False  # start() returned: from now on a replica that dies is restarted
         self.last_exit: list[str | None] = [None] * self.size  # why the rank's previous process ended
         self.stats: list[dict | None] = [None] * self.size
         self.info: dict | None = None  # the first ready replica's (replica._front_info)
@@ -236,6 +269,29 @@ class Fleet:
         except BaseException:
             self.kill()
             raise
+        self.started = True
+        threading.Thread(target=self._watch, name="jpaged-fleet-watchdog", daemon=True).start()
+
+    def _watch(self):
+        """Kill replicas that stopped answering (the driver does it: `_unresponsive`)."""
+        while not self.stopping:
+            time.sleep(HEARTBEAT_INTERVAL_S)
+            self.check_heartbeats(time.monotonic())
+
+    def check_heartbeats(self, now: float):
+        """Post the replicas silent for longer than the timeout to the driver, which kills them."""
+        for rank, replica in enumerate(list(self.replicas)):
+            if replica is not None and self.states[rank] in ("starting", "up") \
+                    and now - replica.last_seen > self.heartbeat_timeout and replica.exitcode is None:
+                self._post(lambda r=replica, s=now - replica.last_seen: self._unresponsive(r, s))
+
+    def _unresponsive(self, replica: "ReplicaProcess", silence: float):
+        rank = replica.rank
+        if self.replicas[rank] is not replica or self.stopping or replica.exitcode is not None:
+            return
+        self.errors[rank] = f"no heartbeat for {silence:.1f} s (stopped or hung): killed"
+        logger.error("data-parallel replica %d (pid %d): %s", rank, replica.pid, self.errors[rank])
+        replica.kill()  # its pipe closes: its reader reports the exit (_on_exit)
 
     def _spawn(self, rank: int):
         self.states[rank], self.errors[rank] = "starting", None
@@ -259,6 +315,11 @@ class Fleet:
     @property
     def up(self) -> list[int]:
         return [r for r in range(self.size) if self.states[r] == "up"]
+
+    @property
+    def coming_back(self) -> bool:
+        """Some replica is starting or will be restarted: requests may be served again."""
+        return any(state in ("starting", "restarting") for state in self.states)
 
     def health(self) -> dict:
         replicas = [{"rank": r, "pid": None if p is None else p.pid, "state": self.states[r],
@@ -345,7 +406,7 @@ class Fleet:
             self.stats[rank] = info["stats"]
             for fn in self.replayed:  # adapters loaded while this rank was down or starting
                 replica.send(("call", -1, fn))
-            self.states[rank] = "up"
+            self.states[rank], self.failures[rank] = "up", 0
             self.router.set_up(rank, True)
             logger.info("data-parallel replica %d is up (pid %d)", rank, replica.pid)
             self.on_change()
@@ -381,7 +442,9 @@ class Fleet:
         if self.errors[rank] is None:
             self.errors[rank] = f"exited with status {code}" if code is None or code >= 0 else \
                 f"killed by signal {-code}"
-        self.states[rank] = "failed" if was == "starting" and self.info is not None else "down"
+        restart = self.config.dp_restart and self.started and not self.stopping
+        self.states[rank] = "restarting" if restart else "failed" if was == "starting" and self.info is not None \
+            else "down"
         self.router.set_up(rank, False)
         self.stats[rank] = None
         if self.stopping:
@@ -408,11 +471,24 @@ class Fleet:
             self.on_lost(lost, ReplicaDiedError(f"data-parallel replica {rank} (pid {replica.pid}) died while "
                                                 f"serving the request: {self.errors[rank]}"))
         self.last_exit[rank] = self.errors[rank]
-        if self.config.dp_restart and was != "starting":
-            logger.info("restarting data-parallel replica %d", rank)
-            self.restarts[rank] += 1
-            self._spawn(rank)
+        if restart:
+            delay = 0.0 if self.failures[rank] == 0 else \
+                min(RESTART_BACKOFF_S * 2 ** (self.failures[rank] - 1), RESTART_BACKOFF_MAX_S)
+            self.failures[rank] += 1
+            logger.info("restarting data-parallel replica %d%s", rank, f" in {delay:g} s" if delay else "")
+            if delay:
+                timer = threading.Timer(delay, self._post, (lambda: self._restart(rank, replica),))
+                timer.daemon = True
+                timer.start()
+            else:
+                self._restart(rank, replica)
         self.on_change()
+
+    def _restart(self, rank: int, dead: "ReplicaProcess"):
+        if self.stopping or self.replicas[rank] is not dead:
+            return
+        self.restarts[rank] += 1
+        self._spawn(rank)
 
     def wait_until(self, condition: Callable[[], bool], timeout: float):
         """Offline driver: pump until `condition()` or `timeout` seconds."""

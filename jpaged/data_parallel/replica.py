@@ -13,7 +13,33 @@ import os
 import pickle
 import signal
 import sys
+import threading
+import time
 import traceback
+
+HEARTBEAT_INTERVAL_S = 1.0  # (fleet.HEARTBEAT_INTERVAL_S: not imported, this module imports nothing heavy)
+
+
+class _Messages:
+    """The messages pipe, shared by the loop and the heartbeat thread (one send at a time)."""
+
+    def __init__(self, connection):
+        self.connection, self.lock = connection, threading.Lock()
+
+    def send(self, message):
+        with self.lock:
+            self.connection.send(message)
+
+
+def _heartbeat(messages: _Messages):
+    """One message a second while the process runs (starting, compiling, stepping): a replica
+    that stops sending them is stopped or hung, and the front end replaces it."""
+    while True:
+        try:
+            messages.send(("heartbeat",))
+        except (OSError, ValueError):  # the front end is gone
+            return
+        time.sleep(HEARTBEAT_INTERVAL_S)
 
 
 def main(rank: int, commands, messages):
@@ -22,6 +48,8 @@ def main(rank: int, commands, messages):
     lora_modules)."""
     # Ctrl-C reaches the whole process group: the front end decides when a replica stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    messages = _Messages(messages)
+    threading.Thread(target=_heartbeat, args=(messages,), name="jpaged-replica-heartbeat", daemon=True).start()
     try:
         config, lora_modules = pickle.loads(commands.recv_bytes())
         engine, events = _start(config, lora_modules)
