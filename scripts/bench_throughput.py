@@ -45,6 +45,7 @@ GPU:
 """
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -223,17 +224,25 @@ def run_jpaged(args, model: str, requests: list[Request]) -> dict:
         t0 = time.perf_counter()
         llm.generate(prompts[:k], params[:k], use_tqdm=False)
         warmup_s = time.perf_counter() - t0
-    compilations_before = llm.stats()["num_compilations"]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
-    elapsed = time.perf_counter() - t0
+    before = llm.stats()
+    compilations_before = before["num_compilations"]
+    # --profile DIR: a jax.profiler trace of the timed run (TensorBoard's profile plugin or Perfetto read it).
+    trace = jax.profiler.trace(args.profile) if args.profile else contextlib.nullcontext()
+    with trace:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+        elapsed = time.perf_counter() - t0
     stats = llm.stats()
+    from jpaged.step_clock import table
+
+    phases = [{"phase": phase, "ms_per_step": ms, "share": share} for phase, ms, share in table(before, stats)]
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     produced = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {"backend": "jpaged", "elapsed_s": elapsed, "token_ids": tokens, "init_s": init_s, "warmup_s": warmup_s,
             "output_tokens": produced, "engine": kw, "jax_backend": jax.default_backend(),
             "num_gpu_blocks": stats["num_gpu_blocks"], "num_preemptions": stats["num_preemptions"],
-            "compilations_during_run": stats["num_compilations"] - compilations_before}
+            "compilations_during_run": stats["num_compilations"] - compilations_before,
+            "steps": stats["num_steps_timed"] - before["num_steps_timed"], "step_phases": phases}
 
 
 def run_hf(args, model_dir: str, requests: list[Request]) -> dict:
@@ -361,6 +370,9 @@ def print_summary(res: dict):
           f"{res['total_tokens_per_s']:.2f} total tokens/s, {res['output_tokens_per_s']:.2f} output tokens/s "
           f"({res['num_requests']} requests, {res['prompt_tokens']} prompt + {res['output_tokens']} output tokens "
           f"in {res['elapsed_s']:.2f} s; init {res['init_s']:.1f} s, warm-up {res['warmup_s']:.1f} s)", flush=True)
+    if res.get("step_phases"):  # jpaged: where the engine thread's time went, per step
+        print(f"[{res['backend']}] {res['steps']} steps; per step: " + ", ".join(
+            f"{p['phase']} {p['ms_per_step']:.3f} ms ({p['share']:.0%})" for p in res["step_phases"]), flush=True)
     if res["output_tokens"] != res["expected_output_tokens"]:
         print(f"[{res['backend']}] WARNING: produced {res['output_tokens']} output tokens, "
               f"requested {res['expected_output_tokens']}", flush=True)
@@ -414,6 +426,7 @@ def parse_args(argv=None):
     p.add_argument("--hf-num-blocks", type=int)
     p.add_argument("--hf-max-requests-per-batch", type=int)
     # output
+    p.add_argument("--profile", metavar="DIR", help="jpaged: write a jax.profiler trace of the timed run to DIR")
     p.add_argument("--output-json")
     p.add_argument("--no-tqdm", action="store_true")
     return p.parse_args(argv)

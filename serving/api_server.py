@@ -41,6 +41,7 @@ from serving.request_body import MAX_BODY_BYTES
 from serving.responses import OpenAIServingResponses
 from serving.server_options import ServerOptions
 from serving.serving_engine import RETRY_AFTER_S, json_dumps
+from serving.profiling import PROFILE_ROUTES, OpenAIServingProfile
 from serving.sleep import SLEEP_ROUTES, OpenAIServingSleep
 from serving.tokenization import OpenAIServingTokenization
 
@@ -49,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 
 class OpenAIServer(OpenAIServingCompletion, OpenAIServingResponses, OpenAIServingTokenization, OpenAIServingLoRA,
-                   OpenAIServingSleep):
+                   OpenAIServingSleep, OpenAIServingProfile):
     """The app: every endpoint behind the error and auth middlewares."""
 
     def build_app(self) -> web.Application:
@@ -66,6 +67,7 @@ class OpenAIServer(OpenAIServingCompletion, OpenAIServingResponses, OpenAIServin
         app.router.add_get("/metrics", self.metrics)
         self.add_lora_routes(app)  # only with --enable-lora-runtime-updates (serving/lora.py)
         self.add_sleep_routes(app)
+        self.add_profile_routes(app)  # only with --profile DIR (serving/profiling.py)
         kv_page.add_routes(app, self.engine, self.model_name, self.api_key)
         for path in POOLING_ROUTES:  # served by `jpaged serve --runner pooling` (serving/pooling.py)
             app.router.add_post(path, refuse("generate", "pooling"))
@@ -95,7 +97,8 @@ class OpenAIServer(OpenAIServingCompletion, OpenAIServingResponses, OpenAIServin
 
     @web.middleware
     async def _auth(self, request, handler):
-        if self.api_key is not None and (request.path.startswith("/v1/") or request.path in SLEEP_ROUTES):
+        guarded = request.path.startswith("/v1/") or request.path in SLEEP_ROUTES + PROFILE_ROUTES
+        if self.api_key is not None and guarded:
             if request.headers.get("Authorization") != f"Bearer {self.api_key}":
                 raise APIError("Incorrect API key provided.", status=401, code="invalid_api_key")
         return await handler(request)

@@ -130,7 +130,8 @@ def serve_options(args) -> "tuple[EngineConfig, ServerOptions]":
         log_stats=not args.disable_log_stats, allowed_origins=args.allowed_origins, ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile, lora_modules=parse_lora_modules(args.lora_modules),
         enable_lora_runtime_updates=args.enable_lora_runtime_updates, allowed_lora_paths=args.allowed_lora_paths,
-        responses_store_size=args.responses_store_size, responses_store_bytes=args.responses_store_bytes)
+        responses_store_size=args.responses_store_size, responses_store_bytes=args.responses_store_bytes,
+        profile_dir=args.profile)
     return EngineConfig(**engine_kwargs(args)), options
 
 
@@ -217,6 +218,9 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
                         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, which also turns them on): clients can then "
                              "make the server read adapters from local directories")
+    server.add_argument("--profile", default=None, metavar="DIR",
+                        help="serve POST /start_profile and /stop_profile (vLLM's routes): a jax.profiler trace "
+                             "of the server, written under DIR")
     server.add_argument("--allowed-lora-paths", nargs="+", default=None, metavar="DIR",
                         help="runtime adapter loads only from directories under these (real paths)")
     server.add_argument("--responses-store-size", type=int, default=RESPONSES_STORE_SIZE,

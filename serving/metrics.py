@@ -104,6 +104,13 @@ class Metrics:
                    stats["num_compilations"])
             metric("warmup_executables_remaining", "gauge", "Step executables the background warm-up has still to "
                    "compile or load (0: warm).", stats.get("warmup_executables_remaining", 0))
+        if stats and "step_phase_seconds" in stats:  # where the steps' time went (jpaged/step_clock.py)
+            metric("engine_steps_total", "counter", "Engine steps completed (timed by phase).",
+                   stats["num_steps_timed"])
+            name = f"{PREFIX}step_phase_seconds_total"
+            metric("step_phase_seconds_total", "counter", "Seconds the engine's steps spent in each phase, on "
+                   "the engine thread.", samples=[f'{name}{{{labels},phase="{phase}"}} {seconds}'
+                                                 for phase, seconds in stats["step_phase_seconds"].items()])
         if stats and "spec_decode_num_drafts" in stats:  # speculative decoding: vLLM's counters
             metric("spec_decode_num_drafts_total", "counter", "Verified runs of draft tokens.",
                    stats["spec_decode_num_drafts"])

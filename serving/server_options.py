@@ -35,5 +35,6 @@ class ServerOptions:
     lora_modules: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (name, path): --lora-modules
     enable_lora_runtime_updates: bool = False  # /v1/(un)load_lora_adapter (or VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     allowed_lora_paths: list[str] | None = None  # runtime loads only from under these directories
+    profile_dir: str | None = None  # --profile: POST /start_profile and /stop_profile write jax.profiler traces here
     responses_store_size: int = RESPONSES_STORE_SIZE  # stored /v1/responses results (0: none)
     responses_store_bytes: int = RESPONSES_STORE_BYTES  # ... and their bytes in all (0: none)

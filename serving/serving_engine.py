@@ -62,6 +62,7 @@ class OpenAIServing:
         self.vocab_size = engine.engine.hf_config.vocab_size
         self.max_model_len = engine.engine.max_model_len
         self.model_name, self.api_key, self.max_queue = options.served_model_name, options.api_key, options.max_queue
+        self.profile_dir = options.profile_dir
         self.body_timeout, self.max_logprobs = options.timeout_keep_alive, options.max_logprobs
         self.chat_template = options.chat_template
         self.tool_call_parser = options.tool_call_parser if options.enable_auto_tool_choice else None

@@ -76,7 +76,7 @@ def server(tmp_path_factory):
     s = Server("--api-key", API_KEY, "--max-num-seqs", "64", "--max-model-len", str(MAX_MODEL_LEN),
                "--max-num-batched-tokens", "512", "--enforce-eager", "--chat-template", str(template),
                "--max-logprobs", "5", "--allowed-origins", ORIGIN, "--enable-auto-tool-choice",
-               "--tool-call-parser", "hermes")
+               "--tool-call-parser", "hermes", "--profile", str(tmp_path_factory.mktemp("profile")))
     yield s
     assert s.stop() == 0, "".join(s.log[-30:])
 
@@ -450,6 +450,37 @@ def test_64_concurrent_streams(server):
     m = metrics(server.url)
     assert m["jpaged:num_requests_running"] == 0 and m["jpaged:gpu_cache_usage_perc"] == 0
     assert m["jpaged:time_to_first_token_seconds_count"] >= 64
+
+
+def test_step_phases_in_metrics_and_a_profile_on_request(server, client):
+    """Where the steps' time goes, per phase (jpaged/step_clock.py), as counters in /metrics; with
+    --profile DIR, POST /start_profile and /stop_profile write a jax.profiler trace under DIR."""
+    before = metrics(server.url)
+    status, _ = run(post(server.url, "/start_profile"))
+    assert status == 200
+    assert run(post(server.url, "/start_profile"))[0] == 400  # one at a time
+    assert client.completions.create(model="tiny", prompt="hello there", max_tokens=8).usage.completion_tokens == 8
+    status, body = run(post(server.url, "/stop_profile"))
+    assert status == 200 and os.path.isdir(body["profile_dir"])
+    traces = [os.path.join(d, f) for d, _, files in os.walk(body["profile_dir"]) for f in files]
+    assert any(t.endswith(".xplane.pb") and os.path.getsize(t) > 0 for t in traces), traces
+    assert run(post(server.url, "/stop_profile"))[0] == 400
+    assert run(post(server.url, "/start_profile", headers={}))[0] == 401  # behind --api-key
+    after = metrics(server.url)
+    steps = after["jpaged:engine_steps_total"] - before["jpaged:engine_steps_total"]
+    assert steps >= 8  # a prefill and 7 decode steps at least
+    phase = 'jpaged:step_phase_seconds_total{model_name="tiny",phase="%s"}'
+    for name in ("schedule", "prepare", "launch", "read", "update", "detokenize", "outputs"):
+        assert after[phase % name] > before[phase % name], name
+
+
+def test_profile_routes_need_the_flag():
+    from serving.profiling import OpenAIServingProfile
+    from serving.protocol import APIError
+
+    with pytest.raises(APIError, match="--profile DIR") as refused:
+        OpenAIServingProfile.__new__(OpenAIServingProfile)._check_profiling()
+    assert refused.value.status == 404
 
 
 def _wait_idle(url, timeout=60.0) -> float:

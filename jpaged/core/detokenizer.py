@@ -82,6 +82,7 @@ new_char_count=len(delta)); the module functions of the same names take it expli
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterable, Sequence as SequenceType
 
 from tokenizers.decoders import DecodeStream
@@ -102,6 +103,7 @@ class Detokenizer:
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
+        self.seconds = 0.0  # spent in decode_sequence_incrementally
         backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
         self._is_fast = backend is not None
         self._backend = backend
@@ -125,6 +127,14 @@ class Detokenizer:
 
     # ------------------------------------------------------------------ incremental
     def decode_sequence_incrementally(self, seq: Any, skip_special_tokens: bool = True) -> str:
+        """_decode_incrementally, its time added to `seconds` (the engine's step clock reads it)."""
+        start = time.perf_counter()
+        try:
+            return self._decode_incrementally(seq, skip_special_tokens)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _decode_incrementally(self, seq: Any, skip_special_tokens: bool = True) -> str:
         """Detokenizes the output tokens of `seq` not detokenized yet (normally the one appended
         this step; several are fine) and returns the new text, also appended to seq.output_text.
         Updates seq.tokens / prefix_offset / read_offset. Returns "" while a character is

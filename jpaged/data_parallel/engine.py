@@ -63,6 +63,10 @@ def sum_stats(stats: list[dict | None]) -> dict:
     for key in SUMMED_STATS:
         if key in total:
             total[key] = sum(s.get(key, 0) for s in live)
+    if "step_phase_seconds" in total:  # every replica's steps (step_clock.py)
+        total["num_steps_timed"] = sum(s.get("num_steps_timed", 0) for s in live)
+        total["step_phase_seconds"] = {phase: sum(s.get("step_phase_seconds", {}).get(phase, 0.0) for s in live)
+                                       for phase in total["step_phase_seconds"]}
     if "spec_decode_num_accepted_tokens_per_pos" in total:
         total["spec_decode_num_accepted_tokens_per_pos"] = [
             sum(p) for p in zip(*(s["spec_decode_num_accepted_tokens_per_pos"] for s in live))]

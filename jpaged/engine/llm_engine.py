@@ -18,6 +18,7 @@ from jpaged import devices
 from jpaged.config import EngineConfig
 from jpaged.core.block_manager import BlockManager
 from jpaged.core.detokenizer import Detokenizer
+from jpaged.step_clock import StepClock
 from jpaged.core.kv_allocation import KVUsage, kv_usage
 from jpaged.core.kv_map import KVMap
 from jpaged.core.output_processor import OutputProcessor
@@ -175,7 +176,10 @@ class LLMEngine:
         self.request_validator = RequestValidator(self.hf_config.vocab_size, self.max_model_len, config,
                                                   self.block_manager)
         self.output_processor = OutputProcessor(self.scheduler.stop_checker)
+        # Where each step's time goes (step_clock.py): the runner and the detokenizer report to it.
+        self.clock = StepClock()
         self.runner = ModelRunner(loaded, kv_cache_spec, **shape, num_scheduler_steps=config.num_scheduler_steps,
+                                  clock=self.clock,
                                   executable_cache=executable_cache(fingerprint, self.devices),
                                   kv_scales=kv_scales,
                                   calculate_kv_scales=kv_cache_spec.quantized and config.calculate_kv_scales,
@@ -310,7 +314,8 @@ class LLMEngine:
         num_steps = self.config.num_scheduler_steps
         multi_step = previous is None and can_multi_step(self.scheduler, num_steps, self.max_model_len)
         self.scheduler.token_limit = self.runner.token_limit
-        plan = self.scheduler.schedule(num_steps - 1 if multi_step else 0)
+        with self.clock.phase("schedule"):
+            plan = self.scheduler.schedule(num_steps - 1 if multi_step else 0)
         if not plan.scheduled_seq_groups and self.scheduler.token_limit is not None:
             self._wait_for_executables()
         current = self._dispatch(plan, multi_step, previous)
@@ -348,11 +353,13 @@ class LLMEngine:
         pending until it is read. If the block copies or a lone request's device step fail, the
         plan's requests are aborted."""
         try:
-            self.runner.swap_out(plan.blocks_to_swap_out)
-            self.runner.swap_in(plan.blocks_to_swap_in)
-            self.runner.copy_blocks(plan.blocks_to_copy)
+            with self.clock.phase("block_ops"):
+                self.runner.swap_out(plan.blocks_to_swap_out)
+                self.runner.swap_in(plan.blocks_to_swap_in)
+                self.runner.copy_blocks(plan.blocks_to_copy)
             if self.proposer is not None:  # after the block moves: a victim's pages leave before drafts take its blocks
-                self.proposer.propose(plan, self.scheduler, self.runner, self.runner.step_builder.seed_of)
+                with self.clock.phase("propose"):
+                    self.proposer.propose(plan, self.scheduler, self.runner, self.runner.step_builder.seed_of)
             lora_slots = self.lora_manager.slots_of(plan.scheduled_seq_groups) if self.lora_manager else {}
             dispatched = self.runner.execute(plan, lora_slots, multi_step)
         except Exception as e:
@@ -371,36 +378,49 @@ class LLMEngine:
         and build the outputs. Groups that finished or were aborted meanwhile drop their tokens."""
         failed, results = dispatched.failed, []
         read = [None] * len(dispatched.handles)  # each handle's outputs, read once
-        for scheduled, h, row in dispatched.results:
-            group = scheduled.seq_group
-            if group.request_id in failed or group.is_finished() or self._groups.get(group.request_id) is not group:
-                continue  # ended while this step ran: its tokens of this step are dropped
-            try:
-                if read[h] is None:
-                    read[h] = self.runner.collect(dispatched.handles[h])
-            except Exception as e:
-                if not self.runner.is_alive():
-                    raise
-                failed[group.request_id] = (group, e)
-                continue
-            results.append((scheduled, read[h], row))
-        failed.update(self.scheduler.update_from_output(results))
+        clock = self.clock
+        with clock.phase("read"):
+            for scheduled, h, row in dispatched.results:
+                group = scheduled.seq_group
+                if group.request_id in failed or group.is_finished() or self._groups.get(group.request_id) is not group:
+                    continue  # ended while this step ran: its tokens of this step are dropped
+                try:
+                    if read[h] is None:
+                        read[h] = self.runner.collect(dispatched.handles[h])
+                except Exception as e:
+                    if not self.runner.is_alive():
+                        raise
+                    failed[group.request_id] = (group, e)
+                    continue
+                results.append((scheduled, read[h], row))
+        detokenized = self.detokenizer.seconds if self.detokenizer is not None else 0.0
+        with clock.phase("update"):
+            failed.update(self.scheduler.update_from_output(results))
+        if self.detokenizer is not None:  # (detokenizing runs inside the stop checks)
+            clock.move("update", "detokenize", self.detokenizer.seconds - detokenized)
+        clock.step_done()
+        with clock.phase("outputs"):
+            outputs = self._outputs(dispatched, results, failed)
+        if failed:
+            cause = next(iter(failed.values()))[1]
+            raise StepFailedError([group.request_id for group, _ in failed.values()], cause, outputs) from cause
+        return outputs
+
+    def _outputs(self, dispatched: DispatchedStep, results: list, failed: dict) -> list[RequestOutput]:
+        """The step's RequestOutputs; failed groups aborted, finished ones forgotten, KV events published."""
         outputs = [o for scheduled, _, _ in results if scheduled.seq_group.request_id not in failed
                    for o in [self.output_processor.request_output(scheduled.seq_group)] if o is not None]
         for group in dispatched.plan.ignored_seq_groups:  # check_request keeps these out; a warning if one slips by
             logger.warning("request %s can never be scheduled: it ends with what it has", group.request_id)
             outputs.append(self.output_processor.request_output(group))
-        cause = next(iter(failed.values()))[1] if failed else None
         if failed:
-            self._fail([group for group, _ in failed.values()], cause)
+            self._fail([group for group, _ in failed.values()], next(iter(failed.values()))[1])
         for o in outputs:
             if o.finished and o.request_id in self._groups:
                 self._forget(self._groups.pop(o.request_id))
         self.publish_kv_events()
         if self.check_invariants:
             self.block_manager.check_invariants()
-        if failed:
-            raise StepFailedError([group.request_id for group, _ in failed.values()], cause, outputs) from cause
         return outputs
 
     def publish_kv_events(self):
@@ -455,4 +475,6 @@ class LLMEngine:
             "kv_cache_bytes": 0 if self.runner.kv_cache is None else self.runner.kv_cache_spec.bytes_per_block
             * self.runner.num_gpu_blocks * self.config.tensor_parallel_size,
             **(sched.speculator.stats() if sched.speculator else {}),
+            # Seconds each phase of the steps took, since the start (step_clock.py), and the steps.
+            **self.clock.snapshot(),
         }

@@ -61,6 +61,7 @@ from jpaged.runner.step_functions import HistoryInputs, StepHandle, StepInputs, 
 from jpaged.runner.step_inputs import DispatchedStep, StepBatch, StepBuilder
 from jpaged.runner.warmup import WarmUp, need_order
 from jpaged.spec_decode.proposer import Proposer
+from jpaged.step_clock import StepClock
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class ModelRunner(distributed.DriverOps):
                  executable_cache: ExecutableCache | None = None, kv_scales=None, calculate_kv_scales: bool = False,
                  num_speculative_tokens: int = 0, proposer: Proposer | None = None, block_manager=None,
                  structured_output=None, stop_checker=None, seed: int = 0, disable_by_batch_size: int | None = None,
-                 abstract: bool = False):
+                 abstract: bool = False, clock: StepClock | None = None):
         """`kv_scales`: fp8 pages' per-layer (k, v) scales from the checkpoint; else 1.0, or
         computed by the first step with `calculate_kv_scales`. `proposer`: speculative decoding's
         (spec_decode/proposer.py): the runner calls its hooks (each step's K/V forward, warm-up,
@@ -80,7 +81,10 @@ class ModelRunner(distributed.DriverOps):
         read only (step_inputs.StepBuilder): `block_manager` (block tables), `structured_output`
         (grammar masks), `stop_checker` (EOS for min_tokens) and the engine `seed`. `abstract`: the
         KV pool and the device-side step state are shapes only, nothing is allocated: a runner that
-        only compiles, to measure its executables' memory (`step_memory`) before the pool is sized."""
+        only compiles, to measure its executables' memory (`step_memory`) before the pool is sized.
+        `clock`: the engine's step clock (step_clock.py), which times the inputs' preparation
+        ("prepare") and the device calls' dispatch ("launch") here."""
+        self.clock = clock if clock is not None else StepClock()
         self.kv_cache_spec, self.num_gpu_blocks = kv_cache_spec, num_gpu_blocks
         self.block_size = block_size = kv_cache_spec.block_size
         self.vocab_size = loaded.hf_config.vocab_size
@@ -334,7 +338,8 @@ class ModelRunner(distributed.DriverOps):
         whose inputs cannot be built are left out; if the batch fails to dispatch, each group
         runs alone to find the one(s) at fault (computing a group's tokens twice rewrites the
         same K/V into the same slots). `lora_slots`: the step's adapters' device slots."""
-        batch, failed = self.step_builder.build(plan, lora_slots)
+        with self.clock.phase("prepare"):
+            batch, failed = self.step_builder.build(plan, lora_slots)
         step = DispatchedStep(plan, [], [], failed)
         if not batch.groups:
             return step
@@ -362,6 +367,10 @@ class ModelRunner(distributed.DriverOps):
         device call, each step's sampled tokens the next one's inputs; the block tables must hold
         the later tokens' slots (the scheduler's lookahead slots). `spec_disabled`: skip the
         proposer's hooks (from hookless_from tokens)."""
+        with self.clock.phase("prepare"):
+            return self._dispatch(batch, multi_step, spec_disabled)
+
+    def _dispatch(self, batch: StepBatch, multi_step: bool, spec_disabled: bool) -> "StepHandle":
         ib = self.input_batch
         step = prepare_step(batch, ib, self.serving_buckets, self.block_size, multi_step,
                             lora_slots=ib.lora_slot[batch.rows] if self.lora_linears else None)
@@ -375,11 +384,13 @@ class ModelRunner(distributed.DriverOps):
             history = step_inputs.history_inputs(
                 ib, batch, num_sample_rows, self.buckets.history,
                 lambda rows, tokens: self.dispatch_op("write_history", rows, tokens)) if full else None
-            out = self.dispatch_op("run_step", (step.num_tokens, full, hooks), pack(inputs),
-                                   pack((smeta, step.dst_rows, history)))
+            packed = pack(inputs), pack((smeta, step.dst_rows, history))
+            with self.clock.phase("launch"):
+                out = self.dispatch_op("run_step", (step.num_tokens, full, hooks), *packed)
             return StepHandle(out, num_sample_rows, smeta.num_logprobs, step.num_rows)
-        out = self.dispatch_op("run_multi_step", step.num_tokens,
-                               pack((inputs, smeta, step.dst_rows, step.lookahead_slots)))
+        packed = pack((inputs, smeta, step.dst_rows, step.lookahead_slots))
+        with self.clock.phase("launch"):
+            out = self.dispatch_op("run_multi_step", step.num_tokens, packed)
         return StepHandle(out, num_sample_rows, 0, step.num_rows, self.buckets.num_scheduler_steps)
 
     @staticmethod
