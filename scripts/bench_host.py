@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jpaged  # noqa: E402
 from jpaged.config import MAX_LOGPROBS  # noqa: E402
+from jpaged.step_clock import table  # noqa: E402
 
 PROMPT_LEN = 30
 # The host's own CPU time (this thread's): on a shared machine wall time mostly measures the
@@ -106,10 +107,12 @@ def measure(llm, num_seqs: int, steps: int, vocab_size: int, output_kind: str) -
     timer.wrap(engine.runner, "execute", "input")
     seqs = [seq for group in engine.scheduler.running for seq in group.seqs]
     generated = -sum(seq.get_output_len() for seq in seqs)
+    before = engine.stats()
     t = CLOCK()
     for _ in range(steps):
         engine.step()
     total = CLOCK() - t
+    phases = {p: round(ms, 3) for p, ms, _ in table(before, engine.stats())}  # the engine's clock (wall time)
     # Per decode step (a multi-step decode's call counts as its K steps).
     decode_steps = (generated + sum(seq.get_output_len() for seq in seqs)) / num_seqs
     engine.scheduler.__dict__.pop("schedule", None)  # unwrap
@@ -119,7 +122,7 @@ def measure(llm, num_seqs: int, steps: int, vocab_size: int, output_kind: str) -
     ms = {phase: 1e3 * v / decode_steps for phase, v in timer.totals.items()}
     ms["output"] = 1e3 * total / decode_steps - sum(ms.values())
     ms["total"] = 1e3 * total / decode_steps
-    return {"num_seqs": num_seqs, **{k: round(v, 3) for k, v in ms.items()}}
+    return {"num_seqs": num_seqs, **{k: round(v, 3) for k, v in ms.items()}, "phases_ms_per_step": phases}
 
 
 def main():
