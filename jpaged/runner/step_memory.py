@@ -60,14 +60,15 @@ def measure(runner, keys: list[tuple] | None = None, compile_fn=None) -> list[St
     """Each executable's memory (`keys`, default memory_keys). Compiled through the runner's
     executable cache (a restart loads them); `compile_fn(key)`: compile otherwise (the deviceless
     script compiles for an abstract GPU)."""
-    resident = {id(leaf) for leaf in jax.tree.leaves((runner.state, runner.kv_cache, runner.last_tokens,
-                                                       runner.token_history))}
+    resident = (runner.state, runner.kv_cache, runner.last_tokens, runner.token_history)
     found = []
     for key in keys if keys is not None else memory_keys(runner):
         _, args = runner._jitted_and_args(key)
         compiled = (compile_fn or runner._compile)(key)
         stats = compiled.memory_analysis()
-        held = sum(_device_bytes(leaf) for leaf in jax.tree.leaves(args) if id(leaf) in resident)
+        # (the arguments that are the runner's own arrays, not per-call inputs)
+        held = sum(_device_bytes(leaf) for arg in args if any(arg is r for r in resident)
+                   for leaf in jax.tree.leaves(arg))
         found.append(StepMemory(key, stats.argument_size_in_bytes, stats.output_size_in_bytes,
                                 stats.alias_size_in_bytes, stats.temp_size_in_bytes, held))
     return found
