@@ -15,8 +15,11 @@ loadable adapter (the same for missing, a directory, no permission: nothing abou
 
 Each adapter gets its own id, chosen and recorded with no await between: a name and id are
 reserved before the adapter is read and given back if the load fails. The files are read and
-checked in a worker thread (never on the event loop or the engine thread), under a timeout; the
-engine thread only receives the read adapter. An adapter unloaded while requests run with it is
+checked in a worker thread (never on the event loop or the engine thread), under a timeout, in
+memory and time linear in their size (jpaged/file_safety.py): the engine thread only receives the
+read adapter. With data parallelism each replica reads the adapter itself, on its engine thread, so
+the front end reads and checks it first, in its worker thread: a replica reads only files that
+passed. An adapter unloaded while requests run with it is
 finished with by those requests (LoRAManager.remove), new ones naming it are refused.
 """
 
@@ -29,7 +32,7 @@ import os
 
 from aiohttp import web
 
-from jpaged.lora.peft import AdapterUnreadable
+from jpaged.lora.peft import AdapterUnreadable, load_peft_adapter
 from jpaged.lora.request import LoRARequest
 from serving.protocol import APIError, field
 from serving.request_body import json_body
@@ -142,22 +145,17 @@ class OpenAIServingLoRA(OpenAIServing):
         handed = False
         try:
             if hasattr(self.engine, "fleet"):  # data parallel: every replica reads it, and restarts replay it
+                # Read and checked here first, in a worker thread: a replica reads it on its engine
+                # thread, between steps, so it only gets an adapter whose files passed the checks.
+                rank = self.engine.engine.config.max_lora_rank
+                await self._read_off_loop(path, name, lambda: load_peft_adapter(
+                    path, rank, download=False, allowed_dirs=self.allowed_lora_paths))
                 handed = True
                 await asyncio.shield(self._register_everywhere(lora))
                 return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
             manager = self.engine.engine.lora_manager
-            read = asyncio.get_running_loop().run_in_executor(self._lora_pool, lambda: manager.read(
+            adapter, weights = await self._read_off_loop(path, name, lambda: manager.read(
                 lora, download=False, allowed_dirs=self.allowed_lora_paths))
-            try:
-                adapter, weights = await asyncio.wait_for(read, LORA_READ_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                raise APIError(f"lora_path {path!r}: reading the adapter took more than {LORA_READ_TIMEOUT_S} s",
-                               param="lora_path") from None
-            except AdapterUnreadable as e:
-                logger.info("load_lora_adapter %r refused: %s", name, e)
-                raise APIError(e.public_message(path), param="lora_path") from None
-            except ValueError as e:
-                raise APIError(str(e), param="lora_path") from None
             # Handed to the engine thread and recorded even if the client leaves meanwhile.
             handed = True
             await asyncio.shield(self._register(lora, adapter, weights))
@@ -165,6 +163,20 @@ class OpenAIServingLoRA(OpenAIServing):
             if not handed:
                 self._loading.pop(name, None)
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _read_off_loop(self, path: str, name: str, read):
+        """read() in a worker thread, under the timeout; its refusal as a 400."""
+        try:
+            return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self._lora_pool, read),
+                                          LORA_READ_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise APIError(f"lora_path {path!r}: reading the adapter took more than {LORA_READ_TIMEOUT_S} s",
+                           param="lora_path") from None
+        except AdapterUnreadable as e:
+            logger.info("load_lora_adapter %r refused: %s", name, e)
+            raise APIError(e.public_message(path), param="lora_path") from None
+        except ValueError as e:
+            raise APIError(str(e), param="lora_path") from None
 
     async def _register_everywhere(self, lora: LoRARequest):
         fn = functools.partial(read_and_register, lora, self.allowed_lora_paths)

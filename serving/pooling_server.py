@@ -63,7 +63,12 @@ class PoolingServer(PoolingEndpoints):
         return await handler(request)
 
     async def health(self, request):
-        return web.Response(status=200)
+        """The generation server's /health body (serving/api_server.py): {"status": "ok", "ready"}.
+        A pooling engine plans no warm-up (each forward's shape compiles on first use), so it is
+        ready from the start, as a generation engine without a warm-up is; 503 if its thread died."""
+        if not self.batcher._thread.is_alive():
+            raise APIError("the pooling engine's thread stopped", status=503)
+        return web.json_response({"status": "ok", "ready": True})
 
     async def version(self, request):
         return web.json_response({"version": __version__})

@@ -35,9 +35,10 @@ def _save(path, cfg: dict, weights: dict) -> str:
 
 
 def write_head(path, target_cfg, *, draft_vocab: int = 64, seed: int = 0, aux_layers=None, draft_ids=None,
-               **overrides) -> str:
+               d2t_dtype=np.int64, **overrides) -> str:
     """A random head for `target_cfg` (a transformers config) in `path`; `overrides`: config fields;
-    `draft_ids`: the draft vocabulary (target ids; default: `draft_vocab` random ones)."""
+    `draft_ids`: the draft vocabulary (target ids; default: `draft_vocab` random ones); `d2t_dtype`:
+    d2t's dtype (None: no d2t, a malformed head)."""
     rng = np.random.default_rng(seed)
     if draft_ids is not None:
         draft_vocab = len(draft_ids)
@@ -66,9 +67,11 @@ def write_head(path, target_cfg, *, draft_vocab: int = 64, seed: int = 0, aux_la
         "midlayer.mlp.down_proj.weight": linear(h, inter),
         "norm.weight": np.ones(h, np.float32),
         "lm_head.weight": linear(draft_vocab, h, 4.0),
-        "d2t": (draft_ids - np.arange(draft_vocab)).astype(np.int64),
+        "d2t": (draft_ids - np.arange(draft_vocab)).astype(d2t_dtype or np.int64),
         "t2d": t2d,
     }
+    if d2t_dtype is None:
+        del weights["d2t"]
     return _save(path, cfg, weights)
 
 

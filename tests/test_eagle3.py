@@ -168,6 +168,10 @@ def test_bad_heads_are_value_errors(tmp_path):
         (write_head(tmp_path / "layers", cfg, aux_layers=(0, 2, 4)), r"eagle_aux_hidden_state_layer_ids"),
         (write_head(tmp_path / "draft_vocab", cfg, draft_vocab_size=65), r"d2t of shape \(64,\).*draft_vocab_size"),
         (write_head(tmp_path / "mlp", cfg, intermediate_size=100), r"does not fit.*midlayer.mlp"),
+        # Issue 60: without d2t, or with a float one, every draft was a wrong token (acceptance ~0).
+        (write_head(tmp_path / "no_d2t", cfg, d2t_dtype=None), r"has no d2t tensor; .*draft_vocab_size=64"),
+        (write_head(tmp_path / "float_d2t", cfg, d2t_dtype=np.float32), r"has d2t of dtype float32; expected an "
+                                                                          r"integer tensor"),
         (str(tmp_path / "missing"), r"speculative_config.model=.*config.json"),
     ]
     for path, message in cases:

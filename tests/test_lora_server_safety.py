@@ -145,6 +145,45 @@ def test_hostile_adapter_files_get_400s_while_serving(server, checkpoint):  # no
     assert run(lambda session: stress_lora.idle(session, server.url))
 
 
+def _large_header_adapter(directory: str, like: str, body: bytes) -> str:
+    os.makedirs(directory)
+    shutil.copy(os.path.join(like, "adapter_config.json"), directory)
+    with open(os.path.join(directory, "adapter_model.safetensors"), "wb") as f:
+        f.write(len(body).to_bytes(8, "little") + body)
+    return directory
+
+
+def test_health_answers_while_large_headers_are_checked(server, checkpoint):  # noqa: F811
+    """Issue 60: adapters whose safetensors header is large (15 MiB: one metadata string, parsed;
+    tiny objects that would parse to ~25 x, refused unparsed; 20 MiB, over the adapter's cap)
+    are 400s in well under a second each while /health and a victim stream go on. The old depth
+    check held the GIL for seconds (/health blocked 18-80 s at 100 MB) and took ~120 x the header."""
+    _, adapters = checkpoint
+    root = os.path.join(_root(adapters), "large-headers")
+    like = adapters["attn-r4"]
+    cases = {
+        "string": _large_header_adapter(os.path.join(root, "string"), like,
+                                        b'{"__metadata__":{"x":"' + b"a" * (15 << 20) + b'"}}'),
+        "objects": _large_header_adapter(os.path.join(root, "objects"), like,
+                                         b'{"__metadata__":{"x":[' + b",".join([b"{}"] * (5 << 20)) + b"]}}"),
+        "over-cap": _large_header_adapter(os.path.join(root, "over-cap"), like, b" " * (20 << 20)),
+    }
+    expected = {"string": "the adapter has no LoRA weights", "objects": "too many values",
+                "over-cap": "more than the 16777216 bytes allowed"}
+    try:
+        report = run(lambda session: stress_lora.hostile_files(session, server.url, cases, victim_tokens=60))
+    finally:
+        shutil.rmtree(root)
+    for case, (status, seconds, message) in report["cases"].items():
+        print(case, status, f"{seconds:.2f} s", message[:160])
+    print({k: v for k, v in report.items() if k != "cases"})
+    assert report["health_answers"] > 0 and report["victim_chunks"] > 0
+    assert report["health_slowest_s"] < 0.5, report
+    for case, (status, seconds, message) in report["cases"].items():
+        assert status == 400 and expected[case] in message, (case, status, message)
+        assert seconds < 5, (case, seconds)
+
+
 def test_unload_while_streaming_finishes_with_the_adapter(server, checkpoint):  # noqa: F811
     """An adapter unloaded mid-stream: the stream ends with that adapter's text, while two other
     adapters take both device slots; a new request naming it is a 404."""

@@ -118,6 +118,15 @@ def test_pooling_score_tokenize_models_metrics(servers, reference):
     assert s.post("/v1/embeddings", {"input": "x"}, auth=False).status_code == 401
 
 
+def test_health_has_the_generation_servers_body(servers):
+    """Issue 60: /health was a 200 with an empty body; it is the generation server's JSON (a pooling
+    engine has no warm-up to wait for: ready from the start), with no API key needed."""
+    for name in ("embed", "rerank"):
+        r = requests.get(servers[name].url + "/health", timeout=10)
+        assert r.status_code == 200 and r.headers["Content-Type"].startswith("application/json"), r.text
+        assert r.json() == {"status": "ok", "ready": True}, r.text
+
+
 def test_rerank_jina_and_cohere_match_cross_encoder(servers):
     from sentence_transformers import CrossEncoder
 

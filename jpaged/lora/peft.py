@@ -31,6 +31,10 @@ from jpaged import file_safety
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _TENSOR = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
 MAX_CONFIG_BYTES = 4 << 20  # adapter_config.json is a few hundred bytes
+# adapter_model.safetensors' header: ~150 bytes a tensor, two tensors per module and layer (an
+# adapter on all 7 modules of 126 layers: ~260 KB). 16 MiB, not safetensors' 100 MiB: a header that
+# large is no adapter, and it is checked and parsed in at most ~3 x its size (file_safety).
+MAX_HEADER_BYTES = 16 << 20
 MAX_ABS_VALUE = 1e4  # largest |entry| of A and of B x scaling (see above)
 MAX_LORA_ALPHA = 1e5  # alphas in use are at most a few hundred (often 2 x r)
 FLOAT_DTYPES = {"F16": np.float16, "BF16": ml_dtypes.bfloat16, "F32": np.float32, "F64": np.float64}
@@ -194,7 +198,7 @@ def _read_tensors(directory: str, path: str, rank: int, allowed_dirs=None) -> di
     file = os.path.join(directory, "adapter_model.safetensors")
     _open(file, what, allowed_dirs).close()  # missing, a FIFO, a device: unreadable, before the header is read
     try:
-        header = file_safety.safetensors_header(file, what)
+        header = file_safety.safetensors_header(file, what, MAX_HEADER_BYTES)
     except ValueError as e:
         raise ValueError(f"{e} (cannot be read)") from None
     entries = {name: entry for name, entry in header.items() if name != "__metadata__"}

@@ -255,7 +255,8 @@ def _wrong_layout(weights: dict, prefix: str, method: str, refuse):
 
 def _eagle3_layout(cfg, tcfg, weights: dict, refuse):
     """EAGLE-3: the aux layers (from eagle_config or the default) and d2t; pops d2t and t2d. A
-    midlayer saved as layers.0.* is read as midlayer.* (vLLM reads both)."""
+    midlayer saved as layers.0.* is read as midlayer.* (vLLM reads both). d2t must be an integer
+    tensor, and may be left out only by a head that drafts from the target's whole vocabulary."""
     for name in [n for n in weights if n.startswith("layers.0.")]:
         weights["midlayer." + name.removeprefix("layers.0.")] = weights.pop(name)
     num_layers = tcfg.num_hidden_layers
@@ -266,7 +267,15 @@ def _eagle3_layout(cfg, tcfg, weights: dict, refuse):
                f"three layer ids in [0, {num_layers})")
     if not 1 <= draft_vocab_size(cfg) <= cfg.vocab_size:
         refuse(f"has draft_vocab_size={draft_vocab_size(cfg)}; expected 1 .. vocab_size={cfg.vocab_size}")
-    d2t = np.asarray(weights.pop("d2t", np.zeros(draft_vocab_size(cfg), np.int64)))
+    if "d2t" in weights:
+        d2t = np.asarray(weights.pop("d2t"))
+        if d2t.dtype.kind not in "iu":  # float offsets once drafted nothing, silently
+            refuse(f"has d2t of dtype {d2t.dtype}; expected an integer tensor (int64: target id - draft id)")
+    elif draft_vocab_size(cfg) != cfg.vocab_size:  # without it, draft id i would be read as target id i
+        refuse(f"has no d2t tensor; a head whose draft vocabulary (draft_vocab_size={draft_vocab_size(cfg)}) is "
+               f"smaller than the target's ({cfg.vocab_size}) needs d2t to map its draft ids to target ids")
+    else:  # the target's whole vocabulary: draft id = target id (vLLM reads such a head the same)
+        d2t = np.zeros(cfg.vocab_size, np.int64)
     t2d = weights.pop("t2d", None)
     if d2t.shape != (draft_vocab_size(cfg),):
         refuse(f"has d2t of shape {d2t.shape}; expected ({draft_vocab_size(cfg)},) (draft_vocab_size)")
