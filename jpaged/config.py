@@ -206,6 +206,8 @@ class EngineConfig:
         self.kv_events_config = KVEventsConfig.of(self.kv_events_config)
         check("kv_events_config", self.kv_events_config is None or not self.kv_events_config.enabled
               or self.enable_prefix_caching, "events only with enable_prefix_caching (they report the prefix cache)")
+        if self.kv_events_config is not None and self.kv_events_config.enabled:
+            self.kv_events_config.check_ranks(self.data_parallel_size)  # each replica's ports and paths
         check("max_loras", isinstance(self.max_loras, int) and self.max_loras >= 1, "an integer >= 1")
         check("max_lora_rank", isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1, "an integer >= 1")
         check("max_cpu_loras", self.max_cpu_loras is None or (isinstance(self.max_cpu_loras, int)

@@ -7,7 +7,9 @@ running or waiting, no KV block held).
     python scripts/stress_server.py --url http://127.0.0.1:8000 --requests 2000 --disconnects 400
 
 Then issue 38's attacks (scripts/stress_attacks.py): /kv pollers, Responses limits and store
-bytes, sleep mode (when the server has --enable-sleep-mode); with --lora-churn, LoRA churn and
+bytes, sleep mode (when the server has --enable-sleep-mode), and issue 60's KV events flood (when
+it has --kv-events-config: non-reading subscribers and replay clients, the server's RSS and the
+live batches' delay measured); with --lora-churn, LoRA churn and
 hostile adapter files (scripts/stress_lora.py); with --startup-attacks, malformed checkpoints
 and configs at start-up (scripts/stress_checkpoints.py; needs no server). --start-server "ARGS"
 starts `jpaged serve ARGS` itself (its RSS is then checked) and stops it at the end. Every
@@ -241,7 +243,13 @@ def start_server(args) -> subprocess.Popen:
     known.add_argument("--api-key")
     known.add_argument("--responses-store-bytes", type=int)
     known.add_argument("--allowed-lora-paths", nargs="+")
+    known.add_argument("--kv-events-config")
     flags = known.parse_known_args(words)[0]
+    if flags.kv_events_config and args.kv_events_endpoint is None:  # where to connect: its addresses, on loopback
+        events = json.loads(flags.kv_events_config)
+        local = lambda a: a and a.replace("*", "127.0.0.1").replace("0.0.0.0", "127.0.0.1")  # noqa: E731
+        args.kv_events_endpoint = local(events.get("endpoint", "tcp://*:5557"))
+        args.kv_events_replay_endpoint = args.kv_events_replay_endpoint or local(events.get("replay_endpoint"))
     if args.lora_churn == ["tiny"] and flags.allowed_lora_paths is None:
         words += ["--allowed-lora-paths", args.lora_dir]
     os.makedirs(args.lora_dir, exist_ok=True)
@@ -305,10 +313,13 @@ def run_all(args) -> int:
         lines.append(f"generic attacks: {generic['requests']} requests, {generic['5xx']} 5xx, "
                      f"{generic['failures']} failures, alive {generic['alive']}, idle {generic['idle']}")
         failed |= bool(generic["5xx"] or generic["failures"] or not generic["alive"] or not generic["idle"])
-        attacks = [a for a in ("kv", "responses", "sleep") if a in args.attacks]
+        attacks = [a for a in ("kv", "responses", "sleep", "kv-events", "dp") if a in args.attacks]
+        kv_events = (args.kv_events_endpoint, args.kv_events_replay_endpoint) if args.kv_events_endpoint else None
         tally = asyncio.run(stress_attacks.run(args.url, args.api_key, attacks=attacks, store_bytes=args.store_bytes,
                                                pid=args.server_pid, kv_pollers=args.kv_pollers,
-                                               sleep_seconds=args.sleep_churn_seconds, seed=args.seed or 0))
+                                               sleep_seconds=args.sleep_churn_seconds, seed=args.seed or 0,
+                                               kv_events=kv_events, kv_events_seconds=args.kv_events_seconds,
+                                               kv_events_clients=args.kv_events_clients))
         print("issue 38 attacks, statuses:", dict(sorted(tally.statuses.items())))
         for failure in tally.failures[:20]:
             print("FAILURE:", failure)
@@ -360,9 +371,17 @@ if __name__ == "__main__":
     parser.add_argument("--disconnects", type=int, default=400, help="clients that leave within 100 ms")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--long-tokens", type=int, default=200, help="tokens of the one long request")
-    parser.add_argument("--attacks", nargs="*", default=["kv", "responses", "sleep"],
-                        help="issue 38's attacks to run (scripts/stress_attacks.py; sleep is skipped without "
-                             "--enable-sleep-mode)")
+    parser.add_argument("--attacks", nargs="*", default=["kv", "responses", "sleep", "kv-events", "dp"],
+                        help="issue 38's attacks to run, and issue 60's kv-events and dp (scripts/stress_attacks.py, "
+                             "stress_fleet.py; sleep is skipped without --enable-sleep-mode, kv-events without a KV "
+                             "events endpoint, dp without 2 data-parallel replicas)")
+    parser.add_argument("--kv-events-endpoint", default=None,
+                        help="the server's KV events address to connect to (with --start-server: from its "
+                             "--kv-events-config, * as 127.0.0.1)")
+    parser.add_argument("--kv-events-replay-endpoint", default=None, help="its replay address to connect to")
+    parser.add_argument("--kv-events-seconds", type=float, default=30.0, help="how long the kv-events flood lasts")
+    parser.add_argument("--kv-events-clients", type=int, default=300,
+                        help="non-reading subscribers, and as many non-reading replay clients, of the kv-events flood")
     parser.add_argument("--kv-pollers", type=int, default=20, help="clients polling /kv around a victim stream")
     parser.add_argument("--store-bytes", type=int, default=256 << 20,
                         help="the server's --responses-store-bytes (read from --start-server's ARGS)")

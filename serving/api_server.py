@@ -283,7 +283,13 @@ async def serve(engine: LLMEngine | DPAsyncEngine, options: ServerOptions) -> in
         ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ssl_context.load_cert_chain(options.ssl_certfile, options.ssl_keyfile)
     site = web.TCPSite(runner, options.host, options.port, ssl_context=ssl_context)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:  # taken since `jpaged serve` checked it: stop what runs (its threads), then one line
+        await async_engine.shutdown()
+        await runner.cleanup()
+        raise ValueError(f"cannot listen on {options.host}:{options.port}: {e.strerror or e} (is another server "
+                         "using it? choose another --port)") from None
     bound_host, bound_port = runner.addresses[0][:2]
     scheme = "https" if ssl_context else "http"
     print(f"jpaged: serving {options.served_model_name!r} at {scheme}://{bound_host}:{bound_port}/v1 "

@@ -141,6 +141,12 @@ def cmd_serve(args) -> int:
     if not args.process_id:  # process 0 serves HTTP (multi-host)
         check_port(args.host, args.port)
     config, options = serve_options(args)
+    if config.kv_events_config is not None and config.kv_events_config.enabled:
+        from jpaged.kv_events.config import check_local_addresses
+
+        # Before loading anything: its ports against ours, its ipc paths against what is there.
+        check_local_addresses(config.kv_events_config, range(config.data_parallel_size),
+                              None if args.process_id else args.port)
     from jpaged.pooling.engine import resolve_runner
     if resolve_runner(config) == "pooling":  # embeddings, classification, scores: serving/pooling_server.py
         from serving.pooling_server import run_pooling_server

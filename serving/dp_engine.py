@@ -13,7 +13,7 @@ import logging
 
 from jpaged.config import EngineConfig
 from jpaged.data_parallel.engine import FrontEngine, sum_stats, warmup_health
-from jpaged.data_parallel.fleet import Fleet, ReplicaDiedError
+from jpaged.data_parallel.fleet import Fleet, NoReplicaUpError, ReplicaDiedError
 from jpaged.engine.llm_engine import StepFailedError
 from jpaged.sampling_params import SamplingParams
 from serving.async_engine import EngineDeadError, RequestStream
@@ -133,12 +133,15 @@ class DPAsyncEngine:
 
     def _lost(self, request_ids: list[str], error: BaseException):
         for request_id in request_ids:
+            # Nothing produced and a replica is coming back: the client may send it again.
+            failure = (lambda: APIError(str(error), status=503, code="no_replica_up")) \
+                if isinstance(error, NoReplicaUpError) else (lambda: EngineDeadError(str(error)))
             future = self._adds.get(request_id)
             if future is not None and not future.done():
-                future.set_exception(EngineDeadError(str(error)))
+                future.set_exception(failure())
             stream = self._streams.pop(request_id, None)
             if stream is not None:
-                stream.put(EngineDeadError(str(error)))
+                stream.put(failure())
 
     def _call_done(self, call_id: int, answers: dict):
         future = self._calls.pop(call_id, None)

@@ -468,3 +468,23 @@ def test_a_stopped_replica_is_detected_killed_and_replaced(reference, monkeypatc
         llm.shutdown()
         with contextlib.suppress(ProcessLookupError):
             os.kill(stopped, signal.SIGKILL)
+
+
+def test_unstarted_requests_of_the_last_replica_are_told_to_retry(monkeypatch):
+    """No replica left up but one coming back: a request that produced nothing gets
+    NoReplicaUpError (the server's 503 with Retry-After), not a replica-died failure."""
+    from jpaged.data_parallel.fleet import NoReplicaUpError, ReplicaDiedError
+
+    fleet = Fleet(EngineConfig(data_parallel_size=2, dp_restart=True, dp_routing="round-robin"))
+    fleet.replicas, fleet.states, fleet.started = [_FakeReplica(0), _FakeReplica(1)], ["up", "up"], True
+    monkeypatch.setattr(fleet, "_spawn", lambda rank: fleet.states.__setitem__(rank, "starting"))
+    lost = []
+    fleet.on_lost = lambda ids, error: lost.append((ids, error))
+    params = jpaged.SamplingParams(max_tokens=4)
+    assert [fleet.submit(rid, [1, 2, 3], params) for rid in "ab"] == [0, 1]
+    fleet._on_message(fleet.replicas[1], ("exit",))  # replica 0 is up: b moves there
+    assert lost == [] and fleet.rank_of("b") == 0
+    fleet._on_message(fleet.replicas[0], ("step", [type("Out", (), {"request_id": "a", "finished": False})()],
+                                          None, [], None))  # a has produced output: it cannot be retried
+    fleet._on_message(fleet.replicas[0], ("exit",))
+    assert [(ids, type(e)) for ids, e in lost] == [(["a"], ReplicaDiedError), (["b"], NoReplicaUpError)]

@@ -221,6 +221,58 @@ def test_a_start_that_died_while_loading_loads_nothing_next_time(tmp_path, caplo
     assert alive.returncode == 0 and not any(p.name.startswith(".loading.") for p in tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL", "SIGINT", "SIGSEGV"])
+def test_only_a_crash_while_loading_costs_the_cache(tmp_path, caplog, how):
+    """A start stopped by a signal while loading (a supervisor's SIGTERM to a restarting replica,
+    SIGKILL after its grace period, Ctrl-C) is no crash: the next start loads every executable.
+    A crash inside the load (SIGSEGV here, SIGABRT in the test above) is recorded in the marker,
+    and the next start loads nothing, once."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    _, _, arguments = _kept(tmp_path)
+    stop = "import ctypes; ctypes.string_at(0)" if how == "SIGSEGV" else \
+        f"os.kill(os.getpid(), signal.{how}); time.sleep(30)"
+    dies = textwrap.dedent(f"""
+        import os, signal, time
+        from jpaged.runner.executable_cache import ExecutableCache
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # as a process that set no handler
+        with ExecutableCache({str(tmp_path)!r}, "m").loading():
+            {stop}
+    """)
+    run = subprocess.run([sys.executable, "-c", dies], capture_output=True, timeout=120)
+    assert run.returncode == -getattr(signal, how), (run.returncode, run.stderr[-2000:])
+    marker, = (p for p in tmp_path.iterdir() if p.name.startswith(".loading."))
+    crashed = how == "SIGSEGV"
+    assert ("Segmentation fault" in marker.read_text()) == crashed
+    cache = ExecutableCache(str(tmp_path), "m")
+    assert cache.skip_loads == crashed
+    assert ("died while loading" in caplog.text) == crashed
+    assert (cache.load("step", arguments) is None) == crashed
+    assert not any(p.name.startswith(".loading.") for p in tmp_path.iterdir())
+    assert ExecutableCache(str(tmp_path), "m").load("step", arguments) is not None
+
+
+def test_loading_sets_faulthandler_back(tmp_path):
+    """While loading, faulthandler writes into the marker; afterwards it is as it was."""
+    import faulthandler
+
+    _, _, arguments = _kept(tmp_path)
+    was = faulthandler.is_enabled()
+    try:
+        for enabled in (False, True):
+            faulthandler.enable() if enabled else faulthandler.disable()
+            cache = ExecutableCache(str(tmp_path), "m")
+            with cache.loading():
+                assert faulthandler.is_enabled()
+                assert cache.load("step", arguments) is not None
+            assert faulthandler.is_enabled() == enabled
+    finally:
+        faulthandler.enable() if was else faulthandler.disable()
+
+
 def test_read_only_directory_is_only_read(tmp_path, monkeypatch):
     """A cache on a read-only file system (a `:ro` mount): hits load without touching the files,
     misses compile and serve, nothing raises. A real read-only bind mount where this process may

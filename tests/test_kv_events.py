@@ -178,12 +178,27 @@ def test_live_batches_and_replay_of_the_missed_ones():
     ('{"max_queue_size": true}', "max_queue_size"),
     ('{"topic": 3}', "topic"),
     ('{"endpoints": "tcp://*:1"}', "unknown fields"),
+    # Ports ZMQ would take otherwise: 99999 listened on 34463, * on a port no subscriber knows.
+    ('{"endpoint": "tcp://*:99999"}', "endpoint"),
+    ('{"endpoint": "tcp://*:0"}', "endpoint"),
+    ('{"endpoint": "tcp://*:*"}', "endpoint"),
+    ('{"endpoint": "tcp://*:-1"}', "endpoint"),
+    ('{"endpoint": "tcp://127.0.0.1"}', "endpoint"),
+    ('{"endpoint": "tcp://:5557"}', "endpoint"),
+    ('{"endpoint": "tcp://*:\u0665"}', "endpoint"),
+    ('{"replay_endpoint": "tcp://*:65536"}', "replay_endpoint"),
+    ('{"endpoint": "ipc:///tmp/' + "x" * 120 + '"}', "endpoint"),
+    ('{"buffer_steps": 1000000000000000}', "buffer_steps"),
+    ('{"max_queue_size": 1000000000000000}', "max_queue_size"),
+    ('{"hwm": 1000000000000000}', "hwm"),
+    ('{"buffer_steps": 1e15}', "buffer_steps"),
     ('[1]', "JSON object"),
     ('{"enable_kv_cache_events": true,', "not valid JSON"),
 ])
 def test_bad_configs_name_the_field(value, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=field) as error:
         KVEventsConfig.of(value)
+    assert "\n" not in str(error.value)
 
 
 def test_defaults_and_the_null_publisher():
@@ -337,3 +352,396 @@ def test_events_need_prefix_caching():
     with pytest.raises(ValueError, match="kv_events_config"):
         EngineConfig(kv_events_config='{"enable_kv_cache_events": true}')
     assert EngineConfig(kv_events_config='{"enable_kv_cache_events": false}').kv_events_config.publisher == "null"
+
+
+# ---- Start-up: every bad address a one-line error naming the field, before anything is bound.
+def test_data_parallel_ranks_ports_are_checked():
+    from jpaged.config import EngineConfig
+
+    def config(dp, **fields):
+        return EngineConfig(model="tiny", enable_prefix_caching=True, data_parallel_size=dp,
+                            kv_events_config={"enable_kv_cache_events": True, **fields})
+
+    with pytest.raises(ValueError, match=r"kv_events_config.endpoint='tcp://\*:65535'.*rank 1"):
+        config(2, endpoint="tcp://*:65535")
+    config(1, endpoint="tcp://*:65535")
+    with pytest.raises(ValueError, match=r"kv_events_config.replay_endpoint=.*another rank's endpoint"):
+        config(2, endpoint="tcp://*:5557", replay_endpoint="tcp://*:5558")
+    config(2, endpoint="tcp://*:5557", replay_endpoint="tcp://*:5559")
+    with pytest.raises(ValueError, match="no port"):
+        offset_endpoint("tcp://host", 1)
+
+
+def test_an_ipc_path_naming_a_file_is_refused_and_the_file_kept(tmp_path):
+    import socket
+
+    from jpaged.kv_events.config import check_local_addresses
+
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    for field in ("endpoint", "replay_endpoint"):
+        config = KVEventsConfig.of({"enable_kv_cache_events": True, field: f"ipc://{precious}",
+                                    **({"endpoint": f"ipc://{tmp_path}/pub"} if field == "replay_endpoint" else {})})
+        with pytest.raises(ValueError, match=f"kv_events_config.{field}=.*exists and is not a socket"):
+            make_publisher(config)
+        assert precious.read_text() == "keep me"
+    # A data-parallel rank's path too: rank 1 binds PATH_dp1.
+    (tmp_path / "kv_dp1").write_text("keep me too")
+    config = KVEventsConfig.of({"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/kv"})
+    with pytest.raises(ValueError, match="kv_dp1 exists and is not a socket"):
+        check_local_addresses(config, range(2))
+    assert (tmp_path / "kv_dp1").read_text() == "keep me too"
+    # A socket another process listens on is refused; a stale one (nobody listening) is replaced.
+    live = socket.socket(socket.AF_UNIX)
+    live.bind(str(tmp_path / "live"))
+    live.listen()
+    try:
+        with pytest.raises(ValueError, match="another process listens on"):
+            make_publisher(KVEventsConfig.of({"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/live"}))
+    finally:
+        live.close()
+    publisher = make_publisher(KVEventsConfig.of({"enable_kv_cache_events": True,
+                                                  "endpoint": f"ipc://{tmp_path}/live"}))
+    publisher.shutdown()
+
+
+def _serve(*args, code=None, timeout=300):
+    import os
+    import subprocess
+    import sys
+
+    code = code or "import sys, serving.cli as c; sys.exit(c.main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, "serve", "--model", "tiny", "--max-model-len", "64", *args],
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_events_on_the_servers_own_port_are_a_one_line_error():
+    """Used to abort the server at start (SIGABRT, exit 134, "FATAL: exception not rethrown"):
+    now exit 2 before anything loads, one line naming the field; a data-parallel rank's port and
+    the replay endpoint's too."""
+    from jpaged.kv_events.config import check_local_addresses
+
+    port = _free_port()
+    run = _serve("--port", str(port), "--enable-prefix-caching", "--kv-events-config",
+                 json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"}))
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, (run.returncode, run.stderr[-3000:])
+    assert lines[0] == (f"error: kv_events_config.endpoint='tcp://*:{port}': port {port} is the server's own HTTP "
+                        "port (--port); expected another port")
+    assert "Loading" not in run.stdout + run.stderr
+    for ranks, fields, field in ((range(2), {"endpoint": f"tcp://*:{port - 1}"}, "endpoint"),
+                                 ([0], {"replay_endpoint": f"tcp://127.0.0.1:{port}"}, "replay_endpoint")):
+        config = KVEventsConfig.of({"enable_kv_cache_events": True, **fields})
+        with pytest.raises(ValueError, match=rf"kv_events_config.{field}=.*port {port}.*HTTP port"):
+            check_local_addresses(config, ranks, port)
+    # Connected to (no wildcard), the port is a subscriber's, elsewhere: no conflict.
+    check_local_addresses(KVEventsConfig.of({"enable_kv_cache_events": True,
+                                             "endpoint": f"tcp://10.0.0.1:{port}"}), [0], port)
+
+
+def test_a_port_taken_after_the_check_is_a_clear_error_not_an_abort():
+    """The HTTP port taken between `jpaged serve`'s check and the bind (here: the check skipped):
+    the engine (its background warm-up, its event sockets) is stopped, one error line, exit 2,
+    never the abort at exit of threads still compiling."""
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        run = _serve("--port", str(port), "--enable-prefix-caching", "--kv-events-config",
+                     json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{_free_port()}"}),
+                     code="import sys, serving.cli as c; c.check_port = lambda *a: None; "
+                          "sys.exit(c.main(sys.argv[1:]))")
+    finally:
+        holder.close()
+    assert run.returncode == 2, (run.returncode, run.stderr[-3000:])
+    assert f"error: cannot listen on 127.0.0.1:{port}" in run.stderr and "Traceback" not in run.stderr
+
+
+# ---- Bounded in bytes: subscribers and replay clients that never read (issue 60).
+def _config(**fields):
+    return KVEventsConfig.of({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{_free_port()}",
+                              "replay_endpoint": f"tcp://*:{_free_port()}", **fields})
+
+
+def _address(endpoint: str) -> str:
+    return endpoint.replace("*", "127.0.0.1")
+
+
+def _sized_batches(rng, count, low=1, high=8):
+    """Batches of one BlockStored of `low` to `high` 16-token blocks (about 70 bytes of payload a block)."""
+    batches = []
+    for i in range(count):
+        n = int(rng.integers(low, high + 1))
+        hashes = [external_block_hash(rng.bytes(32)) for _ in range(n)]
+        batches.append(KVEventBatch(ts=0.0, events=[BlockStored(hashes, None, rng.integers(0, 50_000, 16 * n).tolist(),
+                                                                16, None, "GPU", None)]))
+    return batches
+
+
+def _sent(publisher, count, timeout=30.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while publisher._next_seq < count:
+        assert time.monotonic() < deadline, f"{publisher._next_seq} of {count} batches sent"
+        time.sleep(0.01)
+
+
+def _subscribe(context, endpoint, reading=True):
+    sub = context.socket(zmq.SUB)
+    if not reading:  # as a hostile client: nothing buffered on its side either
+        sub.setsockopt(zmq.RCVHWM, 1)
+        sub.setsockopt(zmq.RCVBUF, 4096)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(_address(endpoint))
+    return sub
+
+
+def _until_received(publisher, sub, batch, limit=100):
+    """Publish `batch` until `sub` (just connected: its subscription travels) receives one."""
+    for _ in range(limit):
+        publisher.publish(batch)
+        if sub.poll(100):
+            return sub.recv_multipart()
+    raise AssertionError("the subscriber never received a batch")
+
+
+def test_subscribers_past_the_limit_receive_nothing(monkeypatch):
+    """Subscriptions are applied only while at most MAX_SUBSCRIBERS connections are open: those
+    past it get nothing (no queue grows for them), the first ones everything; once they have left,
+    a new subscriber is served again."""
+    import time
+
+    from jpaged.kv_events import publisher as module
+
+    monkeypatch.setattr(module, "MAX_SUBSCRIBERS", 3)
+    rng = np.random.default_rng()
+    publisher = make_publisher(_config())
+    context = zmq.Context.instance()
+    first = _subscribe(context, publisher.endpoint)
+    extra, published = [], 0
+
+    def publish(batch):
+        nonlocal published
+        publisher.publish(batch)
+        published += 1
+
+    try:
+        batch, = _sized_batches(rng, 1)
+        for _ in range(100):  # until its subscription has travelled
+            publish(batch)
+            if first.poll(100):
+                break
+        extra = [_subscribe(context, publisher.endpoint) for _ in range(5)]
+        deadline = time.monotonic() + 30
+        while publisher.refused_subscriptions < 5:  # their subscriptions reach the publisher thread
+            assert time.monotonic() < deadline, publisher.refused_subscriptions
+            publish(batch)
+            time.sleep(0.02)
+        _sent(publisher, published)
+        sent = published
+        for b in _sized_batches(rng, 50):
+            publish(b)
+        _sent(publisher, published)
+        assert all(not s.poll(300) for s in extra)
+        received = []
+        while first.poll(1000) and len(received) < sent + 50:
+            received.append(int.from_bytes(first.recv_multipart()[1], "big"))
+        assert received[-50:] == list(range(sent, sent + 50))
+        for s in extra:
+            s.close(linger=0)
+        extra = []
+        deadline = time.monotonic() + 30
+        while True:  # once their disconnections have reached the publisher, a new subscriber is served
+            time.sleep(0.3)
+            late = _subscribe(context, publisher.endpoint)
+            extra = [late]
+            for _ in range(20):
+                publish(batch)
+                if late.poll(100):
+                    break
+            if late.poll(0) or time.monotonic() > deadline:
+                break
+            late.close(linger=0)
+        assert late.poll(0), "a subscriber after the others left was not served"
+    finally:
+        for s in [first, *extra]:
+            s.close(linger=0)
+        publisher.shutdown()
+
+
+def test_a_subscriber_that_never_reads_holds_a_bounded_number_of_bytes(monkeypatch):
+    """A subscriber that stops reading has at most its share of SEND_BUDGET_BYTES queued for it
+    (its high-water mark: that share over the largest payload yet, lowered as payloads grow), then
+    its batches are dropped; when it reads again it finds that much, and the sequence gap."""
+    from jpaged.kv_events import publisher as module
+
+    budget = 256 << 10
+    monkeypatch.setattr(module, "SEND_BUDGET_BYTES", budget)
+    monkeypatch.setattr(module, "MAX_SUBSCRIBERS", 1)
+    monkeypatch.setattr(module, "SOCKET_SNDBUF", 4096)  # the kernel's buffers aside
+    rng = np.random.default_rng()
+    publisher = make_publisher(_config())
+    context = zmq.Context.instance()
+    sub = _subscribe(context, publisher.endpoint, reading=False)
+    try:
+        small, = _sized_batches(rng, 1, 2, 2)
+        _until_received(publisher, sub, small)
+        batches = _sized_batches(rng, 1500, 1, 8) + _sized_batches(rng, 1500, 8, 64)  # payloads grow past the estimate
+        start = publisher._next_seq
+        for b in batches:
+            publisher.publish(b)
+        _sent(publisher, start + len(batches))
+        got, size = [], 0
+        while sub.poll(1000):
+            frames = sub.recv_multipart()
+            got.append(int.from_bytes(frames[1], "big"))
+            size += len(frames[2])
+        print(f"{len(got)} of {len(batches)} batches, {size} bytes queued for a subscriber that did not read")
+        assert 0 < len(got) < len(batches) and got[-1] < start + len(batches) - 1
+        assert size <= 2 * budget  # its share, and what the two ends' socket buffers held
+    finally:
+        sub.close(linger=0)
+        publisher.shutdown()
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_replay_clients_that_never_read_hold_neither_memory_nor_live_batches(monkeypatch):
+    """Replay requests whose answers nobody reads (a flood, each client asking again): live
+    batches still arrive at once (they queued behind the answers, a third of a second here and
+    seconds in a server), the process does not grow by the answers (it grew by a full queue of
+    them per client), and a replay client that reads gets its whole answer once the flood has gone."""
+    import threading
+    import time
+
+    from jpaged.kv_events import publisher as module
+
+    monkeypatch.setattr(module, "REPLAY_STALL_S", 0.3)
+    rng = np.random.default_rng()
+    kept = 1500
+    publisher = make_publisher(_config(buffer_steps=kept))
+    context = zmq.Context.instance()
+    sub = _subscribe(context, publisher.endpoint)
+    flood = []
+    try:
+        batches = _sized_batches(rng, kept, 32, 96)  # about 6 MB kept: each answer that much
+        _until_received(publisher, sub, batches[0])
+        for b in batches:
+            publisher.publish(b)
+        _sent(publisher, kept)
+        while sub.poll(200):
+            sub.recv_multipart()
+        rss = _rss_mib()
+        for _ in range(60):
+            dealer = context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.RCVHWM, 1)
+            dealer.setsockopt(zmq.RCVBUF, 4096)
+            dealer.connect(_address(publisher.replay_endpoint))
+            flood.append(dealer)
+        # 3 s of live batches, one every 10 ms (an engine's steps), while the flood asks again every 0.25 s.
+        lives = _sized_batches(rng, 300)
+        delays = []
+
+        def read():  # its own thread: each batch timed as it arrives
+            while len(delays) < len(lives) and sub.poll(30_000):
+                delays.append(time.time() - msgspec.msgpack.decode(sub.recv_multipart()[2])["ts"])
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        start = time.monotonic()
+        for k, live in enumerate(lives):
+            if k % 25 == 0:
+                for dealer in flood:
+                    dealer.send_multipart((b"", (0).to_bytes(8, "big")), zmq.NOBLOCK)
+            live.ts = time.time()
+            publisher.publish(live)
+            time.sleep(max(0.0, start + (k + 1) * 0.01 - time.monotonic()))
+        reader.join()
+        assert len(delays) == len(lives)
+        growth = _rss_mib() - rss
+        print(f"live batches during the replay flood: median {np.median(delays) * 1e3:.1f} ms, largest "
+              f"{max(delays) * 1e3:.1f} ms; the process grew by {growth:.0f} MiB; "
+              f"{getattr(publisher, 'refused_replays', '?')} replay requests refused")
+        assert np.median(delays) < 0.1 and max(delays) < 1.0
+        assert growth < 64
+        for dealer in flood:
+            dealer.close(linger=0)
+        flood = []
+        deadline = time.monotonic() + 20
+        while True:  # once the flood's connections are gone, a reader is answered whole
+            time.sleep(0.3)
+            replayed = _replay(context, _address(publisher.replay_endpoint), 0)
+            if replayed or time.monotonic() > deadline:
+                break
+        assert [s for s, _ in replayed] == list(range(publisher._next_seq - kept, publisher._next_seq))
+    finally:
+        for s in [sub, *flood]:
+            s.close(linger=0)
+        publisher.shutdown()
+
+
+def test_kept_batches_are_bounded_in_bytes(monkeypatch):
+    from jpaged.kv_events import publisher as module
+
+    monkeypatch.setattr(module, "KEPT_BYTES", 64 << 10)
+    rng = np.random.default_rng()
+    publisher = make_publisher(_config(buffer_steps=10_000))
+    try:
+        batches = _sized_batches(rng, 300, 8, 16)
+        for b in batches:
+            publisher.publish(b)
+        _sent(publisher, 300)
+        replayed = _replay(zmq.Context.instance(), _address(publisher.replay_endpoint), 0)
+        size = sum(len(p) for _, p in replayed)
+        assert 0 < len(replayed) < 300 and size <= 64 << 10
+        assert [s for s, _ in replayed] == list(range(300 - len(replayed), 300))
+    finally:
+        publisher.shutdown()
+
+
+def test_the_stress_scripts_flood_keeps_live_batches_on_time():
+    """scripts/stress_fleet.py's kv_events_flood, scaled down (60 + 60 clients that never read,
+    2 s) against a publisher fed every 10 ms: live batches arrive at once before, during and after."""
+    import os
+    import sys
+    import threading
+    import time
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import stress_fleet
+
+    rng = np.random.default_rng()
+    publisher = make_publisher(_config(buffer_steps=2000))
+    stop = threading.Event()
+
+    def feed():
+        batches = _sized_batches(rng, 64, 16, 64)
+        k = 0
+        while not stop.is_set():
+            batch = batches[k % len(batches)]
+            batch.ts = time.time()
+            publisher.publish(batch)
+            k += 1
+            time.sleep(0.01)
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    try:
+        result = stress_fleet.kv_events_flood(_address(publisher.endpoint), _address(publisher.replay_endpoint),
+                                                subscribers=60, replayers=60, seconds=2.0, pid=os.getpid(),
+                                                calm=1.0, settle=1.0)
+    finally:
+        stop.set()
+        feeder.join()
+        publisher.shutdown()
+    print(result)
+    for phase in ("alone", "flood", "after"):
+        assert result[phase]["count"] > 0 and result[phase]["median"] < 0.1, (phase, result)
+    assert result["rss_peak"] >= result["rss_before"] > 0

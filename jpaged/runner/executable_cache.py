@@ -14,12 +14,15 @@ Nothing read from the directory reaches pickle or XLA unverified: a damaged exec
 the process inside XLA (one flipped bit: "LLVM ERROR: Unable to allocate section memory", SIGABRT,
 on every restart). Each file holds its full key and a SHA-256 of its payload; a file that is not a
 regular file, is too large, names another key or fails its checksum is a miss: a warning, the
-executable compiled again and the file rewritten. A process that dies while loading leaves a
-marker behind, and the next start on that host loads nothing (crash loops end after one restart).
-A read-only directory is only read.
+executable compiled again and the file rewritten. A process that crashes while loading (a fatal
+signal: SIGSEGV, SIGABRT, SIGBUS, SIGILL, SIGFPE) leaves a marker with the crash recorded in it, and
+the next start on that host loads nothing (crash loops end after one restart). A process stopped
+while loading by any other signal (SIGTERM, SIGINT, even SIGKILL) records no crash: the next start
+loads as usual. A read-only directory is only read.
 """
 
 import contextlib
+import faulthandler
 import functools
 import hashlib
 import logging
@@ -28,7 +31,9 @@ import pickle
 import socket
 import stat
 import struct
+import sys
 import tempfile
+import threading
 
 import jax
 import jaxlib
@@ -44,6 +49,10 @@ MAX_CACHE_BYTES = 4 * 2**30
 MAGIC = b"jpaged-executable-v2\n"
 _LENGTHS = struct.Struct(">QQ")
 _LOADING_MARKER = ".loading"  # .loading.<host>.<pid>: a start-up of that process is loading files
+# A marker's second line when faulthandler writes into it: a crash (a fatal signal) appends its
+# traceback there; a marker holding nothing after that line was left by a process stopped otherwise.
+_CRASH_RECORD = "crash-record"
+_MAX_MARKER_BYTES = 1 << 20
 
 
 @functools.cache
@@ -164,24 +173,32 @@ class ExecutableCache:
         leaves the marker, and the next start-up on this host loads nothing (_earlier_start_died).
         Reentrant: load() marks alone unless the warm-up marks all its loads at once."""
         self._loading_depth += 1
-        marker = None
+        marker = record = None
         try:  # from before the marker exists: a signal landing while it is written still removes it
             if self._loading_depth == 1 and self.directory is not None and not self.skip_loads:
                 marker = os.path.join(self.directory, f"{_LOADING_MARKER}.{socket.gethostname()}.{os.getpid()}")
                 with contextlib.suppress(OSError):  # a read-only directory: no marker, nothing to lose
                     os.makedirs(self.directory, exist_ok=True)
-                    with open(marker, "w") as f:
-                        f.write(_start_time(os.getpid()))
+                    record = open(marker, "w")
+                    guarded = _crash_records.watch(record)  # faulthandler writes a crash into it
+                    record.write(_start_time(os.getpid()) + "\n" + (_CRASH_RECORD + "\n" if guarded else ""))
+                    record.flush()
             yield
         finally:
             self._loading_depth -= 1
+            if record is not None:
+                _crash_records.unwatch(record)
+                record.close()
             if marker is not None:
                 with contextlib.suppress(OSError):
                     os.remove(marker)
 
     def _earlier_start_died(self) -> bool:
-        """True when a process on this host died while loading executables from the directory
-        (its marker is left and the process is gone); the marker is removed."""
+        """True when a process on this host crashed while loading executables from the directory
+        (its marker is left, the process is gone, and the marker records a crash or, written by an
+        older jpaged or while another marker of that process held the crash record, cannot say);
+        the marker is removed. A marker of a process stopped by a signal that is no crash (SIGTERM,
+        SIGKILL: nothing recorded after its header) is removed and the cache trusted."""
         prefix = f"{_LOADING_MARKER}.{socket.gethostname()}."
         died = False
         with contextlib.suppress(OSError):
@@ -190,13 +207,21 @@ class ExecutableCache:
                     continue
                 pid = entry.name[len(prefix):]
                 with contextlib.suppress(OSError, ValueError):
-                    with open(entry.path) as f:
-                        started = f.read(64)
+                    fd = os.open(entry.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+                    with os.fdopen(fd, "rb") as f:
+                        content = f.read(_MAX_MARKER_BYTES).decode(errors="replace")
+                    started, _, rest = content.partition("\n")
                     if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid), started):
                         continue  # that process is loading now
-                    logger.warning("an earlier start-up (pid %s) died while loading cached executables from %s: "
-                                   "loading none this time, compiling every executable again", pid, self.directory)
-                    died = True
+                    guarded, _, crash = rest.partition("\n")
+                    if guarded == _CRASH_RECORD and not crash.strip():
+                        logger.info("an earlier start-up (pid %s) was stopped while loading cached executables from "
+                                    "%s (a signal, not a crash): loading them as usual", pid, self.directory)
+                    else:
+                        logger.warning("an earlier start-up (pid %s) died while loading cached executables from %s%s: "
+                                       "loading none this time, compiling every executable again", pid,
+                                       self.directory, f" ({crash.strip().splitlines()[0]})" if crash.strip() else "")
+                        died = True
                     os.remove(entry.path)
         return died
 
@@ -249,6 +274,52 @@ class ExecutableCache:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
             excess -= size
+
+
+class _CrashRecords:
+    """faulthandler, while executables load, writes a fatal signal's traceback into the loading
+    marker: the next start tells a crash (distrust the cache) from a process stopped by SIGTERM or
+    SIGKILL (trust it). faulthandler writes to one file per process: the first marker opened; a
+    marker opened while another is watched says it holds no record (then its death is taken for a
+    crash). Afterwards faulthandler is set back as it was (on stderr when it was enabled)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._files: list = []
+        self._was_enabled = False
+
+    def watch(self, f) -> bool:
+        """Start recording into `f` if no other marker is; whether `f` is the one recorded into."""
+        with self._lock:
+            if self._files:
+                self._files.append(f)
+                return False
+            try:
+                was_enabled = faulthandler.is_enabled()
+                faulthandler.enable(file=f, all_threads=False)
+            except (OSError, ValueError, RuntimeError):  # no file descriptor: no record
+                return False
+            self._was_enabled = was_enabled
+            self._files.append(f)
+            return True
+
+    def unwatch(self, f):
+        with self._lock:
+            if f not in self._files:
+                return
+            recorded = self._files[0] is f
+            self._files.remove(f)
+            if not recorded:
+                return
+            with contextlib.suppress(OSError, ValueError, RuntimeError, AttributeError):
+                if self._was_enabled:
+                    faulthandler.enable(file=sys.__stderr__ or sys.stderr)
+                else:
+                    faulthandler.disable()
+            self._files.clear()  # the others said they hold no record: nothing to hand over
+
+
+_crash_records = _CrashRecords()
 
 
 class _Rejected(Exception):
