@@ -77,10 +77,11 @@ def plan_gpu_memory(*, bytes_per_block: int, gpu_memory_utilization: float, memo
     if memory_stats.get("pool_bytes") is not None and memory_stats["pool_bytes"] < limit:
         # A growing allocator (no preallocation): the pool is reserved in one piece (start_up.
         # reserve_device_memory), from a new region within what the allocator has not taken yet,
-        # or from the largest free piece of the regions it holds.
+        # or from the largest free piece of the regions it holds; that piece keeps room for the
+        # peak temporaries and the margin too (what the older regions hold free may be in bits).
         contiguous = max(limit - int(memory_stats["pool_bytes"]), int(memory_stats.get("largest_free_block_bytes", 0)))
         contiguous -= GROWTH_SLACK_BYTES
-        room = min(room, contiguous)
+        room = min(room, contiguous - peak - margin)
     num_blocks = max(room, 0) // bytes_per_block
     plan = GpuMemoryPlan(limit, gpu_memory_utilization, resident, step_state, peak, peak_of, margin,
                          num_blocks * bytes_per_block, contiguous)

@@ -82,6 +82,7 @@ def kv_pool_size(config: EngineConfig, max_model_len: int, bytes_per_block: int,
     peak, peak_of = 0, "not measured"
     if stats is not None and not config.num_gpu_blocks_override and measure is not None:
         peak, peak_of = measure()
+        stats = tightest_memory_stats(devices)  # after the probe's compiles (their autotuning may grow the allocator)
     pool = pool_size(bytes_per_block=bytes_per_block, block_size=config.block_size, max_model_len=max_model_len,
                      max_num_seqs=config.max_num_seqs, num_gpu_blocks_override=config.num_gpu_blocks_override,
                      gpu_memory_utilization=config.gpu_memory_utilization, swap_space=config.swap_space,
