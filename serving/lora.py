@@ -32,6 +32,7 @@ import os
 
 from aiohttp import web
 
+from jpaged.data_parallel.off_thread import OffThreadCall
 from jpaged.lora.peft import AdapterUnreadable, load_peft_adapter
 from jpaged.lora.request import LoRARequest
 from serving.protocol import APIError, field
@@ -78,14 +79,22 @@ def register_read(lora: LoRARequest, adapter, weights, engine):
     engine.lora_manager.register(lora, adapter, weights)
 
 
-def read_and_register(lora: LoRARequest, allowed_dirs, engine):
-    """A data-parallel replica reads the adapter itself (an unreadable one: public_message only)."""
+def read_and_register(lora: LoRARequest, allowed_dirs) -> OffThreadCall:
+    """A data-parallel replica reads the adapter itself, in a worker thread while it steps (an
+    unreadable one: public_message only), then registers it between two steps."""
+    return OffThreadCall(functools.partial(_read_adapter, lora, allowed_dirs), functools.partial(_register_adapter, lora))
+
+
+def _read_adapter(lora: LoRARequest, allowed_dirs, engine):
     try:
-        adapter, weights = engine.lora_manager.read(lora, download=False, allowed_dirs=allowed_dirs)
+        return engine.lora_manager.read(lora, download=False, allowed_dirs=allowed_dirs)
     except AdapterUnreadable as e:
         logger.info("load_lora_adapter %r refused: %s", lora.lora_name, e)
         raise ValueError(e.public_message(lora.lora_path)) from None
-    engine.lora_manager.register(lora, adapter, weights)
+
+
+def _register_adapter(lora: LoRARequest, engine, read):
+    engine.lora_manager.register(lora, *read)
 
 
 def remove_adapter(lora_int_id: int, engine):
@@ -145,8 +154,9 @@ class OpenAIServingLoRA(OpenAIServing):
         handed = False
         try:
             if hasattr(self.engine, "fleet"):  # data parallel: every replica reads it, and restarts replay it
-                # Read and checked here first, in a worker thread: a replica reads it on its engine
-                # thread, between steps, so it only gets an adapter whose files passed the checks.
+                # Read and checked here first, in a worker thread, so a replica only gets an adapter
+                # whose files passed the checks; each replica reads it again in a worker thread while
+                # it steps, and registers it between two steps (read_and_register).
                 rank = self.engine.engine.config.max_lora_rank
                 await self._read_off_loop(path, name, lambda: load_peft_adapter(
                     path, rank, download=False, allowed_dirs=self.allowed_lora_paths))
@@ -179,7 +189,7 @@ class OpenAIServingLoRA(OpenAIServing):
             raise APIError(str(e), param="lora_path") from None
 
     async def _register_everywhere(self, lora: LoRARequest):
-        fn = functools.partial(read_and_register, lora, self.allowed_lora_paths)
+        fn = read_and_register(lora, self.allowed_lora_paths)
         try:
             await self.engine.call(fn)
             self.engine.fleet.replayed.append(fn)

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
 
 import aiohttp
@@ -128,8 +129,8 @@ def test_every_endpoint_answers_as_one_engine(server, reference, adapter):
     assert status == 200 and tokens["count"] == len(tokens["tokens"]) >= 2, tokens
 
     # An adapter loaded at run time is read by every replica, and answers as PEFT's through one engine.
-    status, _ = asyncio.run(_post(server.url, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": adapter}))
-    assert status == 200
+    status, body = asyncio.run(_post(server.url, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": adapter}))
+    assert status == 200, body
     answers = asyncio.run(completions("a"))
     assert [a["choices"][0]["text"] for _, a in answers] == adapted
     status, error = asyncio.run(_post(server.url, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "/nope"}))
@@ -488,3 +489,79 @@ def test_unstarted_requests_of_the_last_replica_are_told_to_retry(monkeypatch):
                                           None, [], None))  # a has produced output: it cannot be retried
     fleet._on_message(fleet.replicas[0], ("exit",))
     assert [(ids, type(e)) for ids, e in lost] == [(["a"], ReplicaDiedError), (["b"], NoReplicaUpError)]
+
+
+_RELEASE, _REGISTERED = threading.Event(), []  # (the off-thread calls below travel pickled: module-level)
+
+
+def _slow_read(engine):
+    return _RELEASE.wait(10) and "weights"
+
+
+def _register(engine, value):
+    _REGISTERED.append(value)
+    return 7
+
+
+def _unreadable(engine):
+    raise ValueError("not an adapter")
+
+
+def _never_registered(engine, value):
+    raise AssertionError("a refused read is not registered")
+
+
+def test_an_off_thread_call_does_not_hold_up_the_replicas_steps():
+    """A replica's loop keeps stepping while an adapter is read (OffThreadCall's background part
+    in a worker thread); its registration and answer come after, between steps, in order."""
+    import multiprocessing
+
+    from jpaged.data_parallel.off_thread import OffThreadCall
+    from jpaged.data_parallel.replica import _Loop
+
+    class Engine:  # the loop's view of an engine: requests to step, stats
+        steps = 0
+
+        def has_unfinished_requests(self):
+            return True
+
+        def step(self):
+            self.steps += 1
+            time.sleep(0.001)
+            return []
+
+        def stats(self):
+            return {}
+
+        def stats_while_warming(self):
+            return {}
+
+    class Events:
+        def take(self):
+            return []
+
+    engine = Engine()
+    _RELEASE.clear()
+    _REGISTERED.clear()
+    commands_out, commands_in = multiprocessing.Pipe(duplex=False)
+    messages_out, messages_in = multiprocessing.Pipe(duplex=False)
+    loop = _Loop(engine, Events(), commands_out, messages_in)
+    commands_in.send(("call", 1, OffThreadCall(_slow_read, _register)))
+    commands_in.send(("call", 2, OffThreadCall(_unreadable, _never_registered)))
+    runner = threading.Thread(target=loop.run, daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 30
+    while engine.steps <= 50 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.steps > 50 and _REGISTERED == []  # stepping on while the read waits
+    _RELEASE.set()
+    results = []
+    deadline = time.monotonic() + 10
+    while len(results) < 2 and time.monotonic() < deadline:
+        if messages_out.poll(0.1):
+            message = messages_out.recv()
+            if message[0] == "result":
+                results.append(message[1:])
+    commands_in.send(("shutdown",))
+    runner.join(10)
+    assert results == [(1, None, 7), (2, "ValueError", "not an adapter")] and _REGISTERED == ["weights"]

@@ -113,11 +113,14 @@ class _EventTee:
 
 class _Loop:
     IDLE_POLL_S = 0.5  # how often an idle replica looks up (commands wake it at once)
+    WAITING_POLL_S = 0.05  # ... while an off-thread call's background part runs
 
     def __init__(self, engine, events: _EventTee, commands, messages):
         self.engine, self.events, self.commands, self.messages = engine, events, commands, messages
         self.running = True
         self.warming_sent = engine.stats_while_warming()  # an idle replica sends it when it changes
+        self.pending = []  # (call id, its OffThreadCall, the background part's future), in order
+        self._pool = None
 
     def run(self):
         from jpaged.engine.llm_engine import StepFailedError
@@ -125,11 +128,12 @@ class _Loop:
         engine = self.engine
         while self.running:
             busy = engine.has_unfinished_requests()
-            commanded = self.commands.poll(0 if busy else self.IDLE_POLL_S)
+            commanded = self.commands.poll(0 if busy else self.WAITING_POLL_S if self.pending else self.IDLE_POLL_S)
             if commanded:
                 self._run_commands()
                 if not self.running:
                     break
+            commanded = self._finish_calls() or commanded
             if not engine.has_unfinished_requests():
                 warming = engine.stats_while_warming()
                 if commanded or warming != self.warming_sent:
@@ -167,14 +171,36 @@ class _Loop:
                 self.engine.abort_request(command[1])
             elif kind == "call":
                 _, call_id, fn = command
-                try:
-                    result = (None, fn(self.engine))
-                except Exception as e:  # the front end raises it again: a ValueError stays one (a 400)
-                    result = ("ValueError" if isinstance(e, ValueError) else type(e).__name__, str(e))
-                self.messages.send(("result", call_id, *result))
+                from jpaged.data_parallel.off_thread import OffThreadCall
+
+                if isinstance(fn, OffThreadCall):
+                    if self._pool is None:
+                        import concurrent.futures
+
+                        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jpaged-replica-call")
+                    self.pending.append((call_id, fn, self._pool.submit(fn.background, self.engine)))
+                    continue
+                self.messages.send(("result", call_id, *_answer(lambda: fn(self.engine))))
             elif kind == "shutdown":
                 self.running = False
                 return
+
+    def _finish_calls(self) -> bool:
+        """Finish the off-thread calls whose background part is done, in the order they came."""
+        finished = False
+        while self.pending and self.pending[0][2].done():
+            call_id, fn, future = self.pending.pop(0)
+            self.messages.send(("result", call_id, *_answer(lambda: fn.finish(self.engine, future.result()))))
+            finished = True
+        return finished
+
+
+def _answer(run) -> tuple:
+    """(None, value), or a refusal as the front end raises it again: a ValueError stays one (a 400)."""
+    try:
+        return None, run()
+    except Exception as e:
+        return "ValueError" if isinstance(e, ValueError) else type(e).__name__, str(e)
 
 
 
