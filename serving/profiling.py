@@ -28,8 +28,12 @@ class OpenAIServingProfile(OpenAIServing):
         self._check_profiling()
         if self._profiling:
             raise APIError("a profile is already being recorded: POST /stop_profile first")
-        await asyncio.to_thread(jax.profiler.start_trace, self.profile_dir)
-        self._profiling = True
+        self._profiling = True  # (before the await: a second start meanwhile is refused)
+        try:
+            await asyncio.to_thread(jax.profiler.start_trace, self.profile_dir)
+        except BaseException:
+            self._profiling = False
+            raise
         return web.Response()
 
     async def stop_profile(self, request):

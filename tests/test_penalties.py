@@ -52,7 +52,7 @@ def test_penalties_match_hf(tmp_path):
     assert_all_blocks_free(llm)
 
 
-def test_penalties_with_history_uploads_narrower_than_max_model_len(tmp_path, test_seed, monkeypatch):
+def test_penalties_with_history_uploads_narrower_than_max_model_len(tmp_path, monkeypatch):
     """Token-history uploads are as wide as their longest sequence needs (32, 128 or 256 columns
     here), not max_model_len: rows reused by a shorter sequence keep a longer one's tokens past
     its length, which the sampler must never read."""
@@ -63,7 +63,7 @@ def test_penalties_with_history_uploads_narrower_than_max_model_len(tmp_path, te
     llm = jpaged.LLM(str(tmp_path), dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=3,
                      max_num_batched_tokens=256)
     assert llm.llm_engine.runner.buckets.history == (32, 128, 256)
-    rng = np.random.default_rng(test_seed)
+    rng = np.random.default_rng(20261128)  # fixed: greedy equality across implementations, no near-tie luck
     uploads = []
     runner = llm.llm_engine.runner
     write = runner._write_history
