@@ -133,7 +133,7 @@ class LLMEngine:
         # measured from their compiled memory analysis (kv_pool_size.py, runner/step_memory.py).
         measure = lambda: start_up.measure_step_memory(  # noqa: E731
             loaded, kv_cache_spec, shape, config.num_scheduler_steps,
-            executable_cache(fingerprint, self.devices))[:2]
+            executable_cache(fingerprint, self.devices))
         # Every process must allocate the same pool: the smallest one that fits everywhere.
         pool = start_up.kv_pool_size(config, self.max_model_len, bytes_per_block, self.devices, measure)
         num_gpu_blocks, num_cpu_blocks = distributed.min_across_processes(pool.num_gpu_blocks), pool.num_cpu_blocks

@@ -60,17 +60,15 @@ def step_state_bytes(max_num_seqs: int, max_model_len: int) -> int:
 
 def measure_step_memory(loaded, kv_cache_spec, shape: dict, num_scheduler_steps: int, executable_cache):
     """The largest executables' memory (runner/step_memory.py), compiled on an abstract runner of
-    the engine's shapes before the pool exists: (peak transient bytes, its executable, every
-    measurement). Without a proposer: a draft's or an EAGLE head's executables are not measured
+    the engine's shapes before the pool exists: (peak transient bytes, its executable). Without a proposer: a draft's or an EAGLE head's executables are not measured
     (their weights are resident already, so counted)."""
     from jpaged.runner import step_memory
     from jpaged.runner.model_runner import ModelRunner
 
     probe = ModelRunner(loaded, kv_cache_spec, **{**shape, "num_gpu_blocks": PROBE_BLOCKS, "num_cpu_blocks": 0},
                         num_scheduler_steps=num_scheduler_steps, executable_cache=executable_cache, abstract=True)
-    steps = step_memory.measure(probe)
-    top = step_memory.peak(steps)
-    return top.transient, " ".join(map(str, top.key)), steps
+    top = step_memory.peak(step_memory.measure(probe))
+    return top.transient, " ".join(map(str, top.key))
 
 
 def kv_pool_size(config: EngineConfig, max_model_len: int, bytes_per_block: int, devices: list,
@@ -110,9 +108,7 @@ def reserve_device_memory(devices: list, nbytes: int) -> None:
             room = jax.numpy.zeros((rows, 2**20), jax.numpy.uint8, device=device)
             room.block_until_ready()
         except Exception as e:  # jax raises JaxRuntimeError (RESOURCE_EXHAUSTED) for a failed allocation
-            raise ValueError(f"the KV pool ({nbytes / GIB:.2f} GiB per device) could not be allocated on {device}: "
-                             f"{str(e).splitlines()[0]}. Lower gpu_memory_utilization or set num_gpu_blocks_override; "
-                             f"{device.memory_stats()}") from e
+            raise _pool_error(nbytes, device, e, device.memory_stats()) from e
         room.delete()
 
 
@@ -122,9 +118,13 @@ def check_allocated(pools: list, nbytes: int, devices: list) -> None:
     try:
         jax.block_until_ready(pools)
     except Exception as e:
-        raise ValueError(f"the KV pool ({nbytes / GIB:.2f} GiB per device) could not be allocated on "
-                         f"{devices}: {str(e).splitlines()[0]}. Lower gpu_memory_utilization or set "
-                         f"num_gpu_blocks_override") from e
+        raise _pool_error(nbytes, devices, e) from e
+
+
+def _pool_error(nbytes: int, where, cause: Exception, stats=None) -> ValueError:
+    return ValueError(f"the KV pool ({nbytes / GIB:.2f} GiB per device) could not be allocated on {where}: "
+                      f"{str(cause).splitlines()[0]}. Lower gpu_memory_utilization or set num_gpu_blocks_override"
+                      + (f"; {stats}" if stats else ""))
 
 
 def kv_scales(config: EngineConfig, loaded, spec: KVCacheSpec):

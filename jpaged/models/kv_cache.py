@@ -109,19 +109,17 @@ class KVCacheSpec:
                  calculate_scales: bool = False) -> KVCache:
         """Zeroed pages; fp8 ones with per-layer scales (`scales`: (k, v) f32[num_layers], else 1.0,
         or computed by the first step with `calculate_scales`)."""
-        shape, raw = self.pool_shape(num_blocks), stores_raw_bits(self.dtype, sharding)
-        storage = RAW_BITS[self.dtype.itemsize] if raw else self.dtype
-        cache = KVCache(jnp.zeros(shape, storage, device=sharding), jnp.zeros(shape, storage, device=sharding),
-                        raw_of=self.dtype if raw else None)
+        shapes = self.abstract(num_blocks, sharding, scales, calculate_scales)
+        cache = shapes.replace(k_pages=jnp.zeros(shapes.k_pages.shape, shapes.k_pages.dtype, device=sharding),
+                               v_pages=jnp.zeros(shapes.v_pages.shape, shapes.v_pages.dtype, device=sharding))
         if self.quantized:
-            replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
             k, v = scales if scales is not None else (np.ones(self.num_layers, np.float32),) * 2
+            replicated = shapes.k_scale.sharding
             cache = cache.replace(k_scale=jax.device_put(np.asarray(k, np.float32), replicated),
                                   v_scale=jax.device_put(np.asarray(v, np.float32), replicated),
                                   scales_pending=jax.device_put(np.bool_(True), replicated) if calculate_scales
                                   else None)
         return cache
-
 
     def abstract(self, num_blocks: int, sharding, scales=None, calculate_scales: bool = False) -> KVCache:
         """The KVCache `allocate` would return, as shapes (jax.ShapeDtypeStruct) only: nothing is

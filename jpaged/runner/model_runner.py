@@ -105,7 +105,6 @@ class ModelRunner(distributed.DriverOps):
         self.proposer = proposer if proposer is not None else Proposer()
         self.pools = [self] + self.proposer.shared_pools()  # KV pools addressed by the same block ids
         self.proposer.attach(self)
-        self.abstract = abstract
         self.kv_cache: KVCache = (kv_cache_spec.abstract if abstract else kv_cache_spec.allocate)(
             num_gpu_blocks, kv, kv_scales, calculate_kv_scales)
         pool = jax.tree.map(lambda x: x.sharding, self.kv_cache)  # pages split on kv heads, scales replicated
