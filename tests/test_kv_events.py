@@ -510,15 +510,19 @@ def _until_received(publisher, sub, batch, limit=100):
 
 
 def test_subscribers_past_the_limit_receive_nothing(monkeypatch):
-    """Subscriptions are applied only while at most MAX_SUBSCRIBERS connections are open: those
-    past it get nothing (no queue grows for them), the first ones everything; once they have left,
-    a new subscriber is served again."""
+    """A subscription is applied only while at most MAX_SUBSCRIBERS connections are open: with
+    the limit at 3, the first subscriber and the next two are served, every one after them gets
+    nothing (no queue grows for it); once they have left, a new subscriber is served again.
+    Subscribers connect one at a time, each handled before the next, so the count the publisher
+    sees at each subscription is known."""
     import time
 
     from jpaged.kv_events import publisher as module
 
     monkeypatch.setattr(module, "MAX_SUBSCRIBERS", 3)
-    rng = np.random.default_rng()
+    seed = 20261128
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
     publisher = make_publisher(_config())
     context = zmq.Context.instance()
     first = _subscribe(context, publisher.endpoint)
@@ -531,26 +535,41 @@ def test_subscribers_past_the_limit_receive_nothing(monkeypatch):
 
     try:
         batch, = _sized_batches(rng, 1)
+        served, refused = [first], []
         for _ in range(100):  # until its subscription has travelled
             publish(batch)
             if first.poll(100):
                 break
-        extra = [_subscribe(context, publisher.endpoint) for _ in range(5)]
-        deadline = time.monotonic() + 30
-        while publisher.refused_subscriptions < 5:  # their subscriptions reach the publisher thread
-            assert time.monotonic() < deadline, publisher.refused_subscriptions
-            publish(batch)
-            time.sleep(0.02)
+        for i in range(5):
+            sub = _subscribe(context, publisher.endpoint)
+            extra.append(sub)
+            before = publisher.refused_subscriptions
+            deadline = time.monotonic() + 30
+            while True:  # until its subscription has reached the publisher thread: served or refused
+                publish(batch)
+                if sub.poll(50):
+                    served.append(sub)
+                    break
+                if publisher.refused_subscriptions > before:
+                    refused.append(sub)
+                    break
+                assert time.monotonic() < deadline, f"subscriber {i} neither served nor refused"
+        assert len(served) == 3 and served[1:] == extra[:2], (len(served), len(refused))
+        assert refused == extra[2:] and publisher.refused_subscriptions == 3
         _sent(publisher, published)
+        for s in served:  # what is queued now
+            while s.poll(300):
+                s.recv_multipart()
         sent = published
         for b in _sized_batches(rng, 50):
             publish(b)
         _sent(publisher, published)
-        assert all(not s.poll(300) for s in extra)
-        received = []
-        while first.poll(1000) and len(received) < sent + 50:
-            received.append(int.from_bytes(first.recv_multipart()[1], "big"))
-        assert received[-50:] == list(range(sent, sent + 50))
+        assert all(not s.poll(300) for s in refused)
+        for s in served:
+            received = []
+            while s.poll(1000) and len(received) < 50:
+                received.append(int.from_bytes(s.recv_multipart()[1], "big"))
+            assert received == list(range(sent, sent + 50))
         for s in extra:
             s.close(linger=0)
         extra = []
