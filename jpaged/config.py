@@ -3,14 +3,15 @@
 import dataclasses
 import os
 
-from pallas_kernels import BACKENDS as ATTENTION_BACKENDS  # pallas: Triton kernels; mosaic: Mosaic GPU (sm_90+)
-
 from jpaged.core.kv_allocation import KV_ALLOCATIONS
 from jpaged.json_option import parsed
 from jpaged.kv_events.config import KVEventsConfig
 from jpaged.spec_decode.config import SpeculativeConfig
 
 DEVICES = ("cuda", "cpu")
+# pallas_kernels.BACKENDS (tests/test_platform.py checks they agree), spelled out here so that this module,
+# and with it `jpaged serve --help`, imports no jax. pallas: Triton kernels; mosaic: Mosaic GPU (sm_90+).
+ATTENTION_BACKENDS = ("auto", "pallas", "mosaic", "xla")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV cache dtypes (vLLM's names): "auto" stores K/V in the model's dtype; "fp8" is e4m3.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")

@@ -30,6 +30,7 @@ from jpaged import __version__
 from jpaged.config import EngineConfig
 from jpaged.engine.llm_engine import LLMEngine, StepFailedError
 from serving import kv_page
+from serving.access_log import access_log_options
 from serving.async_engine import AsyncLLMEngine, EngineDeadError
 from serving.completions import OpenAIServingCompletion
 from serving.lora import OpenAIServingLoRA, register_lora_modules
@@ -275,8 +276,7 @@ async def serve(engine: LLMEngine | DPAsyncEngine, options: ServerOptions) -> in
     # keepalive_timeout also closes connections that never finish sending their headers (slowloris).
     runner = _AppRunner(app, handler_cancellation=True, keepalive_timeout=options.timeout_keep_alive,
                            auto_decompress=False,  # json_body decompresses, with limits and JSON errors
-                           access_log=logging.getLogger("jpaged.access") if options.log_requests else None,
-                           access_log_format='%a "%r" %s %b %Tfs')
+                           access_log_format='%a "%r" %s %b %Tfs', **access_log_options(options.log_requests))
     await runner.setup()
     ssl_context = None
     if options.ssl_certfile:

@@ -106,8 +106,7 @@ def check_port(host: str, port: int):
 def serve_options(args) -> "tuple[EngineConfig, ServerOptions]":
     """The engine's and the server's options from `jpaged serve`'s parsed flags, checked (a
     ValueError naming the flag otherwise); also what jpaged.ray's build_app checks its args with."""
-    from serving.lora import parse_lora_modules
-    from serving.server_options import ServerOptions
+    from serving.server_options import ServerOptions, parse_lora_modules
 
     if args.model_tag is not None:  # `jpaged serve MODEL`, as vLLM
         args.model = args.model_tag
@@ -136,8 +135,8 @@ def serve_options(args) -> "tuple[EngineConfig, ServerOptions]":
 
 
 def cmd_serve(args) -> int:
-    from serving.api_server import run_server
-
+    # Every check that needs no engine comes first, before jax, transformers or torch are imported
+    # (serving.api_server pulls them in): a taken port or a bad value is an error within a second.
     if not args.process_id:  # process 0 serves HTTP (multi-host)
         check_port(args.host, args.port)
     config, options = serve_options(args)
@@ -148,6 +147,8 @@ def cmd_serve(args) -> int:
         check_local_addresses(config.kv_events_config, range(config.data_parallel_size),
                               None if args.process_id else args.port)
     from jpaged.pooling.engine import resolve_runner
+    from serving.api_server import run_server
+
     if resolve_runner(config) == "pooling":  # embeddings, classification, scores: serving/pooling_server.py
         from serving.pooling_server import run_pooling_server
         return run_pooling_server(config, options)

@@ -26,7 +26,6 @@ finished with by those requests (LoRAManager.remove), new ones naming it are ref
 import asyncio
 import concurrent.futures
 import functools
-import json
 import logging
 import os
 
@@ -38,6 +37,7 @@ from jpaged.lora.request import LoRARequest
 from serving.protocol import APIError, field
 from serving.request_body import json_body
 from serving.serving_engine import OpenAIServing
+from serving.server_options import parse_lora_modules  # noqa: F401 (its home before; the CLI reads it without jax)
 
 logger = logging.getLogger(__name__)
 
@@ -48,29 +48,6 @@ LORA_READ_TIMEOUT_S = 60  # reading one adapter (local files of at most a few hu
 def runtime_updates_allowed(flag: bool) -> bool:
     """--enable-lora-runtime-updates, or vLLM's environment variable set to true or 1."""
     return flag or os.environ.get(RUNTIME_UPDATES_ENV, "0").strip().lower() in ("1", "true")
-
-
-def parse_lora_modules(values: list[str] | None) -> list[tuple[str, str]]:
-    """`--lora-modules` values: "name=path" or '{"name": ..., "path": ..., "base_model_name": ...}'
-    -> (name, path) pairs; ValueError naming the bad one."""
-    modules = []
-    for value in values or []:
-        if value.lstrip().startswith("{"):
-            try:
-                spec = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--lora-modules {value!r}: not valid JSON ({e})") from None
-            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
-                raise ValueError(f"--lora-modules {value!r}: expected an object with string 'name' and 'path'")
-            name, path = spec["name"], spec["path"]
-        else:
-            name, sep, path = value.partition("=")
-            if not sep or not name or not path:
-                raise ValueError(f"--lora-modules {value!r}: expected name=path")
-        if any(name == known for known, _ in modules):
-            raise ValueError(f"--lora-modules: the name {name!r} is given twice")
-        modules.append((name, path))
-    return modules
 
 
 # What the engine thread (or each data-parallel replica) runs: module functions, so that a

@@ -13,6 +13,7 @@ from aiohttp import web
 from jpaged import __version__
 from jpaged.config import EngineConfig
 from jpaged.pooling.engine import PoolingEngine
+from serving.access_log import access_log_options
 from serving.metrics import PREFIX
 from serving.pooling import POOLING_ROUTES, AsyncPoolingEngine, PoolingEndpoints
 from serving.protocol import APIError, field
@@ -108,7 +109,7 @@ async def serve_pooling(engine: PoolingEngine, options: ServerOptions) -> int:
     server = PoolingServer(engine, options)
     runner = web.AppRunner(server.build_app(), handler_cancellation=True,
                            keepalive_timeout=options.timeout_keep_alive, auto_decompress=False,
-                           access_log=logging.getLogger("jpaged.access") if options.log_requests else None)
+                           **access_log_options(options.log_requests))
     await runner.setup()
     site = web.TCPSite(runner, options.host, options.port)
     await site.start()

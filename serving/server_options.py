@@ -2,6 +2,7 @@
 the endpoints it is built from (serving_engine.py), so it lives below both."""
 
 import dataclasses
+import json
 
 from jpaged.config import MAX_LOGPROBS, RESPONSES_STORE_SIZE
 from serving.responses_store import RESPONSES_STORE_BYTES
@@ -38,3 +39,26 @@ class ServerOptions:
     profile_dir: str | None = None  # --profile: POST /start_profile and /stop_profile write jax.profiler traces here
     responses_store_size: int = RESPONSES_STORE_SIZE  # stored /v1/responses results (0: none)
     responses_store_bytes: int = RESPONSES_STORE_BYTES  # ... and their bytes in all (0: none)
+
+
+def parse_lora_modules(values: list[str] | None) -> list[tuple[str, str]]:
+    """`--lora-modules` values: "name=path" or '{"name": ..., "path": ..., "base_model_name": ...}'
+    -> (name, path) pairs; ValueError naming the bad one."""
+    modules = []
+    for value in values or []:
+        if value.lstrip().startswith("{"):
+            try:
+                spec = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--lora-modules {value!r}: not valid JSON ({e})") from None
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
+                raise ValueError(f"--lora-modules {value!r}: expected an object with string 'name' and 'path'")
+            name, path = spec["name"], spec["path"]
+        else:
+            name, sep, path = value.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules {value!r}: expected name=path")
+        if any(name == known for known, _ in modules):
+            raise ValueError(f"--lora-modules: the name {name!r} is given twice")
+        modules.append((name, path))
+    return modules

@@ -627,6 +627,14 @@ def test_cors_logprob_limit_and_log_lines(server):
         run(post(server.url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}))
         time.sleep(1)
     assert any('"POST /v1/completions HTTP/1.1" 200' in line for line in server.log)
+    # ... but none for the probes (/health, /metrics) below --log-level debug (serving/access_log.py).
+    assert run(get(server.url, "/health"))[0] == 200 and run(get(server.url, "/metrics"))[0] == 200
+    run(post(server.url, "/v1/completions?after-probes", {"prompt": "hi", "max_tokens": 1}))  # logged after them
+    deadline = time.monotonic() + 15
+    while not any('"POST /v1/completions?after-probes HTTP/1.1" 200' in line for line in server.log):
+        assert time.monotonic() < deadline, "".join(server.log[-20:])
+        time.sleep(0.1)
+    assert not any('"GET /health' in line or '"GET /metrics' in line for line in server.log)
 
 
 # ---------------------------------------------------------------------- structured output and tools

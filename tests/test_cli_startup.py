@@ -1,0 +1,89 @@
+"""`jpaged serve` answers what it can answer without a model before it imports one (issue 64): its
+help, a misspelt flag, a bad value and a taken port come back from a process that never imported
+jax, transformers or torch (those imports are most of a start's first seconds). And the probes'
+requests (/health, /metrics) stay out of the access log unless the log level is debug."""
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+
+from serving.access_log import ACCESS_LOGGER, ProbeQuietAccessLogger, access_log_options
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEAVY = ("jax", "transformers", "torch")
+
+# Runs serving.cli.main(argv) as `jpaged` does, then prints its status and the heavy modules that
+# were imported on the way (as JSON, on stdout's last line).
+PROBE = """
+import json, sys
+from serving.cli import main
+try:
+    status = main(sys.argv[1:])
+except SystemExit as e:
+    status = e.code
+print(json.dumps({"status": status, "heavy": [m for m in %r if m in sys.modules]}))
+""" % (HEAVY,)
+
+
+def jpaged(*argv):
+    result = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, cwd=ROOT,
+                            timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    return report["status"], report["heavy"], result.stdout, result.stderr
+
+
+def test_help_imports_no_model_code():
+    status, heavy, out, _ = jpaged("serve", "--help")
+    assert status == 0 and heavy == []
+    assert "--max-num-seqs" in out and "--tool-call-parser" in out and "MODEL" in out
+
+
+def test_bad_flags_refused_before_model_code():
+    status, heavy, _, err = jpaged("serve", "--model", "tiny", "--max-num-seq", "3")  # abbreviations are refused
+    assert (status, heavy) == (2, []) and "unrecognized arguments: --max-num-seq" in err
+    status, heavy, _, err = jpaged("serve", "tiny", "--max-num-seqs", "0")
+    assert (status, heavy) == (2, []) and err.strip() == "error: max_num_seqs=0; expected >= 1"
+    status, heavy, _, err = jpaged("serve", "tiny", "--chat-template", "/nonexistent/template.jinja")
+    assert (status, heavy) == (2, []) and "--chat-template" in err
+    status, heavy, _, err = jpaged("serve", "tiny", "--lora-modules", "no-equals-sign")
+    assert (status, heavy) == (2, []) and "expected name=path" in err
+
+
+def test_taken_port_refused_before_model_code():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        status, heavy, _, err = jpaged("serve", "tiny", "--port", str(port))
+    assert (status, heavy) == (2, [])
+    assert err.strip().startswith(f"error: cannot listen on 127.0.0.1:{port}") and err.count("\n") == 1
+
+
+def access_lines(level: int, caplog) -> list[str]:
+    logger = logging.getLogger(ACCESS_LOGGER)
+    access = ProbeQuietAccessLogger(logger, '"%r" %s')
+    caplog.clear()
+    with caplog.at_level(level, logger=ACCESS_LOGGER):
+        for method, path in (("GET", "/health"), ("GET", "/metrics"), ("POST", "/v1/completions"),
+                             ("GET", "/health?verbose=1"), ("GET", "/v1/models")):
+            access.log(make_mocked_request(method, path), web.Response(status=200), 0.01)
+    return [r.getMessage() for r in caplog.records if r.name == ACCESS_LOGGER]
+
+
+def test_probes_not_access_logged_unless_debug(caplog):
+    assert access_lines(logging.INFO, caplog) == ['"POST /v1/completions HTTP/1.1" 200', '"GET /v1/models HTTP/1.1" 200']
+    assert access_lines(logging.DEBUG, caplog) == [
+        '"GET /health HTTP/1.1" 200', '"GET /metrics HTTP/1.1" 200', '"POST /v1/completions HTTP/1.1" 200',
+        '"GET /health?verbose=1 HTTP/1.1" 200', '"GET /v1/models HTTP/1.1" 200']
+
+
+def test_access_log_options():
+    assert access_log_options(False) == {"access_log": None}  # --disable-log-requests: no line at all
+    on = access_log_options(True)
+    assert on["access_log"] is logging.getLogger(ACCESS_LOGGER) and on["access_log_class"] is ProbeQuietAccessLogger
