@@ -52,7 +52,8 @@ def kv_events_flood(endpoint: str, replay_endpoint: str | None = None, *, subscr
         while not stop.is_set():
             if sub.poll(100):
                 payload = sub.recv_multipart()[-1]
-                delays[phase[0]].append(time.time() - msgspec.msgpack.decode(payload)["ts"])
+                batch = msgspec.msgpack.decode(payload)  # a map or, by default, an array (KVEventsConfig.encoding)
+                delays[phase[0]].append(time.time() - (batch["ts"] if isinstance(batch, dict) else batch[0]))
         sub.close(linger=0)
 
     reader = threading.Thread(target=read, daemon=True)

@@ -245,7 +245,8 @@ def test_offline_llm_spreads_prompts_and_keeps_their_order(reference):
     base, _ = reference
     import zmq
 
-    from test_kv_events import DECODER, VBlockStored, _free_port
+    from kv_event_consumers import llmd_positional
+    from test_kv_events import _free_port
 
     def two_free_ports() -> int:  # replica r binds the endpoint's port + r
         import socket
@@ -285,8 +286,8 @@ def test_offline_llm_spreads_prompts_and_keeps_their_order(reference):
         for rank, sub in enumerate(subscribers):
             assert sub.poll(5000), f"no KV events from replica {rank}"
             _, _, payload = sub.recv_multipart()
-            batch = DECODER.decode(payload)
-            assert batch.data_parallel_rank == rank and any(isinstance(e, VBlockStored) for e in batch.events)
+            batch = llmd_positional(payload)  # the default encoding, "array", as llm-d's KV-cache manager reads it
+            assert batch.data_parallel_rank == rank and any(e["type"] == "BlockStored" for e in batch.events)
             sub.close(linger=0)
         per_replica = llm.llm_engine.replica_stats()
         assert all(s["num_compilations"] > 0 for s in per_replica)  # both ran steps

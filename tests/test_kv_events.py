@@ -7,6 +7,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from kv_event_consumers import ts_of
 
 from jpaged.kv_events.config import KVEventsConfig, offset_endpoint
 from jpaged.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, external_block_hash
@@ -130,7 +131,7 @@ def test_live_batches_and_replay_of_the_missed_ones():
     port, replay_port = _free_port(), _free_port()
     config = KVEventsConfig.of(json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}",
                                            "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv",
-                                           "buffer_steps": 50}))
+                                           "buffer_steps": 50, "encoding": "map"}))
     publisher = make_publisher(config, data_parallel_rank=0)
     context = zmq.Context.instance()
     sub = context.socket(zmq.SUB)
@@ -301,7 +302,8 @@ def test_an_engine_publishes_its_prefix_cache():
     llm = jpaged.LLM("tiny", enforce_eager=True, enable_prefix_caching=True, block_size=8, max_model_len=256,
                      num_gpu_blocks_override=16, max_num_seqs=4,
                      kv_events_config={"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}",
-                                       "replay_endpoint": f"tcp://*:{replay_port}", "topic": "jpaged"})
+                                       "replay_endpoint": f"tcp://*:{replay_port}", "topic": "jpaged",
+                                       "encoding": "map"})
     engine = llm.llm_engine
     publisher = engine.kv_event_publisher
     published = []
@@ -670,7 +672,7 @@ def test_replay_clients_that_never_read_hold_neither_memory_nor_live_batches(mon
 
         def read():  # its own thread: each batch timed as it arrives
             while len(delays) < len(lives) and sub.poll(30_000):
-                delays.append(time.time() - msgspec.msgpack.decode(sub.recv_multipart()[2])["ts"])
+                delays.append(time.time() - ts_of(sub.recv_multipart()[2]))
 
         reader = threading.Thread(target=read)
         reader.start()

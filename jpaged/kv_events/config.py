@@ -6,6 +6,7 @@ import socket
 import stat
 
 from jpaged.json_option import option_fields
+from jpaged.kv_events.events import ENCODINGS
 
 PUBLISHERS = ("null", "zmq")
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -30,6 +31,11 @@ class KVEventsConfig:
     hwm: int = 100_000  # batches queued per subscriber before dropping, at most what the byte budget allows (0: that)
     max_queue_size: int = 100_000  # batches waiting for the publisher thread
     topic: str = ""
+    # jpaged's own field (vLLM has one layout per release): how batches go on the wire, one of
+    # events.ENCODINGS. "array" (msgspec's array_like layout) is what llm-d's KV-cache manager,
+    # Dynamo's kv-router and vLLM's subscriber example decode; "map_events" is vLLM's layout since
+    # vllm-project/vllm#42892; "map" is vLLM's kv_events.py with a map batch too (docs/fleet.md).
+    encoding: str = "array"
 
     @classmethod
     def of(cls, value) -> "KVEventsConfig | None":
@@ -60,6 +66,7 @@ class KVEventsConfig:
         check("hwm", count(self.hwm, 0), f"an integer from 0 to {MAX_COUNT:,} (0: as many as the byte budget allows)")
         check("max_queue_size", count(self.max_queue_size, 1), f"an integer from 1 to {MAX_COUNT:,}")
         check("topic", isinstance(self.topic, str), "a string")
+        check("encoding", isinstance(self.encoding, str) and self.encoding in ENCODINGS, f"one of {ENCODINGS}")
 
     @property
     def enabled(self) -> bool:

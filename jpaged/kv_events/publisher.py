@@ -1,7 +1,7 @@
 """Publishing KV event batches over ZMQ, as vLLM's ZmqEventPublisher does on the wire.
 
 Each batch goes out on a PUB socket as three frames: topic, an 8-byte big-endian sequence number
-(0, 1, 2, ... per publisher), and the msgpack payload. The last `buffer_steps` payloads are kept:
+(0, 1, 2, ... per publisher), and the msgpack payload (laid out as `encoding` says: events.py). The last `buffer_steps` payloads are kept:
 a subscriber that missed some (PUB drops when a subscriber is slow or not yet connected) sends an
 8-byte start sequence number to the ROUTER `replay_endpoint` and gets every kept batch from that
 number on, each as (sequence number, payload), then (-1 as a signed 8-byte number, b"").
@@ -36,12 +36,11 @@ import queue
 import threading
 import time
 
-import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from jpaged.kv_events.config import KVEventsConfig, binds, check_local_addresses, offset_endpoint
-from jpaged.kv_events.events import EventBatch
+from jpaged.kv_events.events import BatchEncoder, EventBatch
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +141,7 @@ class ZmqEventPublisher:
         self.replay_endpoint = offset_endpoint(config.replay_endpoint, data_parallel_rank, "replay_endpoint")
         check_local_addresses(config, [data_parallel_rank])
         self._topic = config.topic.encode()
+        self.encoding = config.encoding
         self._hwm = config.hwm
         self._buffer_steps = config.buffer_steps
         self._queue: queue.Queue = queue.Queue(config.max_queue_size)
@@ -230,7 +230,7 @@ class ZmqEventPublisher:
 
     # ------------------------------------------------------------------ live batches
     def _run(self):
-        encoder = msgspec.msgpack.Encoder()
+        encoder = BatchEncoder(self.encoding)
         refused = _Warning("a subscription is refused: %d connections are open, over MAX_SUBSCRIBERS=%d (the "
                            "subscriber receives nothing; it may reconnect once others have left)")
         while True:
