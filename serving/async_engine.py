@@ -15,6 +15,7 @@ import threading
 import time
 
 from jpaged.engine.llm_engine import LLMEngine, StepFailedError
+from jpaged.engine.router_stats import router_stats
 from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
 from serving.metrics import Metrics
@@ -38,7 +39,7 @@ class AsyncLLMEngine:
         self.dead: BaseException | None = None
         self.on_dead = lambda: None  # called on the event loop once the engine thread has died
         # Refreshed by the engine thread after every step; read by /metrics and the queue limit.
-        self.stats = engine.stats()
+        self.stats = {**engine.stats(), **router_stats(engine)}
         self.num_pending_adds = 0  # submitted, not yet taken by the engine thread
 
     # ------------------------------------------------------------------ lifecycle
@@ -169,7 +170,7 @@ class AsyncLLMEngine:
                     done.set_exception(e)
             else:
                 self.engine.abort_request(command[1])
-        self.stats = self.engine.stats()
+        self.stats = {**self.engine.stats(), **router_stats(self.engine)}  # + what fleet routers read
 
     # ------------------------------------------------------------------ on the event loop
     def _taken(self):

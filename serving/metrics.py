@@ -2,12 +2,21 @@
 
 Request-level series (token totals, latency histograms) are recorded by the server as outputs
 stream by; engine-level gauges are read from the engine's stats() snapshot at scrape time.
+
+The series fleet routers read are served under vLLM's own names too (prefix `vllm:`, always on):
+the Gateway API Inference Extension's model-server protocol (docs/proposals/003-model-server-protocol:
+vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc, vllm:cache_config_info,
+vllm:lora_requests_info), which llm-d's inference scheduler reads as well (docs/fleet.md).
 """
 
 import bisect
+import collections
 import dataclasses
+import time
 
 PREFIX = "jpaged:"
+VLLM_PREFIX = "vllm:"
+LORA_SERIES_KEPT = 16  # vllm:lora_requests_info label sets kept, each with the last time it was current
 # vLLM's bucket edges (seconds) for the latency histograms.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0]
@@ -47,6 +56,8 @@ class Metrics:
     def __init__(self, model_name: str, engine: str | None = None):
         # vLLM's labels; `engine` (the replica's rank) only with data parallelism.
         self.labels = f'model_name="{model_name}"' + (f',engine="{engine}"' if engine is not None else "")
+        self.engine = engine
+        self.lora_series: collections.OrderedDict = collections.OrderedDict()  # label values -> time
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished = {}  # finish reason -> requests
@@ -122,6 +133,8 @@ class Metrics:
             metric("spec_decode_num_accepted_tokens_per_pos", "counter", "Draft tokens accepted, by their position "
                    "in the run.", samples=[f'{name}{{{labels},position="{i}"}} {count}' for i, count in
                                             enumerate(stats["spec_decode_num_accepted_tokens_per_pos"])])
+        if stats:
+            out += self.vllm_families(stats, gpu_used)
         metric("request_success_total", "counter", "Finished requests by finish reason.", samples=[
             f'{PREFIX}request_success_total{{{labels},finished_reason="{reason}"}} {count}'
             for reason, count in sorted(self.finished.items())])
@@ -129,6 +142,54 @@ class Metrics:
             lines = histogram.render(labels)
             out.append((PREFIX + histogram.name, "histogram", histogram.help, lines[2:]))
         return out
+
+    def vllm_families(self, stats: dict, kv_used: float) -> list[tuple[str, str, str, list[str]]]:
+        """The series routers read, as vLLM names and labels them. vLLM counts preempted requests
+        as waiting (it has no swapped queue): requests swapped out count as waiting here."""
+        out, labels = [], self.labels
+
+        def metric(name, kind, help, value=None, samples=None):
+            out.append((VLLM_PREFIX + name, kind, help,
+                        samples if samples is not None else [f"{VLLM_PREFIX}{name}{{{labels}}} {value}"]))
+
+        metric("num_requests_running", "gauge", "Number of requests in model execution batches.",
+               stats["num_running"])
+        metric("num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
+               stats["num_waiting"] + stats["num_swapped"])
+        metric("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", kv_used)
+        metric("gpu_cache_usage_perc", "gauge", "GPU KV-cache usage. 1 means 100 percent usage (vLLM V0's name, "
+               "read by older endpoint pickers).", kv_used)
+        metric("prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.",
+               stats["prefix_cache_queries"])
+        metric("prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+               stats["prefix_cache_hits"])
+        if "block_size" in stats:  # an info metric: a gauge of 1 whose labels carry the values
+            metric("cache_config_info", "gauge", "Information of the LLMEngine CacheConfig", samples=[
+                f'{VLLM_PREFIX}cache_config_info{{{labels},block_size="{stats["block_size"]}",'
+                f'num_gpu_blocks="{stats["num_gpu_blocks"]}"}} 1.0'])
+        if stats.get("max_lora") is not None:
+            metric("lora_requests_info", "gauge", "Running stats on lora requests.", samples=self._lora_samples(stats))
+        return out
+
+    def _lora_samples(self, stats: dict) -> list[str]:
+        """vLLM's lora_requests_info: one series per (max_lora, waiting, running) label set, its value
+        the last time it was the current one (a router takes the latest set with an adapter in it);
+        the LORA_SERIES_KEPT latest sets are kept."""
+        key = (str(stats["max_lora"]), ",".join(stats["waiting_lora_adapters"]),
+               ",".join(stats["running_lora_adapters"]))
+        self.lora_series[key] = time.time()
+        self.lora_series.move_to_end(key)
+        while len(self.lora_series) > LORA_SERIES_KEPT:
+            self.lora_series.popitem(last=False)
+        engine = f',engine="{self.engine}"' if self.engine is not None else ""
+        return [f'{VLLM_PREFIX}lora_requests_info{{max_lora="{escape(max_lora)}",waiting_lora_adapters='
+                f'"{escape(waiting)}",running_lora_adapters="{escape(running)}"{engine}}} {stamp}'
+                for (max_lora, waiting, running), stamp in self.lora_series.items()]
+
+
+def escape(label_value: str) -> str:
+    """A label value as the text exposition format writes it (backslash, double quote, line feed)."""
+    return label_value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def render_engines(engines: list[tuple["Metrics", dict | None, object]]) -> str:

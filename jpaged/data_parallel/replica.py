@@ -85,10 +85,13 @@ def _start(config, lora_modules):
 
 def _front_info(engine) -> dict:
     """What the front end needs to check and tokenize requests without an engine of its own."""
+    from jpaged.engine.router_stats import router_stats
+
     bm = engine.block_manager
     return {"pid": os.getpid(), "platform": engine.devices[0].platform, "tokenizer": engine.tokenizer, "hf_config": engine.hf_config,
             "max_model_len": engine.max_model_len, "num_gpu_blocks": bm.num_gpu_blocks,
-            "num_cpu_blocks": bm.num_cpu_blocks, "sliding_window": bm.sliding_window, "stats": engine.stats()}
+            "num_cpu_blocks": bm.num_cpu_blocks, "sliding_window": bm.sliding_window,
+            "stats": {**engine.stats(), **router_stats(engine)}}
 
 
 class _EventTee:
@@ -148,7 +151,10 @@ class _Loop:
 
     def _send_step(self, outputs, failed):
         self.warming_sent = self.engine.stats_while_warming()
-        self.messages.send(("step", outputs, failed, self.events.take(), self.engine.stats()))
+        from jpaged.engine.router_stats import router_stats  # (imports nothing)
+
+        self.messages.send(("step", outputs, failed, self.events.take(),
+                            {**self.engine.stats(), **router_stats(self.engine)}))  # + what fleet routers read
 
     def _run_commands(self):
         """Every command waiting now; a closed pipe (the front end is gone) stops the replica."""
