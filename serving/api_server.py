@@ -35,6 +35,7 @@ from serving.async_engine import AsyncLLMEngine, EngineDeadError
 from serving.completions import OpenAIServingCompletion
 from serving.lora import OpenAIServingLoRA, register_lora_modules
 from serving.dp_engine import DPAsyncEngine
+from serving.dp_external_lb import start_replica_sites
 from serving.metrics import Metrics, render_engines
 from serving.pooling import POOLING_ROUTES, refuse
 from serving.protocol import APIError
@@ -270,13 +271,20 @@ async def serve(engine: LLMEngine | DPAsyncEngine, options: ServerOptions) -> in
         async_engine = AsyncLLMEngine(engine, Metrics(options.served_model_name))
     async_engine.on_dead = stop.set
     async_engine.start()
-    app = OpenAIServer(async_engine, options).build_app()
-    if options.allowed_origins:
-        app.middlewares.insert(0, _cors(options.allowed_origins))
-    # keepalive_timeout also closes connections that never finish sending their headers (slowloris).
-    runner = _AppRunner(app, handler_cancellation=True, keepalive_timeout=options.timeout_keep_alive,
-                           auto_decompress=False,  # json_body decompresses, with limits and JSON errors
-                           access_log_format='%a "%r" %s %b %Tfs', **access_log_options(options.log_requests))
+
+    def build_app(engine):
+        app = OpenAIServer(engine, options).build_app()
+        if options.allowed_origins:
+            app.middlewares.insert(0, _cors(options.allowed_origins))
+        return app
+
+    def make_runner(app):
+        # keepalive_timeout also closes connections that never finish sending their headers (slowloris).
+        return _AppRunner(app, handler_cancellation=True, keepalive_timeout=options.timeout_keep_alive,
+                          auto_decompress=False,  # json_body decompresses, with limits and JSON errors
+                          access_log_format='%a "%r" %s %b %Tfs', **access_log_options(options.log_requests))
+
+    runner = make_runner(build_app(async_engine))
     await runner.setup()
     ssl_context = None
     if options.ssl_certfile:
@@ -294,6 +302,15 @@ async def serve(engine: LLMEngine | DPAsyncEngine, options: ServerOptions) -> in
     scheme = "https" if ssl_context else "http"
     print(f"jpaged: serving {options.served_model_name!r} at {scheme}://{bound_host}:{bound_port}/v1 "
           "(OpenAI API; also /health, /metrics, /kv, /tokenize, /detokenize)", flush=True)
+    replica_runners = []  # --data-parallel-external-lb: each replica's own port (serving/dp_external_lb.py)
+    if options.data_parallel_external_lb and isinstance(async_engine, DPAsyncEngine):
+        try:
+            replica_runners = await start_replica_sites(async_engine, options, build_app, make_runner, ssl_context)
+        except ValueError:
+            await site.stop()
+            await async_engine.shutdown()
+            await runner.cleanup()
+            raise
     stats_task = asyncio.create_task(_log_stats(async_engine)) if options.log_stats else None
     await stop.wait()  # already set by a signal during the set-up: shut down at once
     if async_engine.dead is not None:
@@ -303,7 +320,11 @@ async def serve(engine: LLMEngine | DPAsyncEngine, options: ServerOptions) -> in
     if stats_task is not None:
         stats_task.cancel()
     await site.stop()  # no new connections
+    for replica_runner in replica_runners:
+        await replica_runner.shutdown()
     await async_engine.shutdown()  # in-flight requests end with finish_reason "abort"
+    for replica_runner in replica_runners:
+        await replica_runner.cleanup()
     await runner.cleanup()
     return 0 if async_engine.dead is None else 1
 

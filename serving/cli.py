@@ -118,6 +118,9 @@ def serve_options(args) -> "tuple[EngineConfig, ServerOptions]":
         raise ValueError(f"--responses-store-size {args.responses_store_size}; expected >= 0")
     if args.responses_store_bytes < 0:
         raise ValueError(f"--responses-store-bytes {args.responses_store_bytes}; expected >= 0")
+    if args.data_parallel_external_lb and args.data_parallel_size < 2:
+        raise ValueError(f"--data-parallel-external-lb needs --data-parallel-size >= 2 (got "
+                         f"{args.data_parallel_size}): it gives each data-parallel replica a port of its own")
     chat_template = load_chat_template(args.chat_template)  # a bad name or path: an error before loading
     options = ServerOptions(
         host=args.host, port=args.port, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
@@ -130,7 +133,7 @@ def serve_options(args) -> "tuple[EngineConfig, ServerOptions]":
         ssl_certfile=args.ssl_certfile, lora_modules=parse_lora_modules(args.lora_modules),
         enable_lora_runtime_updates=args.enable_lora_runtime_updates, allowed_lora_paths=args.allowed_lora_paths,
         responses_store_size=args.responses_store_size, responses_store_bytes=args.responses_store_bytes,
-        profile_dir=args.profile)
+        profile_dir=args.profile, data_parallel_external_lb=args.data_parallel_external_lb)
     return EngineConfig(**engine_kwargs(args)), options
 
 
@@ -140,6 +143,11 @@ def cmd_serve(args) -> int:
     if not args.process_id:  # process 0 serves HTTP (multi-host)
         check_port(args.host, args.port)
     config, options = serve_options(args)
+    if options.data_parallel_external_lb and options.port:  # each replica's own port (serving/dp_external_lb.py)
+        from serving.dp_external_lb import replica_port
+
+        for rank in range(config.data_parallel_size):
+            check_port(args.host, replica_port(options.port, rank))
     if config.kv_events_config is not None and config.kv_events_config.enabled:
         from jpaged.kv_events.config import check_local_addresses
 
@@ -230,6 +238,10 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
                              "of the server, written under DIR")
     server.add_argument("--allowed-lora-paths", nargs="+", default=None, metavar="DIR",
                         help="runtime adapter loads only from directories under these (real paths)")
+    server.add_argument("--data-parallel-external-lb", action="store_true",
+                        help="with --data-parallel-size N: each replica also serves the API on its own port "
+                             "(--port + 1 + its rank), for a router that picks replicas itself (llm-d, the Gateway "
+                             "API Inference Extension); the front on --port still routes (vLLM's flag)")
     server.add_argument("--responses-store-size", type=int, default=RESPONSES_STORE_SIZE,
                         help="/v1/responses results kept in memory for previous_response_id and GET "
                              "/v1/responses/{id}, the oldest dropped first (0: none)")

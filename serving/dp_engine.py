@@ -63,11 +63,12 @@ class DPAsyncEngine:
 
     # ------------------------------------------------------------------ requests
     async def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                          lora_request=None) -> RequestStream:
+                          lora_request=None, rank: int | None = None) -> RequestStream:
+        """`rank`: that replica serves it (its own port, serving/dp_external_lb.py), else the router picks."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self.dead!r}")
         try:
-            rank = self.fleet.submit(request_id, prompt_token_ids, sampling_params, lora_request)
+            rank = self.fleet.submit(request_id, prompt_token_ids, sampling_params, lora_request, rank)
         except ReplicaDiedError as e:  # none is up now; some is coming back (else the server is dead)
             raise APIError(f"{e}; retry later", status=503, code="no_replica_up") from None
         stream = RequestStream(self, request_id, prompt_token_ids, sampling_params, self.replica_metrics[rank])

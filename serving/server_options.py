@@ -39,6 +39,8 @@ class ServerOptions:
     profile_dir: str | None = None  # --profile: POST /start_profile and /stop_profile write jax.profiler traces here
     responses_store_size: int = RESPONSES_STORE_SIZE  # stored /v1/responses results (0: none)
     responses_store_bytes: int = RESPONSES_STORE_BYTES  # ... and their bytes in all (0: none)
+    # With data_parallel_size > 1: each replica's app on its own port too (serving/dp_external_lb.py).
+    data_parallel_external_lb: bool = False
 
 
 def parse_lora_modules(values: list[str] | None) -> list[tuple[str, str]]:

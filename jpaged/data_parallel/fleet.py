@@ -233,15 +233,21 @@ class Fleet:
                 "degraded": bool(down), "down": down, "replicas": replicas}
 
     # ------------------------------------------------------------------ requests
-    def submit(self, request_id: str, prompt_token_ids: list[int], params, lora_request=None) -> int:
-        """Send the request to the replica the router picks; its "added" comes back later."""
-        for rank in range(self.size):
-            self.router.set_load(rank, self.loads[rank])
-        salt = None if lora_request is None else f"lora:{lora_request.lora_int_id}".encode()
-        try:
-            rank = self.router.route(prompt_token_ids, salt)
-        except RuntimeError as e:
-            raise ReplicaDiedError(f"no replica can take the request: {self._why_down()}") from e
+    def submit(self, request_id: str, prompt_token_ids: list[int], params, lora_request=None,
+               rank: int | None = None) -> int:
+        """Send the request to the replica the router picks, or to replica `rank` (an external
+        router chose it: --data-parallel-external-lb); its "added" comes back later."""
+        if rank is not None:
+            if self.states[rank] != "up":
+                raise ReplicaDiedError(f"data-parallel replica {rank} is {self.states[rank]}")
+        else:
+            for r in range(self.size):
+                self.router.set_load(r, self.loads[r])
+            salt = None if lora_request is None else f"lora:{lora_request.lora_int_id}".encode()
+            try:
+                rank = self.router.route(prompt_token_ids, salt)
+            except RuntimeError as e:
+                raise ReplicaDiedError(f"no replica can take the request: {self._why_down()}") from e
         self.requests[request_id] = _Request(rank, prompt_token_ids, params, lora_request)
         self.loads[rank] += 1
         self.replicas[rank].send(("add", request_id, prompt_token_ids, params, lora_request))
