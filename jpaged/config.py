@@ -125,8 +125,9 @@ class EngineConfig:
     kv_events_config: dict | str | None = _option(
         None, "publish the prefix cache's stores and evictions for KV-aware routers, vLLM's KVEventsConfig (a "
         'JSON object on the command line): {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
-        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "", "buffer_steps": 10000, "hwm": 100000}; '
-        "needs enable_prefix_caching")
+        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "", "buffer_steps": 10000, "hwm": 100000}, '
+        'and jpaged\'s "encoding": "array" (default: what llm-d and Dynamo decode), "map_events" (vLLM after '
+        '#42892) or "map" (docs/fleet.md); needs enable_prefix_caching')
     enable_lora: bool = _option(False, "serve LoRA adapters (PEFT format) over the model: LoRARequest offline, "
                                 "--lora-modules or a request's model name on the server")
     max_loras: int = _option(1, "LoRA adapters one step can run (device slots)")
