@@ -20,6 +20,15 @@ round-robin, ray-prefix: Ray's PrefixCacheAffinityRouter, pow-2: Ray's default),
 p50 of `ray:prefix` against `2:prefix` (`jpaged serve --data-parallel-size 2`) is printed.
 
   JAX_PLATFORMS=cpu python scripts/bench_dp.py --ray --output-json /tmp/dp_ray.json
+
+`--sweep` runs prefix and round-robin routing over sharing patterns (`--patterns`: few-long,
+many-short, chat; PATTERNS below) and pool sizes (`--pools`: the fraction of the pattern's
+shared prefixes one replica's pool holds, plus room to run), and prints one table: hit rate, TTFT
+p50 / p99, tokens/s per run, and per pattern and pool the prefix / round-robin ratio with its
+bound: the most any router can find (`ceiling`: every block cached after its first sight, the
+first request of each prefix missing) over round-robin's hit rate.
+
+  JAX_PLATFORMS=cpu python scripts/bench_dp.py --sweep --pools 1/3,1/2,1 --output-json /tmp/dp_sweep.json
 """
 
 import argparse
@@ -115,35 +124,73 @@ def wait_until_warm(url: str, timeout_s: float = 1800):
     raise RuntimeError(f"{url}: not warm after {timeout_s} s")
 
 
-def workload(args) -> list[list[int]]:
+# Sharing patterns for --sweep: (prefixes, their tokens, users per prefix, tokens per user turn, turns).
+PATTERNS = {
+    "few-long": dict(num_prefixes=4, system_tokens=2048, users=16, user_tokens=32, turns=1),
+    "many-short": dict(num_prefixes=48, system_tokens=256, users=4, user_tokens=32, turns=1),
+    "chat": dict(num_prefixes=8, system_tokens=512, users=4, user_tokens=64, turns=4),
+}
+
+
+def workload(args) -> list[list[list[int]]]:
+    """Sessions in random order, each a list of prompts sent one after the other by one client:
+    users of a shared prefix with one question each, or (turns > 1) multi-turn chats whose every
+    turn resends the conversation so far (the replies stood in for by `max_tokens` fixed tokens)."""
     rng = random.Random(args.seed)
+    turns = getattr(args, "turns", 1)
     systems = [[rng.randrange(1, 255) for _ in range(args.system_tokens)] for _ in range(args.num_prefixes)]
-    prompts = [s + [rng.randrange(1, 255) for _ in range(args.user_tokens)] for s in systems
-               for _ in range(args.users)]
-    rng.shuffle(prompts)
-    return prompts
+    sessions = []
+    for system in systems:
+        for _ in range(args.users):
+            history, session = list(system), []
+            for _ in range(turns):
+                history += [rng.randrange(1, 255) for _ in range(args.user_tokens)]
+                session.append(list(history))
+                history += [rng.randrange(1, 255) for _ in range(args.max_tokens)]
+            sessions.append(session)
+    rng.shuffle(sessions)
+    return sessions
 
 
-async def run_clients(url: str, prompts: list[list[int]], args) -> dict:
+def ceiling(sessions: list[list[list[int]]], block: int = 16) -> float:
+    """The most any routing finds (tokens hit / prompt tokens): every full block cached from its
+    first sight on, in the order sessions are listed (a session's turns in order); the block of a
+    prompt's last token is always computed."""
+    seen, hits, queries = set(), 0, 0
+    for session in sessions:
+        for prompt in session:
+            key, matched = (), True
+            for i in range((len(prompt) - 1) // block):
+                key = hash((key, tuple(prompt[i * block:(i + 1) * block])))
+                if matched and key in seen:
+                    hits += block
+                else:
+                    matched = False
+                seen.add(key)
+            queries += len(prompt)
+    return hits / queries
+
+
+async def run_clients(url: str, sessions: list[list[list[int]]], args) -> dict:
     queue: asyncio.Queue = asyncio.Queue()
-    for p in prompts:
-        queue.put_nowait(p)
+    for session in sessions:
+        queue.put_nowait(session)
     ttfts, tokens = [], 0
 
     async def client(session):
         nonlocal tokens
         while not queue.empty():
-            prompt = queue.get_nowait()
-            body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
-            start, first = time.monotonic(), None
-            async with session.post(url + "/v1/completions", json=body) as r:
-                assert r.status == 200, await r.text()
-                async for line in r.content:
-                    if line.startswith(b"data: {") and first is None:
-                        first = time.monotonic() - start
-            ttfts.append(first)
-            tokens += args.max_tokens
+            for prompt in queue.get_nowait():  # a chat's turns one after the other
+                body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
+                        "ignore_eos": True, "stream": True}
+                start, first = time.monotonic(), None
+                async with session.post(url + "/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    async for line in r.content:
+                        if line.startswith(b"data: {") and first is None:
+                            first = time.monotonic() - start
+                ttfts.append(first)
+                tokens += args.max_tokens
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
         async def counters() -> dict:
@@ -168,6 +215,72 @@ async def run_clients(url: str, prompts: list[list[int]], args) -> dict:
             "tokens_per_s": tokens / elapsed, "wall_s": elapsed}
 
 
+def pool_blocks(args, fraction: float) -> int:
+    """A replica's pool: `fraction` of the shared prefixes' blocks (a chat's whole conversations
+    count), plus room for the running requests."""
+    block, turns = 16, getattr(args, "turns", 1)
+    shared = args.num_prefixes * args.system_tokens // block
+    if turns > 1:  # each chat's history is a prefix of its next turn
+        shared += args.num_prefixes * args.users * turns * (args.user_tokens + args.max_tokens) // block
+    longest = args.system_tokens + turns * (args.user_tokens + args.max_tokens)
+    return int(fraction * shared) + args.concurrency * ((longest - args.system_tokens) // block + 2)
+
+
+def run_one(args, size: str, policy: str, sessions, cluster=None) -> dict:
+    if size == "ray":
+        url, proc = cluster.start(args, policy), None
+    else:
+        proc, url, _ = start_server(args, int(size), policy)
+    try:
+        wait_until_warm(url)
+        # Warm-up: the step shapes run once, on prompts that share nothing with the workload.
+        asyncio.run(run_clients(url, workload(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}))
+                                [:args.concurrency], args))
+        return {"data_parallel_size": 2 if size == "ray" else int(size), "dp_routing": policy,
+                "ray_serve": size == "ray", "num_gpu_blocks": args.num_gpu_blocks,
+                **asyncio.run(run_clients(url, sessions, args))}
+    finally:
+        if proc is None:
+            cluster.stop()
+        else:
+            proc.terminate()
+            proc.wait(120)
+
+
+def sweep(args) -> list[dict]:
+    """Prefix and round-robin routing over --patterns x --pools, at N=2; one table."""
+    results, lines = [], []
+    for pattern in args.patterns.split(","):
+        if pattern not in PATTERNS:
+            raise SystemExit(f"--patterns: {pattern!r}; expected some of {sorted(PATTERNS)}")
+        shaped = argparse.Namespace(**{**vars(args), **PATTERNS[pattern]})
+        longest = shaped.system_tokens + shaped.turns * (shaped.user_tokens + shaped.max_tokens)
+        shaped.max_model_len = max(args.max_model_len, 16 * (longest // 16 + 1))
+        sessions = workload(shaped)
+        bound = ceiling(sessions)
+        for fraction_text in args.pools.split(","):
+            num, _, den = fraction_text.partition("/")
+            shaped.num_gpu_blocks = pool_blocks(shaped, float(num) / float(den or 1))
+            rows = {}
+            for policy in ("prefix", "round-robin"):
+                row = {"pattern": pattern, "pool": fraction_text, "ceiling": bound,
+                       **run_one(shaped, "2", policy, sessions)}
+                print(json.dumps(row), flush=True)
+                results.append(row)
+                rows[policy] = row
+            p, rr = rows["prefix"], rows["round-robin"]
+            lines.append(f"| {pattern} | {fraction_text} ({shaped.num_gpu_blocks}) | {bound:.3f} | {p['hit_rate']:.3f} | "
+                         f"{rr['hit_rate']:.3f} | {p['hit_rate'] / max(rr['hit_rate'], 1e-9):.2f}x | "
+                         f"{bound / max(rr['hit_rate'], 1e-9):.2f}x | {p['ttft_p50_s']:.2f} / {p['ttft_p99_s']:.2f} | "
+                         f"{rr['ttft_p50_s']:.2f} / {rr['ttft_p99_s']:.2f} | {p['tokens_per_s']:.1f} / "
+                         f"{rr['tokens_per_s']:.1f} |")
+    print("| pattern | pool (blocks) | ceiling | prefix | round-robin | ratio | bound | TTFT p50/p99 prefix (s) | "
+          "round-robin (s) | tokens/s prefix / rr |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(lines))
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny")
@@ -185,38 +298,36 @@ def main():
                         help="comma-separated SIZE:POLICY runs")
     parser.add_argument("--ray", action="store_true", help="also through Ray Serve (runs ray:ROUTER; default "
                         "runs: 2:prefix,ray:prefix,ray:ray-prefix,ray:round-robin)")
+    parser.add_argument("--sweep", action="store_true", help="prefix and round-robin over --patterns x --pools")
+    parser.add_argument("--patterns", default="few-long,many-short,chat", help="--sweep's sharing patterns")
+    parser.add_argument("--pools", default="1/3,1/2,1", help="--sweep's pool sizes: the fraction of the shared "
+                        "prefixes one replica holds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json")
     args = parser.parse_args()
+    if args.sweep:
+        results = sweep(args)
+    else:
+        results = fixed_runs(parser, args)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"machine": platform.machine(), "cpus": os.cpu_count(), "load": os.getloadavg(),
+                       "args": vars(args), "results": results}, f, indent=1)
+
+
+def fixed_runs(parser, args) -> list[dict]:
+    """Issue 42's workload over --runs (and Ray Serve with --ray)."""
     if args.num_gpu_blocks is None:
-        block = 16
-        args.num_gpu_blocks = (args.num_prefixes // 3) * (args.system_tokens // block) + \
-            args.concurrency * ((args.user_tokens + args.max_tokens) // block + 2)
+        args.num_gpu_blocks = pool_blocks(args, (args.num_prefixes // 3) / args.num_prefixes)
     if args.ray and args.runs == parser.get_default("runs"):
         args.runs = "2:prefix,ray:prefix,ray:ray-prefix,ray:round-robin"
-    prompts = workload(args)
+    sessions = workload(args)
+    print(f"ceiling (every prefix cached after its first request): {ceiling(sessions):.3f}", flush=True)
     results = []
     cluster = RayCluster() if args.ray else None
     for run in args.runs.split(","):
         size, policy = run.split(":")
-        if size == "ray":
-            url = cluster.start(args, policy)
-            proc = None
-        else:
-            proc, url, log = start_server(args, int(size), policy)
-        try:
-            wait_until_warm(url)
-            # Warm-up: the step shapes run once, on prompts that share nothing with the workload.
-            asyncio.run(run_clients(url, workload(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}))
-                                    [:args.concurrency], args))
-            row = {"data_parallel_size": 2 if size == "ray" else int(size), "dp_routing": policy,
-                   "ray_serve": size == "ray", **asyncio.run(run_clients(url, prompts, args))}
-        finally:
-            if proc is None:
-                cluster.stop()
-            else:
-                proc.terminate()
-                proc.wait(120)
+        row = run_one(args, size, policy, sessions, cluster)
         print(json.dumps(row), flush=True)
         results.append(row)
     by = {("ray" if r["ray_serve"] else r["data_parallel_size"], r["dp_routing"]): r for r in results}
@@ -229,10 +340,7 @@ def main():
         print(f"prefix / round-robin hit rate at N=2: {ratio:.2f}x (goal >= 1.8x)")
     if (2, "prefix") in by and (1, "prefix") in by:
         print(f"N=2 / N=1 tokens/s: {by[2, 'prefix']['tokens_per_s'] / by[1, 'prefix']['tokens_per_s']:.2f}x")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"machine": platform.machine(), "cpus": os.cpu_count(), "load": os.getloadavg(),
-                       "args": vars(args), "results": results}, f, indent=1)
+    return results
 
 
 if __name__ == "__main__":
