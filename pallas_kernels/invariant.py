@@ -54,6 +54,29 @@ def tree_sum(x):
     return x[..., 0]
 
 
+def separate(*xs):
+    """The values as they are, each rounded to its dtype and kept apart from the op that uses it:
+    XLA's CPU emitter contracts a multiply and an add that land in one fusion into one FMA (one
+    rounding, not two), and which ops share a fusion depends on the program around them (the
+    engine's decode step, its chunked prefill, LLM.policy()'s forward, the same forward inside
+    jax.value_and_grad). A select on isnan, whose arms are the value and the value + 1 (the same
+    NaN where it is NaN), stands between them: neither XLA nor LLVM folds it, so the add after it
+    never sees the multiply. An optimization barrier does not do it (measured: XLA's CPU pipeline
+    removes it before fusion; the product still contracts)."""
+    out = tuple(jnp.where(jnp.isnan(x), x + 1, x) for x in xs)
+    return out[0] if len(xs) == 1 else out
+
+
+def full_width(f, x, width=16):
+    """f(x) for an elementwise f (exp, log), computed on x broadcast to [..., width] and read back:
+    XLA's CPU exp and log give an element other bits when its fused loop has under 8 elements
+    (measured, jax 0.10.2: exp of 7 values, log of 3 to 7, one element each differs from the same
+    value in a longer array), and how many a small array has depends on the batch (the sampler's
+    rows, a step's query tiles). Each value here sits in a loop of `width` lanes whatever the batch."""
+    wide = separate(jnp.broadcast_to(x[..., None], x.shape + (width,)))
+    return separate(f(wide))[..., 0]
+
+
 def chunk_pages(page_size: int) -> int:
     return max(1, CHUNK_KEYS // page_size)
 
@@ -67,7 +90,9 @@ def attend(qt, q_pos, q_ok, chunk, num_chunks, *, scale, sliding_window=None, lo
     Returns fp32 [N, tile, kvh, g, d]; rows with no visible key give zeros.
     """
     n, tile, kvh, g, d = qt.shape
-    q32 = qt.astype(jnp.float32)
+    # Scaled before the dot: its scores then come out of the dot, with no multiply left for the
+    # softmax's subtract to contract with (`separate`).
+    q32 = separate(qt.astype(jnp.float32) * scale)
 
     def dot(a, b, contract):  # [N, kvh, rows, x] . [N, kvh, y, z] as one batched dot of a fixed shape
         out = lax.dot_general(a.reshape((n * kvh,) + a.shape[2:]), b.reshape((n * kvh,) + b.shape[2:]),
@@ -80,7 +105,8 @@ def attend(qt, q_pos, q_ok, chunk, num_chunks, *, scale, sliding_window=None, lo
         m, l, acc = carry
         k, v, key, key_ok = chunk(i)
         scores = dot(q_rows, k.astype(jnp.float32), 2)  # [N, kvh, g, tile, C]
-        scores = soft_cap(scores * scale, logits_soft_cap)
+        if logits_soft_cap is not None:  # c * tanh(s / c): a product the subtract below would contract
+            scores = separate(soft_cap(scores, logits_soft_cap))
         visible = key_ok[:, None, None, None, :] & q_ok[:, None, None, :, None] & (
             key[None, None, None, None, :] <= q_pos[:, None, None, :, None])
         if sliding_window is not None:
@@ -88,11 +114,12 @@ def attend(qt, q_pos, q_ok, chunk, num_chunks, *, scale, sliding_window=None, lo
         scores = jnp.where(visible, scores, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.where(visible, jnp.exp(scores - m_safe[..., None]), 0.0)
-        rescale = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
+        p = separate(jnp.where(visible, jnp.exp(scores - m_safe[..., None]), 0.0))  # exp ends in a multiply
+        rescale = full_width(jnp.exp, jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)  # [N, kvh, g, tile]: small
         v32 = jnp.where(key_ok[:, None, :, None], v.astype(jnp.float32), 0.0)  # garbage slots: no NaN * 0
         pv = dot(p.reshape(n, kvh, g * tile, -1), v32, 1)  # [N, kvh, g, tile, d]
-        return (m_new, l * rescale + tree_sum(p), acc * rescale[..., None] + pv), None
+        l_kept, acc_kept = separate(l * rescale, acc * rescale[..., None])
+        return (m_new, l_kept + tree_sum(p), acc_kept + pv), None
 
     shape = (n, kvh, g, tile)
     carry = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),

@@ -9,6 +9,10 @@ tile it falls in (measured: a row's result is the same at every position of a ti
 Row reductions are not safe either: XLA's reduce of a row changes with the number of rows (a
 logsumexp over 576 values: 1 row vs 8+ rows differ). Norms and the sampler's logsumexp use
 `tree_sum` (a fixed pairwise order of elementwise adds) instead.
+Elementwise code is not safe either: XLA's CPU emitter contracts a multiply and an add that share
+a fusion into one FMA, and the engine's steps and LLM.policy()'s forward fuse differently; every
+product an add consumes passes through `separate` (pallas_kernels/invariant.py), see
+docs/batch_invariance.md.
 """
 
 import math
@@ -16,7 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.invariant import tree_sum
+from pallas_kernels.invariant import full_width, separate, tree_sum  # noqa: F401 (separate: for the models)
 
 ROW_TILE = 16
 
@@ -50,4 +54,7 @@ def logsumexp_last(x):
     """jax.nn.logsumexp over the last axis (fp32) in a fixed order; -inf entries add nothing."""
     m = jnp.max(x, axis=-1)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    return jnp.log(tree_sum(jnp.exp(x - m_safe[..., None]))) + m_safe
+    x = separate(x)  # logits that a product made (Gemma 2's soft cap): no FMA with the subtract
+    # log over one value per row: a small array in a decode step (full_width)
+    # exp ends in a multiply (its 2^n scaling): kept from the sum's adds (separate)
+    return separate(full_width(jnp.log, tree_sum(separate(jnp.exp(x - m_safe[..., None])))) + m_safe)

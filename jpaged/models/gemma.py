@@ -11,6 +11,7 @@ scan's layer index.
 import jax.numpy as jnp
 from flax import nnx
 
+from jpaged.models.batch_invariant import separate
 from jpaged.models.layers import (Attention, Embedding, GatedMLP, HFWeights, LayerStack, Linear,
                                   RMSNorm, RopeConfig, sliding_windows)
 from jpaged.models.llama import LlamaForCausalLM
@@ -72,7 +73,11 @@ class GemmaForCausalLM(nnx.Module):
         logits = logits.astype(jnp.float32)
         if self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping
+            if self.embed_tokens.batch_invariant:
+                logits = separate(logits)
             logits = cap * jnp.tanh(logits / cap)
+            if self.embed_tokens.batch_invariant:  # a product: no FMA with what the sampler subtracts
+                logits = separate(logits)
         return logits
 
     # Llama's checkpoint layout: the same tensor names.

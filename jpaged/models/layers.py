@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels.blocks import NO_WINDOW
-from jpaged.models.batch_invariant import mean_last, row_tiled_dot
+from jpaged.models.batch_invariant import mean_last, row_tiled_dot, separate
 from jpaged.models.forward_context import forward_context, get_forward_context, hidden_states_capture
 from jpaged.parallel.sharding import kv_head_replicas, tp_size
 
@@ -185,8 +185,13 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
-        mean = mean_last if self.batch_invariant else functools.partial(jnp.mean, axis=-1)
-        x32 = x32 * jax.lax.rsqrt(mean(x32 * x32)[..., None] + self.eps)
+        if self.batch_invariant:  # squares and output products kept from any add (batch_invariant.separate)
+            x32 = x32 * jax.lax.rsqrt(mean_last(separate(x32 * x32))[..., None] + self.eps)
+            return separate(self._scaled(x, x32))
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1)[..., None] + self.eps)
+        return self._scaled(x, x32)
+
+    def _scaled(self, x, x32):
         if self.offset:
             return (x32 * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * x32.astype(x.dtype)
@@ -204,11 +209,13 @@ class LayerNorm(nnx.Module):
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
-        mean_of = mean_last if self.batch_invariant else functools.partial(jnp.mean, axis=-1)
+        inv = self.batch_invariant
+        mean_of = mean_last if inv else functools.partial(jnp.mean, axis=-1)
+        kept = separate if inv else (lambda v: v)
         mean = mean_of(x32)[..., None]
-        var = mean_of(jnp.square(x32 - mean))[..., None]
+        var = mean_of(kept(jnp.square(x32 - mean)))[..., None]
         y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        y = y * self.weight[...].astype(jnp.float32)
+        y = kept(y * self.weight[...].astype(jnp.float32))
         return (y if self.bias is None else y + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
     def hf_weights(self, prefix: str) -> HFWeights:
@@ -339,18 +346,20 @@ class RopeConfig:
         return dict(self.params).get("attention_factor", 1.0)
 
 
-def apply_rope(x, positions, inv_freq, attention_factor=1.0):
+def apply_rope(x, positions, inv_freq, attention_factor=1.0, batch_invariant=False):
     """Rotate-half rotary embedding of x: [tokens, heads, head_dim] at integer positions [tokens];
     inv_freq [rotary_dim / 2] (a traced per-layer row under the scan is fine); features past
-    rotary_dim pass through."""
+    rotary_dim pass through. `batch_invariant`: angles, cos, sin and products `separate`d (no FMA)."""
+    kept = separate if batch_invariant else (lambda *v: v[0] if len(v) == 1 else v)
     rotary_dim = 2 * inv_freq.shape[-1]
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    freqs = kept(positions.astype(jnp.float32)[:, None] * inv_freq[None, :])
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]
     cos, sin = (jnp.cos(emb) * attention_factor).astype(x.dtype), (jnp.sin(emb) * attention_factor).astype(x.dtype)
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
     half = rotary_dim // 2
     rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
-    return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
+    a, b = kept(x_rot * kept(cos), rotated * kept(sin))
+    return jnp.concatenate([a + b, x_pass], axis=-1)
 
 
 # ----------------------------------------------------------------------------- paged attention
@@ -402,7 +411,8 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             inv_freq, factor = (_for_layer(table, meta.layer) for table in self.rope)
-            q, k = apply_rope(q, positions, inv_freq, factor), apply_rope(k, positions, inv_freq, factor)
+            inv = self.ops.batch_invariant
+            q, k = apply_rope(q, positions, inv_freq, factor, inv), apply_rope(k, positions, inv_freq, factor, inv)
         window = None if self.sliding_window is None else _for_layer(self.sliding_window, meta.layer)
         out, kv_cache = self.ops(q, k, v, kv_cache, meta, self.scale, window, self.logits_soft_cap)
         return self.o_proj(out.astype(x.dtype)), kv_cache
