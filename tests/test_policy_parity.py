@@ -1,6 +1,6 @@
 """LLM.policy() parity (issue 62): the trainer's logprobs equal the engine's bit for bit on
 transformers checkpoints made with save_pretrained, one per family the engine serves in
-batch-invariant mode (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3) and head_dim 16, 64,
+batch-invariant mode (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, Qwen3-MoE, Mixtral) and head_dim 16, 64,
 128 and 256, with prefix caching and chunked prefill (max_num_batched_tokens=32), greedy and seeded
 sampling; in fp32 and bf16; inside jax.jit(jax.value_and_grad(loss, has_aux=True)) with the batch
 padded to another length; with preemption and multi-step decode; at tensor parallel 2.
@@ -36,6 +36,11 @@ FAMILIES = {
     "gemma3": (transformers.Gemma3TextConfig, dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
                                                    head_dim=64, sliding_window=24, query_pre_attn_scalar=64,
                                                    layer_types=["sliding_attention", "full_attention"])),  # 64
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                                    head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                    moe_intermediate_size=64, norm_topk_prob=True)),  # 16
+    "mixtral": (transformers.MixtralConfig, dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                                 num_local_experts=4, num_experts_per_tok=2)),  # 16
     "phi3": (transformers.Phi3Config, dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=8,
                                            pad_token_id=0, bos_token_id=1, eos_token_id=2)),  # 16
 }

@@ -65,6 +65,8 @@ class GemmaForCausalLM(nnx.Module):
         x = self.embed_tokens(input_ids)
         # HF rounds the scale to the activations' dtype first.
         x = x * jnp.asarray(self.embed_scale, x.dtype)
+        if self.embed_tokens.batch_invariant:  # a product the first residual add would contract with
+            x = separate(x)
         x, kv_cache = self.layers(x, positions, kv_cache)
         return self.norm(x), kv_cache
 

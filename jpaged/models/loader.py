@@ -31,7 +31,7 @@ from jpaged.models.layers import Attention, Embedding, LayerNorm, Linear, RMSNor
 from jpaged.models.gpt2 import GPT2LMHeadModel
 from jpaged.models.paged_attention import AttentionOps
 from jpaged.models.llama import LlamaForCausalLM
-from jpaged.models.moe import MixtralForCausalLM
+from jpaged.models.moe import MixtralForCausalLM, SparseMoE
 from jpaged.models.opt import OPTForCausalLM
 from jpaged.models.phi3 import Phi3ForCausalLM
 from jpaged.parallel import sharding
@@ -134,11 +134,9 @@ def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.nda
     ops = ops or AttentionOps(attention_backend, mesh, batch_invariant)
     # Abstract: a tensor-parallel size the heads do not allow fails here, before any allocation.
     model = nnx.eval_shape(lambda: model_cls(hf_config, dtype=dtype, ops=ops, max_model_len=max_model_len))
-    if batch_invariant and issubclass(model_cls, MixtralForCausalLM):
-        raise ValueError(f"batch_invariant=True: {model_cls.__name__}'s experts (ragged_dot) are not batch-invariant")
     if batch_invariant:  # every matmul in fixed row tiles (jpaged/models/batch_invariant.py)
         for _, node in nnx.iter_graph(model):
-            if isinstance(node, (Linear, Embedding, RMSNorm, LayerNorm)):
+            if isinstance(node, (Linear, Embedding, RMSNorm, LayerNorm, SparseMoE)):  # MoE: dense experts
                 node.batch_invariant = True
             elif isinstance(node, Attention):
                 heads, head_dim = node.q_proj.out_shape

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jpaged.models.batch_invariant import row_tiled_dot, separate, tree_sum
 from jpaged.models.layers import HFWeights, WeightTarget, activation, fp32_precision, weight_param
 from jpaged.models.llama import LlamaDecoderLayer, LlamaForCausalLM, llama_attention
 
@@ -24,6 +25,7 @@ class SparseMoE(nnx.Module):
         self.gate_proj = weight_param((num_experts, hidden, intermediate), ("experts", "embed", "mlp"), dtype)
         self.up_proj = weight_param((num_experts, hidden, intermediate), ("experts", "embed", "mlp"), dtype)
         self.down_proj = weight_param((num_experts, intermediate, hidden), ("experts", "mlp", "embed"), dtype)
+        self.batch_invariant = False  # the engine's batch_invariant mode: every expert on every token (static)
 
     def route(self, x):
         """Each token's top-k experts [T, k] and their weights [T, k] (fp32): softmax over all
@@ -36,6 +38,8 @@ class SparseMoE(nnx.Module):
         return experts, weights
 
     def __call__(self, x):
+        if self.batch_invariant:
+            return self._dense(x)
         num_tokens, num_experts = x.shape[0], self.router.shape[-1]
         experts, weights = self.route(x)
         # Sort the (token, expert) pairs by expert: each expert's rows are then one contiguous group.
@@ -48,6 +52,24 @@ class SparseMoE(nnx.Module):
         out = grouped(activation(self.act)(gate) * up, self.down_proj[...])
         out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
         return jnp.zeros((num_tokens, x.shape[1]), out.dtype).at[token].add(out).astype(x.dtype)
+
+    def _dense(self, x):
+        """Batch-invariant mode: ragged_dot's sums follow the group sizes (the batch), so every expert
+        runs on every token as row-tiled dots ([tokens, experts, intermediate]) and the down
+        projection sums over experts and their rows at once, weighted (0 for the experts not
+        picked): a token's bits depend on its own row only. num_experts times the MLP's work."""
+        precision = fp32_precision(x.dtype)
+        logits = row_tiled_dot(x, self.router[...], ((1,), (0,)), precision).astype(jnp.float32)
+        e = separate(jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)))  # fixed-order softmax
+        probs = e / tree_sum(e)[:, None]
+        weights, experts = jax.lax.top_k(probs, self.top_k)
+        if self.norm_topk_prob:
+            weights = weights / tree_sum(weights)[:, None]
+        dense = jnp.zeros_like(probs).at[jnp.arange(x.shape[0])[:, None], experts].set(weights)
+        gate = row_tiled_dot(x, self.gate_proj[...], ((1,), (1,)), precision)  # [T, E, I]
+        up = row_tiled_dot(x, self.up_proj[...], ((1,), (1,)), precision)
+        h = separate(activation(self.act)(gate) * up) * dense[:, :, None].astype(x.dtype)
+        return row_tiled_dot(h, self.down_proj[...], ((1, 2), (0, 1)), precision).astype(x.dtype)
 
     def hf_weights(self, prefix: str, router: str, names: tuple[str, str, str]) -> HFWeights:
         """`names`: the checkpoint's (gate, up, down) names of expert e's [out, in] tensors."""
