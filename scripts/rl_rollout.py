@@ -137,6 +137,9 @@ def main():
         rows = tuple(tuple(prompt + list(c.token_ids)) for c in completions)
         policy_lp = np.stack([np.asarray(lp)[len(prompt) - 1:] for lp in policy_logprobs(policy.params, rows)])
         policy_gap = float(np.max(np.abs(engine_lp - policy_lp)))
+        if args.batch_invariant:  # on-policy: PPO/GRPO's importance ratio is exactly 1 for every token (issue 62)
+            ratio = np.exp(policy_lp - engine_lp.astype(np.float32))
+            assert np.all(ratio == 1.0), f"step {step}: importance ratio off 1.0 at {np.argwhere(ratio != 1.0)[:5]}"
         if args.sleep:
             llm.sleep(1)
         params, opt_state, _ = update(params, opt_state, sequences, jnp.asarray(rewards - rewards.mean()))
