@@ -177,3 +177,19 @@ def test_preemption_multi_step(tmp_path_factory):
     assert llm.stats()["num_preemptions"] > 0
     policy = llm.policy()
     assert_bitwise(jax.jit(policy.token_logprobs, static_argnums=1)(policy.params, tuple(seqs)), engine, "preempted")
+
+
+def test_ngram_speculation(tmp_path_factory):
+    """N-gram speculation (prompts that repeat themselves: drafts proposed and accepted): the
+    engine's logprobs of accepted and corrected tokens equal the policy's."""
+    seed = int(np.random.default_rng().integers(1 << 20))
+    print("seed", seed)
+    llm = jpaged.LLM(checkpoint(tmp_path_factory, "qwen2", seed),
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                         "prompt_lookup_min": 1}, **ENGINE)
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(0, VOCAB, 6)] * 6 for _ in range(3)]
+    seqs, engine = engine_logprobs(llm.generate(prompts, sampling(3, seed, max_tokens=16), use_tqdm=False))
+    assert llm.stats()["spec_decode_num_draft_tokens"] > 0
+    policy = llm.policy()
+    assert_bitwise(jax.jit(policy.token_logprobs, static_argnums=1)(policy.params, tuple(seqs)), engine, "ngram")
