@@ -66,7 +66,7 @@ def stub_device(runner, vocab_size: int):
     rng = np.random.default_rng(0)
 
     def run_step(key, inputs, smeta):
-        num_tokens, full, _ = key
+        num_tokens, full = key[:2]
         rows, k = runner.buckets.sample_rows(runner.buckets.seqs(num_tokens)), MAX_LOGPROBS if full else 0
         packed = np.zeros(rows * (3 + 2 * k), np.int32)
         packed[:rows] = rng.integers(0, vocab_size, rows)
@@ -133,6 +133,8 @@ def main():
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--output-kind", choices=[k.name for k in jpaged.RequestOutputKind], default="CUMULATIVE",
                    help="what each step's RequestOutputs carry (the server asks for DELTA)")
+    p.add_argument("--max-model-len", type=int, help="the engine's (default: what the run needs); a model's own "
+                   "limit (131072 for Llama 3) makes block tables 8192 entries wide")
     p.add_argument("--work-dir", default="/tmp/jpaged_bench_host")
     p.add_argument("--output-json")
     args, engine_args = p.parse_known_args()
@@ -141,10 +143,11 @@ def main():
         kwargs[flag.lstrip("-").replace("-", "_")] = int(value) if value.isdigit() else value
     model = micro_model(args.work_dir) if args.model == "micro" else args.model
     max_num_seqs = max(args.num_seqs)
-    max_model_len = PROMPT_LEN + args.steps * kwargs.get("num_scheduler_steps", 1) + 16
+    max_model_len = args.max_model_len or PROMPT_LEN + args.steps * kwargs.get("num_scheduler_steps", 1) + 16
     # Every sequence's blocks fit: the figures are decode steps of max(--num-seqs) running sequences,
     # not preemptions (a CPU's default pool, 32k tokens, holds 256 x 446 tokens of a K=8 run only in part).
-    kwargs.setdefault("num_gpu_blocks_override", max_num_seqs * -(-max_model_len // kwargs.get("block_size", 16)) + 64)
+    needed = PROMPT_LEN + args.steps * kwargs.get("num_scheduler_steps", 1) + 16
+    kwargs.setdefault("num_gpu_blocks_override", max_num_seqs * -(-needed // kwargs.get("block_size", 16)) + 64)
     llm = jpaged.LLM(model=model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                      enforce_eager=args.device == "stub", **kwargs)
     llm.wait_for_warmup()  # timed steps never wait on a background compile

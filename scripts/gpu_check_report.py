@@ -73,6 +73,9 @@ def figures(name: str, logs: str) -> dict:
                          "init_s", "warmup_s", "num_gpu_blocks", "num_preemptions", "compilations_during_run")
                if k in r}
         out["workload"] = data.get("workload")
+        if r.get("step_phases"):  # where the engine thread's time went per step (issue 61's phase table)
+            out["step_phases_ms"] = {p["phase"]: round(p["ms_per_step"], 3) for p in r["step_phases"]}
+            out["steps"] = r.get("steps")
         startup = [x[x.index("jpaged: "):] for x in lines if re.search(r"jpaged: \S+ \(\w+\) on ", x)]
         if startup:
             out["startup_line"] = startup[0]

@@ -135,7 +135,7 @@ def kernel_cases(families_here=("pallas", "mosaic")):
 
 def _abstract_model(runner):
     """A runner's model, its attention's shard_map on the abstract mesh instead of the CPU's, and
-    its state, KV pool and last_tokens as shapes only (no CPU placement). An EAGLE head's runner:
+    its state, KV pool, last_tokens and block table as shapes only (no CPU placement). An EAGLE head's runner:
     its state is (its own, the target's modules it calls)."""
     strip = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
     head = hasattr(runner, "loaded_shared")
@@ -148,7 +148,7 @@ def _abstract_model(runner):
     # A GPU's pool holds its dtype (the CPU's holds raw bits: KVCache.raw_of).
     pages = jax.ShapeDtypeStruct(runner.kv_cache.k_pages.shape, runner.kv_cache.dtype)
     kv_cache = jax.tree.map(strip, runner.kv_cache).replace(k_pages=pages, v_pages=pages, raw_of=None)
-    return graphdef, state, kv_cache, strip(runner.last_tokens)
+    return graphdef, state, kv_cache, (strip(runner.last_tokens), strip(runner.block_table))
 
 
 _ENGINES = {}
@@ -204,15 +204,15 @@ def forward_cases(families_here=("pallas", "mosaic")):
             backend_label += f" speculative {spec} (verification: 32 tokens, 32 sampled rows)"
         runner = llm.llm_engine.runner
         graphdef, state, kv_cache, last_tokens = _abstract_model(runner)
-        # 8 tokens of 8 sequence rows: the decode kernel and the ragged one under a traced cond;
-        # 64 tokens: the ragged kernel alone.
-        for tokens in (32,) if spec else (8, 64):
+        # 8 tokens of 8 sequence rows: the decode kernel alone (a decode step, known to the host) and
+        # the ragged one (a mixed step); 64 tokens: the ragged kernel.
+        for tokens, decode in ((32, False),) if spec else ((8, True), (8, False), (64, False)):
             layout = layout_of(runner._abstract_inputs(tokens))
             forward = functools.partial(step_functions.forward, graphdef, PartitionSpec(), layout=layout,
-                                        return_hidden=runner.hidden_layers or False)
+                                        return_hidden=runner.hidden_layers or False, decode=decode)
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-            label = f"forward {backend_label} {'decode or mixed' if tokens == 8 else 'mixed'} tokens={tokens}"
-            yield label, (lambda f=forward, a=(state, kv_cache, packed, last_tokens):
+            label = f"forward {backend_label} {'decode' if decode else 'mixed'} tokens={tokens}"
+            yield label, (lambda f=forward, a=(state, kv_cache, packed, *last_tokens):
                           lower_for_cuda(f, *a, donate_argnums=(1,))), backend
         if spec:
             assert runner._abstract_inputs(32).logits_indices.shape == (32,)  # a row per token
@@ -223,7 +223,7 @@ def forward_cases(families_here=("pallas", "mosaic")):
             forward_kv = functools.partial(step_functions.forward_kv, graphdef, layout=layout)
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
             yield f"draft model K/V forward {backend} tokens=32", (
-                lambda f=forward_kv, a=(state, kv_cache, packed, last_tokens):
+                lambda f=forward_kv, a=(state, kv_cache, packed, *last_tokens):
                 lower_for_cuda(f, *a, donate_argnums=(1,))), backend
             runner, steps, label = draft, 3, f"draft model proposals {backend} tokens=8 steps=3"
         elif spec in ("eagle3", "eagle"):  # the head over that step (its pages), and its 3-draft chain
@@ -237,7 +237,7 @@ def forward_cases(families_here=("pallas", "mosaic")):
         multi_step = functools.partial(step_functions.multi_step, graphdef, PartitionSpec(), layout=layout,
                                        num_steps=steps)
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-        yield label, (lambda f=multi_step, a=(state, kv_cache, packed, last_tokens):
+        yield label, (lambda f=multi_step, a=(state, kv_cache, packed, *last_tokens):
                       lower_for_cuda(f, *a, donate_argnums=(1, 3))), backend
 
 
@@ -332,12 +332,12 @@ def eagle_cases(eagle, backend, name):
     """An EAGLE head's pass over a target step (its pages) and its 3-draft chain."""
     from jpaged.spec_decode import eagle as eagle_module
 
-    graphdef, (state, shared), kv_cache, _ = _abstract_model(eagle)
+    graphdef, (state, shared), kv_cache, (_, block_table) = _abstract_model(eagle)
     layout = layout_of(eagle._abstract_inputs(32))
     fill = functools.partial(eagle_module.fill, graphdef, layout=layout, max_rows=eagle.max_rows)
     hidden = (jax.ShapeDtypeStruct((32, eagle.aux_width), jnp.bfloat16), jax.ShapeDtypeStruct((32,), jnp.int32))
     args = (state, shared, kv_cache, jax.ShapeDtypeStruct((layout.size,), jnp.int32), hidden,
-            jax.ShapeDtypeStruct((eagle.output_sizes(32)[0],), jnp.int32))
+            jax.ShapeDtypeStruct((eagle.output_sizes(32)[0],), jnp.int32), block_table)
     yield f"{name} head over a step {backend} tokens=32", (
         lambda f=fill, a=args: lower_for_cuda(f, *a, donate_argnums=(2,))), backend
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)

@@ -105,7 +105,7 @@ class FeatureRecorder(Proposer):
         runner.proposer, runner.return_hidden, runner.hidden_layers = recorder, True, recorder.aux_hidden_layers
         return recorder
 
-    def after_step(self, num_tokens, inputs, hidden, sampled):
+    def after_step(self, num_tokens, inputs, hidden, sampled, block_table):
         step = self.runner.last_prepared
         aux, ids = (np.asarray(x) for x in hidden)
         qsl, pos = step.inputs.attn.query_start_loc, step.inputs.positions

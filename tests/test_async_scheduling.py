@@ -1,6 +1,8 @@
 """Overlapped steps (async_scheduling): the next step is dispatched before the last one's sampled
-ids are read. Outputs must be those of the synchronous engine, stops and limits exact, aborts and
-preemption safe while a step is in flight, and no block leaked."""
+ids are read (the default). Outputs must be those of the synchronous engine, stops and limits
+exact, aborts and preemption safe while a step is in flight, and no block leaked. What used to
+refuse the overlap is corrected a step late: a sequence ending with its pending token, a block
+it fills under prefix caching (hashed once read), requests waiting while no seat is free."""
 
 import numpy as np
 import pytest
@@ -13,8 +15,8 @@ LIMITS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, bloc
 
 @pytest.fixture(scope="module")
 def engines():
-    return (jpaged.LLM("tiny", num_gpu_blocks_override=80, **LIMITS),
-            jpaged.LLM("tiny", num_gpu_blocks_override=80, async_scheduling=True, **LIMITS))
+    return (jpaged.LLM("tiny", num_gpu_blocks_override=80, async_scheduling=False, **LIMITS),
+            jpaged.LLM("tiny", num_gpu_blocks_override=80, **LIMITS))  # (on by default)
 
 
 def generate_counting_overlaps(llm, prompts, params):
@@ -116,3 +118,77 @@ def test_preemption_and_swaps_with_async_scheduling():
     for (reference, _), (outs, overlapped) in (results[:2], results[2:]):
         assert overlapped > 0
         assert_same_greedy(reference, outs)
+
+
+def overlaps_by_reason(llm, prompts, params):
+    """generate_counting_overlaps, also counting the overlapped steps whose in-flight pending token
+    fills a block (prefix caching used to refuse those) and those with requests waiting."""
+    engine = llm.llm_engine
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, sp)
+    finals, counts = {}, {"overlapped": 0, "block_filled": 0, "waiting": 0}
+    bs = engine.scheduler.block_manager.block_size
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        if engine._in_flight is not None:
+            counts["overlapped"] += 1
+            seqs = [seq for g in engine.scheduler.running for seq in g.seqs if seq.num_pending_tokens]
+            counts["block_filled"] += any(seq.get_len() % bs == 0 for seq in seqs)
+            counts["waiting"] += bool(engine.scheduler.waiting)
+    engine.step()
+    return [finals[str(i)] for i in range(len(prompts))], counts
+
+
+def test_prefix_caching_hashes_a_block_filled_by_a_pending_token_once_read():
+    """With prefix caching, steps overlap also when a pending token fills a block: the block is
+    hashed when the token is read, with the token in its hash. A later request that shares the
+    first request's prompt and output finds the blocks the synchronous engine cached, and one
+    more: the first request's last token fills its 4th block, and the step in flight when it was
+    read computed that token's K/V (the synchronous engine never computes it). Outputs equal the
+    synchronous engine's."""
+    seed = 20261128
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    first, extra = rng.integers(0, 256, size=21).tolist(), rng.integers(0, 256, size=5).tolist()
+    params = jpaged.SamplingParams(temperature=0, max_tokens=43, ignore_eos=True)
+    results = []
+    for async_scheduling in (False, True):
+        llm = jpaged.LLM("tiny", num_gpu_blocks_override=80, enable_prefix_caching=True,
+                         async_scheduling=async_scheduling, **LIMITS)
+        (a,), counts = overlaps_by_reason(llm, [first], [params])
+        # 21 + 43 tokens: synchronously the last output token gets no K/V (63 computed: 3 full
+        # blocks); overlapped, the step in flight when it is read computes it (4 blocks).
+        second = first + list(a.outputs[0].token_ids) + extra
+        (b,), _ = overlaps_by_reason(llm, [second], [jpaged.SamplingParams(temperature=0, max_tokens=8,
+                                                                             ignore_eos=True)])
+        results.append((a, b, counts))
+        assert_all_blocks_free(llm)
+    (ref_a, ref_b, sync_counts), (a, b, counts) = results
+    assert sync_counts["overlapped"] == 0 and counts["block_filled"] >= 2  # blocks 2 and 3 filled in flight
+    assert a.outputs[0].token_ids == ref_a.outputs[0].token_ids
+    assert b.outputs[0].token_ids == ref_b.outputs[0].token_ids
+    assert (ref_b.num_cached_tokens, b.num_cached_tokens) == (48, 64)
+
+
+def test_requests_waiting_for_a_seat_do_not_stop_the_overlap():
+    """More requests than max_num_seqs: while every seat is taken the waiting ones cannot be
+    admitted anyway, so steps overlap; a freed seat admits the next one at once. Outputs equal
+    the synchronous engine's and each request is admitted (prefilled) as soon as a seat frees."""
+    seed = 20261129
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 256, size=int(rng.integers(4, 30))).tolist() for _ in range(20)]
+    params = [jpaged.SamplingParams(temperature=0, max_tokens=int(rng.integers(3, 40)), ignore_eos=True)
+              for _ in prompts]
+    runs = []
+    for async_scheduling in (False, True):
+        llm = jpaged.LLM("tiny", num_gpu_blocks_override=80, async_scheduling=async_scheduling, **LIMITS)
+        outs, counts = overlaps_by_reason(llm, prompts, params)
+        assert_all_blocks_free(llm)
+        runs.append((outs, counts))
+    (reference, _), (outs, counts) = runs
+    assert counts["waiting"] > 10
+    assert_same_greedy(reference, outs)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [sp.max_tokens for sp in params]

@@ -11,12 +11,23 @@ from jpaged.runner.buckets import fit, history_widths
 from jpaged.runner.input_batch import InputBatch, layout_of, pack, unpack
 
 
-def test_block_tables_follow_every_kind_of_table_change():
+def test_block_tables_follow_every_kind_of_table_change(monkeypatch):
     """Random steps: sequences join, leave, grow a block, get a copy-on-write last block, or come
-    back with a new table (swap-in, recompute); each step's rows must hold exactly the tables."""
-    rng = np.random.default_rng()
+    back with a new table (swap-in, recompute); each step's rows must hold exactly the tables, on
+    the host and in the device's copy that only the written entries reach (through the runner's
+    update chunks, whose sizes are shrunk here so that steps span several chunks)."""
+    from jpaged.runner import buckets
+    from jpaged.runner.step_functions import write_block_table
+
+    monkeypatch.setattr(buckets, "BLOCK_TABLE_UPDATE_SIZES", (4, 16))
+    seed = int(np.random.default_rng().integers(1 << 31))
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
     width, max_rows = 12, 6
     batch = InputBatch(max_rows, width)
+    device = jnp.full((max_rows + 1, width), -7, jnp.int32).at[max_rows].set(0)  # poisoned, but the padding row
+    write = jax.jit(write_block_table)
+    sizes = set()
     tables: dict[int, list[int]] = {}
     next_id = 0
     for _ in range(300):
@@ -37,11 +48,18 @@ def test_block_tables_follow_every_kind_of_table_change():
         scheduled = [i for i in tables if rng.random() < 0.8]  # the others miss this step
         rows = batch.rows(scheduled, [tables[i] for i in scheduled])
         assert len(set(rows.tolist())) == len(rows)
+        for chunk in buckets.update_chunks(*batch.take_table_updates()):
+            sizes.add(len(chunk[0]))
+            device = write(device, *chunk)
+        on_device = np.asarray(device)
+        assert (on_device[max_rows] == 0).all()
         for seq_id, row in zip(scheduled, rows):
             table = tables[seq_id]
             assert batch.block_tables[row, :len(table)].tolist() == table
+            assert on_device[row, :len(table)].tolist() == table
         for seq_id in [i for i in tables if i not in scheduled]:
             del tables[seq_id]  # a sequence that misses a step comes back with a new table
+    assert sizes == {4, 16}  # both update sizes were used
 
 
 def test_pack_round_trips_every_dtype_inside_jit():

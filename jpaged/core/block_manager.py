@@ -107,7 +107,11 @@ class BlockManager:
         return self.num_gpu_blocks - self.get_num_free_gpu_blocks()
 
     def get_num_gpu_blocks_without_sharing(self) -> int:
-        """Device blocks in use if nothing were shared: one per block table entry."""
+        """Device blocks in use if nothing were shared: one per block table entry (the server asks
+        after every step: without a sliding window no entry is ever freed, so the tables' lengths
+        alone, not a pass over every entry)."""
+        if self.sliding_window is None:
+            return sum(map(len, self.gpu_tables.values()))
         return sum(len(held(table)) for table in self.gpu_tables.values())
 
     def reset_prefix_cache(self):

@@ -15,27 +15,47 @@ from jpaged.core.sequence import SequenceStatus
 def can_overlap(scheduler, step_groups: set[str], max_model_len: int) -> bool:
     """Whether the next step can be scheduled before the step of `step_groups` (its groups'
     request ids) is read: each running group decodes one pending token per sequence with sampling
-    that needs no host state of it (no penalties, grammar, beam search or fork), nothing waits
-    or is swapped out (no admission), every sequence can take a block (no preemption), none is
-    sure to end with its pending token (no slot past its end) and, with prefix caching, none
-    fills a block with it (the block's hash needs the token)."""
+    that needs no host state of it (no penalties, grammar, beam search or fork), nothing is
+    swapped out and nothing waits that a free seat would admit (no admission), every sequence can
+    take a block (no preemption) and has a position left under max_model_len.
+
+    What is corrected one step late instead of refused (as vLLM's async scheduling does): a
+    sequence that ends with its pending token (max_tokens, EOS, a stop) computes one more token,
+    which is dropped when the pending one is read (Scheduler._process: a finished sequence's
+    row is skipped; its blocks go back after the step that used them was dispatched); with
+    prefix caching, a block the pending token fills is hashed when the token is read
+    (Scheduler._process), not when it is scheduled. With static KV allocation (blocks reserved
+    for max_tokens) a sequence at its max_tokens is still refused: its extra slot may lie past them."""
     # Speculative decoding: drafts are proposed from the last token, so it must be on the host
     # whenever the next step may take drafts (the speculator's policy); otherwise (above
     # disable_by_batch_size, or no request that speculates) steps overlap as without it.
     spec = scheduler.speculator
-    if scheduler.waiting or scheduler.swapped or (spec is not None and spec.may_draft(scheduler.running)):
+    if scheduler.swapped or (spec is not None and spec.may_draft(scheduler.running)):
         return False
     bm = scheduler.block_manager
-    caching, num_seqs = bm.enable_caching, 0
+    static, num_seqs, seats = bm.kv_allocation == "static", 0, 0
+    running = SequenceStatus.RUNNING
     for group in scheduler.running:
-        sp = group.sampling_params
         if group.request_id not in step_groups or group.needs.host_tokens:
             return False
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
-            if (seq.num_pending_tokens != 1 or seq.get_output_len() >= sp.max_tokens
-                    or seq.get_len() >= max_model_len or (caching and seq.get_len() % bm.block_size == 0)):
-                return False  # (a block the pending token fills is hashed from its tokens)
+        seqs = group.seqs
+        if len(seqs) == 1 and not static:  # (most groups, every step: the checks below inlined)
+            seq = seqs[0]
+            if seq.status is running:
+                if seq.num_pending_tokens != 1 or (len(seq.prompt_token_ids) + len(seq.output_token_ids) + 1
+                                                   >= max_model_len):
+                    return False
+                num_seqs += 1
+                seats += 1
+            continue
+        seats += group.get_max_num_running_seqs()
+        for seq in group.get_seqs(running):
+            if (seq.num_pending_tokens != 1 or seq.get_len() >= max_model_len
+                    or (static and seq.get_output_len() >= group.sampling_params.max_tokens)):
+                return False
             num_seqs += 1
+    if scheduler.waiting and scheduler.max_num_seqs - seats >= scheduler.waiting[0].get_max_num_running_seqs():
+        return False  # a seat is free for the next request: admit it (its prefill) now
     return num_seqs > 0 and bm.get_num_free_gpu_blocks() >= num_seqs
 
 

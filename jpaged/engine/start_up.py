@@ -53,9 +53,10 @@ def tightest_memory_stats(devices: list) -> dict | None:
 PROBE_BLOCKS = 256
 
 
-def step_state_bytes(max_num_seqs: int, max_model_len: int) -> int:
-    """The runner's per-row device state: token histories (int32[max_num_seqs, max_model_len]) and last tokens."""
-    return 4 * max_num_seqs * (max_model_len + 1)
+def step_state_bytes(max_num_seqs: int, max_model_len: int, block_size: int = 16) -> int:
+    """The runner's per-row device state: token histories (int32[max_num_seqs, max_model_len]), last
+    tokens, and block tables (int32[max_num_seqs + 1, max_model_len / block_size])."""
+    return 4 * max_num_seqs * (max_model_len + 1) + 4 * (max_num_seqs + 1) * -(-max_model_len // block_size)
 
 
 def measure_step_memory(loaded, kv_cache_spec, shape: dict, num_scheduler_steps: int, executable_cache):
@@ -85,7 +86,7 @@ def kv_pool_size(config: EngineConfig, max_model_len: int, bytes_per_block: int,
                      max_num_seqs=config.max_num_seqs, num_gpu_blocks_override=config.num_gpu_blocks_override,
                      gpu_memory_utilization=config.gpu_memory_utilization, swap_space=config.swap_space,
                      memory_stats=stats, ram_bytes=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
-                     step_state=step_state_bytes(config.max_num_seqs, max_model_len) if stats else 0,
+                     step_state=step_state_bytes(config.max_num_seqs, max_model_len, config.block_size) if stats else 0,
                      peak=peak, peak_of=peak_of)
     if pool.num_gpu_blocks < math.ceil(max_model_len / config.block_size):
         logger.warning("only %d KV blocks fit: fewer than one max_model_len sequence needs", pool.num_gpu_blocks)

@@ -107,11 +107,13 @@ class AttentionOps:
                                                               tiles=self.invariant_tiles)
         # XLA's ragged path is as fast as its decode path on decode steps (tile 1; measured faster
         # inside the multi-step decode on a CPU): one branch, less to compile.
-        if meta.decode is None or pallas_kernels.kernel_family(self.backend) == "xla":
+        if pallas_kernels.kernel_family(self.backend) == "xla":
             return ragged()
-        if decode_only:  # a multi-step decode's steps: the decode kernel alone
+        if decode_only:  # a step the host knows is a decode (its own executable; multi-step): the decode kernel alone
             return decode()
-        return jax.lax.cond(meta.decode, decode, ragged)
+        if meta.decode is None:
+            return ragged()
+        return jax.lax.cond(meta.decode, decode, ragged)  # (a traced flag: XLA:GPU reads it on the host)
 
 
 def check_kernels(model, spec: KVCacheSpec, dtype, backend: str) -> None:
@@ -121,3 +123,9 @@ def check_kernels(model, spec: KVCacheSpec, dtype, backend: str) -> None:
     num_heads, head_dim = attention.q_proj.out_shape
     pallas_kernels.check_supported(jax.ShapeDtypeStruct((1, num_heads, head_dim), dtype),
                                    jax.ShapeDtypeStruct(spec.pool_shape(1), spec.dtype), backend)
+
+
+def attention_family(model) -> str:
+    """The kernel family of a model's attention ("pallas", "mosaic" or "xla"; none: "xla")."""
+    attention = next((node for _, node in nnx.iter_graph(model) if isinstance(node, Attention)), None)
+    return "xla" if attention is None else pallas_kernels.kernel_family(attention.ops.backend)

@@ -3,10 +3,16 @@ operations, and every executable's key, all compiled ahead of time at warm-up.""
 
 import dataclasses
 
+import numpy as np
+
 # Block copies and swaps are padded to one of these sizes (-1: skip), longer lists split into
 # chunks of the largest, so each operation has one executable per size, compiled at warm-up.
 BLOCK_OP_SIZES = (32,)
 BLOCK_OPS = ("copy_blocks", "swap_out", "swap_in")
+# Block-table entries written to the device's copy at once (more: several calls, each padded to
+# the smallest size that holds it; a decode step writes a few, a batch of new prompts or swap-ins
+# up to a table each).
+BLOCK_TABLE_UPDATE_SIZES = (256, 8192)
 # Token histories uploaded to the device at once (more: several calls), for penalised sequences
 # whose row does not hold their tokens yet.
 HISTORY_UPLOAD_ROWS = 16
@@ -43,7 +49,8 @@ class Buckets:
     `seqs(tokens)` = min(tokens, max_num_seqs) sequence rows, so a lone prompt or a small decode
     batch does not pay for max_num_seqs rows. Block tables always have the full `width`: the
     attention's cost follows the real contexts (pallas_kernels/xla.py, and the Pallas kernels loop
-    to each context's end). The LM head and the sampler take `sample_rows(tokens)` rows: a coarser
+    to each context's end); the runner keeps them on the device (ModelRunner.block_table), so a step
+sends only each sequence's row index and the entries written since. The LM head and the sampler take `sample_rows(tokens)` rows: a coarser
     ladder, because the sampler compiles slowly (its sorts over the vocabulary) and costs little
     per row."""
 
@@ -97,11 +104,32 @@ class Buckets:
         if self.num_scheduler_steps > 1:
             for tokens in self.decode_tokens:
                 yield ("multi_step", tokens)
-        for rows in self.rows:
+        for rows in self.rows:  # (the fast sampler also without its random path: all-greedy steps)
+            yield ("sample", rows, False, "greedy")
             for full in (False, True):
                 yield ("sample", rows, full)
         for op in BLOCK_OPS:
             for num_blocks in BLOCK_OP_SIZES:
                 yield (op, num_blocks)
+        yield from block_table_keys()
         for width in self.history:
             yield ("write_history", HISTORY_UPLOAD_ROWS, width)
+
+
+def block_table_keys():
+    """The block-table writes' executables, one per update size."""
+    for size in BLOCK_TABLE_UPDATE_SIZES:
+        yield ("write_block_table", size)
+
+
+def update_chunks(rows, cols, values):
+    """(rows, cols, values) split into chunks of the largest update size, each padded to the
+    smallest size that holds it (row -1: skipped)."""
+    largest = BLOCK_TABLE_UPDATE_SIZES[-1]
+    for start in range(0, len(rows), largest):
+        n = min(largest, len(rows) - start)
+        size = fit(list(BLOCK_TABLE_UPDATE_SIZES), n)
+        chunk = tuple(np.full(size, fill, np.int32) for fill in (-1, 0, 0))
+        for out, part in zip(chunk, (rows, cols, values)):
+            out[:n] = part[start:start + n]
+        yield chunk

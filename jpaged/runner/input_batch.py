@@ -5,7 +5,9 @@ that sends one step's inputs to the device in one transfer.
 and holds per row in preallocated numpy arrays what the runner's inputs need of it:
   - its block table, updated only where the block manager's table changed (a block appended, or
     the last one replaced by copy-on-write), so a decode step touches O(1) entries per sequence;
-    a table the manager replaced (swap-in, recompute, fork) is a new list object, written afresh;
+    a table the manager replaced (swap-in, recompute, fork) is a new list object, written afresh.
+    The runner keeps the same table on the device (ModelRunner.block_table) and sends it only
+    the entries written since (`take_table_updates`), never the whole table;
   - its sampling knobs (temperature, top-k/p, min-p, the three penalties, seed, seq_index,
     logit_bias, min_tokens' banned ids), its LoRA slot and what it needs of the sampler, written
     once when the sequence enters the batch (`add`);
@@ -45,6 +47,8 @@ class InputBatch:
         self.lengths = [0] * max_rows
         self.lasts = [-1] * max_rows
         self._free = list(range(max_rows - 1, -1, -1))
+        # Spans (row, start, end) of block_tables written since the device's copy was last updated.
+        self._written: list[tuple[int, int, int]] = []
         # The step that last scheduled each row (StepBuilder.build frees the rows it did not).
         self.step, self.stamps = 0, [0] * max_rows
         n = max_rows + 1  # + the neutral row
@@ -151,7 +155,24 @@ class InputBatch:
             start = self.lengths[row] - 1  # grown, or its last block replaced
         if n > start:
             self.block_tables[row, start:n] = table[start:]
+            self._written.append((row, start, n))
         self.tables[row], self.lengths[row], self.lasts[row] = table, n, table[-1] if n else -1
+
+    def take_table_updates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The block-table entries written since the last call, as (rows, columns, values) for
+        the device's copy; a span written twice is sent once, with what the table holds now."""
+        spans, self._written = self._written, []
+        if not spans:
+            return _NO_UPDATES
+        if len(spans) > 1:
+            spans = list(dict.fromkeys(spans))
+        lengths = np.fromiter((end - start for _, start, end in spans), np.int64, len(spans))
+        rows = np.repeat(np.fromiter((row for row, _, _ in spans), np.int32, len(spans)), lengths)
+        starts = np.fromiter((start for _, start, _ in spans), np.int64, len(spans))
+        # Each span's columns start..end: a running index minus each span's offset in the flat list.
+        offsets = np.repeat(np.cumsum(lengths) - lengths - starts, lengths)
+        cols = (np.arange(len(rows), dtype=np.int64) - offsets).astype(np.int32)
+        return rows, cols, self.block_tables[rows, cols]
 
     def rows(self, seq_ids: Sequence[int], tables: Sequence[list[int]]) -> np.ndarray:
         """Each sequence's row (neutral knobs if new), its block table up to date; sequences not
@@ -165,6 +186,9 @@ class InputBatch:
             self.set_table(row, table)
             out[i] = row
         return out
+
+
+_NO_UPDATES = (np.zeros(0, np.int32),) * 3
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Block copies and swaps of the KV pool: the device functions that copy a block's pages of every
-layer, gather them for a swap-out and scatter them back for a swap-in, and the host-side padding
-of (block, block) pairs into fixed-size chunks."""
+layer, gather them for a swap-out and scatter them back for a swap-in, the host-side padding of
+(block, block) pairs into fixed-size chunks, and the runner's operations over them (`BlockOps`,
+which ModelRunner inherits)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -56,3 +58,60 @@ def scatter_blocks(num_layers, kv_cache: KVCache, pages, blocks) -> KVCache:
 
     return kv_cache.replace(k_pages=k.at[:, dst].set(layer_major(pages[:, 0]), mode="drop"),
                             v_pages=v.at[:, dst].set(layer_major(pages[:, 1]), mode="drop"))
+
+
+class BlockOps:
+    """The runner's block copies (copy-on-write) and swaps between the device pool and the host's,
+    for every pool addressed by the same block ids (`pools`: the runner's and its proposer's).
+    Each chunk is a device operation (`dispatch_op`: multi-host sends it); the executables are the
+    runner's (`_executable`), its pages `kv_cache` and its host pool `host_kv`."""
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]):
+        # Chunks may run one after another: copy-on-write never chains copies within a step.
+        for src, dst, _ in padded_chunks(pairs):
+            self.dispatch_op("copy_blocks", src, dst)
+
+    def _copy_blocks(self, src, dst):
+        for pool in self.pools:
+            pool.copy_pool_blocks(src, dst)
+
+    def copy_pool_blocks(self, src, dst):
+        """These pages' blocks `src` -> `dst`."""
+        self.kv_cache = self._executable(("copy_blocks", len(src)))(self.kv_cache, src, dst)
+
+    def swap_out(self, pairs: list[tuple[int, int]]):
+        """Device pages -> host pool, for (gpu_block, cpu_block) pairs."""
+        for gpu, cpu, n in padded_chunks(pairs):
+            self.dispatch_op("swap_out", gpu, cpu[:n])
+
+    def _swap_out(self, gpu, cpu):
+        for pool in self.pools:
+            pool.swap_pool_out(gpu, cpu)
+
+    def swap_pool_out(self, gpu, cpu):
+        """These pages' blocks `gpu` -> the host pool's `cpu`."""
+        pages = self._executable(("swap_out", len(gpu)))(self.kv_cache, gpu)
+        for shard in pages.addressable_shards:  # each shard's heads go to its own host pool
+            self.host_kv[shard.index[2].start or 0][:, :, :, cpu] = np.asarray(shard.data)[:, :, :, :len(cpu)]
+
+    def swap_in(self, pairs: list[tuple[int, int]]):
+        """Host pool -> device pages, for (cpu_block, gpu_block) pairs."""
+        for cpu, gpu, n in padded_chunks(pairs):
+            self.dispatch_op("swap_in", cpu[:n], gpu)
+
+    def _swap_in(self, cpu, gpu):
+        for pool in self.pools:
+            pool.swap_pool_in(cpu, gpu)
+
+    def swap_pool_in(self, cpu, gpu):
+        """The host pool's blocks `cpu` -> these pages' `gpu`."""
+        pool = next(iter(self.host_kv.values()))
+
+        def local_pages(index):  # this shard's heads, padded to len(gpu) blocks
+            pages = np.zeros(pool.shape[:3] + (len(gpu),) + pool.shape[4:], pool.dtype)
+            pages[:, :, :, :len(cpu)] = self.host_kv[index[2].start or 0][:, :, :, cpu]
+            return pages
+
+        pages = jax.make_array_from_callback(self._swapped_pages_shape(len(gpu)).shape, self._pages_sharding,
+                                             local_pages)
+        self.kv_cache = self._executable(("swap_in", len(gpu)))(self.kv_cache, pages, gpu)

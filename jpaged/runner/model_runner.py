@@ -25,7 +25,9 @@ samplers, not their product.
 The runner orchestrates; the parts live beside it: the step shapes and executable keys in
 buckets.py, the jitted device functions in step_functions.py, the plan -> InputBatch rows and
 sampler metadata in step_inputs.py, the host-side padding of a step's inputs in
-prepare_inputs.py, block copies and swaps' device functions in kv_transfer.py.
+prepare_inputs.py, block copies and swaps in kv_transfer.py (BlockOps, which the runner inherits).
+Block tables live on the device (`block_table`, a row per InputBatch row): a step sends each
+sequence's row index, and before it only the entries the InputBatch wrote since the last step.
 
 Tensor parallelism: weights and KV pages live on the loader's mesh (jpaged/parallel); the runner
 only gives every jitted function its shardings. Step inputs are replicated, the KV pages split
@@ -46,6 +48,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged.models.forward_context import AttentionMetadata
+from jpaged.models.paged_attention import attention_family
 from jpaged.models.kv_cache import KVCache, KVCacheSpec
 from jpaged.lora.model import abstract_slot
 from jpaged.models.layers import Linear
@@ -53,7 +56,7 @@ from jpaged.models.loader import LoadedModel
 from jpaged.parallel import distributed
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, replicated
 from jpaged.runner import kv_transfer, sampler, step_functions, step_inputs
-from jpaged.runner.buckets import Buckets
+from jpaged.runner.buckets import Buckets, update_chunks
 from jpaged.runner.executable_cache import ExecutableCache
 from jpaged.runner.input_batch import InputBatch, Layout, layout_of, pack
 from jpaged.runner.prepare_inputs import prepare_step
@@ -66,7 +69,7 @@ from jpaged.step_clock import StepClock
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner(distributed.DriverOps):
+class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
     def __init__(self, loaded: LoadedModel, kv_cache_spec: KVCacheSpec, *, num_gpu_blocks: int, num_cpu_blocks: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_scheduler_steps: int = 1,
                  executable_cache: ExecutableCache | None = None, kv_scales=None, calculate_kv_scales: bool = False,
@@ -128,6 +131,10 @@ class ModelRunner(distributed.DriverOps):
         # full sampler appends each sampled token): sent once per sequence, not every step.
         # `InputBatch.history` says what each row holds: (seq_id, tokens).
         self.token_history = state_array((max_num_seqs, max_model_len), jnp.int32, *(() if abstract else (-1,)))
+        # The InputBatch's block tables, kept on the device (its last row, the padding's, stays
+        # zeros): a step sends each sequence's row index, and `_flush_block_table` only the
+        # entries written since the last step (InputBatch.take_table_updates).
+        self.block_table = state_array((max_num_seqs + 1, self.buckets.width), jnp.int32)
         # Each takes its inputs packed in one int32 array (one transfer), unpacked by `layout`.
         # `return_hidden`: the forward also returns the sampled rows' hidden states, kept in
         # `hidden_states` (on the device) for a proposer that drafts from them (EAGLE-style).
@@ -143,10 +150,15 @@ class ModelRunner(distributed.DriverOps):
         self.hookless_from = math.inf if disable_by_batch_size is None else 0 if not self.return_hidden else \
             min((t for t in self.buckets.tokens if t > disable_by_batch_size), default=math.inf)
         self.last_prepared = None  # with hidden states: the last step's host inputs (which row is whose)
-        self._forward = lambda layout, hidden: jax.jit(
-            functools.partial(step_functions.forward, self.graphdef, rep, layout=layout,
+        # Decode steps (a token per sequence, known to the host) get executables of their own that
+        # run the decode kernel alone (keys ("forward", n, "decode")), where the kernels differ:
+        # the XLA family (a CPU) has one path for both, and batch-invariant mode one kernel.
+        self.decode_keys = not self.batch_invariant and attention_family(loaded.model) != "xla"
+        self._forward = lambda layout, hidden, decode=False: jax.jit(
+            functools.partial(step_functions.forward, self.graphdef, rep, layout=layout, decode=decode,
                               return_hidden=(self.hidden_layers or True) if hidden else False),
             donate_argnums=(1,), out_shardings=(rep, pool, rep) if hidden else (rep, pool))
+        self._table_writer = jax.jit(step_functions.write_block_table, out_shardings=rep, donate_argnums=(0,))
         self._sample = lambda layout: jax.jit(functools.partial(step_functions.sample, layout=layout),
                                               out_shardings=(rep, rep, rep), donate_argnums=(2, 3))
         self._history_writer = jax.jit(step_functions.write_history, out_shardings=rep, donate_argnums=(0,))
@@ -181,13 +193,16 @@ class ModelRunner(distributed.DriverOps):
         """False once the KV pages are gone: a step that failed after donating them."""
         return not any(pages.is_deleted() for pages in jax.tree.leaves(self.kv_cache)) and self.proposer.is_alive()
 
-    def forward_key(self, num_tokens: int, hooks: bool = True) -> tuple:
-        return ("forward", num_tokens) + (("hidden",) if self.return_hidden and hooks else ())
+    def forward_key(self, num_tokens: int, hooks: bool = True, decode: bool = False) -> tuple:
+        return ("forward", num_tokens) + (("decode",) if decode and self.decode_keys else ()) \
+            + (("hidden",) if self.return_hidden and hooks else ())
 
     def forward_keys(self, num_tokens: int) -> list[tuple]:
-        """The forwards a step of `num_tokens` may run (without the proposer's hooks too: hookless_from)."""
-        both = self.return_hidden and num_tokens >= self.hookless_from
-        return [self.forward_key(num_tokens)] + ([self.forward_key(num_tokens, False)] if both else [])
+        """The forwards a step of `num_tokens` may run (without the proposer's hooks too:
+        hookless_from; a decode's own where decode_keys and the bucket has a row per token)."""
+        hooks = [True, False] if self.return_hidden and num_tokens >= self.hookless_from else [True]
+        decode = [False, True] if self.decode_keys and self.buckets.seqs(num_tokens) == num_tokens else [False]
+        return [self.forward_key(num_tokens, h, d) for d in decode for h in hooks]
 
     def _warm_up_plan(self, stop, keys) -> WarmUp:
         """Every executable in order of need (warmup.py); `keys`: these instead."""
@@ -247,23 +262,29 @@ class ModelRunner(distributed.DriverOps):
         """The jitted function executable `key` compiles, and its (abstract) arguments."""
         if key[0] == "forward":
             layout = layout_of(self._abstract_inputs(key[1]))
-            return self._forward(layout, "hidden" in key), (self.state, self.kv_cache, self._packed(layout), self.last_tokens)
+            return self._forward(layout, "hidden" in key, "decode" in key), (
+                self.state, self.kv_cache, self._packed(layout), self.last_tokens, self.block_table)
         if key[0] == "kv_forward":  # over another runner's step: its inputs carry LoRA slots if its do
             layout = layout_of(self._abstract_inputs(key[1], lora="lora" in key))
-            return self._kv_forward(layout), (self.state, self.kv_cache, self._packed(layout), self.last_tokens)
+            return self._kv_forward(layout), (self.state, self.kv_cache, self._packed(layout), self.last_tokens,
+                                              self.block_table)
         if key[0] == "multi_step":
             layout = layout_of(self._abstract_multi_step_inputs(key[1]))
-            return self._multi_step(layout), (self.state, self.kv_cache, self._packed(layout), self.last_tokens)
+            return self._multi_step(layout), (self.state, self.kv_cache, self._packed(layout), self.last_tokens,
+                                              self.block_table)
         if key[0] == "sample":
-            _, num_rows, full = key
+            _, num_rows, full, *greedy = key
             logits = jax.ShapeDtypeStruct((num_rows, self.vocab_size), jnp.float32, sharding=self._replicated)
             i32 = jax.ShapeDtypeStruct((num_rows,), jnp.int32)
             history = HistoryInputs(i32, i32, i32, i32) if full else None
-            layout = layout_of((self.sampling_metadata(None, num_rows, full), i32, history))
+            layout = layout_of((self.sampling_metadata(None, num_rows, full, bool(greedy)), i32, history))
             return self._sample(layout), (logits, self._packed(layout), self.last_tokens, self.token_history)
         if key[0] == "write_lora":
             slot = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
             return self._lora_writer, (self.state, slot, abstract_slot(self.lora_linears.values(), self._replicated))
+        if key[0] == "write_block_table":
+            entries = jax.ShapeDtypeStruct((key[1],), jnp.int32, sharding=self._replicated)
+            return self._table_writer, (self.block_table, entries, entries, entries)
         if key[0] == "write_history":
             rows = jax.ShapeDtypeStruct((key[1],), jnp.int32, sharding=self._replicated)
             tokens = jax.ShapeDtypeStruct((key[1], key[2]), jnp.int32, sharding=self._replicated)
@@ -307,11 +328,10 @@ class ModelRunner(distributed.DriverOps):
     def _abstract_inputs(self, num_tokens: int, lora: bool | None = None) -> StepInputs:
         num_seqs = self.buckets.seqs(num_tokens)
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-        decode = jax.ShapeDtypeStruct((), jnp.bool_) if num_seqs == num_tokens else None
-        attn = AttentionMetadata(i32((num_tokens,)), i32((num_seqs, self.buckets.width)), i32((num_seqs,)),
-                                 i32((num_seqs + 1,)), decode)
+        attn = AttentionMetadata(i32((num_tokens,)), None, i32((num_seqs,)), i32((num_seqs + 1,)))
         return StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn, i32((self.buckets.sample_rows(num_tokens),)),
-                          i32((num_tokens,)), i32((num_tokens,)) if (lora if lora is not None else self.lora_linears) else None)
+                          i32((num_tokens,)), i32((num_tokens,)) if (lora if lora is not None else self.lora_linears) else None,
+                          i32((num_seqs,)))
 
     def _abstract_multi_step_inputs(self, num_tokens: int):
         """A K-step decode's inputs: the first step's, its sampler metadata (fast variant) and
@@ -326,11 +346,12 @@ class ModelRunner(distributed.DriverOps):
         """The abstract packed inputs of `layout`, replicated on every device."""
         return jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self._replicated)
 
-    def sampling_metadata(self, batch: StepBatch | None, num_rows: int, full: bool) -> sampler.SamplingMetadata:
+    def sampling_metadata(self, batch: StepBatch | None, num_rows: int, full: bool,
+                          all_greedy: bool = False) -> sampler.SamplingMetadata:
         """The step's sampler arrays, gathered from the InputBatch (step_inputs.py); `batch` None:
         the padding alone (a warm-up's shapes)."""
         return step_inputs.sampling_metadata(self.input_batch, batch, num_rows, full, self.vocab_size,
-                                             self.step_builder.eos_token_id, self.batch_invariant)
+                                             self.step_builder.eos_token_id, self.batch_invariant, all_greedy)
 
     def execute(self, plan, lora_slots: dict[int, int], multi_step: bool = False) -> DispatchedStep:
         """Build the plan's inputs (step_inputs.py) and start its step on the device. Groups
@@ -373,19 +394,21 @@ class ModelRunner(distributed.DriverOps):
         ib = self.input_batch
         step = prepare_step(batch, ib, self.serving_buckets, self.block_size, multi_step,
                             lora_slots=ib.lora_slot[batch.rows] if self.lora_linears else None)
+        self.flush_block_table(self.dispatch_op)
         inputs, num_sample_rows = step.inputs, len(step.inputs.logits_indices)
         hooks = not (spec_disabled and step.num_tokens >= self.hookless_from)
         if self.return_hidden:  # (None: this step keeps no hidden states; no row drafts from it)
             self.last_prepared = step if hooks else None
         full = not multi_step and step_inputs.needs_full_sampler(ib, batch)
-        smeta = self.sampling_metadata(batch, num_sample_rows, full)
+        greedy = not multi_step and not full and step_inputs.is_all_greedy(ib, batch)
+        smeta = self.sampling_metadata(batch, num_sample_rows, full, greedy)
         if not multi_step:
             history = step_inputs.history_inputs(
                 ib, batch, num_sample_rows, self.buckets.history,
                 lambda rows, tokens: self.dispatch_op("write_history", rows, tokens)) if full else None
             packed = pack(inputs), pack((smeta, step.dst_rows, history))
             with self.clock.phase("launch"):
-                out = self.dispatch_op("run_step", (step.num_tokens, full, hooks), *packed)
+                out = self.dispatch_op("run_step", (step.num_tokens, full, hooks, step.decode, greedy), *packed)
             return StepHandle(out, num_sample_rows, smeta.num_logprobs, step.num_rows)
         packed = pack((inputs, smeta, step.dst_rows, step.lookahead_slots))
         with self.clock.phase("launch"):
@@ -400,39 +423,51 @@ class ModelRunner(distributed.DriverOps):
         packed = np.asarray(handle.out.addressable_data(0)).reshape(handle.num_steps, -1)
         return [unpack_output(part, handle.num_rows, handle.num_logprobs, handle.num_real_rows) for part in packed]
 
+    def flush_block_table(self, dispatch_op, op: str = "write_block_table"):
+        """Send the device's block table the entries the InputBatch wrote since the last flush
+        (each chunk a device operation `op` through `dispatch_op`: multi-host sends it too)."""
+        rows, cols, values = self.input_batch.take_table_updates()
+        for chunk in update_chunks(rows, cols, values):
+            dispatch_op(op, *chunk)
+
+    def _write_block_table(self, rows: np.ndarray, cols: np.ndarray, values: np.ndarray):
+        self.block_table = self._executable(("write_block_table", len(rows)))(self.block_table, rows, cols, values)
+
     def _run_step(self, key, inputs: np.ndarray, smeta: np.ndarray):
-        num_tokens, full, hooks = key
-        key = self.forward_key(num_tokens, hooks)
-        logits, self.kv_cache, *hidden = self._executable(key)(self.state, self.kv_cache, inputs, self.last_tokens)
+        num_tokens, full, hooks, decode, greedy = key
+        key = self.forward_key(num_tokens, hooks, decode)
+        logits, self.kv_cache, *hidden = self._executable(key)(self.state, self.kv_cache, inputs, self.last_tokens,
+                                                               self.block_table)
         if hidden:
             self.hidden_states = hidden[0]
-        if hooks:
-            self.proposer.forward_kv(num_tokens, inputs, self.last_tokens)  # (before last_tokens is donated)
+        if hooks:  # (before last_tokens is donated)
+            self.proposer.forward_kv(num_tokens, inputs, self.last_tokens, self.block_table)
         if self.kv_cache.scales_pending is not None and not self._kv_scales_computed:
             self._kv_scales_computed = True  # this step computed them: later steps keep them
             self.kv_cache = self.kv_cache.replace(
                 scales_pending=jax.device_put(np.bool_(False), self.kv_cache.scales_pending.sharding))
         out, self.last_tokens, self.token_history = self._executable(
-            ("sample", self.buckets.sample_rows(num_tokens), full))(
+            ("sample", self.buckets.sample_rows(num_tokens), full) + (("greedy",) if greedy else ()))(
             logits, smeta, self.last_tokens, self.token_history)
         if hidden:
-            self.proposer.after_step(num_tokens, inputs, self.hidden_states, out)  # (EAGLE: its K/V of the step)
+            self.proposer.after_step(num_tokens, inputs, self.hidden_states, out, self.block_table)  # (EAGLE: its K/V)
         return out
 
     def _write_history(self, rows: np.ndarray, tokens: np.ndarray):
         self.token_history = self._executable(("write_history",) + tokens.shape)(self.token_history, rows, tokens)
 
-    def run_kv_forward(self, num_tokens: int, inputs: np.ndarray, last_tokens, lora: bool = False):
-        """Another runner's step's K/V-only forward over these pages (a draft's); `lora`: its inputs carry LoRA slots."""
+    def run_kv_forward(self, num_tokens: int, inputs: np.ndarray, last_tokens, block_table, lora: bool = False):
+        """Another runner's step's K/V-only forward over these pages (a draft's), read through
+        that runner's `block_table`; `lora`: its inputs carry LoRA slots."""
         key = ("kv_forward", num_tokens) + (("lora",) if lora else ())
-        self.kv_cache = self._executable(key)(self.state, self.kv_cache, inputs, last_tokens)
+        self.kv_cache = self._executable(key)(self.state, self.kv_cache, inputs, last_tokens, block_table)
 
     def run_multi_step(self, num_tokens: int, inputs: np.ndarray):  # (a draft model's proposals)
         return self._run_multi_step(num_tokens, inputs)
 
     def _run_multi_step(self, num_tokens: int, inputs: np.ndarray):
         out, self.kv_cache, self.last_tokens = self._executable(("multi_step", num_tokens))(
-            self.state, self.kv_cache, inputs, self.last_tokens)
+            self.state, self.kv_cache, inputs, self.last_tokens, self.block_table)
         return out
 
     # ------------------------------------------------------------------ multi-host (distributed.DriverOps)
@@ -441,57 +476,7 @@ class ModelRunner(distributed.DriverOps):
         table is built per call, so methods replaced on the instance count (scripts/bench_host.py
         stubs the steps)."""
         ops = {"run_step": self._run_step, "run_multi_step": self._run_multi_step, "write_history": self._write_history,
+               "write_block_table": self._write_block_table,
                "copy_blocks": self._copy_blocks, "swap_out": self._swap_out, "swap_in": self._swap_in,
                "write_lora": self._write_lora, **self.proposer.device_ops()}
         return ops[op](*args)
-
-    # ------------------------------------------------------------------ block copies
-    def copy_blocks(self, pairs: list[tuple[int, int]]):
-        # Chunks may run one after another: copy-on-write never chains copies within a step.
-        for src, dst, _ in kv_transfer.padded_chunks(pairs):
-            self.dispatch_op("copy_blocks", src, dst)
-
-    def _copy_blocks(self, src, dst):
-        for pool in self.pools:
-            pool.copy_pool_blocks(src, dst)
-
-    def copy_pool_blocks(self, src, dst):
-        """These pages' blocks `src` -> `dst`."""
-        self.kv_cache = self._executable(("copy_blocks", len(src)))(self.kv_cache, src, dst)
-
-    def swap_out(self, pairs: list[tuple[int, int]]):
-        """Device pages -> host pool, for (gpu_block, cpu_block) pairs."""
-        for gpu, cpu, n in kv_transfer.padded_chunks(pairs):
-            self.dispatch_op("swap_out", gpu, cpu[:n])
-
-    def _swap_out(self, gpu, cpu):
-        for pool in self.pools:
-            pool.swap_pool_out(gpu, cpu)
-
-    def swap_pool_out(self, gpu, cpu):
-        """These pages' blocks `gpu` -> the host pool's `cpu`."""
-        pages = self._executable(("swap_out", len(gpu)))(self.kv_cache, gpu)
-        for shard in pages.addressable_shards:  # each shard's heads go to its own host pool
-            self.host_kv[shard.index[2].start or 0][:, :, :, cpu] = np.asarray(shard.data)[:, :, :, :len(cpu)]
-
-    def swap_in(self, pairs: list[tuple[int, int]]):
-        """Host pool -> device pages, for (cpu_block, gpu_block) pairs."""
-        for cpu, gpu, n in kv_transfer.padded_chunks(pairs):
-            self.dispatch_op("swap_in", cpu[:n], gpu)
-
-    def _swap_in(self, cpu, gpu):
-        for pool in self.pools:
-            pool.swap_pool_in(cpu, gpu)
-
-    def swap_pool_in(self, cpu, gpu):
-        """The host pool's blocks `cpu` -> these pages' `gpu`."""
-        pool = next(iter(self.host_kv.values()))
-
-        def local_pages(index):  # this shard's heads, padded to len(gpu) blocks
-            pages = np.zeros(pool.shape[:3] + (len(gpu),) + pool.shape[4:], pool.dtype)
-            pages[:, :, :, :len(cpu)] = self.host_kv[index[2].start or 0][:, :, :, cpu]
-            return pages
-
-        pages = jax.make_array_from_callback(self._swapped_pages_shape(len(gpu)).shape, self._pages_sharding,
-                                             local_pages)
-        self.kv_cache = self._executable(("swap_in", len(gpu)))(self.kv_cache, pages, gpu)

@@ -1,6 +1,8 @@
 """Host-side input preparation (numpy only, no device calls): one step's sequences -> the padded
-arrays of its bucket (token ids, positions, slots, block tables, logits rows, the last_tokens rows
-its samples go to, and a multi-step decode's lookahead slots)."""
+arrays of its bucket (token ids, positions, slots, each sequence's block-table row, logits rows,
+the last_tokens rows its samples go to, and a multi-step decode's lookahead slots). Block tables
+themselves are not sent: the device keeps its copy (ModelRunner.block_table), updated from the
+InputBatch's written entries; slots are computed here from the InputBatch's host copy."""
 
 import dataclasses
 from collections.abc import Sequence
@@ -48,6 +50,7 @@ class PreparedStep:
     inputs: StepInputs  # numpy arrays
     dst_rows: np.ndarray  # int32[sampling rows]: the last_tokens row of each sample (-1: none)
     lookahead_slots: np.ndarray | None  # int32[K - 1, tokens]: a multi-step decode's later slots
+    decode: bool = False  # every sequence has one token and a row of its own (the decode kernel can take it)
 
 
 def prepare_inputs(seqs: list[SeqInput], input_batch: InputBatch, buckets: Buckets, block_size: int,
@@ -94,8 +97,9 @@ def prepare_step(seqs, input_batch: InputBatch, buckets: Buckets, block_size: in
     num_seqs = buckets.seqs(num_tokens)
 
     rows = np.asarray(seqs.rows, np.int32)
-    block_tables = np.zeros((num_seqs, buckets.width), np.int32)
-    block_tables[:n] = input_batch.block_tables[rows]
+    table_rows = np.full(num_seqs, input_batch.neutral, np.int32)  # padding: the device table's row of zeros
+    table_rows[:n] = rows
+    tables = input_batch.block_tables  # (the host's copy: read where slots are needed, never copied whole)
     query_start_loc = np.full(num_seqs + 1, num_tokens_real, np.int32)
     query_start_loc[0] = 0
     np.cumsum(lens, out=query_start_loc[1:n + 1])
@@ -114,7 +118,7 @@ def prepare_step(seqs, input_batch: InputBatch, buckets: Buckets, block_size: in
     positions = np.zeros(num_tokens, np.int32)
     positions[:num_tokens_real] = pos
     slot_mapping = np.full(num_tokens, -1, np.int32)
-    slot_mapping[:num_tokens_real] = block_tables[seq_of, pos // block_size] * block_size + pos % block_size
+    slot_mapping[:num_tokens_real] = tables[rows[seq_of], pos // block_size] * block_size + pos % block_size
     # Logits rows: each sequence's prompt-logprob rows (its first tokens), then its samples (its last).
     logits_indices = np.zeros(buckets.sample_rows(num_tokens), np.int32)
     last = query_start_loc[1:n + 1] - 1
@@ -136,13 +140,12 @@ def prepare_step(seqs, input_batch: InputBatch, buckets: Buckets, block_size: in
         logits_indices[:num_rows] = np.repeat(last, num_samples)
         dst_rows[:num_rows] = np.repeat(np.where(num_samples == 1, rows, -1), num_samples)
 
-    decode = np.bool_(num_tokens_real == n) if num_seqs == num_tokens else None
-    attn = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, decode)
+    attn = AttentionMetadata(slot_mapping, None, context_lens, query_start_loc)
     token_lora = None
     if lora_slots is not None:  # each token's adapter slot (LoRA enabled: every step carries them)
         token_lora = np.full(num_tokens, -1, np.int32)
         token_lora[:num_tokens_real] = np.repeat(np.asarray(lora_slots, np.int32), lens)
-    inputs = StepInputs(input_ids, positions, attn, logits_indices, src_rows, token_lora)
+    inputs = StepInputs(input_ids, positions, attn, logits_indices, src_rows, token_lora, table_rows)
     lookahead_slots = None
     if multi_step:
         if num_tokens_real != n or num_rows != n or num_seqs != num_tokens:
@@ -152,6 +155,7 @@ def prepare_step(seqs, input_batch: InputBatch, buckets: Buckets, block_size: in
         later = pos[None, :] + steps
         lookahead_slots = np.full((num_steps - 1, num_tokens), -1, np.int32)
         used = np.ones_like(later, bool) if steps_of is None else steps < np.asarray(steps_of, np.int32)[None, :]
-        blocks = block_tables[seq_of[None, :], np.where(used, later // block_size, 0)]
+        blocks = tables[rows[seq_of][None, :], np.where(used, later // block_size, 0)]
         lookahead_slots[:, :n] = np.where(used, blocks * block_size + later % block_size, -1)
-    return PreparedStep(num_tokens, num_rows, rows, inputs, dst_rows, lookahead_slots)
+    return PreparedStep(num_tokens, num_rows, rows, inputs, dst_rows, lookahead_slots,
+                        num_seqs == num_tokens and num_tokens_real == n)

@@ -34,7 +34,9 @@ Pipeline of `sample(logits, meta)` for each row (vLLM v0.6 / v1 semantics unless
 
 Cheap when the knobs are off: the sort is under a `lax.cond` taken only when some random row uses
 top-k/top-p/min-p, the Gumbel noise only when some row is random, the penalties only when
-`do_penalties` is set; no host sync anywhere.
+`do_penalties` is set. A batch the host knows is all greedy (`all_greedy`, a separate
+executable) has no branch at all: on a GPU, XLA runs a `lax.cond` by copying its predicate to the
+host and waiting for it.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ _DATA_FIELDS = [
     "prompt_token_ids", "output_token_ids", "banned_token_ids",
     "logit_bias_ids", "logit_bias_values", "allowed_bitmask", "target_token_ids",
 ]
-_META_FIELDS = ["do_penalties", "num_logprobs", "do_guided", "batch_invariant"]
+_META_FIELDS = ["do_penalties", "num_logprobs", "do_guided", "batch_invariant", "all_greedy"]
 # Entries of a row's logit_bias (a fixed width: one compiled shape whatever the requests ask).
 
 
@@ -123,6 +125,9 @@ class SamplingMetadata:
     num_logprobs: int = 0
     do_guided: bool = False
     batch_invariant: bool = False  # logsumexp in a fixed order (the engine's batch_invariant mode)
+    # Every row is greedy (the host knows): argmax alone, no branch on the device. A branch on a
+    # device value (lax.cond) makes XLA:GPU copy the predicate to the host and wait for it.
+    all_greedy: bool = False
 
     @classmethod
     def from_rows(cls, rows: Sequence[SamplingRow | tuple], num_rows_padded: int, *,
@@ -367,8 +372,11 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
         noise = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
         return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
 
-    sampled = jax.lax.cond(jnp.any(~greedy), random_ids, lambda _: greedy_ids, logits)
-    token_ids = jnp.where(greedy, greedy_ids, sampled)
+    if meta.all_greedy:
+        token_ids = greedy_ids
+    else:
+        sampled = jax.lax.cond(jnp.any(~greedy), random_ids, lambda _: greedy_ids, logits)
+        token_ids = jnp.where(greedy, greedy_ids, sampled)
 
     lse = logsumexp_last(logits) if meta.batch_invariant else jax.nn.logsumexp(logits, axis=-1)
     token_logprobs = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - lse

@@ -32,28 +32,37 @@ class HistoryInputs:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["input_ids", "positions", "attn", "logits_indices", "src_rows", "lora_slots"],
+                   data_fields=["input_ids", "positions", "attn", "logits_indices", "src_rows", "lora_slots",
+                                "table_rows"],
                    meta_fields=[])
 @dataclasses.dataclass
 class StepInputs:
+    """One step's inputs. As sent, `attn.block_tables` is None and `table_rows` says which row of
+    the runner's device block table (ModelRunner.block_table) each sequence reads; inside the
+    step, `resolve` gathers those rows into attn.block_tables."""
+
     input_ids: jax.Array  # int32[tokens]
     positions: jax.Array  # int32[tokens]
     attn: AttentionMetadata
     logits_indices: jax.Array  # int32[rows]: token row whose logits each sampling row uses
     src_rows: jax.Array  # int32[tokens]: >= 0: the token is last_tokens[row] (sampled by a step in flight)
     lora_slots: jax.Array | None = None  # int32[tokens]: each token's LoRA slot, -1: none (with LoRA enabled)
+    table_rows: jax.Array | None = None  # int32[seqs]: each sequence's block-table row (padding: a row of zeros)
 
 
-def forward(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *, layout: Layout,
-            return_hidden: bool | tuple = False):
+def forward(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, block_table, *, layout: Layout,
+            return_hidden: bool | tuple = False, decode: bool = False):
     """The model's part of a step: write the new K/V, attend, and the fp32 logits of the rows to
     sample. They stay on the device for the sampler executable. `return_hidden` (static): also
     the final hidden states of those rows, [rows, hidden] (for a proposer that drafts from the
     target's hidden states, EAGLE-style); a tuple of layer ids: instead the hidden states
     entering those layers at every token, [tokens, len(ids) * hidden], with the step's input ids
     (pending ones resolved), as EAGLE-3 reads them (MODEL_OUTPUT: the model's output, EAGLE-1's);
-    off, the executable is the one it always was."""
-    inputs = _with_pending_tokens(unpack(packed, layout), last_tokens)
+    off, the executable is the one it always was. `decode` (static): every sequence has one new
+    token (the host knows): the decode kernel alone, no branch on the device."""
+    inputs = resolve(unpack(packed, layout), last_tokens, block_table)
+    if decode:
+        inputs = dataclasses.replace(inputs, attn=dataclasses.replace(inputs.attn, decode=True))
     if not isinstance(return_hidden, tuple):
         return _model_logits(graphdef, logits_sharding, state, kv_cache, inputs, return_hidden)
     layers = tuple(i for i in return_hidden if i != MODEL_OUTPUT)
@@ -65,20 +74,34 @@ def forward(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *, 
     return logits, kv_cache, (jax.lax.with_sharding_constraint(aux, logits_sharding), inputs.input_ids)
 
 
-def forward_kv(graphdef, state, kv_cache, packed, last_tokens, *, layout: Layout):
-    """A draft model's forward over the target's step (same packed inputs): only its new K/V, so
-    that its pages hold every token the target's do (no logits: XLA drops the LM head)."""
-    inputs = _with_pending_tokens(unpack(packed, layout), last_tokens)
+def forward_kv(graphdef, state, kv_cache, packed, last_tokens, block_table, *, layout: Layout):
+    """A draft model's forward over the target's step (same packed inputs and the target's block
+    table): only its new K/V, so that its pages hold every token the target's do (no logits: XLA
+    drops the LM head)."""
+    inputs = resolve(unpack(packed, layout), last_tokens, block_table)
     model = nnx.merge(graphdef, state)
     with forward_context(ForwardContext(attn=inputs.attn, lora_slots=inputs.lora_slots)):
         _, kv_cache = model(inputs.input_ids, inputs.positions, kv_cache)
     return kv_cache
 
 
-def _with_pending_tokens(inputs: StepInputs, last_tokens) -> StepInputs:
-    """The inputs with each pending token (sampled by a step in flight) read from last_tokens."""
-    input_ids = jnp.where(inputs.src_rows >= 0, last_tokens[jnp.maximum(inputs.src_rows, 0)], inputs.input_ids)
-    return dataclasses.replace(inputs, input_ids=input_ids)
+def resolve(inputs: StepInputs, last_tokens, block_table) -> StepInputs:
+    """The inputs as the model reads them: each pending token (sampled by a step in flight) read
+    from last_tokens (None: none pending), and each sequence's block table gathered from the
+    device's table by its row."""
+    if last_tokens is not None:
+        input_ids = jnp.where(inputs.src_rows >= 0, last_tokens[jnp.maximum(inputs.src_rows, 0)], inputs.input_ids)
+        inputs = dataclasses.replace(inputs, input_ids=input_ids)
+    if inputs.table_rows is None:
+        return inputs
+    attn = dataclasses.replace(inputs.attn, block_tables=block_table[inputs.table_rows])
+    return dataclasses.replace(inputs, attn=attn, table_rows=None)
+
+
+def write_block_table(block_table, rows, cols, values):
+    """The device's block table with entries (rows, cols) set to `values`; row -1: skipped."""
+    rows = jnp.where(rows < 0, block_table.shape[0], rows)
+    return block_table.at[rows, cols].set(values, mode="drop")
 
 
 def _model_logits(graphdef, logits_sharding, state, kv_cache, inputs: StepInputs, return_hidden: bool | str = False):
@@ -124,13 +147,13 @@ def write_history(token_history, rows, tokens):
     return token_history.at[rows, :tokens.shape[1]].set(tokens, mode="drop")
 
 
-def multi_step(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, *, layout: Layout,
-                num_steps: int):
+def multi_step(graphdef, logits_sharding, state, kv_cache, packed, last_tokens, block_table, *, layout: Layout,
+               num_steps: int):
     """`num_steps` decode steps (forward + fast sampler) in one call: each step's sampled tokens
     are the next one's inputs, at the next position, writing into the precomputed lookahead
     slots. Returns the steps' packed outputs, one after another."""
     inputs, meta, dst_rows, lookahead_slots = unpack(packed, layout)
-    inputs = _with_pending_tokens(inputs, last_tokens)
+    inputs = resolve(inputs, last_tokens, block_table)
     slots = jnp.concatenate([inputs.attn.slot_mapping[None], lookahead_slots])
     live = inputs.attn.context_lens > 0  # padding rows stay empty
     num_tokens = inputs.input_ids.shape[0]

@@ -22,7 +22,7 @@ import numpy as np
 from jpaged.config import MAX_LOGPROBS
 from jpaged.runner.buckets import HISTORY_UPLOAD_ROWS, fit
 from jpaged.runner.input_batch import MAX_BANNED_TOKENS, InputBatch
-from jpaged.runner.sampler import SamplingMetadata
+from jpaged.runner.sampler import GREEDY_TEMPERATURE, SamplingMetadata
 from jpaged.runner.step_functions import HistoryInputs
 
 
@@ -227,12 +227,14 @@ def needs_full_sampler(ib: InputBatch, batch: StepBatch) -> bool:
 
 
 def sampling_metadata(ib: InputBatch, batch: StepBatch | None, num_rows: int, full: bool, vocab_size: int,
-                      eos_token_id: int | None = None, batch_invariant: bool = False) -> SamplingMetadata:
+                      eos_token_id: int | None = None, batch_invariant: bool = False,
+                      all_greedy: bool = False) -> SamplingMetadata:
     """The step's sampler arrays, gathered from the InputBatch by row (rows past the batch's:
     greedy padding). Fixed widths and logprob count, so the sampler has two variants: the fast
     one (no penalties, grammars or logprobs) and `full`. The penalties' tokens are not sent: the
     full sampler reads them from the token history (`history_inputs`). `batch` None: the
-    padding alone (a warm-up's shapes)."""
+    padding alone (a warm-up's shapes). `all_greedy`: the caller found every row greedy
+    (`is_all_greedy`): the sampler's executable without a random path."""
     n = 0 if batch is None else batch.num_rows
     src = np.full(num_rows, ib.neutral, np.intp)
     seq_index = np.zeros(num_rows, np.int32)
@@ -266,7 +268,12 @@ def sampling_metadata(ib: InputBatch, batch: StepBatch | None, num_rows: int, fu
         sample_index=sample_index, prompt_token_ids=empty, output_token_ids=empty, banned_token_ids=banned,
         logit_bias_ids=ib.logit_bias_ids[src], logit_bias_values=ib.logit_bias_values[src], allowed_bitmask=allowed,
         target_token_ids=targets, do_penalties=full, num_logprobs=min(MAX_LOGPROBS, vocab_size) if full else 0,
-        do_guided=full, batch_invariant=batch_invariant)
+        do_guided=full, batch_invariant=batch_invariant, all_greedy=all_greedy)
+
+
+def is_all_greedy(ib: InputBatch, batch: StepBatch) -> bool:
+    """Every sampling row of the step is greedy (padding is)."""
+    return bool((ib.temperature[batch.src] < GREEDY_TEMPERATURE).all())
 
 
 def history_inputs(ib: InputBatch, batch: StepBatch, num_rows: int, widths, upload) -> HistoryInputs:

@@ -54,7 +54,7 @@ def step_keys(buckets, forward_keys, tokens: int) -> list:
     keys = list(forward_keys(tokens))
     if buckets.num_scheduler_steps > 1 and tokens in buckets.decode_tokens:
         keys.append(("multi_step", tokens))
-    return keys + [("sample", rows, False), ("sample", rows, True)]
+    return keys + [("sample", rows, False, "greedy"), ("sample", rows, False), ("sample", rows, True)]
 
 
 def _abstract(tree):

@@ -30,7 +30,7 @@ from jpaged.models.kv_cache import KVCacheSpec, kv_dtype
 from jpaged.models.layers import common_sliding_window
 from jpaged.models.loader import LoadedModel, load_model
 from jpaged.models.paged_attention import check_kernels
-from jpaged.runner.buckets import BLOCK_OP_SIZES, BLOCK_OPS
+from jpaged.runner.buckets import BLOCK_OP_SIZES, BLOCK_OPS, block_table_keys
 from jpaged.runner.model_runner import ModelRunner
 from jpaged.runner.prepare_inputs import SeqInput, prepare_inputs
 from jpaged.runner.input_batch import pack
@@ -87,6 +87,7 @@ def draft_keys(buckets, lora: bool = False):
     for op in BLOCK_OPS:
         for num_blocks in BLOCK_OP_SIZES:
             yield (op, num_blocks)
+    yield from block_table_keys()
 
 
 class DraftModelProposer(RunnerProposer):
@@ -104,11 +105,12 @@ class DraftModelProposer(RunnerProposer):
                                   num_scheduler_steps=shape["num_speculative_tokens"], executable_cache=executable_cache)
 
     # ------------------------------------------------------------------ the runner's hooks
-    def forward_kv(self, num_tokens: int, inputs, last_tokens):
-        self.runner.run_kv_forward(num_tokens, inputs, last_tokens, self.target_lora)  # the step's tokens' K/V in the draft's pages
+    def forward_kv(self, num_tokens: int, inputs, last_tokens, block_table):
+        # the step's tokens' K/V in the draft's pages
+        self.runner.run_kv_forward(num_tokens, inputs, last_tokens, block_table, self.target_lora)
 
     def device_ops(self) -> dict:
-        return {"propose": self.runner.run_multi_step}
+        return {"propose": self.runner.run_multi_step, "draft_block_table": self.runner._write_block_table}
 
     def warm_up(self, stop=None):
         self.runner.warm_up(stop, list(draft_keys(self.runner.buckets, self.target_lora)))
@@ -159,6 +161,7 @@ class DraftModelProposer(RunnerProposer):
                     ib.add(s.seq_id, sp, seed, index, key_only=True)
             step = prepare_inputs(seqs[part], ib, draft.buckets, draft.block_size, multi_step=True,
                                   steps_of=steps_of[part])
+            draft.flush_block_table(target.dispatch_op, "draft_block_table")
             num_rows = len(step.inputs.logits_indices)
             rows = StepBatch(src=step.rows.tolist(), sample_index=[r[3] for r in sampling_rows[part]])
             smeta = draft.sampling_metadata(rows, num_rows, False)

@@ -41,6 +41,7 @@ from jpaged.config import MAX_LOGPROBS
 from jpaged.models.forward_context import AttentionMetadata, ForwardContext, forward_context
 from jpaged.runner.buckets import BLOCK_OP_SIZES, BLOCK_OPS, fit
 from jpaged.runner.input_batch import layout_of, unpack
+from jpaged.runner.step_functions import resolve
 from jpaged.runner.model_runner import ModelRunner
 from jpaged.spec_decode.eagle_head import EagleHead
 from jpaged.spec_decode.proposer import DRAFT_PENDING, RunnerProposer
@@ -48,10 +49,11 @@ from jpaged.spec_decode.proposer import DRAFT_PENDING, RunnerProposer
 logger = logging.getLogger(__name__)
 
 
-def fill(graphdef, state, shared, kv_cache, packed, hidden, sampled, *, layout, max_rows: int):
-    """The head over one target step (see the module's doc): its pages, and each sampling row's
-    midlayer output and first draft, padded to `max_rows` rows."""
-    inputs = unpack(packed, layout)
+def fill(graphdef, state, shared, kv_cache, packed, hidden, sampled, block_table, *, layout, max_rows: int):
+    """The head over one target step (see the module's doc; `block_table`: the target's, which
+    the step's inputs index): its pages, and each sampling row's midlayer output and first
+    draft, padded to `max_rows` rows."""
+    inputs = resolve(unpack(packed, layout), None, block_table)
     aux, ids = hidden
     num_tokens, num_rows = ids.shape[0], inputs.logits_indices.shape[0]
     tokens = sampled[:num_rows]
@@ -155,17 +157,17 @@ class EagleRunner(ModelRunner):
             layout = layout_of(self._abstract_inputs(tokens, lora=self.target_lora))
             hidden = (jax.ShapeDtypeStruct((tokens, self.aux_width), self.dtype, sharding=rep), i32((tokens,)))
             return self._fill(layout), (self.state, self.loaded_shared, self.kv_cache, self._packed(layout), hidden,
-                                        i32((size,)))
+                                        i32((size,)), self.block_table)
         if key[0] == "eagle_chain":
             seqs = key[1]
             return self._chain, (self.state, self.loaded_shared, self.kv_cache, self.rows, i32((seqs,)), i32((seqs,)),
                                  i32((seqs, self.buckets.width)), i32((self.num_chain_steps, seqs)))
         return super()._jitted_and_args(key)
 
-    def run_fill(self, num_tokens: int, inputs, hidden, sampled):
+    def run_fill(self, num_tokens: int, inputs, hidden, sampled, block_table):
         aux, ids = hidden
         self.kv_cache, self.rows = self._executable(("eagle_fill", num_tokens, sampled.shape[0]))(
-            self.state, self.shared(), self.kv_cache, inputs, (aux.astype(self.dtype), ids), sampled)
+            self.state, self.shared(), self.kv_cache, inputs, (aux.astype(self.dtype), ids), sampled, block_table)
 
     def run_chain(self, rows, positions, block_tables, slots):
         drafts, self.kv_cache = self._executable(("eagle_chain", len(rows)))(
@@ -189,8 +191,8 @@ class EagleProposer(RunnerProposer):
     def attach(self, runner):
         self.runner.target = runner
 
-    def after_step(self, num_tokens: int, inputs, hidden, sampled):
-        self.runner.run_fill(num_tokens, inputs, hidden, sampled)
+    def after_step(self, num_tokens: int, inputs, hidden, sampled, block_table):
+        self.runner.run_fill(num_tokens, inputs, hidden, sampled, block_table)
 
     def device_ops(self) -> dict:
         return {"eagle_chain": self.runner.run_chain}

@@ -54,12 +54,14 @@ class Proposer:
         swap_pool_out(gpu, cpu) and swap_pool_in(cpu, gpu) (a ModelRunner does)."""
         return []
 
-    def forward_kv(self, num_tokens: int, inputs, last_tokens) -> None:
-        """Every target step's packed forward inputs (before `last_tokens` is donated)."""
+    def forward_kv(self, num_tokens: int, inputs, last_tokens, block_table) -> None:
+        """Every target step's packed forward inputs (before `last_tokens` is donated), with the
+        target's device block table they index."""
 
-    def after_step(self, num_tokens: int, inputs, hidden, sampled) -> None:
+    def after_step(self, num_tokens: int, inputs, hidden, sampled, block_table) -> None:
         """With needs_hidden_states: every target step's packed inputs, the forward's hidden
-        states (on the device) and the sampler's packed output (on the device)."""
+        states (on the device), the sampler's packed output (on the device) and the target's
+        device block table."""
 
     def device_ops(self) -> dict:
         """Device operations by name, run by the target runner's dispatch (multi-host: everywhere)."""
