@@ -1,5 +1,5 @@
 """`jpaged serve --data-parallel-size 2 --data-parallel-external-lb`: each replica answers on its own
-port (a router such as llm-d's picks the replica), its /metrics, /health and KV events its own, next
+port (a router such as llm-d's picks the replica), its /metrics, /health and KV events (by replay, each on its own port) its own, next
 to the built-in front; a replica that is down answers 503 on its port while the front still serves."""
 
 import asyncio
@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 import zmq
 from kv_event_consumers import llmd_positional
+from test_kv_event_consumers import _replay
 from test_kv_events import _free_port
 from test_server import Server
 from test_vllm_metrics import endpoint_picker, samples
@@ -55,22 +56,15 @@ def _tokens_generated(url) -> float:
 
 
 def test_each_replica_serves_on_its_own_port():
-    events_port = _free_port()
+    events_port, replay_port = _free_port(), _free_port()
     server = Server("--data-parallel-size", "2", "--data-parallel-external-lb", "--no-dp-restart",
                     "--enable-prefix-caching", "--kv-events-config",
                     json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{events_port}",
-                                "topic": "kv@pod@tiny"}), *LIMITS)
+                                "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv@pod@tiny"}), *LIMITS)
     context = zmq.Context.instance()
-    subscribers = []
     try:
         urls = _replica_urls(server, 2)
         assert len({server.url, *urls.values()}) == 3
-        for rank in (0, 1):  # vLLM's rule: replica r publishes on the endpoint's port + r
-            sub = context.socket(zmq.SUB)
-            sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
-            sub.connect(f"tcp://127.0.0.1:{events_port + rank}")
-            subscribers.append(sub)
-        time.sleep(0.5)  # the subscriptions reach the publishers
         for rank, url in urls.items():
             status, health = asyncio.run(_request("GET", url + "/health"))
             assert status == 200 and [r["rank"] for r in health["replicas"]] == [rank], health
@@ -83,11 +77,16 @@ def test_each_replica_serves_on_its_own_port():
             assert after[rank] - before[rank] == 5 and after[1 - rank] == before[1 - rank]  # only that replica ran it
             read = endpoint_picker(asyncio.run(_request("GET", url + "/metrics"))[1])
             assert read["running"] == 0 and read["waiting"] == 0 and read["block_size"] == 16
-            assert subscribers[rank].poll(10_000), f"no KV events from replica {rank}"
-            topic, _, payload = subscribers[rank].recv_multipart()
-            batch = llmd_positional(payload)
-            assert topic == b"kv@pod@tiny" and batch.data_parallel_rank == rank
-            assert any(e["type"] == "BlockStored" for e in batch.events)
+            # vLLM's rule: replica r's replay endpoint is the configured port + r. Its batches (read
+            # back from the start: the publisher thread sends in the background) carry its rank.
+            deadline = time.monotonic() + 30
+            while True:
+                batches = [llmd_positional(p) for _, p in _replay(context, f"tcp://127.0.0.1:{replay_port + rank}", 0)]
+                if any(e["type"] == "BlockStored" for b in batches for e in b.events):
+                    break
+                assert time.monotonic() < deadline, f"no BlockStored from replica {rank}"
+                time.sleep(0.2)
+            assert all(b.data_parallel_rank == rank for b in batches)
         # The front still routes; a replica killed (no restart) answers 503 on its own port.
         status, body = asyncio.run(_request("POST", server.url + "/v1/completions", {
             "model": "tiny", "prompt": "hello", "max_tokens": 2}))
@@ -106,6 +105,4 @@ def test_each_replica_serves_on_its_own_port():
                 "model": "tiny", "prompt": "hello", "max_tokens": 2}))
             assert status == 200, body
     finally:
-        for sub in subscribers:
-            sub.close(linger=0)
         assert server.stop() == 0
