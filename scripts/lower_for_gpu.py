@@ -284,7 +284,7 @@ def invariant_cases():
         forward = functools.partial(step_functions.forward, graphdef, PartitionSpec(), layout=layout)
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
         yield f"forward batch_invariant (XLA attention) tokens={tokens}", (
-            lambda f=forward, a=(state, kv_cache, packed, last_tokens): lower_for_cuda(f, *a, donate_argnums=(1,)))
+            lambda f=forward, a=(state, kv_cache, packed, *last_tokens): lower_for_cuda(f, *a, donate_argnums=(1,)))
 
 
 def check_mosaic_refused() -> None:

@@ -411,7 +411,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             inv_freq, factor = (_for_layer(table, meta.layer) for table in self.rope)
-            inv = self.ops.batch_invariant
+            inv = getattr(self.ops, "batch_invariant", False)  # (the pooling runner's PackedAttentionOps has none)
             q, k = apply_rope(q, positions, inv_freq, factor, inv), apply_rope(k, positions, inv_freq, factor, inv)
         window = None if self.sliding_window is None else _for_layer(self.sliding_window, meta.layer)
         out, kv_cache = self.ops(q, k, v, kv_cache, meta, self.scale, window, self.logits_soft_cap)
