@@ -3,10 +3,11 @@
 The forward is the engine's: the same module graph, layers and kernels, run as one prefill of
 each sequence over a scratch KV pool made inside the call. With `batch_invariant=True` every row
 has the engine's bits whatever the batch, so `token_logprobs` equals the logprobs the engine
-returned while sampling, bit for bit, however the trainer batches its calls. The logprobs are
-vLLM's default `logprobs_mode` ("raw_logprobs"): log_softmax of the model's logits, before
-temperature, top-k/p and penalties (the engine's sampler reports the same for requests without
-penalties, bans or logit_bias).
+returned while sampling, bit for bit, however the trainer batches its calls, also inside its
+own jax.jit(jax.value_and_grad(...)) (what is guaranteed and when: docs/batch_invariance.md).
+The logprobs are vLLM's default `logprobs_mode` ("raw_logprobs"): log_softmax of the model's
+logits, before temperature, top-k/p and penalties (the engine's sampler reports the same for
+requests without penalties, bans or logit_bias).
 """
 
 import dataclasses
@@ -38,19 +39,14 @@ class Policy:
         change its rows (causal attention)."""
         runner = self._runner
         tokens = jnp.asarray(tokens, jnp.int32)
-        if tokens.shape[0] == 1:  # no size-1 batch axis (XLA special-cases those: the engine has no one-row steps)
-            return self.apply(params, jnp.concatenate([tokens, jnp.zeros_like(tokens)]))[:1]
         page = runner.block_size
-        # Whole pages: with a partial last page XLA compiles this forward to other bits than the
-        # engine's step (measured: 2e-5 apart); the padding follows each sequence's end (causal).
-        if tokens.shape[1] % page:
-            pad = page - tokens.shape[1] % page
-            return self.apply(params, jnp.pad(tokens, ((0, 0), (0, pad))))[:, :-pad]
         b, t = tokens.shape
         width = -(-t // page)
         model = nnx.merge(runner.graphdef, params)
-        # at least 2: XLA inlines a one-trip loop into its surroundings, and its fusions then differ
-        chunks = max(2, -(-width * page // CHUNK_KEYS))
+        # No shape workarounds (a batch of one, partial pages, a one-chunk loop are fine): the bits
+        # that used to move with them were FMAs contracted in one program and not another, which
+        # batch-invariant mode no longer leaves to XLA's fusion (issue 62, docs/batch_invariance.md).
+        chunks = -(-t // CHUNK_KEYS)
         for _, node in nnx.iter_graph(model):  # a static number of key chunks: jax.grad can reverse it
             if isinstance(node, Attention):
                 node.ops = dataclasses.replace(node.ops, static_chunks=chunks)

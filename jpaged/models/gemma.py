@@ -75,8 +75,6 @@ class GemmaForCausalLM(nnx.Module):
         logits = logits.astype(jnp.float32)
         if self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping
-            if self.embed_tokens.batch_invariant:
-                logits = separate(logits)
             logits = cap * jnp.tanh(logits / cap)
             if self.embed_tokens.batch_invariant:  # a product: no FMA with what the sampler subtracts
                 logits = separate(logits)
