@@ -112,9 +112,10 @@ class EngineConfig:
     background_warmup: bool = _option(True, "serve (and return from LLM(...)) once the weights are loaded, "
                                       "compiling the step shapes in the background, smallest first; steps run "
                                       "on the shapes compiled so far (--no-background-warmup: compile all first)")
-    async_scheduling: bool = _option(True, "schedule and dispatch the next decode step before reading the last "
-                                     "one's sampled ids, so host and device overlap (outputs come a step later; "
-                                     "on by default; --no-async-scheduling: each step read before the next)")
+    async_scheduling: bool | None = _option(
+        None, "schedule and dispatch the next decode step before reading the last one's sampled ids, so host and "
+        "device overlap (outputs come a step later). Default: on, unless num_scheduler_steps > 1 (a multi-step "
+        "decode starts from tokens the host has read); --no-async-scheduling: each step read before the next")
     num_scheduler_steps: int = _option(1, "multi-step decode: when every running request decodes, run this many "
                                        "steps in one device call, sampling on the device (1: off)")
     speculative_config: dict | str | None = _option(

@@ -195,8 +195,8 @@ def engine_kwargs(args) -> dict:
         kw["attention_backend"] = args.attention_backend
     if args.batch_invariant:
         kw["batch_invariant"] = True
-    if args.async_scheduling:
-        kw["async_scheduling"] = True
+    if args.async_scheduling is not None:
+        kw["async_scheduling"] = args.async_scheduling
     if args.num_scheduler_steps > 1:
         kw["num_scheduler_steps"] = args.num_scheduler_steps
     if args.quantization:
@@ -409,7 +409,8 @@ def parse_args(argv=None):
     p.add_argument("--attention-backend", choices=["auto", "pallas", "xla"])
     p.add_argument("--batch-invariant", action="store_true", help="jpaged: bitwise batch-invariant mode")
     p.add_argument("--enforce-eager", action="store_true", help="compile step shapes on first use (not at start-up)")
-    p.add_argument("--async-scheduling", action="store_true", help="overlap the host's work with the device's")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap the host's work with the device's (default: the engine's, on)")
     p.add_argument("--num-scheduler-steps", type=int, default=1, help="multi-step decode: steps per device call")
     p.add_argument("--quantization", choices=["fp8", "int8"], help="jpaged: weights quantized while loading")
     p.add_argument("--num-warmup-prompts", type=int, default=0,

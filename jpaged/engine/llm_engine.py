@@ -77,11 +77,13 @@ class LLMEngine:
     goes on with the next step. If the device state was lost, the error itself is raised: the
     engine cannot continue.
 
-    With async_scheduling, a step whose sampled ids the next step does not need on the host
-    (every group decoding, nothing waiting, blocks to spare: step_needs.can_overlap) stays in
-    flight: the next call schedules and dispatches the next step, whose inputs take those ids on
-    the device, and only then reads and processes the previous one, so the host works while the
-    device runs. Outputs then come one call later.
+    With async_scheduling (the default unless num_scheduler_steps > 1), a step whose sampled ids
+    the next step does not need on the host (every group decoding, no seat free for a waiting
+    request, blocks to spare: step_needs.can_overlap) stays in flight: the next call schedules and
+    dispatches the next step, whose inputs take those ids on the device, and only then reads and
+    processes the previous one, so the host works while the device runs. Outputs then come one
+    call later; once every request has ended, the call that reads the last of them also reads the
+    step still in flight, so none is left behind.
 
     With num_scheduler_steps = K > 1, a step where every running sequence decodes with the fast
     sampler (step_needs.can_multi_step) runs K decode steps in one device call: K tokens per
@@ -207,6 +209,10 @@ class LLMEngine:
         gc.freeze()
         self._groups: dict[str, SequenceGroup] = {}
         self._in_flight: DispatchedStep | None = None  # async_scheduling: a step not read yet
+        # Overlap unless turned off; by default not with multi-step decode, whose K-step calls
+        # each start from tokens on the host (an overlapped engine always has a step in flight).
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
+            else config.num_scheduler_steps == 1
 
     @property
     def eos_token_id(self) -> int | None:
@@ -322,7 +328,14 @@ class LLMEngine:
         if previous is None and (multi_step or not self._can_overlap(current)):
             return self._complete(current)
         self._in_flight = current
-        return self._complete(previous) if previous is not None else []
+        outputs = self._complete(previous) if previous is not None else []
+        if self._in_flight is not None and not self.scheduler.has_unfinished_seqs():
+            # Every request ended with the step just read: the one in flight only holds their
+            # extra tokens (dropped). Read it now, so that no step is left in flight when the
+            # caller stops stepping (and the next request starts from a clean engine).
+            in_flight, self._in_flight = self._in_flight, None
+            outputs += self._complete(in_flight)
+        return outputs
 
     def _wait_for_executables(self):
         """Nothing could be scheduled: no step is compiled yet. Wait for the background warm-up's
@@ -342,7 +355,7 @@ class LLMEngine:
 
     def _can_overlap(self, dispatched: DispatchedStep) -> bool:
         """Whether the next step may be scheduled before `dispatched` is read (step_needs.py)."""
-        return (self.config.async_scheduling and not dispatched.failed  # (verified drafts: accepted count unknown)
+        return (self.async_scheduling and not dispatched.failed  # (verified drafts: accepted count unknown)
                 and (self.proposer is None or not any(s.spec_token_ids for s in dispatched.plan.scheduled_seq_groups))
                 and can_overlap(self.scheduler, {s.seq_group.request_id for s, _, _ in dispatched.results},
                                 self.max_model_len))
