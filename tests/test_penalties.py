@@ -55,13 +55,16 @@ def test_penalties_match_hf(tmp_path):
 def test_penalties_with_history_uploads_narrower_than_max_model_len(tmp_path, monkeypatch):
     """Token-history uploads are as wide as their longest sequence needs (32, 128 or 256 columns
     here), not max_model_len: rows reused by a shorter sequence keep a longer one's tokens past
-    its length, which the sampler must never read."""
-    from jpaged.runner import buckets
+    its length, which the sampler must never read. The sampler counts a row's tokens 48 columns
+    at a time (HISTORY_CHUNK, shrunk from 4096: 6 chunks, the last overlapping the one before,
+    whose columns must not count twice)."""
+    from jpaged.runner import buckets, step_functions
 
     monkeypatch.setattr(buckets, "HISTORY_MIN_WIDTH", 32)  # (256: the model's whole length)
+    monkeypatch.setattr(step_functions, "HISTORY_CHUNK", 48)
     hf = make_checkpoint(tmp_path, "llama3-gqa-rope-scaling")
     llm = jpaged.LLM(str(tmp_path), dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=3,
-                     max_num_batched_tokens=256)
+                     max_num_batched_tokens=256, executable_cache=False)  # (the chunk is not in the cache's key)
     assert llm.llm_engine.runner.buckets.history == (32, 128, 256)
     rng = np.random.default_rng(20261128)  # fixed: greedy equality across implementations, no near-tie luck
     uploads = []

@@ -285,9 +285,14 @@ def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
         return jnp.where(ids < 0, v, ids)
 
     counts = jnp.zeros((s, v), jnp.int32).at[rows, index(meta.output_token_ids)].add(1, mode="drop")
-    in_output = counts > 0
     seen = jnp.zeros((s, v), jnp.bool_).at[rows, index(meta.prompt_token_ids)].set(True, mode="drop")
-    seen = seen | in_output
+    return penalize(logits, counts, seen, meta)
+
+
+def penalize(logits: jax.Array, counts: jax.Array, in_prompt: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """The penalties from each row's output token counts (int32[S, V]) and prompt tokens (bool[S, V])."""
+    in_output = counts > 0
+    seen = in_prompt | in_output
     rep = meta.repetition_penalty.astype(jnp.float32)[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - meta.frequency_penalty.astype(jnp.float32)[:, None] * counts.astype(jnp.float32)

@@ -125,19 +125,48 @@ def sample(logits, packed, last_tokens, token_history, *, layout: Layout):
     row's token also goes to its `dst_rows` entry of last_tokens (-1: none), for the next step.
     The full sampler takes the penalties' tokens from the token history and appends to it."""
     meta, dst_rows, history = unpack(packed, layout)
-    if history is not None:
-        tokens = token_history[jnp.maximum(history.rows, 0)]  # [rows, max_model_len]
-        pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-        used = (history.rows >= 0)[:, None]
-        in_prompt = used & (pos < history.prompt_lens[:, None])
-        in_output = used & ~in_prompt & (pos < history.lens[:, None])
-        meta = dataclasses.replace(meta, prompt_token_ids=jnp.where(in_prompt, tokens, -1),
-                                   output_token_ids=jnp.where(in_output, tokens, -1))
+    if history is not None and meta.do_penalties:  # (penalties first, as sampler.sample applies them)
+        counts, in_prompt = history_counts(token_history, history, logits.shape[1])
+        logits = sampler.penalize(logits.astype(jnp.float32), counts, in_prompt, meta)
+        meta = dataclasses.replace(meta, do_penalties=False)
     out = sampler.sample(logits, meta)
     if history is not None:
         dst = jnp.where(history.dst_rows < 0, token_history.shape[0], history.dst_rows)
         token_history = token_history.at[dst, history.lens].set(out.token_ids, mode="drop")
     return pack_output(out), _keep_last_tokens(last_tokens, dst_rows, out.token_ids), token_history
+
+
+# Token-history columns read at once by the penalties' counts: what a step holds besides the
+# [rows, vocab] counts is [rows, HISTORY_CHUNK], whatever max_model_len is.
+HISTORY_CHUNK = 4096
+
+
+def history_counts(token_history, history: HistoryInputs, vocab_size: int):
+    """Each sampling row's output token counts (int32[rows, vocab]) and prompt tokens
+    (bool[rows, vocab]) from its token-history row, read HISTORY_CHUNK columns at a time (a scan
+    of a fixed trip count: no host sync on a GPU), so that no [rows, max_model_len] array is made."""
+    num_rows, width = history.rows.shape[0], token_history.shape[1]
+    chunk = min(HISTORY_CHUNK, width)
+    rows = jnp.maximum(history.rows, 0)
+    used = (history.rows >= 0)[:, None]
+    row_ids = jnp.arange(num_rows)[:, None]
+
+    def one_chunk(carry, i):
+        counts, in_prompt = carry
+        start = jnp.minimum(i * chunk, width - chunk)  # (the last chunk may overlap the one before)
+        pos = start + jnp.arange(chunk, dtype=jnp.int32)[None, :]
+        tokens = token_history[rows[:, None], pos]  # [rows, chunk]
+        new = used & (pos >= i * chunk)  # (columns an overlapping last chunk already counted: not again)
+        prompt = new & (pos < history.prompt_lens[:, None])
+        output = new & ~prompt & (pos < history.lens[:, None])
+        drop = jnp.int32(vocab_size)
+        counts = counts.at[row_ids, jnp.where(output, tokens, drop)].add(1, mode="drop")
+        in_prompt = in_prompt.at[row_ids, jnp.where(prompt, tokens, drop)].set(True, mode="drop")
+        return (counts, in_prompt), None
+
+    init = (jnp.zeros((num_rows, vocab_size), jnp.int32), jnp.zeros((num_rows, vocab_size), jnp.bool_))
+    (counts, in_prompt), _ = jax.lax.scan(one_chunk, init, jnp.arange(-(-width // chunk), dtype=jnp.int32))
+    return counts, in_prompt
 
 
 def write_history(token_history, rows, tokens):
