@@ -244,9 +244,7 @@ def test_negative_control(engines):
 
 
 @pytest.mark.parametrize("option, value", [("attention_backend", "pallas"), ("attention_backend", "mosaic"),
-                                           ("quantization", "int8"), ("kv_cache_dtype", "fp8"), ("enable_lora", True),
-                                           ("speculative_config", {"method": "draft_model", "model": "tiny",
-                                                                   "num_speculative_tokens": 2})])
+                                           ("quantization", "int8"), ("kv_cache_dtype", "fp8"), ("enable_lora", True)])
 def test_refused_options(option, value):
     with pytest.raises(ValueError, match=option):
         EngineConfig(batch_invariant=True, **{option: value})

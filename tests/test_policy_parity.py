@@ -11,6 +11,9 @@ on the program around it shows up here. The issue's failing case is the first ro
 heads per 2 KV heads, head_dim 16): before the fix 2.9e-6 to 3.8e-6 apart in fp32.
 """
 
+import json
+import os
+
 import numpy as np
 import pytest
 import jax
@@ -193,3 +196,38 @@ def test_ngram_speculation(tmp_path_factory):
     assert llm.stats()["spec_decode_num_draft_tokens"] > 0
     policy = llm.policy()
     assert_bitwise(jax.jit(policy.token_logprobs, static_argnums=1)(policy.params, tuple(seqs)), engine, "ngram")
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_model_speculation(tmp_path_factory, method):
+    """A draft model (the checkpoint itself: its drafts are the target's greedy tokens) and an
+    EAGLE-3 head (built by hand to draft the first prompt's greedy continuation: runs of drafts
+    accepted, others rejected) are built batch-invariant with the target: the engine's logprobs
+    of accepted and corrected tokens equal the policy's."""
+    import safetensors.numpy
+    from eagle3_head import write_successor_head
+
+    seed = int(np.random.default_rng().integers(1 << 20))
+    print("seed", seed)
+    path = checkpoint(tmp_path_factory, "llama", seed)
+    rng = np.random.default_rng(seed)
+    prompts = prompts_for(rng, 3)
+    if method == "draft_model":
+        spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    else:
+        greedy = jpaged.LLM(path, **ENGINE).generate(prompts[:1], jpaged.SamplingParams(
+            temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+        embed = safetensors.numpy.load_file(os.path.join(path, "model.safetensors"))["model.embed_tokens.weight"]
+        head = write_successor_head(tmp_path_factory.mktemp("head") / "head", transformers.AutoConfig.from_pretrained(path),
+                                    embed, dict(zip(greedy, greedy[1:])))
+        config = json.load(open(os.path.join(head, "config.json")))  # (the default aux layers need >= 4 layers)
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 1, 1]}
+        json.dump(config, open(os.path.join(head, "config.json"), "w"))
+        spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
+    llm = jpaged.LLM(path, speculative_config=spec, **ENGINE)
+    seqs, engine = engine_logprobs(llm.generate(prompts, sampling(3, seed, max_tokens=16), use_tqdm=False))
+    stats = llm.stats()
+    print(method, stats["spec_decode_num_accepted_tokens"], "of", stats["spec_decode_num_draft_tokens"], "accepted")
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    policy = llm.policy()
+    assert_bitwise(jax.jit(policy.token_logprobs, static_argnums=1)(policy.params, tuple(seqs)), engine, method)

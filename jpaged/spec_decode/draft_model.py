@@ -53,6 +53,7 @@ def load_draft_model(config, target: LoadedModel, max_model_len: int) -> DraftMo
     name = config.speculative_config.model
     loaded = load_model(name, dtype=config.dtype, attention_backend=config.attention_backend,
                         tensor_parallel_size=config.tensor_parallel_size, max_model_len=config.max_model_len,
+                        batch_invariant=config.batch_invariant,
                         devices=list(target.mesh.devices.flat))  # the target's devices, in its mesh order
 
     def refuse(why: str):

@@ -238,7 +238,8 @@ def load_eagle_head(config, target: LoadedModel) -> EagleHead:
     model_cls, aux, extras = layout(cfg, tcfg, weights, refuse)
     try:
         head = build_model(cfg, weights.items(), dtype=target.dtype, attention_backend=config.attention_backend,
-                           mesh=target.mesh, max_model_len=config.max_model_len, model_cls=model_cls)
+                           mesh=target.mesh, max_model_len=config.max_model_len, model_cls=model_cls,
+                           batch_invariant=config.batch_invariant)  # (its drafts then do not depend on the batch)
     except ValueError as e:
         refuse(f"does not fit: {e}")
     head.attach(target.model, *(jax.device_put(jnp.asarray(x), replicated(target.mesh)) for x in extras))
