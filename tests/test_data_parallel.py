@@ -516,12 +516,16 @@ def test_an_off_thread_call_does_not_hold_up_the_replicas_steps():
     """A replica's loop keeps stepping while an adapter is read (OffThreadCall's background part
     in a worker thread); its registration and answer come after, between steps, in order."""
     import multiprocessing
+    import types
 
     from jpaged.data_parallel.off_thread import OffThreadCall
     from jpaged.data_parallel.replica import _Loop
 
-    class Engine:  # the loop's view of an engine: requests to step, stats
+    class Engine:  # the loop's view of an engine: requests to step, stats (and what router_stats reads)
         steps = 0
+        scheduler = types.SimpleNamespace(running=[], waiting=[], swapped=[])
+        config = types.SimpleNamespace(enable_lora=False, max_loras=1)
+        block_manager = types.SimpleNamespace(block_size=16)
 
         def has_unfinished_requests(self):
             return True

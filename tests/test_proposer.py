@@ -30,7 +30,8 @@ def test_runner_pools_are_its_own_and_the_proposers():
 
 
 def test_forward_returns_the_sampled_rows_hidden_states_only_when_asked():
-    llm = jpaged.LLM("tiny", **LIMITS)
+    # (Synchronous: with a step in flight when the last token is read, the last forward would be that step's.)
+    llm = jpaged.LLM("tiny", async_scheduling=False, **LIMITS)
     runner = llm.llm_engine.runner
     prompt = [5, 9, 11, 3, 7]
     reference = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids

@@ -38,10 +38,13 @@ def test_recorded_features_are_transformers_and_the_head_loads(tmp_path):
     worst = 0.0
     for seq, got in zip(seqs, feats):
         with torch.no_grad():
-            states = target(torch.tensor([seq[:-1]]), output_hidden_states=True).hidden_states
+            states = target(torch.tensor([seq]), output_hidden_states=True).hidden_states
         want = np.concatenate([states[i][0].numpy() for i in LAYERS], -1)
-        assert got.shape == (len(seq), want.shape[1]) and not got[-1].any()  # the last token is never fed
-        worst = max(worst, float(np.abs(got[:-1] - want).max() / np.abs(want).max()))
+        assert got.shape == want.shape
+        # The last token is fed only by the step in flight when it was read (async scheduling, the
+        # default): then its features are recorded too, and must be right as well.
+        fed = len(seq) if got[-1].any() else len(seq) - 1
+        worst = max(worst, float(np.abs(got[:fed] - want[:fed]).max() / np.abs(want[:fed]).max()))
     print("largest error relative to the largest value", worst)
     assert worst < 2e-3  # float16 storage
 
