@@ -15,7 +15,8 @@ from kv_event_consumers import (CONSUMERS, DECODES, READS, STORED, Undecodable, 
 from jpaged.kv_events.config import KVEventsConfig, offset_endpoint
 from jpaged.kv_events.events import (ENCODINGS, AllBlocksCleared, BatchEncoder, BlockRemoved, BlockStored, KVEventBatch,
                                      external_block_hash)
-from jpaged.kv_events.publisher import END_OF_REPLAY, make_publisher
+from jpaged.kv_events.publisher import make_publisher
+from test_kv_events import _free_port, _replay  # (the live-stream tests' helpers)
 
 ALL_FIELDS = {"BlockStored": STORED, "BlockRemoved": ("block_hashes", "medium"), "AllBlocksCleared": ()}
 
@@ -126,30 +127,6 @@ def test_raw_hashes_reach_the_consumers_that_take_bytes(monkeypatch):
     assert CONSUMERS["llmd_positional"](payload).events[0]["block_hashes"] == [external_block_hash(d) for d in digests]
     with pytest.raises(Undecodable, match="block hash"):
         CONSUMERS["dynamo"](payload)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _replay(context, endpoint: str, start: int) -> list[tuple[int, bytes]]:
-    dealer = context.socket(zmq.DEALER)
-    dealer.connect(endpoint)
-    dealer.send_multipart((b"", start.to_bytes(8, "big")))
-    out = []
-    try:
-        while True:
-            assert dealer.poll(10_000), "no replay answer in 10 s"
-            _, seq, payload = dealer.recv_multipart()
-            if seq == END_OF_REPLAY:
-                return out
-            out.append((int.from_bytes(seq, "big"), payload))
-    finally:
-        dealer.close(linger=0)
 
 
 def _replay_all(context, endpoint: str, count: int) -> list[tuple[int, bytes]]:

@@ -207,7 +207,7 @@ def test_model_speculation(tmp_path_factory, method):
     import safetensors.numpy
     from eagle3_head import write_successor_head
 
-    seed = int(np.random.default_rng().integers(1 << 20))
+    seed = 20261128  # fixed: the acceptance count depends on the draws (bitwise parity does not)
     print("seed", seed)
     path = checkpoint(tmp_path_factory, "llama", seed)
     rng = np.random.default_rng(seed)

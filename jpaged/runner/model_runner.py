@@ -132,7 +132,7 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
         # `InputBatch.history` says what each row holds: (seq_id, tokens).
         self.token_history = state_array((max_num_seqs, max_model_len), jnp.int32, *(() if abstract else (-1,)))
         # The InputBatch's block tables, kept on the device (its last row, the padding's, stays
-        # zeros): a step sends each sequence's row index, and `_flush_block_table` only the
+        # zeros): a step sends each sequence's row index, and `flush_block_table` only the
         # entries written since the last step (InputBatch.take_table_updates).
         self.block_table = state_array((max_num_seqs + 1, self.buckets.width), jnp.int32)
         # Each takes its inputs packed in one int32 array (one transfer), unpacked by `layout`.
