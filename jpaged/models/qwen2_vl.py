@@ -1,0 +1,158 @@
+"""Qwen2-VL and Qwen2.5-VL (Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration):
+the vision transformer of qwen2_vl_vision.py in front of a Qwen2 decoder whose rotary embedding
+is M-RoPE (mrope.py): three positions per token (temporal, height, width), each turning its
+section of the head's frequencies.
+
+Positions: the step's `positions` may be int[3, tokens] (the M-RoPE positions) or int[tokens]
+(text only: the three equal, the ordinary rotary embedding); a ForwardContext carrying
+`mrope_positions` (int[3, tokens]) wins over both.
+
+Images: `image_pixel_inputs` (host) cuts one image's patches out of the processor's batch, pads
+them to a bucket of patch counts (`VISION_BUCKETS`: each bucket one executable, compiled at
+start-up) and adds the grid-dependent arrays; `embed_image` runs the tower on them and returns
+bucket / merge^2 rows, of which the image's t * h * w / merge^2 tokens come first.
+"""
+
+import copy
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jpaged.models.forward_context import get_forward_context
+from jpaged.models.layers import Attention, GatedMLP, HFWeights, RopeConfig
+from jpaged.models.llama import LlamaDecoderLayer, LlamaForCausalLM, head_dim_of
+from jpaged.models.mrope import apply_mrope
+from jpaged.models.paged_attention import AttentionOps
+from jpaged.models.qwen2_vl_vision import Qwen2VisionTransformer, tokens_per_image, vision_layout
+from jpaged.models.vision_layers import bucket_size, pad_rows
+
+# Patch counts an image is padded to (one compiled encoder each). 4096 patches of 14 x 14 pixels:
+# about 800k pixels (e.g. 896 x 896); the processor's max_pixels must keep images within the last.
+VISION_BUCKETS = (256, 1024, 4096)
+
+
+class MRopeAttention(Attention):
+    """Attention whose rotary embedding is M-RoPE (one rope for every layer)."""
+
+    def __init__(self, *args, mrope_section, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mrope_section = tuple(int(n) for n in mrope_section)
+
+    def __call__(self, x, positions, kv_cache):
+        ctx = get_forward_context()
+        meta = ctx.attn
+        mrope = getattr(ctx, "mrope_positions", None)
+        positions = positions if mrope is None else mrope
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        inv_freq = np.asarray(self.rope[0][0], np.float32)
+        q, k = (apply_mrope(t, positions, inv_freq, self.mrope_section) for t in (q, k))
+        window = None if self.sliding_window is None else self.sliding_window[0]
+        out, kv_cache = self.ops(q, k, v, kv_cache, meta, self.scale, window, self.logits_soft_cap)
+        return self.o_proj(out.astype(x.dtype)), kv_cache
+
+
+def text_config_of(cfg):
+    """The language model's config, with the top-level fields it inherits (tied embeddings)."""
+    text = copy.deepcopy(cfg.text_config)
+    text.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+    return text
+
+
+class Qwen2VLTextModel(LlamaForCausalLM):
+    """Qwen2's decoder (q/k/v biases) with M-RoPE; HF names model.layers.*, model.norm, lm_head."""
+
+    @staticmethod
+    def make_layer(cfg, *, ops, dtype, max_model_len) -> nnx.Module:
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False):
+            raise ValueError("Qwen2-VL with use_sliding_window is not supported")
+        head_dim = head_dim_of(cfg)
+        section = dict(cfg.rope_parameters or {}).get("mrope_section") or [16, 24, 24]
+        if sum(section) * 2 != head_dim:
+            raise ValueError(f"mrope_section {list(section)} must add up to head_dim / 2 = {head_dim // 2}")
+        attn = MRopeAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, ops=ops,
+                              dtype=dtype, qkv_bias=True,
+                              rope=RopeConfig.from_hf(cfg, head_dim, max_model_len=max_model_len),
+                              mrope_section=section)
+        return LlamaDecoderLayer(attn, GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype=dtype),
+                                 cfg, dtype=dtype)
+
+    def forward_embeds(self, x, positions, kv_cache):
+        x, kv_cache = self.layers(x, positions, kv_cache)
+        return self.norm(x), kv_cache
+
+
+class Qwen2VLForConditionalGeneration(nnx.Module):
+    is_multimodal = True
+    uses_mrope = True
+
+    def __init__(self, cfg, *, dtype, ops: AttentionOps, max_model_len: int | None = None):
+        self.hf_config = cfg
+        self.visual = Qwen2VisionTransformer(cfg.vision_config, dtype=dtype)
+        self.language_model = Qwen2VLTextModel(text_config_of(cfg), dtype=dtype, ops=ops, max_model_len=max_model_len)
+        self.image_token_id = cfg.image_token_id
+        self.vocab_size = cfg.text_config.vocab_size
+
+    # ------------------------------------------------------------------ language model
+    def __call__(self, input_ids, positions, kv_cache):
+        return self.language_model.forward_embeds(self.embed_tokens_fn(input_ids), positions, kv_cache)
+
+    def embed_tokens_fn(self, input_ids):
+        return self.language_model.embed_tokens(input_ids)
+
+    def forward_embeds(self, embeds, positions, kv_cache):
+        return self.language_model.forward_embeds(embeds, positions, kv_cache)
+
+    def compute_logits(self, hidden):
+        return self.language_model.compute_logits(hidden)
+
+    # ------------------------------------------------------------------ vision
+    def embed_image(self, pixel_values, rope, frames, windows=None):
+        """One image's padded patches (image_pixel_inputs) -> [bucket / merge^2, text hidden]."""
+        return self.visual(pixel_values, rope, frames, windows).astype(self.language_model.embed_tokens.embedding.dtype)
+
+    @staticmethod
+    def encoder_input_shapes(hf_config, buckets=VISION_BUCKETS) -> list[dict]:
+        v = hf_config.vision_config
+        dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+        shapes = []
+        for b in buckets:
+            shape = {"pixel_values": ((b, dim), np.float32), "rope": ((b, 2), np.int32), "frames": ((b,), np.int32)}
+            if v.model_type == "qwen2_5_vl_vision":
+                shape["windows"] = ((b,), np.int32)
+            shapes.append(shape)
+        return shapes
+
+    def hf_weights(self) -> HFWeights:
+        return {**self.visual.hf_weights("visual"), **self.language_model.hf_weights()}
+
+    ignored_hf_weights = LlamaForCausalLM.ignored_hf_weights
+
+    @staticmethod
+    def rename_hf_weight(name: str) -> str:
+        """transformers' newer layout (model.visual.*, model.language_model.*) -> the checkpoints'."""
+        if name.startswith("model.visual."):
+            return name.removeprefix("model.")
+        if name.startswith("model.language_model."):
+            return "model." + name.removeprefix("model.language_model.")
+        return name
+
+
+def image_pixel_inputs(hf_config, rows: np.ndarray, grid, buckets=VISION_BUCKETS) -> dict[str, np.ndarray]:
+    """One image's encoder inputs: its processor rows [t * h * w, patch_dim] (pixel_values of the
+    processor's batch, this image's part) padded to the smallest bucket, with the rotary
+    positions and segment ids of its grid (t, h, w)."""
+    v = hf_config.vision_config
+    grid = tuple(int(g) for g in grid)
+    n = grid[0] * grid[1] * grid[2]
+    if rows.shape[0] != n:
+        raise ValueError(f"image grid {grid} has {n} patches, pixel_values has {rows.shape[0]} rows")
+    size = bucket_size(n, buckets)
+    qwen25 = v.model_type == "qwen2_5_vl_vision"
+    layout = vision_layout([grid], v.spatial_merge_size, patch_size=v.patch_size,
+                           window_size=v.window_size if qwen25 else None, pad_to=size)
+    return {"pixel_values": pad_rows(np.asarray(rows, np.float32), size), **layout}
+
+
+def image_tokens(hf_config, grid) -> int:
+    return tokens_per_image(grid, hf_config.vision_config.spatial_merge_size)

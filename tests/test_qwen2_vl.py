@@ -1,0 +1,144 @@
+"""Qwen2-VL and Qwen2.5-VL against transformers on tiny random checkpoints (save_pretrained):
+the vision tower + merger equal to HF's get_image_features for 1, 2 and 3 images of different
+sizes (different grids) through transformers' own image processor; the M-RoPE positions equal to
+HF's get_rope_index for prompts with 0 to 3 images; the language model with M-RoPE and the image
+embeddings in place equal to HF's logits."""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jpaged.models.loader import build_model, iter_safetensors
+from jpaged.models.mrope import mrope_positions, text_positions
+from jpaged.models.qwen2_vl import Qwen2VLForConditionalGeneration, image_pixel_inputs, image_tokens
+from tests.vision_checkpoints import (IMAGE_TOKEN, VISION_END, VISION_START, paged_forward, qwen_image_processor,
+                                      random_images, save_qwen)
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+SIZES = [(100, 60), (57, 200), (150, 150)]  # grids (1, 8, 4), (1, 4, 14), (1, 10, 10)
+BUCKETS = (64, 256)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoint(request, tmp_path_factory):
+    seed = int(os.environ.get("JPAGED_TEST_SEED") or 20261125) + FAMILIES.index(request.param)
+    print(f"{request.param} checkpoint seed {seed}")
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_qwen(path, request.param, seed)
+    ours = build_model(hf.config, iter_safetensors(str(path)), dtype=jnp.float32,
+                       model_cls=Qwen2VLForConditionalGeneration)
+    return hf, ours, np.random.default_rng(seed)
+
+
+def encode(ours, hf_config, pixel_values: np.ndarray, grids) -> list[np.ndarray]:
+    """Each image through embed_image on its own bucket-padded inputs, its tokens kept."""
+    out, start = [], 0
+    for grid in grids:
+        n = int(np.prod(grid))
+        inputs = image_pixel_inputs(hf_config, pixel_values[start:start + n], grid, BUCKETS)
+        emb = np.asarray(ours.embed_image(**{k: jnp.asarray(v) for k, v in inputs.items()}))
+        assert emb.shape[0] == inputs["pixel_values"].shape[0] // 4
+        out.append(emb[:image_tokens(hf_config, grid)])
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_image_features_equal_hf(checkpoint, count):
+    hf, ours, rng = checkpoint
+    images = random_images(rng, SIZES[:count])
+    batch = qwen_image_processor()(images=images, return_tensors="pt")
+    grids = batch["image_grid_thw"].numpy()
+    assert len({tuple(g) for g in grids}) == count  # different grids
+    with torch.no_grad():
+        ref = hf.get_image_features(batch["pixel_values"], batch["image_grid_thw"]).pooler_output
+    ours_each = encode(ours, hf.config, batch["pixel_values"].numpy(), grids)
+    for mine, theirs in zip(ours_each, ref):
+        assert mine.shape == tuple(theirs.shape)
+        np.testing.assert_allclose(mine, theirs.numpy(), atol=2e-5 * max(1.0, float(theirs.abs().max())), rtol=0)
+    # Packed together (one sequence, one segment per image) the same.
+    lay = ours.visual.layout(grids, pad_to=256 * count)
+    px = np.zeros((256 * count, batch["pixel_values"].shape[1]), np.float32)
+    px[:len(batch["pixel_values"])] = batch["pixel_values"].numpy()
+    packed = np.asarray(ours.embed_image(jnp.asarray(px), **{k: jnp.asarray(v) for k, v in lay.items()}))
+    np.testing.assert_allclose(packed[:sum(len(r) for r in ref)], torch.cat(ref).numpy(), atol=2e-5, rtol=0)
+
+
+def test_window_attention_matters(checkpoint):
+    """Qwen2.5-VL: the windowed blocks see less than a frame (else the test above proves nothing)."""
+    hf, ours, rng = checkpoint
+    if not ours.visual.qwen25:
+        pytest.skip("Qwen2-VL has no windows")
+    batch = qwen_image_processor()(images=random_images(rng, SIZES[2:]), return_tensors="pt")
+    inputs = image_pixel_inputs(hf.config, batch["pixel_values"].numpy(), batch["image_grid_thw"][0], BUCKETS)
+    assert len(set(inputs["windows"][inputs["windows"] >= 0].tolist())) > 1
+    full = dict(inputs, windows=inputs["frames"])
+    a, b = (np.asarray(ours.embed_image(**{k: jnp.asarray(v) for k, v in x.items()})) for x in (inputs, full))
+    assert np.abs(a - b).max() > 1e-3
+
+
+def prompt_with_images(rng, grids, merge=2, text_runs=None):
+    """Random text with each image's placeholders between vision start / end tokens."""
+    runs = text_runs or [int(rng.integers(1, 6)) for _ in range(len(grids) + 1)]
+    ids = rng.integers(3, 290, runs[0]).tolist()
+    for i, grid in enumerate(grids):
+        ids += [VISION_START] + [IMAGE_TOKEN] * (int(np.prod(grid)) // merge ** 2) + [VISION_END]
+        ids += rng.integers(3, 290, runs[i + 1]).tolist()
+    return ids
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 3])
+def test_mrope_positions_equal_hf(checkpoint, count):
+    hf, _, rng = checkpoint
+    grids = [(1, 8, 4), (1, 4, 14), (1, 10, 10)][:count]
+    ids = prompt_with_images(rng, grids)
+    ids_t = torch.tensor([ids])
+    if count:
+        ref, delta = hf.model.get_rope_index(ids_t, mm_token_type_ids=(ids_t == IMAGE_TOKEN).int(),
+                                             image_grid_thw=torch.tensor(grids))
+        ref, delta = ref[:, 0].numpy(), int(delta[0, 0])
+    else:
+        ref, delta = np.broadcast_to(np.arange(len(ids)), (3, len(ids))), 0
+    pos, d = mrope_positions(ids, grids, IMAGE_TOKEN, 2)
+    np.testing.assert_array_equal(pos, ref)
+    assert d == delta
+    np.testing.assert_array_equal(text_positions(len(ids), 2, d)[:, 0], [len(ids) + delta] * 3)
+
+
+def test_mrope_positions_refuse_mismatch():
+    ids = [5, IMAGE_TOKEN, IMAGE_TOKEN, 6]
+    with pytest.raises(ValueError, match="placeholder"):
+        mrope_positions(ids, [(1, 4, 4)], IMAGE_TOKEN, 2)  # 4 tokens needed, 2 given
+    with pytest.raises(ValueError, match="image"):
+        mrope_positions(ids, [], IMAGE_TOKEN, 2)
+    with pytest.raises(ValueError, match="image"):
+        mrope_positions([5, 6], [(1, 2, 2)], IMAGE_TOKEN, 2)
+
+
+@pytest.mark.parametrize("count", [0, 1, 3])
+def test_logits_with_images_equal_hf(checkpoint, count):
+    """The whole prompt: ours (tower per image, embeddings in place, M-RoPE positions, paged
+    prefill) against HF's forward with pixel_values."""
+    hf, ours, rng = checkpoint
+    images = random_images(rng, SIZES[:count])
+    grids = []
+    kwargs = {}
+    if count:
+        batch = qwen_image_processor()(images=images, return_tensors="pt")
+        grids = [tuple(g) for g in batch["image_grid_thw"].tolist()]
+        kwargs = dict(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
+    ids = prompt_with_images(rng, grids)
+    ids_t = torch.tensor([ids])
+    with torch.no_grad():
+        ref = hf(input_ids=ids_t, mm_token_type_ids=(ids_t == IMAGE_TOKEN).int(), **kwargs).logits[0].numpy()
+
+    embeds = np.array(ours.embed_tokens_fn(jnp.asarray(ids, jnp.int32)))
+    if count:
+        feats = np.concatenate(encode(ours, hf.config, batch["pixel_values"].numpy(), grids))
+        embeds[np.asarray(ids) == IMAGE_TOKEN] = feats
+    positions, _ = mrope_positions(ids, grids, IMAGE_TOKEN, 2)
+    logits = np.asarray(ours.compute_logits(paged_forward(ours, jnp.asarray(embeds), positions)))
+    assert np.abs(logits - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())

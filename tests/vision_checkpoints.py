@@ -1,0 +1,88 @@
+"""Tiny random vision-language checkpoints written by transformers (save_pretrained), shared by the
+vision model tests, and helpers to run jpaged's models on them outside the engine."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpaged.models.forward_context import AttentionMetadata, ForwardContext, forward_context
+from jpaged.models.kv_cache import KVCache, KVCacheSpec
+
+TEXT_VOCAB = 320
+IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 300, 301, 302, 303
+
+
+def qwen_config(family: str):
+    """A 2-layer Qwen2-VL ("qwen2_vl") or Qwen2.5-VL ("qwen2_5_vl") config: head_dim 16 with
+    mrope_section [2, 3, 3]; Qwen2.5-VL's windows are 2 x 2 merged blocks, block 1 of 3 global."""
+    import transformers
+
+    text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=TEXT_VOCAB, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+    tokens = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+                  vision_end_token_id=VISION_END)
+    if family == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        return transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+
+
+def randomize(model, seed: int):
+    """HF inits weights small (std 0.02), biases to 0 and norms to 1: draw them all so that every
+    one is tested and activations are O(1)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("bias"):
+                p.copy_(0.3 * noise)
+            elif "norm" in name or ".ln_" in name:
+                p.copy_(1 + 0.2 * noise)
+            elif p.ndim >= 2:
+                p.copy_(noise / max(p[0].numel(), 1) ** 0.5)
+    return model
+
+
+def save_qwen(path, family: str, seed: int):
+    import transformers
+
+    config = qwen_config(family)
+    cls = (transformers.Qwen2VLForConditionalGeneration if family == "qwen2_vl"
+           else transformers.Qwen2_5_VLForConditionalGeneration)
+    model = randomize(cls(config), seed).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def qwen_image_processor():
+    """Small images: 4 .. 64 merged tokens (16 .. 256 patches)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64)
+
+
+def random_images(rng: np.random.Generator, sizes):
+    from PIL import Image
+
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+
+
+def paged_forward(model, embeds: jax.Array, positions, block_size: int = 8):
+    """The model's final hidden states for one sequence of input embeddings, prefilled in fresh pages."""
+    n = embeds.shape[0]
+    blocks = -(-n // block_size)
+    spec = KVCacheSpec.of_model(model, block_size, embeds.dtype)
+    pages = jnp.zeros(spec.pool_shape(blocks), embeds.dtype)
+    kv_cache = KVCache(pages, pages)
+    meta = AttentionMetadata(slot_mapping=jnp.arange(n, dtype=jnp.int32),
+                             block_tables=jnp.arange(blocks, dtype=jnp.int32)[None],
+                             context_lens=jnp.array([n], jnp.int32), query_start_loc=jnp.array([0, n], jnp.int32))
+    with forward_context(ForwardContext(meta)):
+        hidden, _ = model.forward_embeds(embeds, jnp.asarray(positions, jnp.int32), kv_cache)
+    return hidden
