@@ -6,6 +6,7 @@ import os
 from jpaged.core.kv_allocation import KV_ALLOCATIONS
 from jpaged.json_option import parsed
 from jpaged.kv_events.config import KVEventsConfig
+from jpaged.multimodal.chat_parts import parse_limit_mm_per_prompt
 from jpaged.spec_decode.config import SpeculativeConfig
 
 DEVICES = ("cuda", "cpu")
@@ -35,7 +36,8 @@ def _option(default, help: str, **metadata):
 # (runner and convert: a generation engine compiles the same steps whatever they say).
 HOST_ONLY_OPTIONS = ("executable_cache", "grammar_compile_timeout", "grammar_compile_memory", "max_cpu_loras",
                      "enable_sleep_mode", "kv_events_config", "data_parallel_size", "data_parallel_rank",
-                     "dp_routing", "dp_restart", "runner", "convert", "background_warmup")
+                     "dp_routing", "dp_restart", "runner", "convert", "background_warmup", "limit_mm_per_prompt",
+                     "allowed_local_media_path")
 # --dp-routing (jpaged/data_parallel/router.py).
 DP_ROUTINGS = ("prefix", "least-loaded", "round-robin")
 
@@ -145,6 +147,12 @@ class EngineConfig:
                                              "choice) may take to compile; longer: the request is refused")
     grammar_compile_memory: int = _option(2048, "MiB of memory a grammar's compile may use; more: the request "
                                           "is refused")
+    limit_mm_per_prompt: dict | str | None = _option(
+        None, 'most images (or other items) one prompt may hold, vLLM\'s (a JSON object on the command line): '
+        '{"image": 2}; a modality not named: 999 (vLLM\'s default); more is refused, naming this option')
+    allowed_local_media_path: str | None = _option(
+        None, "chat image_url parts may name local files (file:///...) under this directory (symlinks and '..' "
+        "resolved, regular files only); unset: local files are refused")
     revision: str | None = _option(None, "hub revision (branch, tag or commit) of the model")
     tokenizer: str | None = _option(None, "tokenizer directory or hub id, when not the model's")
     # Multi-host (jax.distributed): the same command on every host; unset -> JAX_COORDINATOR_ADDRESS,
@@ -219,6 +227,9 @@ class EngineConfig:
               f"None or an integer >= max_loras={self.max_loras}")
         check("grammar_compile_timeout", self.grammar_compile_timeout > 0, "> 0 (seconds)")
         check("grammar_compile_memory", self.grammar_compile_memory >= 64, ">= 64 (MiB)")
+        self.limit_mm_per_prompt = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+        check("allowed_local_media_path", self.allowed_local_media_path is None
+              or os.path.isdir(os.path.realpath(self.allowed_local_media_path)), "None or an existing directory")
         if os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"):  # vLLM's switch
             self.batch_invariant = True
         if self.batch_invariant:
