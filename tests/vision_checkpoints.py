@@ -86,3 +86,37 @@ def paged_forward(model, embeds: jax.Array, positions, block_size: int = 8):
     with forward_context(ForwardContext(meta)):
         hidden, _ = model.forward_embeds(embeds, jnp.asarray(positions, jnp.int32), kv_cache)
     return hidden
+
+
+GEMMA_IMAGE_TOKEN, GEMMA_BOI, GEMMA_EOI = 300, 301, 302
+
+
+def gemma3_config():
+    """A 2-layer Gemma 3 (one sliding layer of window 8, one global with linear rope scaling) and
+    a 2-layer SigLIP over 56 x 56 images (4 x 4 patches of 14) pooled to 4 tokens."""
+    import transformers
+
+    text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, vocab_size=TEXT_VOCAB, sliding_window=8, max_position_embeddings=512,
+                layer_types=["sliding_attention", "full_attention"],
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=56,
+                  patch_size=14, vision_use_head=False)
+    return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                     image_token_index=GEMMA_IMAGE_TOKEN, boi_token_index=GEMMA_BOI,
+                                     eoi_token_index=GEMMA_EOI)
+
+
+def save_gemma3(path, seed: int):
+    import transformers
+
+    model = randomize(transformers.Gemma3ForConditionalGeneration(gemma3_config()), seed).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def gemma3_image_processor():
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    return Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
