@@ -72,8 +72,24 @@ class LLM(PoolingMethods):
                              "(embed, classify, score, reward)")
         return self._lead(lambda: self._generate(prompts, sampling_params, use_tqdm, lora_request))
 
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of messages) or a list of them, through the
+        chat template; content parts may carry images (image_url with a data:, http(s) or allowed
+        local URL; image_pil), loaded by jpaged/multimodal/media.py."""
+        from jpaged.multimodal.chat_prompt import chat_prompt
+
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [chat_prompt(self.llm_engine, conversation, chat_template=chat_template,
+                               add_generation_prompt=add_generation_prompt, chat_template_kwargs=chat_template_kwargs)
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
     def _generate(self, prompts, sampling_params, use_tqdm: bool, lora_request=None) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if isinstance(prompts, dict):  # vLLM's dict prompt (multi_modal_data: LLMEngine.add_request takes it)
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):

@@ -56,12 +56,21 @@ class AllocStatus(enum.Enum):
     NEVER = enum.auto()  # larger than the pool (less its watermark): can never fit
 
 
-def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
+def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
     """A full block's prefix-cache key: sha256 over the previous block's hash and this block's
-    tokens (a digest this wide never collides in practice, so a hit is never a wrong prefix)."""
+    tokens (a digest this wide never collides in practice, so a hit is never a wrong prefix), and
+    its `extra_keys` (vLLM's: the content hashes of the images whose tokens it holds)."""
     digest = hashlib.sha256(parent_hash or b"")
     digest.update(array.array("q", token_ids).tobytes())
+    for key in extra_keys:
+        digest.update(b"\0" + str(key).encode())
     return digest.digest()
+
+
+def block_extra_keys(seq: Sequence, start: int, end: int) -> tuple:
+    """The mm_hashes of the images whose placeholder tokens lie in positions [start, end) of `seq`
+    (`seq.mm_ranges`: (offset, length, mm_hash) per image, set by multimodal/runner.py)."""
+    return tuple(h for offset, length, h in getattr(seq, "mm_ranges", ()) if offset < end and start < offset + length)
 
 
 class BlockManager:
@@ -187,7 +196,8 @@ class BlockManager:
             token_ids = seq.get_token_ids()
             for i in range(len(hashes), num_blocks):
                 hashes.append(hash_block_tokens(hashes[-1] if hashes else seq.cache_salt,
-                                                token_ids[i * size:(i + 1) * size]))
+                                                token_ids[i * size:(i + 1) * size],
+                                                block_extra_keys(seq, i * size, (i + 1) * size)))
         return hashes[:num_blocks]
 
     def _cached_prefix(self, seq_group: SequenceGroup, seqs: list[Sequence]) -> list[list[int]]:
@@ -296,7 +306,9 @@ class BlockManager:
                 external_block_hash(hashes[run[0] - 1]) if run[0] else None,
                 token_ids[run[0] * size:(run[-1] + 1) * size], size,
                 lora.lora_int_id if lora is not None else None, MEDIUM_GPU,
-                lora.lora_name if lora is not None else None))
+                lora.lora_name if lora is not None else None,
+                [block_extra_keys(seq, i * size, (i + 1) * size) or None for i in run]
+                if getattr(seq, "mm_ranges", None) else None))
 
     # Decoding.
 

@@ -46,6 +46,7 @@ from jpaged.core.scheduler_output import ScheduledSequenceGroup, SchedulerOutput
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from jpaged.core.step_update import StepUpdate
 from jpaged.core.stop_checker import StopChecker
+from jpaged.multimodal.encoder_budget import encoder_chunk, take_encoder_rows
 from jpaged.spec_decode.speculator import Speculator
 
 
@@ -55,6 +56,7 @@ class _Budget:
 
     num_tokens: int
     num_seqs: int
+    images: dict = dataclasses.field(default_factory=dict)  # {mm_hash: rows} of the encoder cache this step reads
 
 
 class Scheduler(StepUpdate):
@@ -289,6 +291,8 @@ class Scheduler(StepUpdate):
         free = budget.num_seqs - seats_to_take
         if self._prompt_rows(seq_group, chunk) > free:
             chunk = max(free, 0)
+        if getattr(seq_group, "mm_items", None):  # its images must fit the encoder cache with the step's others
+            chunk = encoder_chunk(seq_group, seq_group.get_unfinished_seqs()[0].num_computed_tokens, chunk, budget.images)
         return chunk
 
     @staticmethod
@@ -314,6 +318,8 @@ class Scheduler(StepUpdate):
                 bm.cache_full_blocks(seq, end, seq_group.lora_request)
                 bm.free_out_of_window(seq)
         num_tokens = chunk * len(running)
+        if getattr(seq_group, "mm_items", None):
+            take_encoder_rows(seq_group, running[0].num_computed_tokens, chunk, budget.images)
         scheduled = ScheduledSequenceGroup.of(seq_group, running, chunk, drafts)
         out.scheduled_seq_groups.append(scheduled)
         out.num_batched_tokens += num_tokens

@@ -260,6 +260,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams,
                     arrival_time: float | None = None, lora_request: LoRARequest | None = None):
+        if not isinstance(prompt, (str, list, tuple)):  # vLLM's dict prompts, with images: multimodal/runner.py
+            return self.runner.add_multimodal_request(self, request_id, prompt, sampling_params, arrival_time, lora_request)
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self.runner.slept is not None:

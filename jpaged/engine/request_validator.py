@@ -16,6 +16,19 @@ class RequestValidator:
         self.vocab_size, self.max_model_len, self.config, self.block_manager = \
             vocab_size, max_model_len, config, block_manager
 
+    def check_images(self, num_images: int):
+        """ValueError naming limit_mm_per_prompt when a prompt brings more images than it allows
+        (vLLM's option: {"image": N}; unset, no limit here)."""
+        limits = getattr(self.config, "limit_mm_per_prompt", None) or {}
+        if isinstance(limits, str):  # (vLLM's JSON form, as the CLI passes it)
+            import json
+
+            limits = json.loads(limits)
+        limit = limits.get("image")
+        if limit is not None and num_images > limit:
+            raise ValueError(f"limit_mm_per_prompt: the prompt has {num_images} images, more than the "
+                             f"{limit} allowed (limit_mm_per_prompt={{'image': {limit}}})")
+
     def check(self, prompt_token_ids: list[int], sp: SamplingParams):
         """ValueError (naming the field and the limit) unless the request can run to completion
         here: ids in the vocabulary, within max_model_len, and all its sequences at full length

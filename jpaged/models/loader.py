@@ -31,6 +31,7 @@ from jpaged.models.layers import Attention, Embedding, LayerNorm, Linear, RMSNor
 from jpaged.models.gpt2 import GPT2LMHeadModel
 from jpaged.models.paged_attention import AttentionOps
 from jpaged.models.llama import LlamaForCausalLM
+from jpaged.models.llava import LlavaForConditionalGeneration
 from jpaged.models.moe import MixtralForCausalLM, SparseMoE
 from jpaged.models.opt import OPTForCausalLM
 from jpaged.models.phi3 import Phi3ForCausalLM
@@ -54,6 +55,7 @@ MODEL_REGISTRY = {
     "Qwen3MoeForCausalLM": MixtralForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 DTYPES = {name: jnp.dtype(name) for name in config.DTYPES if name != "auto"}
@@ -71,6 +73,7 @@ class LoadedModel:
     kv_scales: tuple[np.ndarray, np.ndarray] | None = None
     quantization: Quantization | None = None  # of the Linear layers' weights (None: the activation dtype)
     model_memory_bytes: int = 0  # the weights' device bytes, all devices
+    processor: object | None = None  # a multimodal checkpoint's transformers AutoProcessor (images -> pixels)
 
 
 # An fp8 KV cache's per-layer scales in a checkpoint (compressed-tensors, ModelOpt): layer index, k or v.
@@ -147,6 +150,8 @@ def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.nda
         quantized, modules = quantize_model(model, quantization)
         weights = quantization.read(weights, modules)
     specs = model.hf_weights()
+    if rename := getattr(model_cls, "rename_hf_weight", None):  # (a multimodal checkpoint's name variants)
+        weights = ((rename(name), tensor) for name, tensor in weights)
     ignored = [re.compile(p) for p in model_cls.ignored_hf_weights]
     seen = set()
     stacks = HostStacks(mesh)
@@ -173,6 +178,8 @@ def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.nda
             place(target, tensor, linear, dtype, mesh, stacks)
         seen.add(name)
     stacks.finish()
+    if isinstance(cache := getattr(model, "encoder_cache", None), nnx.Variable):  # (not a weight: zeros, replicated)
+        cache.set_value(sharding.put(np.zeros(cache.shape, cache.dtype), sharding.replicated(mesh)))
     missing = [f"{n} (shape {specs[n][0].hf_shape})" for n in specs if n not in seen]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) for {model_cls.__name__}: "
@@ -437,7 +444,8 @@ def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", rev
         model_dir = resolve_model_dir(model, revision)
         check_regular_files(model_dir)
         hf_config = read_hf_config(model_dir, hf_overrides)
-        get_model_class(hf_config)  # fail on an unsupported architecture before reading any weights
+        if adapt := getattr(get_model_class(hf_config), "adapt_hf_config", None):  # (unsupported: fails here)
+            adapt(hf_config)  # a multimodal config's text fields read at its top level
         jdtype = resolve_dtype(dtype, hf_config)
         weights = iter_safetensors(model_dir)
         try:
@@ -448,10 +456,24 @@ def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", rev
         except Exception as e:  # e.g. a corrupt tokenizer.json (the tokenizers library's own exception)
             raise ValueError(f"{model_dir}: the tokenizer cannot be read ({type(e).__name__}: {one_line(e)})") \
                 from None
+    model_cls = get_model_class(hf_config)
+    processor = load_processor(model_dir, model_cls) if getattr(model_cls, "is_multimodal", False) else None
     quant = quantization_of(hf_config, quantization)
     found = {}
     nn_model = build_model(hf_config, weights, dtype=jdtype, attention_backend=attention_backend, mesh=mesh,
                            max_model_len=max_model_len, kv_scales=found, quantization=quant,
                            batch_invariant=batch_invariant)
     return LoadedModel(nn_model, hf_config, tokenizer, jdtype, mesh, kv_scales_of(found), quant,
-                       model_memory_bytes(nn_model))
+                       model_memory_bytes(nn_model), processor)
+
+
+def load_processor(model_dir: str, model_cls):
+    """The checkpoint's processor: the model class's `load_processor` if it has one, else its
+    AutoProcessor (None, with a warning, when it cannot be read: images are refused then)."""
+    from transformers import AutoProcessor
+
+    try:
+        return getattr(model_cls, "load_processor", AutoProcessor.from_pretrained)(model_dir)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds (AttributeError without torchvision)
+        logger.warning("no image processor in %s (%s): requests with images are refused", model_dir, one_line(e))
+        return None

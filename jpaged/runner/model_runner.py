@@ -53,6 +53,7 @@ from jpaged.models.kv_cache import KVCache, KVCacheSpec
 from jpaged.lora.model import abstract_slot
 from jpaged.models.layers import Linear
 from jpaged.models.loader import LoadedModel
+from jpaged.multimodal import runner as multimodal
 from jpaged.parallel import distributed
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, replicated
 from jpaged.runner import kv_transfer, sampler, step_functions, step_inputs
@@ -184,10 +185,18 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
                                out_shardings=self._pages_sharding)
         self._scatter = jax.jit(functools.partial(kv_transfer.scatter_blocks, num_layers),
                                 in_shardings=(pool, self._pages_sharding, rep), out_shardings=pool, donate_argnums=(0,))
+        # Images (jpaged/multimodal/runner.py): the encoder's executables compile now; `execute` has
+        # it encode the images a step's prefill chunks cover and point their tokens at the embeddings.
+        self.mm = multimodal.MultimodalEngine(loaded, self) if multimodal.is_multimodal(loaded.model) and not abstract \
+            else None
 
     @property
     def num_compilations(self) -> int:
-        return len(self._executables) + self.proposer.num_compilations
+        return len(self._executables) + self.proposer.num_compilations + (self.mm.num_compilations if self.mm else 0)
+
+    def add_multimodal_request(self, engine, *args):
+        """LLMEngine.add_request's prompts with images (multimodal/runner.py; ValueError for a text-only model)."""
+        return multimodal.add_request(self.mm, engine, *args)
 
     def is_alive(self) -> bool:
         """False once the KV pages are gone: a step that failed after donating them."""
@@ -360,6 +369,8 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
         same K/V into the same slots). `lora_slots`: the step's adapters' device slots."""
         with self.clock.phase("prepare"):
             batch, failed = self.step_builder.build(plan, lora_slots)
+            if self.mm is not None:
+                self.mm.prepare(batch)
         step = DispatchedStep(plan, [], [], failed)
         if not batch.groups:
             return step

@@ -1,0 +1,172 @@
+"""The engine's multimodal path: requests with images in, image embeddings into the prefill steps.
+
+`MultimodalEngine` (held by the engine as `LLMEngine.mm`, and by its runner as `ModelRunner.mm`)
+- processes a prompt and its images (processing.py, the checkpoint's AutoProcessor), checks
+  `limit_mm_per_prompt`, and adds the request with its images attached: the group's `mm_items`
+  (pixel inputs), the sequence's `mm_ranges` (offset, length, hash per image: prefix-cache keys);
+- before each step's dispatch (`prepare`, called by ModelRunner.execute), for every prefill chunk
+  that covers placeholder tokens: makes sure those images' embeddings are in the device encoder
+  cache (encoding the missing ones, one jitted call per image, each a precompiled executable) and
+  rewrites the chunk's placeholder ids into cache rows (`vocab_size + row`, read by the model's
+  embedding: encoder_cache.py). An image evicted before its last token was prefilled, or a
+  request preempted by recompute, is simply encoded again when a chunk needs it.
+
+The encode executables compile at start-up, one per pixel-input shape the model names
+(`encoder_input_shapes`: LLaVA-1.5 has one, its fixed image size), through the runner's
+executable cache: nothing compiles while serving.
+"""
+
+import functools
+import logging
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jpaged.multimodal.encoder_cache import EncoderCacheManager
+from jpaged.multimodal.media import MediaOptions, check_image
+from jpaged.multimodal.processing import ProcessedPrompt, process_prompt
+
+logger = logging.getLogger(__name__)
+
+
+def is_multimodal(model) -> bool:
+    return bool(getattr(model, "is_multimodal", False))
+
+
+def _encode(graphdef, state, pixel_inputs: dict, row):
+    """The state with one image's embeddings written into the model's encoder cache from `row`."""
+    model = nnx.merge(graphdef, state)
+    embeddings = model.embed_image(**pixel_inputs)
+    cache = model.encoder_cache[...]
+    model.encoder_cache.set_value(jax.lax.dynamic_update_slice(cache, embeddings.astype(cache.dtype), (row, 0)))
+    return nnx.split(model)[1]
+
+
+class MultimodalEngine:
+    def __init__(self, loaded, runner):
+        self.model, self.hf_config, self.runner = loaded.model, loaded.hf_config, runner
+        self.processor = loaded.processor  # the checkpoint's AutoProcessor (models/loader.py)
+        self.vocab_size = self.model.vocab_size
+        self.cache = EncoderCacheManager(self.model.encoder_cache.shape[0])
+        self.num_encodes = 0  # images encoded (a cache hit encodes nothing)
+        state_shardings = jax.tree.map(lambda x: x.sharding, runner.state)
+        self._jitted = jax.jit(functools.partial(_encode, runner.graphdef), out_shardings=state_shardings,
+                               donate_argnums=(0,))
+        self._executables = {}
+        for shapes in self.model.encoder_input_shapes():
+            self._executable(shapes)
+
+    @staticmethod
+    def _key(shapes: dict) -> tuple:
+        return ("encode",) + tuple(sorted((name, tuple(shape), np.dtype(dtype).name)
+                                          for name, (shape, dtype) in shapes.items()))
+
+    def _executable(self, shapes: dict):
+        key = self._key(shapes)
+        if key not in self._executables:
+            if self._executables:
+                logger.warning("compiling an encoder for unexpected image input shapes %s", key)
+            rep = self.runner._replicated
+            args = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=rep) for name, (shape, dtype) in shapes.items()}
+            row = jax.ShapeDtypeStruct((), np.int32, sharding=rep)
+            self._executables[key] = self.runner.executable_cache.compile(repr(key), self._jitted,
+                                                                          (self.runner.state, args, row))
+        return self._executables[key]
+
+    @property
+    def num_compilations(self) -> int:
+        return len(self._executables)
+
+    # ------------------------------------------------------------------ requests
+    def process(self, prompt: str, images: list) -> ProcessedPrompt:
+        """A prompt and its PIL images -> ProcessedPrompt (ValueError naming the field otherwise;
+        the caller checks limit_mm_per_prompt first: RequestValidator.check_images)."""
+        if self.processor is None:
+            raise ValueError("multi_modal_data: the checkpoint has no processor (processor_config.json) to read images with")
+        return process_prompt(self.processor, self.hf_config, prompt, images, self.model.num_image_tokens,
+                              getattr(self.model, "pixel_inputs", None), getattr(self.model, "encoder_output_rows", None))
+
+    def attach(self, group, processed: ProcessedPrompt):
+        """Give the just-added group its images: the pixel inputs on the group, the ranges and
+        hashes on its sequence (forks copy them)."""
+        group.mm_items = processed.items
+        group.encoder_cache_rows = self.cache.num_rows  # (the scheduler's encoder budget: encoder_budget.py)
+        group.prompt = processed.prompt
+        for seq in group.seqs:
+            seq.mm_ranges = processed.mm_ranges
+
+    # ------------------------------------------------------------------ steps
+    def prepare(self, batch):
+        """Encode the images the step's chunks cover (those not cached) and point their
+        placeholder tokens at the cache rows. Called after the StepBatch is built, before dispatch."""
+        pinned, todo = set(), []
+        for scheduled, first, _ in batch.groups:
+            items = getattr(scheduled.seq_group, "mm_items", None)
+            if not items:
+                continue
+            for j in range(first, first + len(scheduled.seqs)):
+                start, ids = batch.start_pos[j], batch.token_ids[j]
+                end = start + len(ids)
+                hits = [item for item in items if item.offset < end and start < item.offset + item.length]
+                if hits:
+                    todo.append((j, hits))
+                    pinned.update(item.mm_hash for item in hits)
+        for j, hits in todo:
+            start, ids = batch.start_pos[j], list(batch.token_ids[j])
+            for item in hits:
+                row = self._row_of(item, pinned)
+                lo, hi = max(start, item.offset), min(start + len(ids), item.offset + item.length)
+                base = self.vocab_size + row - item.offset
+                ids[lo - start:hi - start] = range(base + lo, base + hi)
+            batch.token_ids[j] = ids
+
+    def _row_of(self, item, pinned: set) -> int:
+        row = self.cache.lookup(item.mm_hash)
+        if row is None:
+            row = self.cache.allocate(item.mm_hash, item.rows, pinned)
+            shapes = {name: (value.shape, value.dtype) for name, value in item.pixel_inputs.items()}
+            executable = self._executable(shapes)
+            self.runner.state = executable(self.runner.state, item.pixel_inputs, np.int32(row))
+            self.num_encodes += 1
+        return row
+
+    def reset(self):
+        """Forget every cached image (weights changed: their embeddings are stale)."""
+        self.cache.clear()
+
+
+PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data"}
+
+
+def add_request(mm: "MultimodalEngine | None", engine, request_id: str, prompt, sampling_params, arrival_time=None,
+                lora_request=None):
+    """LLMEngine.add_request for a prompt that is neither a str nor token ids: vLLM's dict
+    ({"prompt": ..., "multi_modal_data": {"image": PIL image or list}}, or {"prompt_token_ids": ...})
+    or a ProcessedPrompt (the server processes images off its event loop). `mm`: the engine's
+    multimodal path, None for a text-only model (an image is then a ValueError)."""
+    if isinstance(prompt, dict):
+        unknown = sorted(set(prompt) - PROMPT_KEYS)
+        if unknown:
+            raise ValueError(f"prompt: unknown key(s) {unknown}; expected {sorted(PROMPT_KEYS)}")
+        data = prompt.get("multi_modal_data") or {}
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError("multi_modal_data: expected {'image': a PIL image or a list of them}")
+        text = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        images = data.get("image")
+        if images is None:
+            return engine.add_request(request_id, text, sampling_params, arrival_time, lora_request)
+        if mm is None:
+            raise ValueError("multi_modal_data: this model takes no images (a text-only model)")
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        images = [check_image(image, f"multi_modal_data.image[{i}]", MediaOptions().max_pixels)
+                  for i, image in enumerate(images)]
+        engine.request_validator.check_images(len(images))
+        prompt = mm.process(text, images)
+    if not isinstance(prompt, ProcessedPrompt):
+        raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+    if mm is None:
+        raise ValueError("multi_modal_data: this model takes no images (a text-only model)")
+    engine.request_validator.check_images(len(prompt.items))
+    engine.add_request(request_id, prompt.token_ids, sampling_params, arrival_time, lora_request)
+    mm.attach(engine._groups[request_id], prompt)  # (this thread added it: no step has seen it yet)
