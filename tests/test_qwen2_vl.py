@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from jpaged.models.loader import build_model, iter_safetensors
-from jpaged.models.mrope import mrope_positions, text_positions
+from jpaged.models.mrope import mrope_positions, step_mrope_positions, text_positions
 from jpaged.models.qwen2_vl import Qwen2VLForConditionalGeneration, image_pixel_inputs, image_tokens
 from tests.vision_checkpoints import (IMAGE_TOKEN, VISION_END, VISION_START, paged_forward, qwen_image_processor,
                                       random_images, save_qwen)
@@ -38,7 +38,7 @@ def encode(ours, hf_config, pixel_values: np.ndarray, grids) -> list[np.ndarray]
     out, start = [], 0
     for grid in grids:
         n = int(np.prod(grid))
-        inputs = image_pixel_inputs(hf_config, pixel_values[start:start + n], grid, BUCKETS)
+        inputs = image_pixel_inputs(ours.visual, pixel_values[start:start + n], grid, BUCKETS)
         emb = np.asarray(ours.embed_image(**{k: jnp.asarray(v) for k, v in inputs.items()}))
         assert emb.shape[0] == inputs["pixel_values"].shape[0] // 4
         out.append(emb[:image_tokens(hf_config, grid)])
@@ -73,7 +73,7 @@ def test_window_attention_matters(checkpoint):
     if not ours.visual.qwen25:
         pytest.skip("Qwen2-VL has no windows")
     batch = qwen_image_processor()(images=random_images(rng, SIZES[2:]), return_tensors="pt")
-    inputs = image_pixel_inputs(hf.config, batch["pixel_values"].numpy(), batch["image_grid_thw"][0], BUCKETS)
+    inputs = image_pixel_inputs(ours.visual, batch["pixel_values"].numpy(), batch["image_grid_thw"][0], BUCKETS)
     assert len(set(inputs["windows"][inputs["windows"] >= 0].tolist())) > 1
     full = dict(inputs, windows=inputs["frames"])
     a, b = (np.asarray(ours.embed_image(**{k: jnp.asarray(v) for k, v in x.items()})) for x in (inputs, full))
@@ -142,3 +142,39 @@ def test_logits_with_images_equal_hf(checkpoint, count):
     positions, _ = mrope_positions(ids, grids, IMAGE_TOKEN, 2)
     logits = np.asarray(ours.compute_logits(paged_forward(ours, jnp.asarray(embeds), positions)))
     assert np.abs(logits - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
+
+
+def test_step_mrope_positions():
+    """A step mixing a prefill chunk cut inside an image, a decode past an image prompt and a
+    text-only prompt: each token's three positions are its prompt table's, or p + delta."""
+    grids = [(1, 4, 6)]
+    ids = [5, 6, VISION_START] + [IMAGE_TOKEN] * 6 + [VISION_END, 7]
+    table, delta = mrope_positions(ids, grids, IMAGE_TOKEN, 2)
+    assert delta == 3 + 3 + 2 - len(ids)  # text 3, image max(2, 3), text 2
+    # seq 0: prompt positions 4..8 (a chunk); seq 1: decode at position 13; seq 2: text at 3..4; 2 pads.
+    pos = np.array([4, 5, 6, 7, 8, 13, 3, 4, 0, 0], np.int32)
+    out = step_mrope_positions(pos, [5, 1, 2], [(table, delta), (table, delta), None])
+    np.testing.assert_array_equal(out[:, :5], table[:, 4:9])
+    np.testing.assert_array_equal(out[:, 5], [13 + delta] * 3)
+    np.testing.assert_array_equal(out[:, 6:], np.broadcast_to(pos[6:], (3, 4)))
+
+
+def test_model_prompt_helpers(checkpoint):
+    """pixel_inputs cuts image i out of the processor's batch; the grid read back off its padded
+    inputs, and mrope_prompt equal to mrope_positions with the processor's grids."""
+    hf, ours, rng = checkpoint
+    ours.buckets = BUCKETS
+    batch = qwen_image_processor()(images=random_images(rng, SIZES), return_tensors="np")
+    grids = [tuple(int(v) for v in g) for g in batch["image_grid_thw"]]
+    inputs = [ours.pixel_inputs(batch, i) for i in range(3)]
+    assert [ours.image_grid(p) for p in inputs] == grids
+    assert [ours.num_image_tokens(p) for p in inputs] == [image_tokens(hf.config, g) for g in grids]
+    assert [ours.encoder_output_rows(p) for p in inputs] == [16, 16, 64]  # buckets 64, 64, 256
+    start = grids[0][1] * grids[0][2]
+    np.testing.assert_array_equal(inputs[1]["pixel_values"][:grids[1][1] * grids[1][2]],
+                                  batch["pixel_values"][start:start + grids[1][1] * grids[1][2]])
+    ids = prompt_with_images(rng, grids)
+    table, delta = ours.mrope_prompt(ids, inputs)
+    ref, ref_delta = mrope_positions(ids, grids, IMAGE_TOKEN, 2)
+    np.testing.assert_array_equal(table, ref)
+    assert delta == ref_delta

@@ -120,3 +120,44 @@ def gemma3_image_processor():
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     return Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+
+
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_qwen_servable(path, family: str, seed: int):
+    """A Qwen2-VL / Qwen2.5-VL checkpoint the engine can serve: the tiny byte tokenizer with Qwen's
+    vision tokens (ids 259..262) and <|im_start|>/<|im_end|>, a chat template, the image
+    processor; the LM head scaled so greedy choices are far apart. Returns the HF model."""
+    import torch
+    import transformers
+
+    from jpaged.models import tiny
+
+    tok = tiny.tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                                          "<|vision_end|>", "<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = QWEN_CHAT_TEMPLATE
+    image, video, start, end = tok.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                                          "<|vision_end|>"])
+    config = qwen_config(family)
+    config.text_config.vocab_size = len(tok)
+    config.text_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+    config.text_config.bos_token_id = config.text_config.pad_token_id = None
+    config.image_token_id, config.video_token_id = image, video
+    config.vision_start_token_id, config.vision_end_token_id = start, end
+    cls = (transformers.Qwen2VLForConditionalGeneration if family == "qwen2_vl"
+           else transformers.Qwen2_5_VLForConditionalGeneration)
+    model = randomize(cls(config), seed).eval()
+    with torch.no_grad():
+        for name, p in model.model.language_model.named_parameters():  # (constant v biases: one token wins always)
+            if name.endswith("bias"):
+                p.mul_(0.1)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    qwen_image_processor().save_pretrained(path)
+    return model

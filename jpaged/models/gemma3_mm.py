@@ -16,14 +16,16 @@ whole image in one prefill chunk (vLLM does the same for Gemma 3).
 
 import copy
 
-import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jpaged.models.gemma import GemmaForCausalLM
 from jpaged.models.layers import HFWeights, RMSNorm, WeightTarget, fp32_precision, weight_param
 from jpaged.models.paged_attention import AttentionOps
-from jpaged.models.siglip import SiglipVisionTower, siglip_pixel_shape
+from jpaged.models.llava import adapt_multimodal_config, encoder_cache_rows
+from jpaged.models.siglip import SiglipVisionTower
+from jpaged.multimodal.encoder_cache import EncoderCache, embed_with_cache
 
 
 class Gemma3MultiModalProjector(nnx.Module):
@@ -66,6 +68,11 @@ class Gemma3ForConditionalGeneration(nnx.Module):
         self.language_model = GemmaForCausalLM(text, dtype=dtype, ops=ops, max_model_len=max_model_len)
         self.image_token_id = cfg.image_token_index
         self.vocab_size = text.vocab_size
+        self.tokens_per_image = cfg.mm_tokens_per_image
+        self.encoder_cache = EncoderCache(jnp.zeros((encoder_cache_rows(cfg, self.tokens_per_image), text.hidden_size),
+                                                    dtype))
+
+    adapt_hf_config = staticmethod(adapt_multimodal_config)
 
     def embed_tokens_fn(self, input_ids):
         lm = self.language_model
@@ -78,7 +85,9 @@ class Gemma3ForConditionalGeneration(nnx.Module):
         return lm.norm(x), kv_cache
 
     def __call__(self, input_ids, positions, kv_cache):
-        return self.forward_embeds(self.embed_tokens_fn(input_ids), positions, kv_cache)
+        """ids >= vocab_size: rows of the encoder cache (an image's embeddings; encoder_cache.py)."""
+        x = embed_with_cache(self.embed_tokens_fn, self.encoder_cache, input_ids, self.vocab_size)
+        return self.forward_embeds(x, positions, kv_cache)
 
     def compute_logits(self, hidden):
         return self.language_model.compute_logits(hidden)
@@ -88,9 +97,12 @@ class Gemma3ForConditionalGeneration(nnx.Module):
         out = self.multi_modal_projector(self.vision_tower(pixel_values))
         return out.reshape(-1, out.shape[-1]).astype(self.language_model.embed_tokens.embedding.dtype)
 
-    @staticmethod
-    def encoder_input_shapes(hf_config) -> list[dict]:
-        return [{"pixel_values": (siglip_pixel_shape(hf_config.vision_config), jax.numpy.float32)}]
+    def encoder_input_shapes(self) -> list[dict]:
+        t = self.vision_tower
+        return [{"pixel_values": ((1, t.channels, t.size, t.size), jnp.float32)}]
+
+    def num_image_tokens(self, pixel_inputs: dict) -> int:
+        return self.tokens_per_image * int(np.shape(pixel_inputs["pixel_values"])[0])
 
     def hf_weights(self) -> HFWeights:
         return {**self.vision_tower.hf_weights("vision_tower"),

@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 from jpaged import config
 from jpaged.file_safety import open_regular, read_json, safetensors_header
 from jpaged.models.gemma import GemmaForCausalLM
+from jpaged.models.gemma3_mm import Gemma3ForConditionalGeneration
 from jpaged.models.layers import Attention, Embedding, LayerNorm, Linear, RMSNorm, WeightTarget, kernel_path
 from jpaged.models.gpt2 import GPT2LMHeadModel
 from jpaged.models.paged_attention import AttentionOps
@@ -35,6 +36,7 @@ from jpaged.models.llava import LlavaForConditionalGeneration
 from jpaged.models.moe import MixtralForCausalLM, SparseMoE
 from jpaged.models.opt import OPTForCausalLM
 from jpaged.models.phi3 import Phi3ForCausalLM
+from jpaged.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from jpaged.parallel import sharding
 from jpaged.quantization.formats import Quantization, quantization_of
 from jpaged.quantization.scheme import QuantizedTensor, check_scales, layout, model_memory_bytes, quantize_model
@@ -56,6 +58,9 @@ MODEL_REGISTRY = {
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }
 
 DTYPES = {name: jnp.dtype(name) for name in config.DTYPES if name != "auto"}

@@ -97,3 +97,23 @@ def apply_mrope(x, positions, inv_freq, mrope_section):
     cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
+
+
+def step_mrope_positions(positions: np.ndarray, lens, tables) -> np.ndarray:
+    """A step's M-RoPE positions int32[3, tokens] from its 1-D ones (int32[tokens]: each token's
+    position in its sequence, the step's sequences one after another, `lens` tokens each, then
+    padding): sequence i's token at position p takes column p of tables[i] = (positions [3, L],
+    delta) when p < L (its prompt), else p + delta in all three; a sequence whose table is None
+    (a text-only prompt) and the padding keep p in all three."""
+    positions = np.asarray(positions)
+    out = np.broadcast_to(positions.astype(np.int32), (3, len(positions))).copy()
+    start = 0
+    for n, table in zip(lens, tables):
+        if table is not None:
+            prompt, delta = table
+            p = positions[start:start + n].astype(np.int64)
+            inside = p < prompt.shape[1]
+            out[:, start:start + n] = np.where(inside[None], prompt[:, np.minimum(p, max(prompt.shape[1] - 1, 0))],
+                                               (p + delta)[None])
+        start += n
+    return out

@@ -22,10 +22,13 @@ from flax import nnx
 from jpaged.models.forward_context import get_forward_context
 from jpaged.models.layers import Attention, GatedMLP, HFWeights, RopeConfig
 from jpaged.models.llama import LlamaDecoderLayer, LlamaForCausalLM, head_dim_of
-from jpaged.models.mrope import apply_mrope
+from jpaged.models.llava import adapt_multimodal_config, encoder_cache_rows
+from jpaged.models.mrope import apply_mrope, mrope_positions
 from jpaged.models.paged_attention import AttentionOps
-from jpaged.models.qwen2_vl_vision import Qwen2VisionTransformer, tokens_per_image, vision_layout
+from jpaged.models.qwen2_vl_processor import Qwen2VLPromptProcessor
+from jpaged.models.qwen2_vl_vision import Qwen2VisionTransformer, tokens_per_image
 from jpaged.models.vision_layers import bucket_size, pad_rows
+from jpaged.multimodal.encoder_cache import EncoderCache, embed_with_cache
 
 # Patch counts an image is padded to (one compiled encoder each). 4096 patches of 14 x 14 pixels:
 # about 800k pixels (e.g. 896 x 896); the processor's max_pixels must keep images within the last.
@@ -85,17 +88,26 @@ class Qwen2VLTextModel(LlamaForCausalLM):
 class Qwen2VLForConditionalGeneration(nnx.Module):
     is_multimodal = True
     uses_mrope = True
+    buckets = VISION_BUCKETS
 
     def __init__(self, cfg, *, dtype, ops: AttentionOps, max_model_len: int | None = None):
-        self.hf_config = cfg
         self.visual = Qwen2VisionTransformer(cfg.vision_config, dtype=dtype)
         self.language_model = Qwen2VLTextModel(text_config_of(cfg), dtype=dtype, ops=ops, max_model_len=max_model_len)
         self.image_token_id = cfg.image_token_id
         self.vocab_size = cfg.text_config.vocab_size
+        merge = cfg.vision_config.spatial_merge_size
+        self.encoder_cache = EncoderCache(jnp.zeros(
+            (encoder_cache_rows(cfg, max(self.buckets) // merge ** 2), cfg.text_config.hidden_size), dtype))
+
+    adapt_hf_config = staticmethod(adapt_multimodal_config)
+    # transformers' Qwen2VLProcessor needs torchvision: the image processor and the tokenizer instead.
+    load_processor = staticmethod(Qwen2VLPromptProcessor.from_pretrained)
 
     # ------------------------------------------------------------------ language model
     def __call__(self, input_ids, positions, kv_cache):
-        return self.language_model.forward_embeds(self.embed_tokens_fn(input_ids), positions, kv_cache)
+        """ids >= vocab_size: rows of the encoder cache (an image's embeddings; encoder_cache.py)."""
+        x = embed_with_cache(self.embed_tokens_fn, self.encoder_cache, input_ids, self.vocab_size)
+        return self.language_model.forward_embeds(x, positions, kv_cache)
 
     def embed_tokens_fn(self, input_ids):
         return self.language_model.embed_tokens(input_ids)
@@ -108,20 +120,50 @@ class Qwen2VLForConditionalGeneration(nnx.Module):
 
     # ------------------------------------------------------------------ vision
     def embed_image(self, pixel_values, rope, frames, windows=None):
-        """One image's padded patches (image_pixel_inputs) -> [bucket / merge^2, text hidden]."""
-        return self.visual(pixel_values, rope, frames, windows).astype(self.language_model.embed_tokens.embedding.dtype)
+        """One image's padded patches (image_pixel_inputs) -> [bucket / merge^2, text hidden]: the
+        image's tokens first, then rows of padding (encoder_output_rows in all)."""
+        return self.visual(pixel_values, rope, frames, windows).astype(self.encoder_cache.dtype)
 
-    @staticmethod
-    def encoder_input_shapes(hf_config, buckets=VISION_BUCKETS) -> list[dict]:
-        v = hf_config.vision_config
-        dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    def num_image_tokens(self, pixel_inputs: dict) -> int:
+        """The image's placeholder tokens: its real (unpadded) patches / merge^2."""
+        return int((np.asarray(pixel_inputs["frames"]) >= 0).sum()) // self.visual.merge ** 2
+
+    def encoder_output_rows(self, pixel_inputs: dict) -> int:
+        """The rows embed_image writes (the bucket's, padding included)."""
+        return int(np.shape(pixel_inputs["frames"])[0]) // self.visual.merge ** 2
+
+    def encoder_input_shapes(self) -> list[dict]:
+        """One executable per bucket of patch counts."""
+        v = self.visual
         shapes = []
-        for b in buckets:
-            shape = {"pixel_values": ((b, dim), np.float32), "rope": ((b, 2), np.int32), "frames": ((b,), np.int32)}
-            if v.model_type == "qwen2_5_vl_vision":
+        for b in self.buckets:
+            shape = {"pixel_values": ((b, v.patch_dim), np.float32), "rope": ((b, 2), np.int32),
+                     "frames": ((b,), np.int32)}
+            if v.qwen25:
                 shape["windows"] = ((b,), np.int32)
             shapes.append(shape)
         return shapes
+
+    def image_grid(self, pixel_inputs: dict) -> tuple[int, int, int]:
+        """The grid (t, h, w) in patches of the image whose padded inputs these are."""
+        real = np.asarray(pixel_inputs["frames"]) >= 0
+        rope = np.asarray(pixel_inputs["rope"])[real]
+        t = len(np.unique(np.asarray(pixel_inputs["frames"])[real]))
+        return t, int(rope[:, 0].max()) + 1, int(rope[:, 1].max()) + 1
+
+    def mrope_prompt(self, token_ids, pixel_inputs: list[dict]) -> tuple[np.ndarray, int]:
+        """A prompt's M-RoPE positions [3, len] and delta (mrope.py), its images' grids read off
+        their encoder inputs."""
+        grids = [self.image_grid(p) for p in pixel_inputs]
+        return mrope_positions(token_ids, grids, self.image_token_id, self.visual.merge)
+
+    def pixel_inputs(self, processed: dict, i: int) -> dict[str, np.ndarray]:
+        """Image i's encoder inputs from the processor's batch (pixel_values rows of every image one
+        after another, image_grid_thw)."""
+        grids = np.asarray(processed["image_grid_thw"]).reshape(-1, 3)
+        start = int(np.prod(grids[:i], axis=1).sum())
+        rows = np.asarray(processed["pixel_values"])[start:start + int(np.prod(grids[i]))]
+        return image_pixel_inputs(self.visual, rows, grids[i], self.buckets)
 
     def hf_weights(self) -> HFWeights:
         return {**self.visual.hf_weights("visual"), **self.language_model.hf_weights()}
@@ -138,20 +180,18 @@ class Qwen2VLForConditionalGeneration(nnx.Module):
         return name
 
 
-def image_pixel_inputs(hf_config, rows: np.ndarray, grid, buckets=VISION_BUCKETS) -> dict[str, np.ndarray]:
+def image_pixel_inputs(visual: Qwen2VisionTransformer, rows: np.ndarray, grid, buckets=VISION_BUCKETS
+                       ) -> dict[str, np.ndarray]:
     """One image's encoder inputs: its processor rows [t * h * w, patch_dim] (pixel_values of the
     processor's batch, this image's part) padded to the smallest bucket, with the rotary
     positions and segment ids of its grid (t, h, w)."""
-    v = hf_config.vision_config
     grid = tuple(int(g) for g in grid)
     n = grid[0] * grid[1] * grid[2]
-    if rows.shape[0] != n:
-        raise ValueError(f"image grid {grid} has {n} patches, pixel_values has {rows.shape[0]} rows")
+    if rows.shape != (n, visual.patch_dim):
+        raise ValueError(f"image grid {grid} has {n} patches of {visual.patch_dim} values, pixel_values has "
+                         f"{tuple(rows.shape)}")
     size = bucket_size(n, buckets)
-    qwen25 = v.model_type == "qwen2_5_vl_vision"
-    layout = vision_layout([grid], v.spatial_merge_size, patch_size=v.patch_size,
-                           window_size=v.window_size if qwen25 else None, pad_to=size)
-    return {"pixel_values": pad_rows(np.asarray(rows, np.float32), size), **layout}
+    return {"pixel_values": pad_rows(np.asarray(rows, np.float32), size), **visual.layout([grid], pad_to=size)}
 
 
 def image_tokens(hf_config, grid) -> int:

@@ -81,7 +81,3 @@ class SiglipVisionTower(nnx.Module):
                 **self.layers.hf_weights(lambda i: f"{prefix}.encoder.layers.{i}"),
                 **self.post_layernorm.hf_weights(f"{prefix}.post_layernorm")}
 
-
-def siglip_pixel_shape(vcfg) -> tuple[int, int, int, int]:
-    return (1, vcfg.num_channels, vcfg.image_size, vcfg.image_size)
-
