@@ -12,6 +12,9 @@ ids at once, so the numbers are the host's alone (the goal: <= 2 ms per step at 
 measured as the Python thread's CPU time so that a busy machine's neighbours count less.
 With `--device real` the model runs (use a micro model: the host dominates) and "input" includes
 waiting for the device; "total" is then the wall time per step.
+With `--detokenize-off-thread` the engine runs as the server runs it: DELTA outputs, and the text of
+requests that need none on the engine thread made by another thread (jpaged/core/pending_output.py);
+"output_thread" is that thread's CPU time per step, not counted in "total".
 
   JAX_PLATFORMS=cpu python scripts/bench_host.py                      # tiny, stubbed, 1/32/256 seqs
   JAX_PLATFORMS=cpu python scripts/bench_host.py --device real --model micro
@@ -20,7 +23,9 @@ waiting for the device; "total" is then the wall time per step.
 import argparse
 import json
 import os
+import queue
 import sys
+import threading
 import time
 
 import jax
@@ -92,7 +97,36 @@ def micro_model(work_dir: str) -> str:
     return path
 
 
-def measure(llm, num_seqs: int, steps: int, vocab_size: int, output_kind: str) -> dict:
+class OutputThread:
+    """The server's output thread (serving/async_engine.py): completes PendingOutputs off the
+    engine thread, timing its own CPU time."""
+
+    def __init__(self, engine):
+        from jpaged.core.pending_output import PendingOutput, complete
+
+        self.handed, self.seconds = queue.SimpleQueue(), 0.0
+
+        def run():
+            while (outputs := self.handed.get()) is not None:
+                if isinstance(outputs, threading.Event):  # drain(): all before it is done
+                    outputs.set()
+                    continue
+                start = time.thread_time()
+                for out in outputs:
+                    if type(out) is PendingOutput:
+                        complete(out, engine.detokenizer)
+                self.seconds += time.thread_time() - start
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def drain(self):
+        done = threading.Event()
+        self.handed.put(done)
+        done.wait()
+
+
+def measure(llm, num_seqs: int, steps: int, vocab_size: int, output_kind: str, output_thread=None) -> dict:
     engine = llm.llm_engine
     rng = np.random.default_rng(num_seqs)
     num_steps = engine.config.num_scheduler_steps
@@ -108,20 +142,27 @@ def measure(llm, num_seqs: int, steps: int, vocab_size: int, output_kind: str) -
     seqs = [seq for group in engine.scheduler.running for seq in group.seqs]
     generated = -sum(seq.get_output_len() for seq in seqs)
     before = engine.stats()
+    hand = output_thread.handed.put if output_thread is not None else (lambda outputs: None)
+    off_thread = output_thread.seconds if output_thread is not None else 0.0
     t = CLOCK()
     for _ in range(steps):
-        engine.step()
+        hand(engine.step())
     total = CLOCK() - t
+    if output_thread is not None:
+        output_thread.drain()
+        off_thread = output_thread.seconds - off_thread
     phases = {p: round(ms, 3) for p, ms, _ in table(before, engine.stats())}  # the engine's clock (wall time)
     # Per decode step (a multi-step decode's call counts as its K steps).
     decode_steps = (generated + sum(seq.get_output_len() for seq in seqs)) / num_seqs
     engine.scheduler.__dict__.pop("schedule", None)  # unwrap
     engine.runner.__dict__.pop("execute", None)
     while engine.has_unfinished_requests():
-        engine.step()
+        hand(engine.step())
     ms = {phase: 1e3 * v / decode_steps for phase, v in timer.totals.items()}
     ms["output"] = 1e3 * total / decode_steps - sum(ms.values())
     ms["total"] = 1e3 * total / decode_steps
+    if output_thread is not None:
+        ms["output_thread"] = 1e3 * off_thread / decode_steps
     return {"num_seqs": num_seqs, **{k: round(v, 3) for k, v in ms.items()}, "phases_ms_per_step": phases}
 
 
@@ -135,6 +176,8 @@ def main():
                    help="what each step's RequestOutputs carry (the server asks for DELTA)")
     p.add_argument("--max-model-len", type=int, help="the engine's (default: what the run needs); a model's own "
                    "limit (131072 for Llama 3) makes block tables 8192 entries wide")
+    p.add_argument("--detokenize-off-thread", action="store_true",
+                   help="as the server: DELTA outputs, text made on another thread where nothing needs it here")
     p.add_argument("--work-dir", default="/tmp/jpaged_bench_host")
     p.add_argument("--output-json")
     args, engine_args = p.parse_known_args()
@@ -157,10 +200,13 @@ def main():
     else:
         global CLOCK
         CLOCK = time.perf_counter
-    results = []
+    results, output_thread = [], None
+    if args.detokenize_off_thread:
+        llm.llm_engine.detokenize_later, args.output_kind = True, "DELTA"
+        output_thread = OutputThread(llm.llm_engine)
     for n in args.num_seqs:
-        measure(llm, n, 5, vocab_size, args.output_kind)  # warm the Python paths
-        results.append(measure(llm, n, args.steps, vocab_size, args.output_kind))
+        measure(llm, n, 5, vocab_size, args.output_kind, output_thread)  # warm the Python paths
+        results.append(measure(llm, n, args.steps, vocab_size, args.output_kind, output_thread))
         print(json.dumps(results[-1]), flush=True)
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -2,8 +2,11 @@
 
 The LLMEngine is not thread-safe, so only its thread touches it: the event loop sends commands
 (add, abort) through a queue and gets answers back through futures; the engine thread drains the
-commands between steps and hands each step's RequestOutputs to the loop with
-call_soon_threadsafe. The loop therefore never waits on a device step.
+commands between steps and hands each step's outputs to a third thread, which makes the text of
+those the engine left undetokenized (jpaged/core/pending_output.py: vLLM v1's split between the
+engine core and the output processor) and passes the RequestOutputs to the loop with
+call_soon_threadsafe, in step order. The loop therefore never waits on a device step, and the
+engine thread does not detokenize a streamed request whose text decides nothing there.
 """
 
 import asyncio
@@ -14,6 +17,7 @@ import queue
 import threading
 import time
 
+from jpaged.core.pending_output import PendingOutput, complete
 from jpaged.engine.llm_engine import LLMEngine, StepFailedError
 from jpaged.engine.router_stats import router_stats
 from jpaged.outputs import CompletionOutput, RequestOutput
@@ -30,7 +34,11 @@ class EngineDeadError(RuntimeError):
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, metrics: Metrics):
         self.engine, self.metrics = engine, metrics
+        engine.detokenize_later = True  # (its PendingOutputs are completed by the output thread)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._handed: queue.SimpleQueue = queue.SimpleQueue()  # engine thread -> output thread
+        self._output_thread: threading.Thread | None = None
+        self.output_seconds = 0.0  # the output thread's time completing outputs (detokenizing)
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -46,6 +54,8 @@ class AsyncLLMEngine:
     def start(self):
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="jpaged-engine", daemon=True)
+        self._output_thread = threading.Thread(target=self._run_outputs, name="jpaged-outputs", daemon=True)
+        self._output_thread.start()
         self._thread.start()
 
     async def shutdown(self):
@@ -56,6 +66,9 @@ class AsyncLLMEngine:
         self._wakeup.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        if self._output_thread is not None:
+            self._handed.put(None)
+            await asyncio.to_thread(self._output_thread.join)
         await asyncio.to_thread(self.engine.shutdown)
 
     # ------------------------------------------------------------------ requests
@@ -66,7 +79,9 @@ class AsyncLLMEngine:
         request). Iterate the returned stream for the outputs; abort it when giving up early."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self.dead!r}")
-        stream = RequestStream(self, request_id, prompt_token_ids, sampling_params)
+        # (A prompt with images comes as a ProcessedPrompt: its token ids hold the images' placeholders.)
+        stream = RequestStream(self, request_id, getattr(prompt_token_ids, "token_ids", prompt_token_ids),
+                               sampling_params)
         self._streams[request_id] = stream
         added: concurrent.futures.Future = concurrent.futures.Future()
         self.num_pending_adds += 1
@@ -131,15 +146,41 @@ class AsyncLLMEngine:
                     try:
                         outputs = self.engine.step()
                     except StepFailedError as e:  # those requests were aborted; the others go on
-                        self._loop.call_soon_threadsafe(self._fail, e.request_ids, e)
+                        self._handed.put((self._fail, e.request_ids, e))
                         outputs = e.outputs
                     # Stats first: a client that saw its request finish then finds it gone from them.
                     self._run_commands()  # which also refreshes the stats
-                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+                    self._handed.put((self._deliver, outputs))
         except BaseException as e:
             logger.exception("the engine thread failed")
             self.dead = e
+            self._handed.put(None)
             self._loop.call_soon_threadsafe(self._die, EngineDeadError(f"the engine failed: {e!r}"))
+
+    def _run_outputs(self):
+        """The output thread: completes the PendingOutputs of each step the engine thread hands
+        over (their text), then passes the step's outputs (or failures) to the loop, in order. A
+        request whose output cannot be completed fails alone (and is aborted in the engine)."""
+        clock = time.thread_time
+        while (item := self._handed.get()) is not None:
+            call, *args = item
+            if call == self._deliver:
+                start, outputs, failed = clock(), [], []
+                for out in args[0]:
+                    if type(out) is PendingOutput:
+                        try:
+                            out = complete(out, self.engine.detokenizer)
+                        except Exception as e:
+                            logger.exception("request %s: its output could not be made", out.request_id)
+                            failed.append((out.request_id, e))
+                            continue
+                    outputs.append(out)
+                self.output_seconds += clock() - start
+                for request_id, e in failed:
+                    self._send(("abort", request_id))
+                    self._loop.call_soon_threadsafe(self._fail, [request_id], e)
+                args = (outputs,)
+            self._loop.call_soon_threadsafe(call, *args)
 
     def _run_commands(self):
         while True:
@@ -170,7 +211,8 @@ class AsyncLLMEngine:
                     done.set_exception(e)
             else:
                 self.engine.abort_request(command[1])
-        self.stats = {**self.engine.stats(), **router_stats(self.engine)}  # + what fleet routers read
+        self.stats = {**self.engine.stats(), **router_stats(self.engine),  # + what fleet routers read
+                      "output_thread_seconds": self.output_seconds}
 
     # ------------------------------------------------------------------ on the event loop
     def _taken(self):

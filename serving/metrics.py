@@ -122,6 +122,9 @@ class Metrics:
             metric("step_phase_seconds_total", "counter", "Seconds the engine's steps spent in each phase, on "
                    "the engine thread.", samples=[f'{name}{{{labels},phase="{phase}"}} {seconds}'
                                                  for phase, seconds in stats["step_phase_seconds"].items()])
+        if stats and "output_thread_seconds" in stats:
+            metric("output_thread_seconds_total", "counter", "Seconds the server's output thread spent making the "
+                   "text of streamed requests (detokenizing off the engine thread).", stats["output_thread_seconds"])
         if stats and "spec_decode_num_drafts" in stats:  # speculative decoding: vLLM's counters
             metric("spec_decode_num_drafts_total", "counter", "Verified runs of draft tokens.",
                    stats["spec_decode_num_drafts"])

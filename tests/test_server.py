@@ -470,8 +470,15 @@ def test_step_phases_in_metrics_and_a_profile_on_request(server, client):
     steps = after["jpaged:engine_steps_total"] - before["jpaged:engine_steps_total"]
     assert steps >= 8  # a prefill and 7 decode steps at least
     phase = 'jpaged:step_phase_seconds_total{model_name="tiny",phase="%s"}'
-    for name in ("schedule", "prepare", "launch", "read", "update", "detokenize", "outputs"):
+    for name in ("schedule", "prepare", "launch", "read", "update", "outputs"):
         assert after[phase % name] > before[phase % name], name
+    # Its text decides nothing on the engine thread (no stop strings): made on the output thread.
+    output_thread = 'jpaged:output_thread_seconds_total{model_name="tiny"}'
+    assert after[phase % "detokenize"] == before[phase % "detokenize"]
+    assert after[output_thread] > before[output_thread]
+    # A stop string is looked for on the engine thread, in the text it detokenizes there.
+    client.completions.create(model="tiny", prompt="hello there", max_tokens=8, stop=["\x00\x01"])
+    assert metrics(server.url)[phase % "detokenize"] > after[phase % "detokenize"]
 
 
 def test_profile_routes_need_the_flag():

@@ -134,6 +134,11 @@ class Detokenizer:
         finally:
             self.seconds += time.perf_counter() - start
 
+    def decode_new_tokens(self, view: Any) -> str:
+        """_decode_incrementally off the engine thread (pending_output.py: a TextView), not
+        counted in `seconds` (the engine thread's clock reads it)."""
+        return self._decode_incrementally(view)
+
     def _decode_incrementally(self, seq: Any, skip_special_tokens: bool = True) -> str:
         """Detokenizes the output tokens of `seq` not detokenized yet (normally the one appended
         this step; several are fine) and returns the new text, also appended to seq.output_text.

@@ -5,6 +5,7 @@ Reads the sequences the scheduler's update_from_output updated; it writes only w
 """
 
 from jpaged.core.detokenizer import streamable_text
+from jpaged.core.pending_output import PendingOutput
 from jpaged.core.sequence import _FINISH_REASONS, Sequence, SequenceGroup
 from jpaged.core.stop_checker import StopChecker
 from jpaged.outputs import CompletionOutput, RequestOutput
@@ -15,10 +16,13 @@ class OutputProcessor:
     def __init__(self, stop_checker: StopChecker):
         self.stop_checker = stop_checker  # beams are ranked by its length-penalized score
 
-    def request_output(self, group: SequenceGroup) -> RequestOutput | None:
-        """The group's output after a step, as its output_kind asks (None: nothing to send)."""
+    def request_output(self, group: SequenceGroup) -> RequestOutput | PendingOutput | None:
+        """The group's output after a step, as its output_kind asks (None: nothing to send; a
+        PendingOutput for a request whose text is made later, on another thread)."""
         sp = group.sampling_params
         seqs = group.seqs  # (read only: not copied)
+        if seqs[0].detokenize_later:  # its text is made on another thread (pending_output.py)
+            return PendingOutput(group)
         finished = group.is_finished()
         kind = sp.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and not finished:

@@ -74,6 +74,10 @@ class Sequence:
         self.prefix_offset = 0
         self.read_offset = 0
         self.decode_stream = None  # fast tokenizers' tokenizers.decoders.DecodeStream
+        # Text made off the engine thread instead (pending_output.py): never detokenized above,
+        # its TextView written only by the thread that completes its outputs.
+        self.detokenize_later = False
+        self.text_view = None
         # Output tokens and characters already sent (RequestOutputKind.DELTA).
         self.num_sent_tokens = 0
         self.num_sent_chars = 0

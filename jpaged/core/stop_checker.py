@@ -30,7 +30,7 @@ class StopChecker:
             seq.num_pending_tokens -= 1
         seq.output_token_ids.append(token)
         seq.cumulative_logprob += logprob
-        if self.detokenizer is not None:
+        if self.detokenizer is not None and not seq.detokenize_later:
             self.detokenizer.decode_sequence_incrementally(seq)
         grammar = self.structured_output.accept(seq.seq_id, token) if sp.guided else None
         self._check_stop(sp, seq, token, grammar)
@@ -72,7 +72,7 @@ class StopChecker:
             cumulative += logprob
         seq.cumulative_logprob = cumulative
         output_ids = seq.output_token_ids
-        detokenizer = self.detokenizer
+        detokenizer = None if seq.detokenize_later else self.detokenizer
         if stop_reason is None:
             output_ids.extend(tokens[:num])
             if detokenizer is not None:
@@ -125,5 +125,5 @@ class StopChecker:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
 
     def _drop_text_of_last_token(self, seq: Sequence):
-        if self.detokenizer is not None:
+        if self.detokenizer is not None and not seq.detokenize_later:
             self.detokenizer.remove_last_delta(seq)

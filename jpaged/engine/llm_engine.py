@@ -18,6 +18,7 @@ from jpaged import devices
 from jpaged.config import EngineConfig
 from jpaged.core.block_manager import BlockManager
 from jpaged.core.detokenizer import Detokenizer
+from jpaged.core.pending_output import detokenizes_later
 from jpaged.step_clock import StepClock
 from jpaged.core.kv_allocation import KVUsage, kv_usage
 from jpaged.core.kv_map import KVMap
@@ -107,6 +108,9 @@ class LLMEngine:
 
             self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        # Requests added from now on whose text decides nothing here get it made by the caller's
+        # other thread: step() gives PendingOutputs for them (core/pending_output.py; the server's).
+        self.detokenize_later = False
         self.structured_output = StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size,
                                                          config.grammar_compile_timeout, config.grammar_compile_memory)
         self.max_model_len = start_up.derive_max_model_len(loaded.hf_config, config.max_model_len)
@@ -284,6 +288,7 @@ class LLMEngine:
         if sampling_params.guided:  # compiled now unless the server already did (off its event loop)
             self.structured_output.prepare(sampling_params)
         seq = Sequence(self.scheduler.new_seq_id(), ids)
+        seq.detokenize_later = self.detokenize_later and detokenizes_later(sampling_params)
         if lora_request is not None:
             seq.cache_salt = f"lora:{lora_request.lora_int_id}".encode()
         group = SequenceGroup(request_id, [seq], sampling_params,
