@@ -237,3 +237,40 @@ def test_kv_events_carry_image_hashes(llm):
     keys = [k for e in stored for k in e.extra_keys]
     assert keys[0] is None  # the first block holds text only
     assert (image_hash(image.convert("RGB")),) in keys
+
+
+def test_weights_reload_forgets_encoded_images(ckpt, hf):
+    """Encoded images do not outlive the weights that encoded them: after load_weights the same
+    image is encoded again (with the new projector: another output)."""
+    from jpaged.models.loader import iter_safetensors
+
+    llm = jpaged.LLM(ckpt, dtype="float32", max_model_len=256, max_num_seqs=2, block_size=16, enforce_eager=True)
+    mm = llm.llm_engine.runner.mm
+    rng = np.random.default_rng(SEED + 7)
+    image = random_images(rng, 1)[0]
+    prompt = {"prompt": PROMPTS[0], "multi_modal_data": {"image": image}}
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    before = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert before == hf_generate(hf, PROMPTS[0], [image], 6)[0]
+    scaled = [(name, -t if "multi_modal_projector.linear_2" in name else t) for name, t in iter_safetensors(ckpt)]
+    llm.load_weights(scaled)
+    encodes = mm.num_encodes
+    after = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert mm.num_encodes == encodes + 1
+    model, processor = hf
+    with torch.no_grad():
+        for proj in (model.model.multi_modal_projector.linear_2 if hasattr(model, "model") else
+                     model.multi_modal_projector.linear_2,):
+            proj.weight.neg_()
+            proj.bias.neg_()
+    try:
+        assert after == hf_generate(hf, PROMPTS[0], [image], 6)[0]
+    finally:
+        with torch.no_grad():
+            proj.weight.neg_()
+            proj.bias.neg_()
+
+
+def test_unsupported_combinations_are_value_errors(ckpt):
+    with pytest.raises(ValueError, match="enable_lora"):
+        jpaged.LLM(ckpt, dtype="float32", max_model_len=128, enable_lora=True, enforce_eager=True)

@@ -45,6 +45,13 @@ def _encode(graphdef, state, pixel_inputs: dict, row):
 
 class MultimodalEngine:
     def __init__(self, loaded, runner):
+        if runner.lora_linears:  # (the tower's projections would take slots too, read outside a step)
+            raise ValueError("enable_lora: not supported with a vision-language model yet")
+        if runner.proposer.shared_pools() or runner.proposer.needs_hidden_states:
+            raise ValueError("speculative_config: only the n-gram method runs with a vision-language model "
+                             "(a draft model or EAGLE head would read image tokens as text)")
+        if jax.process_count() > 1:
+            raise ValueError("a vision-language model runs on one host (the encoder is not sent to followers yet)")
         self.model, self.hf_config, self.runner = loaded.model, loaded.hf_config, runner
         self.processor = loaded.processor  # the checkpoint's AutoProcessor (models/loader.py)
         self.vocab_size = self.model.vocab_size

@@ -46,6 +46,8 @@ def check_weights(model: nnx.Module, weights, require_all: bool = False) -> list
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
             raise ValueError(f"load_weights: expected (name, array) pairs, got {type(item).__name__}")
         name, tensor = item[0], as_array(*item)
+        if rename := getattr(model, "rename_hf_weight", None):  # (a multimodal checkpoint's name variants)
+            name = rename(name)
         if name not in specs:
             close = [n for n in specs if n.rsplit(".", 2)[-2:] == name.rsplit(".", 2)[-2:]][:1]
             raise ValueError(f"load_weights: the model has no tensor {name!r}"
@@ -78,6 +80,8 @@ def write_weights(runner, checked: list, dtype, mesh):
         for target in specs[name]:
             place(target, tensor, quantized.get(kernel_path(target.param, quantized)), dtype, mesh)
     runner.state = nnx.split(model)[1]
+    if getattr(runner, "mm", None) is not None:  # images encoded with the old weights: encoded again
+        runner.mm.reset()
 
 
 def free(tree):
@@ -107,6 +111,8 @@ class Slept:
 
 def sleep(runner, level: int):
     runner.slept = Slept(runner, level)
+    if getattr(runner, "mm", None) is not None and level > 1:  # (the encoder cache goes with the weights)
+        runner.mm.reset()
     free(runner.kv_cache)
     free(runner.state)
     runner.kv_cache = runner.state = None
