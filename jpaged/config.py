@@ -37,7 +37,7 @@ def _option(default, help: str, **metadata):
 HOST_ONLY_OPTIONS = ("executable_cache", "grammar_compile_timeout", "grammar_compile_memory", "max_cpu_loras",
                      "enable_sleep_mode", "kv_events_config", "data_parallel_size", "data_parallel_rank",
                      "dp_routing", "dp_restart", "runner", "convert", "background_warmup", "limit_mm_per_prompt",
-                     "allowed_local_media_path")
+                     "allowed_local_media_path", "allowed_media_domains")
 # --dp-routing (jpaged/data_parallel/router.py).
 DP_ROUTINGS = ("prefix", "least-loaded", "round-robin")
 
@@ -153,6 +153,9 @@ class EngineConfig:
     allowed_local_media_path: str | None = _option(
         None, "chat image_url parts may name local files (file:///...) under this directory (symlinks and '..' "
         "resolved, regular files only); unset: local files are refused")
+    allowed_media_domains: list | str | None = _option(
+        None, "chat image_url parts may fetch http(s) URLs only from these hosts (comma-separated on the command "
+        "line; each redirect's host is checked too); unset: any host")
     revision: str | None = _option(None, "hub revision (branch, tag or commit) of the model")
     tokenizer: str | None = _option(None, "tokenizer directory or hub id, when not the model's")
     # Multi-host (jax.distributed): the same command on every host; unset -> JAX_COORDINATOR_ADDRESS,
@@ -230,6 +233,11 @@ class EngineConfig:
         self.limit_mm_per_prompt = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
         check("allowed_local_media_path", self.allowed_local_media_path is None
               or os.path.isdir(os.path.realpath(self.allowed_local_media_path)), "None or an existing directory")
+        if isinstance(self.allowed_media_domains, str):
+            self.allowed_media_domains = [d.strip() for d in self.allowed_media_domains.split(",") if d.strip()]
+        check("allowed_media_domains", self.allowed_media_domains is None or (
+            isinstance(self.allowed_media_domains, (list, tuple)) and self.allowed_media_domains
+            and all(isinstance(d, str) and d for d in self.allowed_media_domains)), "None or a list of host names")
         if os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"):  # vLLM's switch
             self.batch_invariant = True
         if self.batch_invariant:

@@ -17,20 +17,22 @@ from serving.serving_engine import ChoiceState, OpenAIServing, json_dumps, raise
 class OpenAIServingChat(OpenAIServing):
     async def _chat_request(self, body: dict, stream: bool, logprobs: int | None = None) \
             -> tuple[list[int], SamplingParams, tool_calls.ToolCalling | None]:
-        """A chat body's prompt ids, sampling parameters and tool calling; every field is checked
-        before the (costly) template is rendered, and the context and the engine's limits after."""
+        """A chat body's prompt (token ids, or a ProcessedPrompt with images), sampling parameters
+        and tool calling; every field is checked before the (costly) template is rendered and the
+        images are loaded, and the context and the engine's limits after."""
         max_tokens = field(body, "max_completion_tokens", "integer")
         if max_tokens is None:
             max_tokens = field(body, "max_tokens", "integer")
         tools = tool_calls.parse_tools(body, self.tool_call_parser)
         params = protocol.sampling_params(body, max_tokens=1 if max_tokens is None else max_tokens, best_of=None,
                                           stream=stream, logprobs=logprobs, guided_json=tools and tools.schema)
-        ids = await self._encode_chat(body)
+        prompt = await self._encode_chat(body)  # token ids, or with images a ProcessedPrompt
+        ids = getattr(prompt, "token_ids", prompt)
         if max_tokens is None:  # vLLM's default: whatever room the context leaves
             params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
         self._check_context(len(ids), params.max_tokens, "messages")
         self._check_request(ids, params)
-        return ids, params, tools
+        return prompt, params, tools
 
     async def chat_completions(self, request):
         body = await json_body(request, self.body_timeout)

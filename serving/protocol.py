@@ -180,7 +180,9 @@ def parse_messages(body: dict, *, max_messages: int) -> list[dict]:
             raise APIError(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]",
                            code="invalid_type")
         content = m.get("content")
-        if isinstance(content, list):  # content parts: only text parts carry meaning for a text model
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content):
+            pass  # a message with images, as serving/images.py left it (the client's own parts checked there)
+        elif isinstance(content, list):  # content parts: only text parts carry meaning for a text model
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
                 raise APIError(f"messages[{i}].content parts must be {{'type': 'text', 'text': str}}",

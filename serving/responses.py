@@ -49,13 +49,16 @@ _PARAMS = [(re.compile(r"^messages"), "input"), (re.compile(r"^max_tokens"), "ma
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 
 
-def _text(content, param: str) -> str:
+def _text(content, param: str, images: bool = False) -> str | list:
     """A message's or a tool output's content: a string, or text parts (input_text, output_text,
-    refusal) joined; other parts (images, files) are a 400: the models are text-only."""
+    refusal) joined; other parts (files) are a 400. `images`: a message's content with input_image
+    parts stays a list of parts, for chat's image handling (serving/images.py) to check and load."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise APIError(f"'{param}' must be a string or an array of content parts", param=param, code="invalid_type")
+    if images and any(isinstance(part, dict) and part.get("type") == "input_image" for part in content):
+        return content
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -92,7 +95,7 @@ def input_messages(body: dict) -> list[dict]:
             if role not in _MESSAGE_ROLES:
                 raise APIError(f"'{param}.role' must be one of {', '.join(_MESSAGE_ROLES)}, got {role!r:.80}",
                                param=f"{param}.role", code="invalid_value")
-            content = _text(item.get("content"), f"{param}.content")
+            content = _text(item.get("content"), f"{param}.content", images=True)
             # Chat templates know "system"; "developer" is OpenAI's newer name for it.
             messages.append({"role": "system" if role == "developer" else role, "content": content})
         elif kind == "function_call":
@@ -202,6 +205,8 @@ def _renamed(e: APIError) -> APIError:
         param = pattern.sub(name, param)
     if param != e.param:
         e.message = e.message.replace(f"'{e.param}'", f"'{param}'").replace(f"{e.param}=", f"{param}=")
+        if e.message.startswith(f"{e.param}:"):  # an image part's errors start with its path (serving/images.py)
+            e.message = param + e.message[len(e.param):]
         e.param = param
     return e
 

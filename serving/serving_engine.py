@@ -25,6 +25,7 @@ from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.sampling_params import SamplingParams
 from serving import protocol
 from serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from serving.images import ServerImages
 from serving.logprobs import LogprobFormatter
 from serving.protocol import APIError, field
 from serving.server_options import ServerOptions
@@ -82,6 +83,10 @@ class OpenAIServing:
         self.logprobs = LogprobFormatter(self.tokenizer)  # the choices' `logprobs`
         # Tokenizing and rendering chat templates is CPU work: one thread, off the event loop.
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jpaged-tokenize")
+        # Images in chat messages (serving/images.py); a VLM checkpoint may keep its template in its processor.
+        self.images = ServerImages(engine, self.model_name, self._tokenize_pool)
+        if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            self.chat_template = self.images.chat_template
 
     def _usage(self, finals: list[RequestOutput]) -> dict:
         usage = protocol.usage(sum(len(o.prompt_token_ids) for o in finals),
@@ -90,13 +95,17 @@ class OpenAIServing:
             usage["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens or 0 for o in finals)}
         return usage
 
-    async def _encode_chat(self, body: dict) -> list[int]:
-        messages = protocol.parse_messages(body, max_messages=self.max_model_len)
+    async def _encode_chat(self, body: dict) -> "list[int] | ProcessedPrompt":
+        """The messages' prompt token ids; with images, a ProcessedPrompt (its token_ids hold each
+        image's placeholder tokens), the images loaded and processed off the event loop."""
+        chat = self.images.find(body.get("messages"))  # image parts out, {"type": "image"} in their place
+        messages = protocol.parse_messages({**body, "messages": chat.messages}, max_messages=self.max_model_len)
         add_generation_prompt = field(body, "add_generation_prompt", "boolean", True)
         tools = body.get("tools") or None  # the template tells the model about them (parse_tools checked them)
         if self.exclude_tools_when_tool_choice_none and body.get("tool_choice") == "none":
             tools = None
-        self._check_text_length(sum(len(m["content"]) for m in messages), "messages")
+        self._check_text_length(sum(len(m["content"]) if isinstance(m["content"], str) else
+                                    sum(len(p.get("text", "")) for p in m["content"]) for m in messages), "messages")
 
         def render(tools) -> str:
             try:
@@ -119,6 +128,9 @@ class OpenAIServing:
             return text
 
         text = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, render_and_check)
+        if chat.images:  # the processor tokenizes the text and expands each image's placeholder
+            self._check_text_length(len(text), "messages")
+            return await self.images.prompt(text, chat)
         # The template writes its own special tokens (BOS); don't add them twice.
         return await self._encode(text, "messages", add_special_tokens=False)
 

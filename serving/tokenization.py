@@ -14,6 +14,7 @@ class OpenAIServingTokenization(OpenAIServing):
         self._check_model(body)
         if "messages" in body:
             ids = await self._encode_chat(body)
+            ids = getattr(ids, "token_ids", ids)  # with images: the placeholders expanded
         else:
             prompt = field(body, "prompt", "string", required=True)
             ids = await self._encode(prompt, "prompt", add_special_tokens=field(body, "add_special_tokens",

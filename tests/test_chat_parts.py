@@ -150,11 +150,15 @@ def test_parse_limit_mm_per_prompt():
 
 def test_flags_reach_engine_config(tmp_path):
     args = cli.build_parser().parse_args(["serve", "--limit-mm-per-prompt", '{"image": 2}',
-                                          "--allowed-local-media-path", str(tmp_path)])
+                                          "--allowed-local-media-path", str(tmp_path),
+                                          "--allowed-media-domains", "a.example,b.example"])
     config, _ = cli.serve_options(args)
     assert config.limit_mm_per_prompt == {"image": 2} and config.allowed_local_media_path == str(tmp_path)
+    assert config.allowed_media_domains == ["a.example", "b.example"]
     assert EngineConfig().limit_mm_per_prompt is None and EngineConfig().allowed_local_media_path is None
     with pytest.raises(ValueError, match="limit_mm_per_prompt: unknown modality"):
         EngineConfig(limit_mm_per_prompt='{"picture": 1}')
     with pytest.raises(ValueError, match="allowed_local_media_path=.*expected None or an existing directory"):
         EngineConfig(allowed_local_media_path=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="allowed_media_domains=.*expected None or a list of host names"):
+        EngineConfig(allowed_media_domains=[3])

@@ -270,7 +270,7 @@ class LoopbackServer:
                         web.get("/endless", self.endless), web.get("/declared", self.declared),
                         web.get("/redirect/{n}", self.redirect), web.get("/loop/{i}", self.loop),
                         web.get("/to-file", self.to_file), web.get("/missing", self.missing),
-                        web.get("/gzip-bomb", self.gzip_bomb)])
+                        web.get("/gzip-bomb", self.gzip_bomb), web.get("/to-localhost", self.to_localhost)])
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(app, started), daemon=True)
@@ -349,6 +349,9 @@ class LoopbackServer:
         self.hits["loop"] += 1
         raise web.HTTPFound(self.url(f"/loop/{int(request.match_info['i']) + 1}"))
 
+    async def to_localhost(self, request):
+        raise web.HTTPFound(f"http://localhost:{self.port}/image.png")
+
     async def to_file(self, request):
         raise web.HTTPFound("file:///etc/passwd")
 
@@ -418,6 +421,24 @@ def test_http_redirects(server):
         media.load_image(server.url("/redirect/1"), MediaOptions(max_redirects=0), "u")
     with pytest.raises(MediaError, match="^u: redirected to a URL that is not http"):
         asyncio.run(media.load_image_async(server.url("/to-file"), options, "u"))
+
+
+def test_allowed_media_domains(server):
+    """--allowed-media-domains: other hosts refused, each redirect's host too."""
+    expected = pil_decode(server.image)
+    only_ip = MediaOptions(allowed_media_domains="127.0.0.1, other.example")
+    assert only_ip.allowed_media_domains == ("127.0.0.1", "other.example")
+    np.testing.assert_array_equal(np.asarray(media.load_image(server.url("/redirect/2"), only_ip)), expected)
+    with pytest.raises(MediaError, match="^u: redirected to the host 'localhost', which is not in --allowed-media"):
+        media.load_image(server.url("/to-localhost"), only_ip, "u")
+    with pytest.raises(MediaError, match="^u: the host '127.0.0.1', which is not in --allowed-media-domains"):
+        media.load_image(server.url("/image.png"), MediaOptions(allowed_media_domains=["LOCALHOST."]), "u")
+    np.testing.assert_array_equal(  # localhost. and LOCALHOST are the same host
+        np.asarray(media.load_image(server.url("/to-localhost"), MediaOptions(allowed_media_domains=["LOCALHOST.",
+                                                                                                  "127.0.0.1"]))),
+        expected)
+    with pytest.raises(ValueError, match="allowed_media_domains"):
+        MediaOptions(allowed_media_domains=[])
 
 
 def test_http_errors(server):

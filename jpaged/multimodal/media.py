@@ -72,6 +72,7 @@ class MediaOptions:
     max_pixels: int = DEFAULT_MAX_PIXELS  # one image's declared width x height
     max_request_pixels: int = DEFAULT_MAX_PIXELS  # all images of one prompt together
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # all encoded images of one prompt together
+    allowed_media_domains: tuple[str, ...] | None = None  # http(s) only from these hosts (None: any)
 
     def __post_init__(self):
         for name in ("fetch_timeout", "max_image_bytes", "max_pixels", "max_request_pixels", "max_request_bytes"):
@@ -82,9 +83,12 @@ class MediaOptions:
             raise ValueError(f"max_redirects={self.max_redirects!r}; expected an integer >= 0")
         if self.allowed_local_media_path is not None:
             object.__setattr__(self, "allowed_local_media_path", allowed_directory(self.allowed_local_media_path))
+        if self.allowed_media_domains is not None:
+            object.__setattr__(self, "allowed_media_domains", media_domains(self.allowed_media_domains))
 
     @classmethod
-    def from_env(cls, allowed_local_media_path: str | None = None, **overrides) -> "MediaOptions":
+    def from_env(cls, allowed_local_media_path: str | None = None, allowed_media_domains=None,
+                 **overrides) -> "MediaOptions":
         """Options with the environment's limits: $JPAGED_IMAGE_FETCH_TIMEOUT (else vLLM's
         $VLLM_IMAGE_FETCH_TIMEOUT), $JPAGED_MAX_IMAGE_BYTES, and vLLM's
         $VLLM_MEDIA_URL_ALLOW_REDIRECTS=0 (no redirects)."""
@@ -93,7 +97,20 @@ class MediaOptions:
                "max_image_bytes": _env_number(("JPAGED_MAX_IMAGE_BYTES",), DEFAULT_MAX_IMAGE_BYTES, int)}
         if os.environ.get("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "1").strip().lower() in ("0", "false"):
             env["max_redirects"] = 0
-        return cls(allowed_local_media_path=allowed_local_media_path, **{**env, **overrides})
+        return cls(allowed_local_media_path=allowed_local_media_path, allowed_media_domains=allowed_media_domains,
+                   **{**env, **overrides})
+
+
+def media_domains(domains, name: str = "allowed_media_domains") -> tuple[str, ...]:
+    """Host names, lower-cased, from a list or "a.com,b.org" (the command line's form)."""
+    if isinstance(domains, str):
+        domains = domains.split(",")
+    if not isinstance(domains, (list, tuple)) or not all(isinstance(d, str) for d in domains):
+        raise ValueError(f"{name}={domains!r}; expected host names, e.g. ['upload.wikimedia.org']")
+    hosts = tuple(d.strip().lower().rstrip(".") for d in domains if d.strip())
+    if not hosts:
+        raise ValueError(f"{name}={domains!r}; expected at least one host name (None: any host)")
+    return hosts
 
 
 def allowed_directory(path: str, name: str = "allowed_local_media_path") -> str:
@@ -175,10 +192,28 @@ def local_file_bytes(source: str, what: str, options: MediaOptions) -> bytes:
                                         f"over the limit of {options.max_image_bytes} bytes")) from None
 
 
+_REDIRECTS = (301, 302, 303, 307, 308)
+
+
+def _check_url(url, what: str, options: MediaOptions, redirected: bool = False):
+    """A yarl URL's scheme (http(s) only) and, with allowed_media_domains, its host."""
+    if url.scheme not in ("http", "https"):
+        raise MediaError(f"{what}: redirected to a URL that is not http(s)" if redirected else
+                         f"{what}: the URL scheme {url.scheme[:20]!r} is not supported")
+    if not url.host:
+        raise MediaError(f"{what}: {'redirected to ' if redirected else ''}a URL without a host")
+    domains = options.allowed_media_domains
+    if domains is not None and url.host.lower().rstrip(".") not in domains:
+        raise MediaError(f"{what}: {'redirected to ' if redirected else ''}the host {url.host[:64]!r}, which is not "
+                         "in --allowed-media-domains")
+
+
 async def http_bytes(url: str, what: str, options: MediaOptions, session=None) -> bytes:
     """An http(s) URL's body: within options.fetch_timeout in all (redirects included), at most
-    options.max_redirects redirects, and reading stops once the body passes max_image_bytes."""
+    options.max_redirects redirects (followed here, each hop's scheme and host checked), and
+    reading stops once the body passes max_image_bytes."""
     import aiohttp
+    import yarl
 
     limit = options.max_image_bytes
     own = session is None
@@ -186,38 +221,40 @@ async def http_bytes(url: str, what: str, options: MediaOptions, session=None) -
         session = aiohttp.ClientSession(auto_decompress=False)
     try:
         async with asyncio.timeout(options.fetch_timeout):
-            # aiohttp raises once `max_redirects` redirects were seen: one more lets exactly ours through.
-            async with session.get(url, allow_redirects=options.max_redirects > 0,
-                                   max_redirects=options.max_redirects + 1,
-                                   headers={"Accept": "image/*", "Accept-Encoding": "identity"}) as response:
-                if 300 <= response.status < 400 and options.max_redirects == 0:
-                    raise MediaError(f"{what}: the server redirected (HTTP {response.status}) and redirects are "
-                                     "not allowed")
-                if response.status != 200:
-                    raise MediaError(f"{what}: HTTP {response.status} {str(response.reason or '')[:60]} fetching "
-                                     "the image")
-                if response.content_length is not None and response.content_length > limit:
-                    raise MediaError(f"{what}: {response.content_length} bytes is over the limit of {limit} bytes")
-                chunks, total = [], 0
-                async for chunk in response.content.iter_chunked(_CHUNK):
-                    total += len(chunk)
-                    if total > limit:  # leaving the block closes the connection: nothing more is read
-                        raise MediaError(f"{what}: more than the limit of {limit} bytes (stopped reading at "
-                                         f"{total})")
-                    chunks.append(chunk)
-                return b"".join(chunks)
+            target = yarl.URL(url)
+            for hop in range(options.max_redirects + 1):
+                _check_url(target, what, options, redirected=hop > 0)
+                async with session.get(target, allow_redirects=False,
+                                       headers={"Accept": "image/*", "Accept-Encoding": "identity"}) as response:
+                    if response.status in _REDIRECTS and "Location" in response.headers:
+                        if options.max_redirects == 0:
+                            raise MediaError(f"{what}: the server redirected (HTTP {response.status}) and redirects "
+                                             "are not allowed")
+                        target = target.join(yarl.URL(response.headers["Location"]))
+                        continue
+                    if response.status != 200:
+                        raise MediaError(f"{what}: HTTP {response.status} {str(response.reason or '')[:60]} "
+                                         "fetching the image")
+                    if response.content_length is not None and response.content_length > limit:
+                        raise MediaError(f"{what}: {response.content_length} bytes is over the limit of {limit} "
+                                         "bytes")
+                    chunks, total = [], 0
+                    async for chunk in response.content.iter_chunked(_CHUNK):
+                        total += len(chunk)
+                        if total > limit:  # leaving the block closes the connection: nothing more is read
+                            raise MediaError(f"{what}: more than the limit of {limit} bytes (stopped reading at "
+                                             f"{total})")
+                        chunks.append(chunk)
+                    return b"".join(chunks)
+            raise MediaError(f"{what}: more than {options.max_redirects} redirects")
     except MediaError:
         raise
     except TimeoutError:
         raise MediaError(f"{what}: not fetched within {options.fetch_timeout:g} s (the fetch timeout, "
                          "$JPAGED_IMAGE_FETCH_TIMEOUT)") from None
-    except aiohttp.TooManyRedirects:
-        raise MediaError(f"{what}: more than {options.max_redirects} redirects") from None
-    except aiohttp.NonHttpUrlRedirectClientError:
-        raise MediaError(f"{what}: redirected to a URL that is not http(s)") from None
     except aiohttp.InvalidURL as e:
         raise MediaError(f"{what}: not a valid URL ({str(e)[:120]})") from None
-    except (aiohttp.ClientError, OSError, ValueError) as e:
+    except (aiohttp.ClientError, OSError, ValueError, TypeError) as e:
         raise MediaError(f"{what}: could not be fetched ({type(e).__name__}: {str(e)[:160]})") from None
     finally:
         if own:

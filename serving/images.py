@@ -1,0 +1,57 @@
+"""Images in chat and Responses requests (issue 65): their content parts found and counted
+(jpaged/multimodal/chat_parts.py), the images loaded without blocking the event loop (media.py:
+http(s) through aiohttp, files, base64 and decoding in threads), then the rendered prompt and its
+images processed by the checkpoint's processor in the tokenizer's thread (multimodal/runner.py),
+into the ProcessedPrompt the engine adds. Every bad input is a 400 naming the part; nothing is
+added to the engine until all of a request's images have loaded.
+"""
+
+import asyncio
+
+from jpaged.multimodal.chat_parts import ChatImages, ContentPartError, extract_images
+from jpaged.multimodal.media import MediaError, MediaOptions, load_images_async
+from serving.protocol import APIError
+
+
+class ServerImages:
+    """One server's image handling: its model's multimodal path (None: a text-only model, whose
+    requests with images get a 400), limit_mm_per_prompt and where media may come from."""
+
+    def __init__(self, engine, model_name: str, pool):
+        llm = getattr(engine, "engine", None)  # the LLMEngine (a data-parallel front has no runner)
+        config = getattr(llm, "config", None)
+        self.mm = getattr(getattr(llm, "runner", None), "mm", None)
+        self.limits = getattr(config, "limit_mm_per_prompt", None)
+        self.options = MediaOptions.from_env(getattr(config, "allowed_local_media_path", None),
+                                             getattr(config, "allowed_media_domains", None))
+        self.model_name, self.pool = model_name, pool
+
+    @property
+    def chat_template(self) -> str | None:
+        """The processor's chat template (a VLM checkpoint keeps it there), if it has one."""
+        processor = getattr(self.mm, "processor", None)
+        return getattr(processor, "chat_template", None)
+
+    def find(self, messages) -> ChatImages:
+        """`messages` with their image parts taken out (content [{"type": "image"}, ...] where
+        they were) and the images in order; a 400 naming a bad part, too many images, or any image
+        for a text-only model."""
+        if not isinstance(messages, list):  # protocol.parse_messages says what is wrong
+            return ChatImages(messages, [])
+        try:
+            return extract_images(messages, self.limits, accepts_images=self.mm is not None, model=self.model_name)
+        except ContentPartError as e:
+            raise APIError(str(e), param=e.param, code="invalid_value") from None
+
+    async def prompt(self, text: str, chat: ChatImages):
+        """The rendered chat `text` and its images -> a ProcessedPrompt (token ids with each
+        image's placeholders expanded, the images' pixel inputs)."""
+        try:
+            images = await load_images_async([ref.source for ref in chat.images], self.options,
+                                             [ref.what for ref in chat.images])
+        except MediaError as e:
+            raise APIError(str(e), param=str(e).split(":", 1)[0], code="invalid_image") from None
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, self.mm.process, text, images)
+        except ValueError as e:
+            raise APIError(f"the images could not be processed: {e}", param="messages") from None
