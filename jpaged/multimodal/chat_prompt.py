@@ -24,6 +24,6 @@ def chat_prompt(engine, messages: list, *, chat_template: str | None = None, add
                                               **(chat_template_kwargs or {}))
     if not found.images:
         return text
-    options = MediaOptions(allowed_local_media_path=config.allowed_local_media_path)
+    options = MediaOptions.from_env(config.allowed_local_media_path, getattr(config, "allowed_media_domains", None))
     images = load_images([ref.source for ref in found.images], options, [ref.what for ref in found.images])
     return {"prompt": text, "multi_modal_data": {"image": images}}
