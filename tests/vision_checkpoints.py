@@ -1,6 +1,8 @@
 """Tiny random vision-language checkpoints written by transformers (save_pretrained), shared by the
 vision model tests, and helpers to run jpaged's models on them outside the engine."""
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,7 +140,7 @@ def save_qwen_servable(path, family: str, seed: int):
 
     from jpaged.models import tiny
 
-    tok = tiny.tiny_tokenizer()
+    tok = copy.deepcopy(tiny.tiny_tokenizer())  # (the cached one is shared: never changed)
     tok.add_special_tokens({"additional_special_tokens": ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
                                                           "<|vision_end|>", "<|im_start|>", "<|im_end|>"]})
     tok.chat_template = QWEN_CHAT_TEMPLATE

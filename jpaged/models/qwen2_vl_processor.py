@@ -63,7 +63,7 @@ class Qwen2VLPromptProcessor:
             out["image_grid_thw"] = grids
             for part, grid in zip(parts[1:], grids):
                 expanded += self.image_token * (int(np.prod(grid)) // self.merge ** 2) + part
-        ids = self.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(expanded)["input_ids"]  # (special tokens as the tokenizer adds them, as HF's processor)
         out["input_ids"] = np.asarray([ids], np.int64)
         out["mm_token_type_ids"] = (out["input_ids"] == self.image_token_id).astype(np.int32)
         return out

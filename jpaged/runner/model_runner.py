@@ -54,6 +54,7 @@ from jpaged.lora.model import abstract_slot
 from jpaged.models.layers import Linear
 from jpaged.models.loader import LoadedModel
 from jpaged.multimodal import runner as multimodal
+from jpaged.multimodal.mrope_step import with_mrope_positions
 from jpaged.parallel import distributed
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, replicated
 from jpaged.runner import kv_transfer, sampler, step_functions, step_inputs
@@ -101,6 +102,9 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
         self.lora_linears = {path: node for path, node in nnx.iter_graph(loaded.model)
                              if isinstance(node, Linear) and node.lora_a is not None}
         self.graphdef, self.state = nnx.split(loaded.model)
+        self.mrope = bool(getattr(loaded.model, "uses_mrope", False))  # positions [3, tokens] (mrope_step.py)
+        if self.mrope and (num_speculative_tokens or proposer is not None):
+            raise ValueError("speculative decoding is not supported with an M-RoPE model (Qwen2-VL)")
         # The engine's batch_invariant mode (the loader marks the model's layers; the sampler follows).
         self.batch_invariant = any(getattr(node, "batch_invariant", False) for _, node in nnx.iter_graph(loaded.model))
         self.num_layers = num_layers = kv_cache_spec.num_layers
@@ -124,9 +128,9 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
         self.input_batch = InputBatch(max_num_seqs, self.buckets.width)
         self.step_builder = StepBuilder(self.input_batch, block_manager, structured_output, stop_checker, seed)
         # The token each InputBatch row sampled last, kept on the device: the next step can read it
-        # before the host has (overlap).
+        # before the host has (overlap). Filled on the host and copied: jnp.full would compile (0.1-0.4 s of a start).
         state_array = functools.partial(jax.ShapeDtypeStruct, sharding=rep) if abstract else \
-            (lambda shape, dtype, fill=0: jnp.full(shape, fill, dtype, device=rep))
+            (lambda shape, dtype, fill=0: jax.device_put(np.full(shape, fill, dtype), rep))
         self.last_tokens = state_array((max_num_seqs,), jnp.int32)
         # Penalties' tokens, kept on the device per InputBatch row (prompt, then outputs; the
         # full sampler appends each sampled token): sent once per sequence, not every step.
@@ -338,9 +342,10 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
         num_seqs = self.buckets.seqs(num_tokens)
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
         attn = AttentionMetadata(i32((num_tokens,)), None, i32((num_seqs,)), i32((num_seqs + 1,)))
-        return StepInputs(i32((num_tokens,)), i32((num_tokens,)), attn, i32((self.buckets.sample_rows(num_tokens),)),
-                          i32((num_tokens,)), i32((num_tokens,)) if (lora if lora is not None else self.lora_linears) else None,
-                          i32((num_seqs,)))
+        lora = lora if lora is not None else self.lora_linears
+        return StepInputs(i32((num_tokens,)), i32((3, num_tokens) if self.mrope else (num_tokens,)), attn,
+                          i32((self.buckets.sample_rows(num_tokens),)), i32((num_tokens,)),
+                          i32((num_tokens,)) if lora else None, i32((num_seqs,)))
 
     def _abstract_multi_step_inputs(self, num_tokens: int):
         """A K-step decode's inputs: the first step's, its sampler metadata (fast variant) and
@@ -405,6 +410,8 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
         ib = self.input_batch
         step = prepare_step(batch, ib, self.serving_buckets, self.block_size, multi_step,
                             lora_slots=ib.lora_slot[batch.rows] if self.lora_linears else None)
+        if self.mrope:  # each token's (temporal, height, width) positions
+            step.inputs = with_mrope_positions(self.mm.model, batch, step.inputs)
         self.flush_block_table(self.dispatch_op)
         inputs, num_sample_rows = step.inputs, len(step.inputs.logits_indices)
         hooks = not (spec_disabled and step.num_tokens >= self.hookless_from)

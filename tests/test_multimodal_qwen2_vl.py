@@ -1,0 +1,63 @@
+"""Qwen2-VL and Qwen2.5-VL through the engine against transformers' generate (torch, fp32) on
+tiny random checkpoints written with save_pretrained (tests/vision_checkpoints.py): prompts with
+1, 2 and 3 images of different sizes (different grids, different vision buckets) in one batch
+with a text-only prompt, prefilled 24 tokens a step (chunks cut inside images), prefix caching
+on: greedy tokens equal HF's and logprobs within 1e-4. M-RoPE positions run through the whole
+generation (the decode tokens' delta)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import jpaged
+from jpaged import SamplingParams
+from jpaged.models.qwen2_vl_processor import Qwen2VLPromptProcessor
+from tests.vision_checkpoints import random_images, save_qwen_servable
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+PROMPTS = [f"<|im_start|>user\n{IMAGE}What is this?<|im_end|>\n<|im_start|>assistant\n",
+           "<|im_start|>user\nplain text, no image.<|im_end|>\n<|im_start|>assistant\n",
+           f"<|im_start|>user\n{IMAGE}{IMAGE}Compare.<|im_end|>\n<|im_start|>assistant\n",
+           f"<|im_start|>user\n{IMAGE} and {IMAGE} then {IMAGE}<|im_end|>\n<|im_start|>assistant\n"]
+SIZES = [[(100, 60)], [], [(57, 200), (150, 150)], [(60, 60), (120, 90), (30, 200)]]
+STEPS = 8
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def setup(request, tmp_path_factory):
+    seed = int(os.environ.get("JPAGED_TEST_SEED") or 20261125) + 11 + FAMILIES.index(request.param)
+    print(f"{request.param} checkpoint seed {seed}")
+    path = str(tmp_path_factory.mktemp(request.param))
+    hf = save_qwen_servable(path, request.param, seed)
+    llm = jpaged.LLM(path, dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=24,
+                     block_size=16, enable_prefix_caching=True, enforce_eager=True)
+    return hf, Qwen2VLPromptProcessor.from_pretrained(path), llm, np.random.default_rng(seed)
+
+
+def hf_generate(hf, processor, prompt: str, images):
+    inputs = {k: torch.tensor(v) for k, v in processor(text=prompt, images=images).items()}
+    with torch.no_grad():
+        out = hf.generate(**inputs, attention_mask=torch.ones_like(inputs["input_ids"]), max_new_tokens=STEPS,
+                          do_sample=False, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    logprobs = [torch.log_softmax(step[0].double(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+    return tokens, logprobs, inputs["input_ids"][0].tolist()
+
+
+def test_images_in_a_batch_match_transformers(setup):
+    hf, processor, llm, rng = setup
+    images = [random_images(rng, sizes) for sizes in SIZES]
+    prompts = [{"prompt": p, "multi_modal_data": {"image": im}} if im else p for p, im in zip(PROMPTS, images)]
+    sp = SamplingParams(max_tokens=STEPS, temperature=0, logprobs=0, ignore_eos=True)
+    for _ in range(2):  # the second time from the prefix cache (the same images)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        for prompt, ims, out in zip(PROMPTS, images, outs):
+            tokens, logprobs, prompt_ids = hf_generate(hf, processor, prompt, ims)
+            assert out.prompt_token_ids == prompt_ids
+            got = out.outputs[0]
+            assert got.token_ids == tokens, prompt
+            mine = [lp[t] for lp, t in zip(got.logprobs, got.token_ids)]
+            np.testing.assert_allclose(mine, logprobs, atol=1e-4)
