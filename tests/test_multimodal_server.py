@@ -17,7 +17,7 @@ from serving.logprobs import LogprobFormatter
 from serving.protocol import APIError
 from test_media import MiB, LoopbackServer, encode, png_header_only, random_image
 from test_multimodal_llava import hf_generate, save_random_llava
-from test_server import Server, post, run
+from test_server import Server, post, run, stream_events
 from test_server_robustness import assert_healthy_and_idle, assert_openai_error
 
 SEED = 4321
@@ -98,6 +98,12 @@ def test_image_sources_give_transformers_tokens(setup, hf):
         status, tokens = run(post(setup["server"].url, "/tokenize", {
             "model": "llava", "messages": [{"role": "user", "content": parts}], "add_generation_prompt": True}))
         assert status == 200 and tokens["count"] == prompt_len, tokens
+    # Streamed: the same text, in pieces.
+    events = run(stream_events(setup["server"].url, "/v1/chat/completions", {
+        "model": "llava", "messages": [{"role": "user", "content": parts}], "max_tokens": 6, "temperature": 0,
+        "ignore_eos": True, "stream": True}))
+    streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    assert streamed == body["choices"][0]["message"]["content"]
 
 
 def test_http_image_and_responses_input_image(setup, hf):
@@ -138,6 +144,8 @@ def bad_cases(setup):
         ([{"type": "image_url", "image_url": {"url": f"file://{allowed}/nothing.png"}}], one, "cannot be opened"),
         ([{"type": "audio_url", "audio_url": {"url": data_url(png)}}], "messages[0].content[0].type", "audio_url"),
         ([{"type": "image", "image": "x"}], "messages[0].content[0].type", "'image' is not supported"),
+        ([text_of("<image>"), {"type": "image_url", "image_url": {"url": data_url(png)}}], "messages",
+         "could not be processed"),  # the text's own placeholder: two for one image
     ]
 
 
