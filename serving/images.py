@@ -22,6 +22,9 @@ class ServerImages:
         config = getattr(llm, "config", None)
         self.mm = getattr(getattr(llm, "runner", None), "mm", None)
         self.limits = getattr(config, "limit_mm_per_prompt", None)
+        self.refusal = None  # why images are refused, when not because the model is text-only
+        if not hasattr(llm, "runner") and getattr(getattr(llm, "hf_config", None), "vision_config", None) is not None:
+            self.refusal = "images are not served with data parallelism (--data-parallel-size > 1) yet"
         self.options = MediaOptions.from_env(getattr(config, "allowed_local_media_path", None),
                                              getattr(config, "allowed_media_domains", None))
         self.model_name, self.pool = model_name, pool
@@ -39,7 +42,8 @@ class ServerImages:
         if not isinstance(messages, list):  # protocol.parse_messages says what is wrong
             return ChatImages(messages, [])
         try:
-            return extract_images(messages, self.limits, accepts_images=self.mm is not None, model=self.model_name)
+            return extract_images(messages, self.limits, accepts_images=self.mm is not None, model=self.model_name,
+                                  refusal=self.refusal)
         except ContentPartError as e:
             raise APIError(str(e), param=e.param, code="invalid_value") from None
 

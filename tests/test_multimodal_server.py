@@ -189,6 +189,19 @@ def test_text_only_model_refuses_images():
     assert images.find("not a list") == ChatImages("not a list", [])
 
 
+def test_data_parallel_front_refuses_images_saying_why():
+    """A data-parallel front end (no runner: the replicas hold the models) of a VLM checkpoint."""
+    class Front:
+        hf_config = type("Config", (), {"vision_config": object()})()
+
+    class Engine:
+        engine = Front()
+
+    with pytest.raises(APIError, match=r"^messages\[0\]\.content\[0\]: images are not served with data parallelism"):
+        ServerImages(Engine(), "llava", None).find([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:,"}}]}])
+
+
 def test_responses_bad_image_names_the_input(setup):
     status, got = run(post(setup["server"].url, "/v1/responses", {
         "model": "llava", "max_output_tokens": 4, "store": False,

@@ -117,9 +117,10 @@ def _part_kind(part: dict, param: str, allow_pil: bool) -> str:
 
 def extract_images(messages: list, limit_mm_per_prompt: dict[str, int] | None = None, *,
                    accepts_images: bool = True, model: str = "this model", where: str = "messages",
-                   allow_pil: bool = False) -> ChatImages:
+                   allow_pil: bool = False, refusal: str | None = None) -> ChatImages:
     """`messages` with their image parts found and taken out (see the module's docstring).
-    `accepts_images` False (a text-only model): any image is an error naming the model.
+    `accepts_images` False (a text-only model): any image is an error naming the model (or saying
+    `refusal`, when the reason is another).
     `allow_pil`: image_pil parts (offline LLM.chat only). Messages that are not objects or have
     no content list are passed through untouched (protocol.parse_messages checks them)."""
     out, images = [], []
@@ -145,7 +146,8 @@ def extract_images(messages: list, limit_mm_per_prompt: dict[str, int] | None = 
                 parts.append({"type": "text", "text": text})
                 continue
             if not accepts_images:
-                raise ContentPartError(f"{param}: {model} is not a vision-language model; it takes no images", param)
+                raise ContentPartError(f"{param}: {refusal or f'{model} is not a vision-language model; it takes no images'}",
+                                       param)
             source, what = _image_source(part, kind, param)
             images.append(ImageRef(source, what))
             check_count(len(images), limit_mm_per_prompt, param)
