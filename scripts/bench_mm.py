@@ -22,6 +22,7 @@ small (vision 256 wide, 4 layers, 224 px -> 256 tokens; text 256 wide, 4 layers)
 """
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -50,7 +51,7 @@ def save_random_llava(path: str, size: str, seed: int = 0) -> str:
     from jpaged.models import tiny
 
     torch.manual_seed(seed)
-    tok = tiny.tiny_tokenizer()
+    tok = copy.deepcopy(tiny.tiny_tokenizer())  # (lru_cached: the shared one stays as it is)
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     spec = SIZES[size]
     vision = tf.CLIPVisionConfig(projection_dim=spec["vision"]["hidden_size"], **spec["vision"])

@@ -5,6 +5,8 @@ layers, 56x56 images -> 16 tokens each) with its LlavaProcessor.
 The engine runs with chunked prefill at 24 tokens a step, so prompts of 2-3 images are cut inside
 images, and with prefix caching on."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -27,7 +29,7 @@ def save_random_llava(path, seed: int) -> str:
     from jpaged.models import tiny
 
     torch.manual_seed(seed)
-    tok = tiny.tiny_tokenizer()
+    tok = copy.deepcopy(tiny.tiny_tokenizer())  # (lru_cached: the shared one stays as it is)
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     tok.chat_template = CHAT_TEMPLATE
     assert tok.convert_tokens_to_ids("<image>") == IMAGE_TOKEN

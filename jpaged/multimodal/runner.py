@@ -60,9 +60,10 @@ class MultimodalEngine:
         state_shardings = jax.tree.map(lambda x: x.sharding, runner.state)
         self._jitted = jax.jit(functools.partial(_encode, runner.graphdef), out_shardings=state_shardings,
                                donate_argnums=(0,))
-        self._executables = {}
+        self._executables, self._warm = {}, False
         for shapes in self.model.encoder_input_shapes():
             self._executable(shapes)
+        self._warm = True  # (from now on a new shape is a compile while serving)
 
     @staticmethod
     def _key(shapes: dict) -> tuple:
@@ -72,7 +73,7 @@ class MultimodalEngine:
     def _executable(self, shapes: dict):
         key = self._key(shapes)
         if key not in self._executables:
-            if self._executables:
+            if self._warm:
                 logger.warning("compiling an encoder for unexpected image input shapes %s", key)
             rep = self.runner._replicated
             args = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=rep) for name, (shape, dtype) in shapes.items()}
