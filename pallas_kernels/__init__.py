@@ -34,8 +34,10 @@ Backends (`backend` kwarg, the engine's attention_backend):
   "pallas"  Pallas kernels lowered through Triton (decode.py, prefill.py): any CUDA GPU.
   "mosaic"  Pallas kernels lowered through Mosaic GPU (mosaic.py): TMA + wgmma, sm_90+.
   "xla"     the XLA twins (xla.py): every platform.
-  "auto"    "pallas" on a GPU, "xla" elsewhere (Mosaic becomes auto's choice on sm_90+ only
-            once a GPU run has shown it correct and faster).
+  "auto"    "xla" off a GPU; on a GPU the family a GPU run measured faster for the phase
+            (decode or prefill) and the KV pages' dtype (choice.py: on sm_90, Mosaic for prefill
+            over 16-bit pages, Triton for the rest; Triton on every other GPU and wherever
+            Mosaic cannot take the call).
 `interpret`: None -> Pallas kernels compile for a GPU and run in interpret mode elsewhere;
 True / False force it. The Triton and Mosaic modules are imported on first use, so
 `import pallas_kernels` survives a jax that no longer ships one of them.
@@ -45,6 +47,7 @@ import functools
 
 import jax
 
+from pallas_kernels import choice
 from pallas_kernels.cache_ops import as_dtype, copy_blocks, write_kv
 from pallas_kernels.targets import gpu_device, targets_gpu
 from pallas_kernels.xla import paged_attention_xla, ragged_paged_attention_xla
@@ -54,6 +57,7 @@ __all__ = [
     "gpu_device",
     "targets_gpu",
     "kernel_family",
+    "call_family",
     "check_supported",
     "paged_attention",
     "ragged_paged_attention",
@@ -67,7 +71,9 @@ BACKENDS = ("auto", "pallas", "mosaic", "xla")
 
 
 def kernel_family(backend: str = "auto") -> str:
-    """The kernels `backend` runs here: "pallas" (Triton), "mosaic" or "xla"."""
+    """The kernels `backend` runs here: "pallas" (Triton), "mosaic" or "xla". For "auto" on a GPU
+    this is "pallas", the family every call can fall back to; which family each call runs is
+    `call_family`'s (on sm_90, Mosaic for some)."""
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend={backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
@@ -88,8 +94,8 @@ def backend_reason(backend: str = "auto") -> str:
         return ""
     gpu = gpu_device()
     why = ("Mosaic GPU needs sm_90+" if gpu and gpu[1] < 9.0 else
-           "'auto' keeps Triton until scripts/gpu_check.sh has shown Mosaic right and faster on a real H100"
-           if backend == "auto" else "asked for")
+           choice.describe_auto() if backend == "auto" and gpu and 9.0 <= gpu[1] < 10.0 else
+           "'auto' keeps Triton: Mosaic was measured on sm_90 only" if backend == "auto" else "asked for")
     # jax >= 0.11 warns at every Triton compile; said once here instead (silenced in decode.py / prefill.py).
     return (f"Pallas' Triton backend ({why}); jax deprecates it since 0.11, jpaged's plan for its "
             "removal: docs/PERF.md, GPU checklist")
@@ -108,11 +114,35 @@ def _interpret(interpret) -> bool:
     return not targets_gpu() if interpret is None else bool(interpret)
 
 
-def _masking_family(backend: str, sliding_window, logits_soft_cap) -> str:
+def _mosaic_takes(q, k_pages, sliding_window, logits_soft_cap) -> bool:
+    if sliding_window is not None or logits_soft_cap is not None:
+        return False
+    try:
+        from pallas_kernels.mosaic import check_supported as mosaic_check
+
+        mosaic_check(q, k_pages)
+    except (ImportError, ValueError):  # a jax without Mosaic GPU, or a call it cannot take
+        return False
+    return True
+
+
+def call_family(backend: str, phase: str, q, k_pages, kv_dtype=None, sliding_window=None,
+                logits_soft_cap=None) -> str:
+    """The family one call runs: `backend`'s, except "auto" on a GPU, which runs the family
+    choice.py's measurements pick for `phase` ("decode" or "prefill") and the pages' dtype
+    (`kv_dtype` for raw pools) where Mosaic takes the call, Triton otherwise."""
     family = kernel_family(backend)
     if family == "mosaic" and (sliding_window is not None or logits_soft_cap is not None):
         raise ValueError("attention_backend='mosaic' has no sliding window or logit soft-capping yet: use 'pallas'")
-    return family
+    if backend != "auto" or family != "pallas":
+        return family
+    gpu = gpu_device()
+    if gpu is None:  # interpret=True on a CPU with a GPU-less trace: Triton, as before
+        return family
+    page_dtype = k_pages.dtype if kv_dtype is None else kv_dtype
+    if choice.auto_family(gpu[1], phase, page_dtype) != "mosaic":
+        return family
+    return "mosaic" if _mosaic_takes(q, k_pages, sliding_window, logits_soft_cap) else family
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "backend", "logits_soft_cap",
@@ -127,7 +157,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, context_lens, *, scale=No
     forces the number of split-K partitions; None picks it from the shapes.
     kv_dtype: the pages hold that dtype's raw bits (write_kv; jpaged's pools on a CPU).
     """
-    family = _masking_family(backend, sliding_window, logits_soft_cap)
+    family = call_family(backend, "decode", q, k_pages, kv_dtype, sliding_window, logits_soft_cap)
     masking = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap) if family != "mosaic" else {}
     if family == "xla":
         return paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, scale=scale, kv_dtype=kv_dtype,
@@ -153,7 +183,7 @@ def ragged_paged_attention(
     q [num_tokens, num_heads, head_dim] -> same shape (q's dtype);
     query_start_loc int32[num_seqs + 1], nondecreasing. See module docstring.
     """
-    family = _masking_family(backend, sliding_window, logits_soft_cap)
+    family = call_family(backend, "prefill", q, k_pages, kv_dtype, sliding_window, logits_soft_cap)
     masking = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap) if family != "mosaic" else {}
     if family == "xla":
         return ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, scale=scale,

@@ -133,6 +133,21 @@ def kernel_cases(families_here=("pallas", "mosaic")):
                    prefill(dtype, heads, kv_heads, head_dim, page, page_dtype=page_dtype))
 
 
+def auto_cases(compute_capability):
+    """attention_backend="auto" per phase and page dtype: the family pallas_kernels/choice.py's
+    measurements pick for this GPU (on sm_90: Mosaic for prefill over bf16 pages, Triton else)."""
+    from pallas_kernels import choice
+
+    for page_dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+        for phase, fn, args in (
+                ("decode", pk.paged_attention, next(kernel_cases(("pallas",)))[3]),
+                ("prefill", pk.ragged_paged_attention, list(kernel_cases(("pallas",)))[1][3])):
+            pages = jax.ShapeDtypeStruct(args[1].shape, page_dtype)
+            args = [args[0], pages, pages, *args[3:]]
+            yield (f"{phase} auto pages={jnp.dtype(page_dtype).name}", functools.partial(fn, backend="auto"),
+                   choice.auto_family(compute_capability, phase, page_dtype), args)
+
+
 def _abstract_model(runner):
     """A runner's model, its attention's shard_map on the abstract mesh instead of the CPU's, and
     its state, KV pool, last_tokens and block table as shapes only (no CPU placement). An EAGLE head's runner:
@@ -403,6 +418,10 @@ def main() -> int:
                 failures += 1
                 print(f"FAIL  mosaic refusal: {type(e).__name__}: {e}")
         for label, fn, backend, args in kernel_cases(families):
+            check(label, functools.partial(lower_for_cuda, fn, *args), backend)
+        with abstract_gpu():
+            compute_capability = pk.gpu_device()[1]
+        for label, fn, backend, args in auto_cases(compute_capability):
             check(label, functools.partial(lower_for_cuda, fn, *args), backend)
         for label, lower, backend in forward_cases(families):
             check(label, lower, backend, expect_aliases=2)  # k_pages and v_pages
