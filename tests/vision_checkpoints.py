@@ -163,3 +163,27 @@ def save_qwen_servable(path, family: str, seed: int):
     tok.save_pretrained(path)
     qwen_image_processor().save_pretrained(path)
     return model
+
+
+def save_gemma3_servable(path, seed: int):
+    """A Gemma 3 checkpoint the engine can serve: the tiny byte tokenizer with Gemma's image tokens
+    (<start_of_image> 259, <end_of_image> 260, <image_soft_token> 261) as its named boi / eoi /
+    image tokens, a Gemma3Processor of 4 tokens per 56 x 56 image. Returns the HF model."""
+    import transformers
+
+    from jpaged.models import tiny
+
+    tok = copy.deepcopy(tiny.tiny_tokenizer())  # (the cached one is shared: never changed)
+    names = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tok.add_special_tokens({"additional_special_tokens": list(names.values())})
+    tok._set_model_specific_special_tokens(names)  # (what Gemma's own tokenizer config declares)
+    config = gemma3_config()
+    config.text_config.vocab_size = len(tok)
+    config.boi_token_index, config.eoi_token_index, config.image_token_index = tok.convert_tokens_to_ids(
+        list(names.values()))
+    config.text_config.bos_token_id, config.text_config.eos_token_id = 256, 257
+    model = randomize(transformers.Gemma3ForConditionalGeneration(config), seed).eval()
+    model.save_pretrained(path)
+    transformers.Gemma3Processor(image_processor=gemma3_image_processor(), tokenizer=tok,
+                                 image_seq_length=4).save_pretrained(path)
+    return model

@@ -15,6 +15,7 @@ whole image in one prefill chunk (vLLM does the same for Gemma 3).
 """
 
 import copy
+import logging
 
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +27,8 @@ from jpaged.models.paged_attention import AttentionOps
 from jpaged.models.llava import adapt_multimodal_config, encoder_cache_rows
 from jpaged.models.siglip import SiglipVisionTower
 from jpaged.multimodal.encoder_cache import EncoderCache, embed_with_cache
+
+logger = logging.getLogger(__name__)
 
 
 class Gemma3MultiModalProjector(nnx.Module):
@@ -68,6 +71,8 @@ class Gemma3ForConditionalGeneration(nnx.Module):
         self.language_model = GemmaForCausalLM(text, dtype=dtype, ops=ops, max_model_len=max_model_len)
         self.image_token_id = cfg.image_token_index
         self.vocab_size = text.vocab_size
+        logger.warning("Gemma 3: the image tokens attend causally to each other (transformers lets them attend "
+                       "both ways within an image): outputs with images differ from transformers'")
         self.tokens_per_image = cfg.mm_tokens_per_image
         self.encoder_cache = EncoderCache(jnp.zeros((encoder_cache_rows(cfg, self.tokens_per_image), text.hidden_size),
                                                     dtype))
