@@ -2,15 +2,19 @@
 (jpaged/multimodal/chat_parts.py), the images loaded without blocking the event loop (media.py:
 http(s) through aiohttp, files, base64 and decoding in threads), then the rendered prompt and its
 images processed by the checkpoint's processor in the tokenizer's thread (multimodal/runner.py),
-into the ProcessedPrompt the engine adds. Every bad input is a 400 naming the part; nothing is
-added to the engine until all of a request's images have loaded.
+into the ProcessedPrompt the engine adds, MAX_CONCURRENT_DECODES prompts at a time. Every bad input
+is a 400 naming the part; nothing is added to the engine until all of a request's images have loaded.
 """
 
 import asyncio
 
 from jpaged.multimodal.chat_parts import ChatImages, ContentPartError, extract_images
-from jpaged.multimodal.media import MediaError, MediaOptions, load_images_async
+from jpaged.multimodal.media import MediaError, MediaOptions, decode_images, fetch_images_async
 from serving.protocol import APIError
+
+# Prompts whose images are decoded and processed at once (each up to max_request_pixels, ~256 MiB
+# as RGB): the others wait, their fetched bytes only (each request's bounded by max_request_bytes).
+MAX_CONCURRENT_DECODES = 4
 
 
 class ServerImages:
@@ -28,6 +32,7 @@ class ServerImages:
         self.options = MediaOptions.from_env(getattr(config, "allowed_local_media_path", None),
                                              getattr(config, "allowed_media_domains", None))
         self.model_name, self.pool = model_name, pool
+        self.gate = asyncio.Semaphore(MAX_CONCURRENT_DECODES)
 
     @property
     def chat_template(self) -> str | None:
@@ -50,12 +55,15 @@ class ServerImages:
     async def prompt(self, text: str, chat: ChatImages):
         """The rendered chat `text` and its images -> a ProcessedPrompt (token ids with each
         image's placeholders expanded, the images' pixel inputs)."""
+        whats = [ref.what for ref in chat.images]
         try:
-            images = await load_images_async([ref.source for ref in chat.images], self.options,
-                                             [ref.what for ref in chat.images])
+            fetched = await fetch_images_async([ref.source for ref in chat.images], self.options, whats)
+            async with self.gate:  # the decoded pixels exist from here until processed
+                images = await asyncio.to_thread(decode_images, fetched, whats, self.options)
+                del fetched
+                try:
+                    return await asyncio.get_running_loop().run_in_executor(self.pool, self.mm.process, text, images)
+                except ValueError as e:
+                    raise APIError(f"the images could not be processed: {e}", param="messages") from None
         except MediaError as e:
             raise APIError(str(e), param=str(e).split(":", 1)[0], code="invalid_image") from None
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.pool, self.mm.process, text, images)
-        except ValueError as e:
-            raise APIError(f"the images could not be processed: {e}", param="messages") from None

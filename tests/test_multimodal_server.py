@@ -213,3 +213,47 @@ def test_responses_bad_image_names_the_input(setup):
         "model": "llava", "max_output_tokens": 4, "store": False,
         "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]}))
     assert_openai_error(status, got, 400, "input[0].content[0].image_url")
+
+
+def test_decodes_gated(monkeypatch):
+    """At most MAX_CONCURRENT_DECODES prompts have decoded images at once (decoding to processed);
+    the others wait with their bytes only. Each fake decode waits until 4 are in (or 5 s)."""
+    import threading
+    import time
+
+    from serving import images as server_images
+
+    inside, most, lock = [0], [0], threading.Lock()
+
+    def decode(items, whats, options):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        deadline = time.monotonic() + 5
+        while inside[0] < server_images.MAX_CONCURRENT_DECODES and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return items
+
+    class MM:
+        processor = None
+
+        @staticmethod
+        def process(text, images):
+            with lock:
+                inside[0] -= 1
+            return len(images)
+
+    class Engine:
+        class engine:
+            class runner:
+                mm = MM()
+
+    monkeypatch.setattr(server_images, "decode_images", decode)
+    serving = ServerImages(Engine(), "llava", None)
+    chat = serving.find([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(b"x")}}]}])
+
+    async def many():
+        return await asyncio.gather(*[serving.prompt("t", chat) for _ in range(10)])
+
+    assert run(many()) == [1] * 10
+    assert most[0] == server_images.MAX_CONCURRENT_DECODES == 4

@@ -361,7 +361,8 @@ def check_image(image, what: str = "image", max_pixels: int = DEFAULT_MAX_PIXELS
         raise MediaError(f"{what}: a corrupt or truncated image ({type(e).__name__}: {str(e)[:160]})") from None
 
 
-def _decode_all(items: list, whats: list[str], options: MediaOptions) -> list:
+def decode_images(items: list, whats: list[str], options: MediaOptions) -> list:
+    """A prompt's fetched images (bytes or PIL images) as RGB, within its pixel budget."""
     images, budget = [], options.max_request_pixels
     for item, what in zip(items, whats):
         if isinstance(item, (bytes, bytearray, memoryview)):
@@ -390,7 +391,7 @@ def load_images(sources: list, options: MediaOptions | None = None, whats: list[
         total += len(item) if isinstance(item, (bytes, bytearray, memoryview)) else 0
         _check_request_bytes(total, what, options)
         items.append(item)
-    return _decode_all(items, whats, options)
+    return decode_images(items, whats, options)
 
 
 def _check_request_bytes(total: int, what: str, options: MediaOptions):
@@ -403,11 +404,22 @@ async def load_image_async(source, options: MediaOptions, what: str = "image"):
     return (await load_images_async([source], options, [what]))[0]
 
 
-async def load_images_async(sources: list, options: MediaOptions, whats: list[str] | None = None) -> list:
+async def load_images_async(sources: list, options: MediaOptions, whats: list[str] | None = None,
+                            decode_gate: asyncio.Semaphore | None = None) -> list:
     """load_images for the server: nothing blocks the event loop. The sources are fetched
     concurrently (FETCH_CONCURRENCY at a time, one aiohttp session); the first failure cancels the
-    rest; decoding runs in a thread, one image after another, within the prompt's pixel budget."""
+    rest; decoding runs in a thread, one image after another, within the prompt's pixel budget
+    (holding `decode_gate`, if given, so that a server decodes only so many prompts at once)."""
     whats = whats or [f"image {i}" for i in range(len(sources))]
+    items = await fetch_images_async(sources, options, whats)
+    if decode_gate is None:
+        return await asyncio.to_thread(decode_images, items, whats, options)
+    async with decode_gate:
+        return await asyncio.to_thread(decode_images, items, whats, options)
+
+
+async def fetch_images_async(sources: list, options: MediaOptions, whats: list[str]) -> list:
+    """A prompt's sources as bytes (PIL images passed through), within its byte budget."""
     if not sources:
         return []
     kinds = [source_kind(s, w) if isinstance(s, str) else None for s, w in zip(sources, whats)]
@@ -431,11 +443,10 @@ async def load_images_async(sources: list, options: MediaOptions, whats: list[st
 
     tasks = [asyncio.ensure_future(fetch(s, w)) for s, w in zip(sources, whats)]
     try:
-        items = await asyncio.gather(*tasks)
+        return await asyncio.gather(*tasks)
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if session is not None:
             await session.close()
-    return await asyncio.to_thread(_decode_all, items, whats, options)
