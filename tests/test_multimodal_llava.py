@@ -276,3 +276,20 @@ def test_weights_reload_forgets_encoded_images(ckpt, hf):
 def test_unsupported_combinations_are_value_errors(ckpt):
     with pytest.raises(ValueError, match="enable_lora"):
         jpaged.LLM(ckpt, dtype="float32", max_model_len=128, enable_lora=True, enforce_eager=True)
+
+
+def test_nothing_compiles_while_serving_images(ckpt, hf):
+    """Every executable compiles at start-up (the encoder's one image shape with the step buckets):
+    requests with 1-3 images, chunked through them, compile nothing more."""
+    llm = jpaged.LLM(ckpt, dtype="float32", max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32,
+                     block_size=16, background_warmup=False)
+    runner = llm.llm_engine.runner
+    compiled = runner.num_compilations
+    assert runner.mm.num_compilations == 1
+    rng = np.random.default_rng(SEED + 8)
+    images = [random_images(rng, n) for n in (1, 3, 2)]
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": im}}
+                         for p, im in zip([PROMPTS[0], PROMPTS[3], PROMPTS[2]], images)], sp, use_tqdm=False)
+    assert runner.num_compilations == compiled
+    assert outs[1].outputs[0].token_ids == hf_generate(hf, PROMPTS[3], images[1], 4)[0]
