@@ -17,6 +17,18 @@ def test_tiny_weights_are_deterministic_and_small():
     assert 1_000_000 < num_params < 10_000_000
 
 
+def test_tiny_engine_config_is_tiny_config():
+    """The engine loads `tiny` with tiny_engine_config() (transformers' base config class: LlamaConfig
+    would import transformers' model registry): the same values as LlamaConfig's for every field,
+    whatever transformers' version adds. use_cache is a generation option, which the base class
+    leaves to the generation config."""
+    expected, got = tiny.tiny_config().to_dict(), tiny.tiny_engine_config().to_dict()
+    differ = {k: (v, got.get(k)) for k, v in expected.items()
+              if k not in ("transformers_version", "use_cache") and got.get(k) != v}
+    assert differ == {}
+    assert got["model_type"] == "llama" and got["architectures"] == ["LlamaForCausalLM"]
+
+
 def test_tiny_tokenizer_bytes_specials_and_chat_template():
     tok = tiny.tiny_tokenizer()
     text = "héllo, wörld — 你好 🚀"

@@ -15,14 +15,13 @@ import math
 import os
 import re
 import stat
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from jpaged import config
 from jpaged.file_safety import open_regular, read_json, safetensors_header
@@ -41,6 +40,12 @@ from jpaged.parallel import sharding
 from jpaged.quantization.formats import Quantization, quantization_of
 from jpaged.quantization.scheme import QuantizedTensor, check_scales, layout, model_memory_bytes, quantize_model
 from pallas_kernels import invariant
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+# AutoConfig and AutoTokenizer are imported where a checkpoint is read: importing them (any class under
+# transformers.models) indexes that package's ~1,700 files (about 0.4 s), which `tiny` does not need.
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +74,7 @@ DTYPES = {name: jnp.dtype(name) for name in config.DTYPES if name != "auto"}
 @dataclasses.dataclass
 class LoadedModel:
     model: nnx.Module
-    hf_config: PretrainedConfig
+    hf_config: "PretrainedConfig"
     tokenizer: object | None  # a transformers tokenizer, or None when the checkpoint has none
     dtype: jnp.dtype
     mesh: jax.sharding.Mesh  # the tensor-parallel mesh the weights are placed on
@@ -101,7 +106,7 @@ def kv_scales_of(found: dict[tuple[int, str], float]) -> tuple[np.ndarray, np.nd
     return scales[0], scales[1]
 
 
-def get_model_class(hf_config: PretrainedConfig):
+def get_model_class(hf_config: "PretrainedConfig"):
     archs = getattr(hf_config, "architectures", None) or []
     for arch in archs:
         if arch in MODEL_REGISTRY:
@@ -110,7 +115,7 @@ def get_model_class(hf_config: PretrainedConfig):
                      f"supported: {', '.join(sorted(MODEL_REGISTRY))}")
 
 
-def resolve_dtype(dtype, hf_config: PretrainedConfig) -> jnp.dtype:
+def resolve_dtype(dtype, hf_config: "PretrainedConfig") -> jnp.dtype:
     if dtype == "auto":
         dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
         dtype = str(dtype).removeprefix("torch.")
@@ -125,7 +130,7 @@ def resolve_dtype(dtype, hf_config: PretrainedConfig) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
-def build_model(hf_config: PretrainedConfig, weights: Iterable[tuple[str, np.ndarray]], *, dtype: jnp.dtype,
+def build_model(hf_config: "PretrainedConfig", weights: Iterable[tuple[str, np.ndarray]], *, dtype: jnp.dtype,
                 attention_backend: str = "auto", mesh: jax.sharding.Mesh | None = None,
                 max_model_len: int | None = None, kv_scales: dict | None = None,
                 quantization: Quantization | None = None, batch_invariant: bool = False, model_cls=None,
@@ -378,7 +383,7 @@ def check_regular_files(model_dir: str):
                 raise ValueError(f"{path}: cannot be read ({e.strerror})") from None
 
 
-def read_hf_config(model_dir: str, overrides: dict | None = None) -> PretrainedConfig:
+def read_hf_config(model_dir: str, overrides: dict | None = None) -> "PretrainedConfig":
     """config.json read safely (a bounded regular file, JSON of bounded depth) and its fields that
     jpaged reads type-checked before transformers parses it; ValueError naming the file otherwise.
     `overrides` (vLLM's hf_overrides): fields set on the config after reading."""
@@ -388,7 +393,7 @@ def read_hf_config(model_dir: str, overrides: dict | None = None) -> PretrainedC
     return config
 
 
-def _read_hf_config(model_dir: str) -> PretrainedConfig:
+def _read_hf_config(model_dir: str) -> "PretrainedConfig":
     path = os.path.join(model_dir, "config.json")
     raw = read_json(path, path)
     if not isinstance(raw, dict):
@@ -399,6 +404,8 @@ def _read_hf_config(model_dir: str) -> PretrainedConfig:
     for field in ("architectures",):
         if field in raw and not (isinstance(raw[field], list) and all(isinstance(a, str) for a in raw[field])):
             raise ValueError(f"{path}: {field} must be a list of strings")
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(model_dir)
     except (ValueError, TypeError, KeyError, AttributeError, OSError) as e:
@@ -440,7 +447,7 @@ def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", rev
     mesh = sharding.make_mesh(tensor_parallel_size, devices)  # fails on too few devices before reading anything
     if model == "tiny":
         from jpaged.models import tiny
-        hf_config = tiny.tiny_config()
+        hf_config = tiny.tiny_engine_config()
         for name, value in (hf_overrides or {}).items():
             setattr(hf_config, name, value)
         jdtype = resolve_dtype(dtype, hf_config)
@@ -453,6 +460,8 @@ def load_model(model: str, *, dtype="auto", attention_backend: str = "auto", rev
             adapt(hf_config)  # a multimodal config's text fields read at its top level
         jdtype = resolve_dtype(dtype, hf_config)
         weights = iter_safetensors(model_dir)
+        from transformers import AutoTokenizer
+
         try:
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
         except (OSError, ValueError, TypeError):

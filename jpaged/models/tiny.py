@@ -7,10 +7,13 @@ batch shapes. It goes through the same loader path as a real checkpoint.
 """
 
 import functools
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
-from transformers import LlamaConfig, PreTrainedTokenizerFast
+from transformers import PretrainedConfig, PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 SEED = 0
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
@@ -20,16 +23,37 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_config() -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=259, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=False, bos_token_id=256, eos_token_id=257, pad_token_id=258,
-        architectures=["LlamaForCausalLM"], dtype="float32",
-    )
+CONFIG = dict(
+    vocab_size=259, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+    tie_word_embeddings=False, bos_token_id=256, eos_token_id=257, pad_token_id=258,
+    architectures=["LlamaForCausalLM"], dtype="float32",
+)
+# What LlamaConfig adds to CONFIG (transformers 5's defaults; tests/test_tiny.py checks them).
+LLAMA_DEFAULTS = dict(hidden_act="silu", attention_bias=False, attention_dropout=0.0, mlp_bias=False,
+                      initializer_range=0.02, use_cache=True, pretraining_tp=1,
+                      rope_parameters={"rope_type": "default", "rope_theta": CONFIG["rope_theta"]})
 
 
-def tiny_weights(cfg: LlamaConfig) -> Iterator[tuple[str, np.ndarray]]:
+def tiny_config() -> "LlamaConfig":
+    """tiny's config as transformers' LlamaConfig: to save it as a checkpoint or build the HF model."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**CONFIG)
+
+
+class TinyLlamaConfig(PretrainedConfig):
+    model_type = "llama"
+
+
+def tiny_engine_config() -> PretrainedConfig:
+    """The config the engine loads `tiny` with: tiny_config()'s fields and values on transformers'
+    base config class. LlamaConfig, like any class under transformers.models, would import that
+    package, which indexes its ~1,700 files again for its lazy imports (about 0.4 s of a 2 s start)."""
+    return TinyLlamaConfig(**CONFIG, **LLAMA_DEFAULTS)
+
+
+def tiny_weights(cfg) -> Iterator[tuple[str, np.ndarray]]:
     """Seeded weights in Hugging Face naming and layout ([out, in] for linear layers)."""
     rng = np.random.default_rng(SEED)
     e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim

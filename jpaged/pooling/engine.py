@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from transformers import AutoTokenizer
 
 from jpaged.config import EngineConfig
 from jpaged.core.block_manager import BlockManager
@@ -95,6 +94,8 @@ class PoolingEngine:
         self.max_model_len = config.max_model_len or longest
         self.max_batch_tokens = max(config.max_num_batched_tokens or DEFAULT_MAX_BATCH_TOKENS, 16)
         self.pooler_config: PoolerConfig = read_pooler_config(model_dir, hf_config, self.is_encoder)
+        from transformers import AutoTokenizer  # not at the top: `jpaged serve` imports this module
+
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if getattr(hf_config, "classifier_from_token", None) is not None:  # a causal LM's LM-head rows as labels
             hf_config.classifier_token_ids, hf_config.num_labels = classifier_tokens(hf_config, self.tokenizer)
