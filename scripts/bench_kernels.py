@@ -17,12 +17,20 @@ a device-to-device copy's, measured in the same run and counted the same way (by
 read + written by an in-place `x + 1` over a 1 GiB buffer on a GPU, after a warm-up;
 the median of several timed batches).
 
+With --kv-cache-dtype, each kernel also decodes from the same pages in fp8 (`pallas fp8`, ...),
+its GB/s counted on the fp8 bytes, and the table's `fp8/bf16` column gives its time over the same
+kernel's on the 16-bit pages (fp8 halves the bytes: 0.5 is the bandwidth bound).
+
 Prefill (ragged_paged_attention, one causal prompt per sequence, all of its K/V in the
 pages): pallas, mosaic and xla against dense causal attention on contiguous K/V
 (jax.nn.dot_product_attention with implementation="cudnn", cuDNN's flash attention, on a GPU
 when it takes the shape and dtype (fp16/bf16); else implementation="xla", the table's row then
 says `dense xla` and a note under it why), in TFLOP/s (causal: 2 * batch * heads * L^2 *
 head_dim flops).
+
+Last, a summary per point: each family's % of the copy rate and fp8/bf16 ratio, the faster
+family measured here against the one attention_backend="auto" picks (pallas_kernels/choice.py's
+table, from an earlier run: update it when they disagree), and prefill against cuDNN.
 
   python scripts/bench_kernels.py            # GPU grid (CPU: tiny grid)
   python scripts/bench_kernels.py --quick    # a few long-context points (scripts/gpu_check.sh)
@@ -57,10 +65,18 @@ TINY_GRID = dict(batch=[1, 4], context=[32, 128], heads=[(4, 2)], head_dim=64, p
                  prefill=[(2, 64)])
 
 
+TIME_CAP_S = 0.5  # a point's timed calls stop at about this many seconds (slow rows: fewer calls)
+
+
 def time_call(fn, *args, iters):
-    """Mean seconds per call after warm-up (compile) calls."""
+    """Mean seconds per call after warm-up (compile) calls: `iters` calls, fewer (at least 3) where
+    they would take more than TIME_CAP_S."""
     for _ in range(2):
         jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    once = time.perf_counter() - start
+    iters = max(3, min(iters, int(TIME_CAP_S / max(once, 1e-9))))
     start = time.perf_counter()
     for _ in range(iters):
         out = fn(*args)
@@ -258,6 +274,7 @@ def main(argv=None):
     parser.add_argument("--kv-cache-dtype", choices=sorted(FP8_DTYPES),
                         help="also decode from fp8 pages (their GB/s counted on the fp8 K/V bytes)")
     args = parser.parse_args(argv)
+    started = time.perf_counter()
     on_gpu = jax.default_backend() == "gpu"
     tiny = args.tiny or not on_gpu
     grid = TINY_GRID if tiny else QUICK_GRID if args.quick else GPU_GRID
@@ -272,8 +289,8 @@ def main(argv=None):
         f" {nbytes / 2**30:.3g} GiB; GB/s below: each kernel's bytes read + written / time)"
         f"{' (pallas and mosaic in interpret mode)' if not on_gpu else ''}\n"
     )
-    print("| batch | context | heads/kv | impl | µs | GB/s | % copy |")
-    print("|---|---|---|---|---|---|---|")
+    print("| batch | context | heads/kv | impl | µs | GB/s | % copy | fp8/bf16 |")
+    print("|---|---|---|---|---|---|---|---|")
     rows = []
     for heads, kv_heads in grid["heads"]:
         for batch in grid["batch"]:
@@ -285,16 +302,21 @@ def main(argv=None):
                 other_bytes = 2 * batch * heads * grid["head_dim"] * itemsize + 4 * batch * (context // grid["page"] + 1)
                 res = bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters, args.kv_cache_dtype)
                 for impl, sec in res.items():
-                    kv = kv_bytes if not impl.endswith(str(args.kv_cache_dtype)) else kv_bytes // itemsize
-                    moved = kv + other_bytes
+                    fp8 = args.kv_cache_dtype is not None and impl.endswith(f" {args.kv_cache_dtype}")
+                    moved = (kv_bytes // itemsize if fp8 else kv_bytes) + other_bytes
                     row = dict(kind="decode", batch=batch, context=context, heads=heads, kv_heads=kv_heads, impl=impl,
                                seconds=sec, bytes=moved)
                     rows.append(row)
                     if isinstance(sec, str):
-                        cells = f"{sec} | | "
+                        cells = f"{sec} | | | "
                     else:
                         rate = moved / sec
-                        cells = f"{sec * 1e6:.1f} | {rate / 1e9:.1f} | {100 * rate / copy_bw:.0f}"
+                        row["pct_copy"] = 100 * rate / copy_bw
+                        wide = res.get(impl.removesuffix(f" {args.kv_cache_dtype}")) if fp8 else None
+                        if isinstance(wide, float):
+                            row["fp8_ratio"] = sec / wide
+                        ratio = f"{row['fp8_ratio']:.2f}" if "fp8_ratio" in row else ""
+                        cells = f"{sec * 1e6:.1f} | {rate / 1e9:.1f} | {row['pct_copy']:.0f} | {ratio}"
                     print(f"| {batch} | {context} | {heads}/{kv_heads} | {impl} | {cells} |", flush=True)
     print("\n| batch | prompt | heads/kv | impl | ms | TFLOP/s | % dense |")
     print("|---|---|---|---|---|---|---|")
@@ -315,13 +337,72 @@ def main(argv=None):
             if isinstance(sec, str):
                 cells = f"{sec} | | "
             else:
+                row["tflops"] = flops / sec / 1e12
+                if isinstance(dense, float):
+                    row["pct_dense"] = 100 * dense / sec
                 share = f"{100 * dense / sec:.0f}" if isinstance(dense, float) else ""
                 cells = f"{sec * 1e3:.2f} | {flops / sec / 1e12:.2f} | {share}"
             label = f"dense {implementation}" if impl == "dense" else impl
             print(f"| {batch} | {length} | {heads}/{kv_heads} | {label} | {cells} |", flush=True)
     for why, points in notes.items():
         print(f"\ndense xla (batch x prompt {', '.join(points)}): XLA's attention instead of cuDNN's: {why}")
+    print_summary(rows, args.kv_cache_dtype, jnp.dtype(grid["dtype"]))
+    print(f"\nbench_kernels: {time.perf_counter() - started:.0f} s")
     return rows
+
+
+def print_summary(rows, kv_cache_dtype, dtype):
+    """One line per point: what the issue's goals read (% of the copy rate, fp8/bf16, the faster
+    family against auto's table, prefill against cuDNN)."""
+    from pallas_kernels import choice
+
+    def timed(row):
+        return not isinstance(row["seconds"], str)
+
+    print("\nSummary (auto: the family pallas_kernels/choice.py picks on sm_90, from the "
+          f"{choice.MEASURED_ON['date']} {choice.MEASURED_ON['gpu'].split(' (')[0]} run; faster: this run's)")
+    print("| decode batch x context | pallas % copy | mosaic % copy | contiguous % copy | pallas fp8/bf16 "
+          "| mosaic fp8/bf16 | faster 16-bit | faster fp8 | auto 16-bit | auto fp8 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    points = sorted({(r["batch"], r["context"]) for r in rows if r["kind"] == "decode"})
+    for batch, context in points:
+        here = {r["impl"]: r for r in rows if r["kind"] == "decode" and (r["batch"], r["context"]) == (batch, context)}
+
+        def cell(impl, key, fmt):
+            row = here.get(impl)
+            return fmt.format(row[key]) if row and key in row else "-"
+
+        def faster(suffix):
+            runs = {f: here[f + suffix]["seconds"] for f in ("pallas", "mosaic") if f + suffix in here
+                    and timed(here[f + suffix])}
+            return min(runs, key=runs.get) if runs else "-"
+
+        fp8 = f" {kv_cache_dtype}" if kv_cache_dtype else None
+        auto8 = choice.auto_family(9.0, "decode", jnp.float8_e4m3fn) if fp8 else "-"
+        print(f"| {batch} x {context} | {cell('pallas', 'pct_copy', '{:.0f}')} | "
+              f"{cell('mosaic', 'pct_copy', '{:.0f}')} | {cell('contiguous', 'pct_copy', '{:.0f}')} | "
+              f"{cell(f'pallas{fp8}', 'fp8_ratio', '{:.2f}') if fp8 else '-'} | "
+              f"{cell(f'mosaic{fp8}', 'fp8_ratio', '{:.2f}') if fp8 else '-'} | {faster('')} | "
+              f"{faster(fp8) if fp8 else '-'} | {choice.auto_family(9.0, 'decode', dtype)} | {auto8} |")
+    prefill = sorted({(r["batch"], r["context"]) for r in rows if r["kind"] == "prefill"})
+    if prefill:
+        print("\n| prefill batch x prompt | pallas TFLOP/s | mosaic TFLOP/s | reference | reference TFLOP/s "
+              "| pallas / reference | mosaic / reference | faster | auto |")
+        print("|---|---|---|---|---|---|---|---|---|")
+    for batch, length in prefill:
+        here = {r["impl"]: r for r in rows if r["kind"] == "prefill" and (r["batch"], r["context"]) == (batch, length)}
+        dense = here.get("dense", {})
+        reference = "cuDNN" if dense.get("implementation") == "cudnn" else "dense xla (no cuDNN: see above)"
+
+        def cell(impl, key, fmt):
+            row = here.get(impl)
+            return fmt.format(row[key]) if row and key in row else "-"
+
+        runs = {f: here[f]["seconds"] for f in ("pallas", "mosaic") if f in here and timed(here[f])}
+        print(f"| {batch} x {length} | {cell('pallas', 'tflops', '{:.0f}')} | {cell('mosaic', 'tflops', '{:.0f}')} | "
+              f"{reference} | {cell('dense', 'tflops', '{:.0f}')} | {cell('pallas', 'pct_dense', '{:.0f}%')} | "
+              f"{cell('mosaic', 'pct_dense', '{:.0f}%')} | {min(runs, key=runs.get) if runs else '-'} | "
+              f"{choice.auto_family(9.0, 'prefill', dtype)} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,57 @@
+"""scripts/bench_kernels.py's report: per point % of the copy rate, the fp8/bf16 time ratio, the
+faster family against auto's table, prefill against cuDNN (or the dense XLA reference and why)."""
+
+import importlib.util
+from pathlib import Path
+
+import jax.numpy as jnp
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_kernels",
+                                                  Path(__file__).parents[1] / "scripts/bench_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_run_reports_copy_share_fp8_ratio_and_summary(capsys):
+    bench = load_bench()
+    rows = bench.main(["--tiny", "--iters", "1", "--max-tokens", "32", "--kv-cache-dtype", "fp8"])
+    out = capsys.readouterr().out
+    decode = {r["impl"]: r for r in rows if r["kind"] == "decode"}
+    for impl in ("pallas", "xla", "contiguous", "pallas fp8", "xla fp8"):
+        assert decode[impl]["pct_copy"] > 0, impl
+    # fp8 rows: their time over the same kernel's on 16-bit pages, and half the K/V bytes
+    assert abs(decode["pallas fp8"]["fp8_ratio"] - decode["pallas fp8"]["seconds"] / decode["pallas"]["seconds"]) < 1e-12
+    assert "fp8_ratio" not in decode["pallas"]
+    other = 2 * 1 * 4 * 64 * 2 + 4 * 1 * (32 // 16 + 1)  # q and out (bf16), block table and length
+    assert decode["pallas"]["bytes"] - other == 2 * (decode["pallas fp8"]["bytes"] - other)
+    prefill = {r["impl"]: r for r in rows if r["kind"] == "prefill"}
+    assert prefill["dense"]["implementation"] == "xla" and abs(prefill["dense"]["pct_dense"] - 100) < 1e-9
+    assert prefill["pallas"]["tflops"] > 0 and prefill["pallas"]["pct_dense"] > 0
+    assert "| batch | context | heads/kv | impl | µs | GB/s | % copy | fp8/bf16 |" in out
+    assert "XLA's attention instead of cuDNN's: no GPU" in out
+    summary = out[out.index("Summary"):]
+    line = next(x for x in summary.splitlines() if x.startswith("| 1 x 32 |"))
+    assert line.split("|")[-3:-1] == [" pallas ", " pallas "], line  # auto on sm_90: Triton for decode
+    assert "| 2 x 64 |" in summary and "dense xla (no cuDNN" in summary
+    assert out.rstrip().splitlines()[-1].startswith("bench_kernels: ")
+
+
+def test_summary_reads_the_rows(capsys):
+    """Synthetic rows: the faster family per point and dtype, the ratios, the cuDNN reference."""
+    bench = load_bench()
+    rows = [dict(kind="decode", batch=64, context=32768, impl=impl, seconds=sec, pct_copy=pct, **extra)
+            for impl, sec, pct, extra in (("pallas", 2.0, 80.0, {}), ("mosaic", 2.5, 64.0, {}),
+                                          ("contiguous", 1.8, 89.0, {}),
+                                          ("pallas fp8", 1.2, 67.0, {"fp8_ratio": 0.6}),
+                                          ("mosaic fp8", 1.0, 80.0, {"fp8_ratio": 0.4}))]
+    rows += [dict(kind="prefill", batch=1, context=8192, impl="pallas", seconds=2.0, tflops=200.0, pct_dense=40.0),
+             dict(kind="prefill", batch=1, context=8192, impl="mosaic", seconds=1.0, tflops=400.0, pct_dense=80.0),
+             dict(kind="prefill", batch=1, context=8192, impl="dense", seconds=0.8, tflops=500.0, pct_dense=100.0,
+                  implementation="cudnn")]
+    bench.print_summary(rows, "fp8", jnp.dtype(jnp.bfloat16))
+    out = capsys.readouterr().out
+    assert "| 64 x 32768 | 80 | 64 | 89 | 0.60 | 0.40 | pallas | mosaic | pallas | pallas |" in out
+    assert "| 1 x 8192 | 200 | 400 | cuDNN | 500 | 40% | 80% | mosaic | mosaic |" in out
