@@ -61,3 +61,26 @@ def test_images_in_a_batch_match_transformers(setup):
             assert got.token_ids == tokens, prompt
             mine = [lp[t] for lp, t in zip(got.logprobs, got.token_ids)]
             np.testing.assert_allclose(mine, logprobs, atol=1e-4)
+
+
+def test_chat_with_images_matches_transformers(setup):
+    """LLM.chat with image parts (a PIL image and a data: URL) through the checkpoint's chat template."""
+    import base64
+    import io
+
+    hf, processor, llm, rng = setup
+    a, b = random_images(rng, [(70, 90), (140, 60)])
+    png = io.BytesIO()
+    b.save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": a}, {"type": "text", "text": "and"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    out = llm.chat(messages, SamplingParams(max_tokens=STEPS, temperature=0, logprobs=0, ignore_eos=True),
+                   use_tqdm=False)[0]
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"},
+                                                                        {"type": "image"}]}],
+                                         tokenize=False, add_generation_prompt=True)
+    tokens, logprobs, prompt_ids = hf_generate(hf, processor, text, [a, b])
+    assert out.prompt_token_ids == prompt_ids
+    assert out.outputs[0].token_ids == tokens
+    np.testing.assert_allclose([lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)], logprobs, atol=1e-4)

@@ -178,3 +178,27 @@ def test_model_prompt_helpers(checkpoint):
     ref, ref_delta = mrope_positions(ids, grids, IMAGE_TOKEN, 2)
     np.testing.assert_array_equal(table, ref)
     assert delta == ref_delta
+
+
+def test_processor_keeps_images_within_the_largest_bucket():
+    """A photo larger than the largest bucket is resized to fit it (not refused); each placeholder
+    becomes its image's tokens; placeholders and images must agree."""
+    import copy
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from jpaged.models import tiny
+    from jpaged.models.qwen2_vl_processor import Qwen2VLPromptProcessor
+
+    tok = copy.deepcopy(tiny.tiny_tokenizer())
+    tok.add_special_tokens({"additional_special_tokens": ["<|image_pad|>"]})
+    proc = Qwen2VLPromptProcessor(tok, Qwen2VLImageProcessorPil(max_pixels=28 * 28 * 1280), max_patches=256)
+    rng = np.random.default_rng(0)
+    out = proc(text="a <|image_pad|> b <|image_pad|>", images=random_images(rng, [(600, 900), (40, 50)]))
+    sizes = [int(np.prod(g)) for g in out["image_grid_thw"]]
+    assert 128 < sizes[0] <= 256 and 16 <= sizes[1] < 128  # (min_pixels: 4 x 4 patches at least)
+    ids = out["input_ids"][0]
+    assert (ids == proc.image_token_id).sum() == sum(sizes) // 4 == out["mm_token_type_ids"].sum()
+    assert out["pixel_values"].shape[0] == sum(sizes)
+    with pytest.raises(ValueError, match="placeholder"):
+        proc(text="no placeholder", images=random_images(rng, [(40, 50)]))

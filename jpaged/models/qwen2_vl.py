@@ -100,8 +100,11 @@ class Qwen2VLForConditionalGeneration(nnx.Module):
             (encoder_cache_rows(cfg, max(self.buckets) // merge ** 2), cfg.text_config.hidden_size), dtype))
 
     adapt_hf_config = staticmethod(adapt_multimodal_config)
-    # transformers' Qwen2VLProcessor needs torchvision: the image processor and the tokenizer instead.
-    load_processor = staticmethod(Qwen2VLPromptProcessor.from_pretrained)
+    @classmethod
+    def load_processor(cls, model_dir: str) -> Qwen2VLPromptProcessor:
+        """transformers' Qwen2VLProcessor needs torchvision: the image processor and the tokenizer
+        instead, images kept within the largest bucket."""
+        return Qwen2VLPromptProcessor.from_pretrained(model_dir, max_patches=max(cls.buckets))
 
     # ------------------------------------------------------------------ language model
     def __call__(self, input_ids, positions, kv_cache):

@@ -10,23 +10,37 @@ interface the engine uses (`__call__(text=..., images=..., return_tensors="np")`
 `apply_chat_template`, `tokenizer`, `image_processor`).
 """
 
+import logging
 import os
 
 import numpy as np
 
+logger = logging.getLogger(__name__)
 IMAGE_PAD = "<|image_pad|>"
 
 
 class Qwen2VLPromptProcessor:
-    def __init__(self, tokenizer, image_processor, chat_template: str | None = None):
+    """`max_patches` (the model's largest vision bucket): the image processor's max_pixels is lowered
+    so that no image has more patches (a larger image is resized down, as max_pixels does), and no
+    image needs an encoder that was not compiled."""
+
+    def __init__(self, tokenizer, image_processor, chat_template: str | None = None, max_patches: int | None = None):
         self.tokenizer, self.image_processor = tokenizer, image_processor
+        size = getattr(image_processor, "size", None)  # a SizeDict (or a dict): longest_edge is max_pixels
+        longest = size.get("longest_edge") if isinstance(size, dict) else getattr(size, "longest_edge", None)
+        if max_patches is not None and longest:
+            limit = max_patches * int(getattr(image_processor, "patch_size", 14)) ** 2
+            if longest > limit:
+                logger.warning("images are resized to at most %d pixels (max_pixels was %d): the vision encoder is "
+                               "compiled for up to %d patches", limit, longest, max_patches)
+                image_processor.size = type(size)(**{**dict(size), "longest_edge": limit})
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         self.image_token = getattr(tokenizer, "image_token", None) or IMAGE_PAD
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
         self.merge = int(getattr(image_processor, "merge_size", 2))
 
     @classmethod
-    def from_pretrained(cls, model_dir: str) -> "Qwen2VLPromptProcessor":
+    def from_pretrained(cls, model_dir: str, max_patches: int | None = None) -> "Qwen2VLPromptProcessor":
         from transformers import AutoImageProcessor, AutoTokenizer
 
         template = None
@@ -42,7 +56,8 @@ class Qwen2VLPromptProcessor:
                     with open(path, encoding="utf-8") as f:
                         template = f.read(1 << 20)
                 break
-        return cls(AutoTokenizer.from_pretrained(model_dir), AutoImageProcessor.from_pretrained(model_dir), template)
+        return cls(AutoTokenizer.from_pretrained(model_dir), AutoImageProcessor.from_pretrained(model_dir), template,
+                   max_patches)
 
     def __call__(self, text: str, images=None, return_tensors: str = "np", **kwargs) -> dict:
         """input_ids [1, L] with each image's placeholders expanded, pixel_values [patches, dim] and
