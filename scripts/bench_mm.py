@@ -5,9 +5,10 @@ The checkpoint is a randomly initialised LLaVA-1.5 (CLIP vision tower + projecto
 model) written by transformers' save_pretrained with its LlavaProcessor (the byte-level tiny
 tokenizer plus <image>), in a temp dir or --save-dir; or --model, a LLaVA checkpoint directory.
 
-  encoder   jpaged: the engine's precompiled encode executable (vision tower + projector, one
-            image a call, its embeddings written into the device encoder cache), timed over
-            --num-images distinct images after one warm call. hf: get_image_features, batch 1
+  encoder   jpaged: the engine's precompiled encode executables (vision tower + projector, the
+            embeddings written into the device encoder cache), one image a call and in the
+            engine's batches (LLaVA: up to 4 same-size images a call), timed over --num-images
+            distinct images after one warm call. hf: get_image_features, batch 1
             (what one request costs) and batch --hf-batch.
   requests  --num-prompts requests, each "USER: <image>\\n... ASSISTANT:" with its own image and
             --output-len greedy tokens (EOS ignored): jpaged LLM.generate (all submitted at once,
@@ -89,16 +90,20 @@ def bench_jpaged(args, model_dir: str, images, prompts) -> dict:
     startup = time.perf_counter() - start
     mm = llm.llm_engine.runner.mm
     runner = mm.runner
-    pixels = [mm.process(prompts[0], [image]).items[0].pixel_inputs for image in images[:args.num_images]]
-    shapes = {name: (v.shape, v.dtype) for name, v in pixels[0].items()}
-    encode = mm._executable(shapes)
-    runner.state = encode(runner.state, pixels[0], np.int32(0))  # warm
+    items = [mm.process(prompts[0], [image]).items[0] for image in images[:args.num_images]]
+    slots = mm.cache.num_rows // items[0].rows
+    pairs = [(item, (i % slots) * item.rows) for i, item in enumerate(items)]
+    mm._encode(pairs[:1])  # warm
     jax.block_until_ready(runner.state)
     start = time.perf_counter()
-    for p in pixels:
-        runner.state = encode(runner.state, p, np.int32(0))
+    for pair in pairs:  # one image a call: what a step with one new image costs
+        mm._encode([pair])
     jax.block_until_ready(runner.state)
     encoder_s = time.perf_counter() - start
+    start = time.perf_counter()
+    mm._encode(pairs)  # the engine's batches (mm.batch_sizes) when a step brings several images
+    jax.block_until_ready(runner.state)
+    batched_s = time.perf_counter() - start
     mm.reset()
     sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     # Warm the step shapes (enforce_eager compiles what it runs) on other images, then time.
@@ -110,7 +115,8 @@ def bench_jpaged(args, model_dir: str, images, prompts) -> dict:
     outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": im}} for p, im in zip(prompts, images)], sp,
                         use_tqdm=False)  # (zip: the first len(prompts) images)
     e2e = time.perf_counter() - start
-    return {"startup_s": startup, "encoder_images_per_s": len(pixels) / encoder_s,
+    return {"startup_s": startup, "encoder_images_per_s": len(items) / encoder_s,
+            f"encoder_images_per_s_batch{mm.batch_sizes[-1]}": len(items) / batched_s,
             "requests_per_s": len(prompts) / e2e, "output_tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / e2e,
             "tokens": [o.outputs[0].token_ids for o in outs]}
 

@@ -86,13 +86,19 @@ class LlavaForConditionalGeneration(nnx.Module):
     def num_image_tokens(self, pixel_inputs: dict) -> int:
         return self.tokens_per_image
 
+    max_images_per_encode = 4  # (fixed-size images: encoded in batches of 1, 2 or 4; multimodal/runner.py)
+
+    def embed_images(self, pixel_values):
+        """A batch of images' embeddings, [images, tokens_per_image, text hidden]."""
+        states = self.vision_tower(pixel_values, max(self.feature_layers))
+        features = jnp.concatenate([states[i] for i in self.feature_layers], axis=-1)
+        if not self.keep_class_token:
+            features = features[:, 1:]
+        return self.multi_modal_projector(features)
+
     def embed_image(self, pixel_values):
         """One image's embeddings, [tokens_per_image, text hidden]."""
-        states = self.vision_tower(pixel_values, max(self.feature_layers))
-        features = jnp.concatenate([states[i] for i in self.feature_layers], axis=-1)[0]
-        if not self.keep_class_token:
-            features = features[1:]
-        return self.multi_modal_projector(features)
+        return self.embed_images(pixel_values)[0]
 
     def __call__(self, input_ids, positions, kv_cache):
         lm = self.language_model

@@ -20,6 +20,7 @@ import functools
 import logging
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -43,6 +44,26 @@ def _encode(graphdef, state, pixel_inputs: dict, row):
     return nnx.split(model)[1]
 
 
+def _encode_batch(graphdef, state, pixel_inputs: dict, rows):
+    """The state with a batch of images' embeddings written into the encoder cache, image i's
+    from row rows[i] on (-1: a padding image, written nowhere)."""
+    model = nnx.merge(graphdef, state)
+    embeddings = model.embed_images(**pixel_inputs)  # [images, tokens, hidden]
+    cache = model.encoder_cache[...]
+    b, n, h = embeddings.shape
+    index = jnp.where(rows[:, None] < 0, cache.shape[0], rows[:, None] + jnp.arange(n, dtype=rows.dtype)[None])
+    cache = cache.at[index.reshape(-1)].set(embeddings.reshape(b * n, h).astype(cache.dtype), mode="drop")
+    model.encoder_cache.set_value(cache)
+    return nnx.split(model)[1]
+
+
+def batch_sizes(model) -> tuple[int, ...]:
+    """Images one encode call takes: powers of two up to the model's `max_images_per_encode`
+    (a model that encodes a batch of same-shape images, `embed_images`), else one."""
+    most = int(getattr(model, "max_images_per_encode", 1))
+    return tuple(2 ** k for k in range(most.bit_length()) if 2 ** k <= most)
+
+
 class MultimodalEngine:
     def __init__(self, loaded, runner):
         if runner.lora_linears:  # (the tower's projections would take slots too, read outside a step)
@@ -57,29 +78,36 @@ class MultimodalEngine:
         self.vocab_size = self.model.vocab_size
         self.cache = EncoderCacheManager(self.model.encoder_cache.shape[0])
         self.num_encodes = 0  # images encoded (a cache hit encodes nothing)
+        # Images of one shape are encoded together, in batches of these sizes (padded up): one
+        # executable per (shape, size), all compiled now. One image a call: `embed_image`.
+        self.batch_sizes = batch_sizes(self.model)
         state_shardings = jax.tree.map(lambda x: x.sharding, runner.state)
-        self._jitted = jax.jit(functools.partial(_encode, runner.graphdef), out_shardings=state_shardings,
+        encode = _encode if self.batch_sizes == (1,) else _encode_batch
+        self._jitted = jax.jit(functools.partial(encode, runner.graphdef), out_shardings=state_shardings,
                                donate_argnums=(0,))
         self._executables, self._warm = {}, False
         for shapes in self.model.encoder_input_shapes():
-            self._executable(shapes)
+            for size in self.batch_sizes:
+                self._executable(shapes, size)
         self._warm = True  # (from now on a new shape is a compile while serving)
 
     @staticmethod
-    def _key(shapes: dict) -> tuple:
-        return ("encode",) + tuple(sorted((name, tuple(shape), np.dtype(dtype).name)
-                                          for name, (shape, dtype) in shapes.items()))
+    def _key(shapes: dict, size: int) -> tuple:
+        return ("encode", size) + tuple(sorted((name, tuple(shape[1:]), np.dtype(dtype).name)
+                                                for name, (shape, dtype) in shapes.items()))
 
-    def _executable(self, shapes: dict):
-        key = self._key(shapes)
+    def _executable(self, shapes: dict, size: int = 1):
+        """The encode of `size` images whose inputs have `shapes` ({name: (shape, dtype)}, batch 1)."""
+        key = self._key(shapes, size)
         if key not in self._executables:
             if self._warm:
                 logger.warning("compiling an encoder for unexpected image input shapes %s", key)
             rep = self.runner._replicated
-            args = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=rep) for name, (shape, dtype) in shapes.items()}
-            row = jax.ShapeDtypeStruct((), np.int32, sharding=rep)
+            args = {name: jax.ShapeDtypeStruct((size,) + tuple(shape[1:]), dtype, sharding=rep)
+                    for name, (shape, dtype) in shapes.items()}
+            rows = jax.ShapeDtypeStruct(() if self.batch_sizes == (1,) else (size,), np.int32, sharding=rep)
             self._executables[key] = self.runner.executable_cache.compile(repr(key), self._jitted,
-                                                                          (self.runner.state, args, row))
+                                                                          (self.runner.state, args, rows))
         return self._executables[key]
 
     @property
@@ -120,24 +148,44 @@ class MultimodalEngine:
                 if hits:
                     todo.append((j, hits))
                     pinned.update(item.mm_hash for item in hits)
+        missing = []  # (item, row): images to encode before this step's forward
         for j, hits in todo:
             start, ids = batch.start_pos[j], list(batch.token_ids[j])
             for item in hits:
-                row = self._row_of(item, pinned)
+                row = self.cache.lookup(item.mm_hash)
+                if row is None:
+                    row = self.cache.allocate(item.mm_hash, item.rows, pinned)
+                    missing.append((item, row))
                 lo, hi = max(start, item.offset), min(start + len(ids), item.offset + item.length)
                 base = self.vocab_size + row - item.offset
                 ids[lo - start:hi - start] = range(base + lo, base + hi)
             batch.token_ids[j] = ids
+        if missing:
+            self._encode(missing)
 
-    def _row_of(self, item, pinned: set) -> int:
-        row = self.cache.lookup(item.mm_hash)
-        if row is None:
-            row = self.cache.allocate(item.mm_hash, item.rows, pinned)
+    def _encode(self, missing: list):
+        """Encode (item, row) pairs into their rows: images of one shape together, in batches of
+        `batch_sizes` (the last padded with zeros and written nowhere)."""
+        by_shape = {}
+        for item, row in missing:
             shapes = {name: (value.shape, value.dtype) for name, value in item.pixel_inputs.items()}
-            executable = self._executable(shapes)
-            self.runner.state = executable(self.runner.state, item.pixel_inputs, np.int32(row))
-            self.num_encodes += 1
-        return row
+            by_shape.setdefault(self._key(shapes, 1), (shapes, []))[1].append((item, row))
+        most = self.batch_sizes[-1]
+        for shapes, pairs in by_shape.values():
+            for at in range(0, len(pairs), most):
+                part = pairs[at:at + most]
+                self.num_encodes += len(part)
+                if self.batch_sizes == (1,):
+                    (item, row), = part
+                    self.runner.state = self._executable(shapes)(self.runner.state, item.pixel_inputs, np.int32(row))
+                    continue
+                size = next(b for b in self.batch_sizes if b >= len(part))
+                pad = size - len(part)
+                inputs = {name: np.concatenate([item.pixel_inputs[name] for item, _ in part]
+                                               + [np.zeros((pad,) + shape[1:], dtype)] * bool(pad))
+                          for name, (shape, dtype) in shapes.items()}
+                rows = np.array([row for _, row in part] + [-1] * pad, np.int32)
+                self.runner.state = self._executable(shapes, size)(self.runner.state, inputs, rows)
 
     def reset(self):
         """Forget every cached image (weights changed: their embeddings are stale)."""
