@@ -174,8 +174,12 @@ class Scheduler(StepUpdate):
         spare = 0 if self.speculator is None else \
             self.speculator.spare_tokens(queue, budget.num_tokens, self.max_num_batched_tokens, self.max_num_seqs)
         bm, pool = self.block_manager, self.block_manager.gpu_pool
+        # The common decode, inlined (every running group, every step): _decode_one, else below.
+        one = not num_lookahead_slots and not spare and bm.sliding_window is None
         while queue:
             seq_group = queue.popleft()
+            if one and len(seq_group.seqs) == 1 and self._decode_one(out, budget, seq_group):
+                continue
             if seq_group.is_prefill():
                 prefilling.append(seq_group)
                 self.running.append(seq_group)
@@ -203,6 +207,37 @@ class Scheduler(StepUpdate):
         # Victims were taken latest first; keep the swapped queue in arrival order.
         self.swapped.extend(reversed(swapped_out))
         return prefilling
+
+    def _decode_one(self, out: SchedulerOutputs, budget: _Budget, seq_group: SequenceGroup) -> bool:
+        """The loop's body above for a lone running sequence decoding one token (no drafts,
+        lookahead slots, window, prompt logprobs, images or forks), when its next slot needs no
+        copy-on-write and at most a free block; False (nothing done): the general path decides."""
+        seq = seq_group.seqs[0]
+        if seq.status is not SequenceStatus.RUNNING or seq_group.prompt_logprobs is not None \
+                or seq_group.pooling is not None or getattr(seq_group, "mm_items", None):
+            return False
+        seq_len = len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_pending_tokens
+        start = seq.num_computed_tokens
+        sp = seq_group.sampling_params
+        if seq_len - start != 1 or sp.use_beam_search or (sp.best_of > 1 and not seq.output_token_ids):
+            return False
+        bm = self.block_manager
+        table, index = bm.gpu_tables[seq.seq_id], (seq_len - 1) // bm.block_size
+        if index < len(table):  # (bm.num_blocks_to_append and append_slots for this case)
+            if bm.gpu_pool.blocks[table[index]].ref_cnt > 1:
+                return False  # copy-on-write
+        elif index == len(table) and bm.gpu_pool.get_num_free_blocks():
+            table.append(bm.gpu_pool.allocate())
+        else:
+            return False  # blocks are short: preemption
+        self.running.append(seq_group)
+        if bm.enable_caching:  # (_add's)
+            bm.cache_full_blocks(seq, min(start + 1, len(seq.prompt_token_ids) + len(seq.output_token_ids)),
+                                 seq_group.lora_request)
+        out.scheduled_seq_groups.append(ScheduledSequenceGroup(seq_group, 1, start, 0, [seq], [1]))
+        out.num_batched_tokens += 1
+        budget.num_tokens -= 1
+        return True
 
     def _schedule_swapped(self, out: SchedulerOutputs, budget: _Budget):
         while self.swapped:
