@@ -91,9 +91,13 @@ class MultimodalEngine:
                 self._executable(shapes, size)
         self._warm = True  # (from now on a new shape is a compile while serving)
 
-    @staticmethod
-    def _key(shapes: dict, size: int) -> tuple:
-        return ("encode", size) + tuple(sorted((name, tuple(shape[1:]), np.dtype(dtype).name)
+    def _batched(self, shape, size: int) -> tuple:
+        """An input's shape for `size` images: its leading (image) axis `size` when images are
+        batched; as the model gave it otherwise (Qwen2-VL's leading axis is patches)."""
+        return tuple(shape) if self.batch_sizes == (1,) else (size,) + tuple(shape[1:])
+
+    def _key(self, shapes: dict, size: int) -> tuple:
+        return ("encode", size) + tuple(sorted((name, self._batched(shape, size), np.dtype(dtype).name)
                                                 for name, (shape, dtype) in shapes.items()))
 
     def _executable(self, shapes: dict, size: int = 1):
@@ -103,7 +107,7 @@ class MultimodalEngine:
             if self._warm:
                 logger.warning("compiling an encoder for unexpected image input shapes %s", key)
             rep = self.runner._replicated
-            args = {name: jax.ShapeDtypeStruct((size,) + tuple(shape[1:]), dtype, sharding=rep)
+            args = {name: jax.ShapeDtypeStruct(self._batched(shape, size), dtype, sharding=rep)
                     for name, (shape, dtype) in shapes.items()}
             rows = jax.ShapeDtypeStruct(() if self.batch_sizes == (1,) else (size,), np.int32, sharding=rep)
             self._executables[key] = self.runner.executable_cache.compile(repr(key), self._jitted,
