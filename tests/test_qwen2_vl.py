@@ -40,7 +40,7 @@ def encode(ours, hf_config, pixel_values: np.ndarray, grids) -> list[np.ndarray]
         n = int(np.prod(grid))
         inputs = image_pixel_inputs(ours.visual, pixel_values[start:start + n], grid, BUCKETS)
         emb = np.asarray(ours.embed_image(**{k: jnp.asarray(v) for k, v in inputs.items()}))
-        assert emb.shape[0] == inputs["pixel_values"].shape[0] // 4
+        assert emb.shape[0] == inputs["pixel_values"].shape[1] // 4
         out.append(emb[:image_tokens(hf_config, grid)])
         start += n
     return out
@@ -63,7 +63,7 @@ def test_image_features_equal_hf(checkpoint, count):
     lay = ours.visual.layout(grids, pad_to=256 * count)
     px = np.zeros((256 * count, batch["pixel_values"].shape[1]), np.float32)
     px[:len(batch["pixel_values"])] = batch["pixel_values"].numpy()
-    packed = np.asarray(ours.embed_image(jnp.asarray(px), **{k: jnp.asarray(v) for k, v in lay.items()}))
+    packed = np.asarray(ours.embed_image(jnp.asarray(px[None]), **{k: jnp.asarray(v[None]) for k, v in lay.items()}))
     np.testing.assert_allclose(packed[:sum(len(r) for r in ref)], torch.cat(ref).numpy(), atol=2e-5, rtol=0)
 
 
@@ -171,7 +171,7 @@ def test_model_prompt_helpers(checkpoint):
     assert [ours.num_image_tokens(p) for p in inputs] == [image_tokens(hf.config, g) for g in grids]
     assert [ours.encoder_output_rows(p) for p in inputs] == [16, 16, 64]  # buckets 64, 64, 256
     start = grids[0][1] * grids[0][2]
-    np.testing.assert_array_equal(inputs[1]["pixel_values"][:grids[1][1] * grids[1][2]],
+    np.testing.assert_array_equal(inputs[1]["pixel_values"][0, :grids[1][1] * grids[1][2]],
                                   batch["pixel_values"][start:start + grids[1][1] * grids[1][2]])
     ids = prompt_with_images(rng, grids)
     table, delta = ours.mrope_prompt(ids, inputs)

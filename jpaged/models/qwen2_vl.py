@@ -123,9 +123,11 @@ class Qwen2VLForConditionalGeneration(nnx.Module):
 
     # ------------------------------------------------------------------ vision
     def embed_image(self, pixel_values, rope, frames, windows=None):
-        """One image's padded patches (image_pixel_inputs) -> [bucket / merge^2, text hidden]: the
-        image's tokens first, then rows of padding (encoder_output_rows in all)."""
-        return self.visual(pixel_values, rope, frames, windows).astype(self.encoder_cache.dtype)
+        """One image's padded patches (image_pixel_inputs: a leading batch axis of 1) ->
+        [bucket / merge^2, text hidden]: the image's tokens first, then rows of padding
+        (encoder_output_rows in all)."""
+        windows = None if windows is None else windows[0]
+        return self.visual(pixel_values[0], rope[0], frames[0], windows).astype(self.encoder_cache.dtype)
 
     def num_image_tokens(self, pixel_inputs: dict) -> int:
         """The image's placeholder tokens: its real (unpadded) patches / merge^2."""
@@ -133,25 +135,26 @@ class Qwen2VLForConditionalGeneration(nnx.Module):
 
     def encoder_output_rows(self, pixel_inputs: dict) -> int:
         """The rows embed_image writes (the bucket's, padding included)."""
-        return int(np.shape(pixel_inputs["frames"])[0]) // self.visual.merge ** 2
+        return int(np.shape(pixel_inputs["frames"])[-1]) // self.visual.merge ** 2
 
     def encoder_input_shapes(self) -> list[dict]:
         """One executable per bucket of patch counts."""
         v = self.visual
         shapes = []
         for b in self.buckets:
-            shape = {"pixel_values": ((b, v.patch_dim), np.float32), "rope": ((b, 2), np.int32),
-                     "frames": ((b,), np.int32)}
+            shape = {"pixel_values": ((1, b, v.patch_dim), np.float32), "rope": ((1, b, 2), np.int32),
+                     "frames": ((1, b), np.int32)}
             if v.qwen25:
-                shape["windows"] = ((b,), np.int32)
+                shape["windows"] = ((1, b), np.int32)
             shapes.append(shape)
         return shapes
 
     def image_grid(self, pixel_inputs: dict) -> tuple[int, int, int]:
         """The grid (t, h, w) in patches of the image whose padded inputs these are."""
-        real = np.asarray(pixel_inputs["frames"]) >= 0
-        rope = np.asarray(pixel_inputs["rope"])[real]
-        t = len(np.unique(np.asarray(pixel_inputs["frames"])[real]))
+        frames = np.asarray(pixel_inputs["frames"]).reshape(-1)
+        real = frames >= 0
+        rope = np.asarray(pixel_inputs["rope"]).reshape(-1, 2)[real]
+        t = len(np.unique(frames[real]))
         return t, int(rope[:, 0].max()) + 1, int(rope[:, 1].max()) + 1
 
     def mrope_prompt(self, token_ids, pixel_inputs: list[dict]) -> tuple[np.ndarray, int]:
@@ -194,7 +197,8 @@ def image_pixel_inputs(visual: Qwen2VisionTransformer, rows: np.ndarray, grid, b
         raise ValueError(f"image grid {grid} has {n} patches of {visual.patch_dim} values, pixel_values has "
                          f"{tuple(rows.shape)}")
     size = bucket_size(n, buckets)
-    return {"pixel_values": pad_rows(np.asarray(rows, np.float32), size), **visual.layout([grid], pad_to=size)}
+    inputs = {"pixel_values": pad_rows(np.asarray(rows, np.float32), size), **visual.layout([grid], pad_to=size)}
+    return {name: value[None] for name, value in inputs.items()}  # (a batch of one image, as the engine's)
 
 
 def image_tokens(hf_config, grid) -> int:
