@@ -94,6 +94,25 @@ def test_tiny_start_skips_transformers_model_registry():
     assert report["chat"] == "<s><|user|>\nhi</s>\n<|assistant|>\n" and report["ids"] == [256, 104, 195, 169]
 
 
+# `jpaged serve` up to the server's start, which reports the cyclic collector's state instead of serving.
+COLLECTOR = """
+import gc, json, sys
+import serving.api_server
+serving.api_server.run_server = lambda config, options: print(json.dumps(
+    {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count(), "jax": "jax" in sys.modules}))
+from serving.cli import main
+main(["serve", "tiny", "--port", "0"])
+"""
+
+
+def test_serve_freezes_its_imports_and_leaves_the_collector_on():
+    result = subprocess.run([sys.executable, "-c", COLLECTOR], capture_output=True, text=True, cwd=ROOT,
+                            timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["enabled"] and report["jax"] and report["frozen"] > 100_000  # the imported modules' objects
+
+
 def access_lines(level: int, caplog) -> list[str]:
     logger = logging.getLogger(ACCESS_LOGGER)
     access = ProbeQuietAccessLogger(logger, '"%r" %s')
