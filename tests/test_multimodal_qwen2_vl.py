@@ -34,7 +34,7 @@ def setup(request, tmp_path_factory):
     hf = save_qwen_servable(path, request.param, seed)
     llm = jpaged.LLM(path, dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=24,
                      block_size=16, enable_prefix_caching=True, enforce_eager=True)
-    return hf, Qwen2VLPromptProcessor.from_pretrained(path), llm, np.random.default_rng(seed)
+    return hf, Qwen2VLPromptProcessor.from_pretrained(path), llm, np.random.default_rng(seed), path
 
 
 def hf_generate(hf, processor, prompt: str, images):
@@ -48,7 +48,7 @@ def hf_generate(hf, processor, prompt: str, images):
 
 
 def test_images_in_a_batch_match_transformers(setup):
-    hf, processor, llm, rng = setup
+    hf, processor, llm, rng, _ = setup
     images = [random_images(rng, sizes) for sizes in SIZES]
     prompts = [{"prompt": p, "multi_modal_data": {"image": im}} if im else p for p, im in zip(PROMPTS, images)]
     sp = SamplingParams(max_tokens=STEPS, temperature=0, logprobs=0, ignore_eos=True)
@@ -68,7 +68,7 @@ def test_chat_with_images_matches_transformers(setup):
     import base64
     import io
 
-    hf, processor, llm, rng = setup
+    hf, processor, llm, rng, _ = setup
     a, b = random_images(rng, [(70, 90), (140, 60)])
     png = io.BytesIO()
     b.save(png, format="PNG")
@@ -84,3 +84,20 @@ def test_chat_with_images_matches_transformers(setup):
     assert out.prompt_token_ids == prompt_ids
     assert out.outputs[0].token_ids == tokens
     np.testing.assert_allclose([lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)], logprobs, atol=1e-4)
+
+
+def test_tensor_parallel(setup):
+    """tensor_parallel_size=2 (the decoder split over 2 devices, the tower replicated): the same."""
+    hf, processor, _, rng, path = setup
+    if hf.config.model_type != "qwen2_5_vl":
+        pytest.skip("one family is enough (the vision tower is replicated either way)")
+    llm = jpaged.LLM(path, dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=24,
+                     block_size=16, tensor_parallel_size=2, enforce_eager=True)
+    images = [random_images(rng, sizes) for sizes in SIZES]
+    prompts = [{"prompt": p, "multi_modal_data": {"image": im}} if im else p for p, im in zip(PROMPTS, images)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=STEPS, temperature=0, logprobs=0, ignore_eos=True),
+                        use_tqdm=False)
+    for prompt, ims, out in zip(PROMPTS, images, outs):
+        tokens, logprobs, _ = hf_generate(hf, processor, prompt, ims)
+        assert out.outputs[0].token_ids == tokens, prompt
+        np.testing.assert_allclose([lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)], logprobs, atol=1e-4)
