@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged.multimodal.encoder_cache import EncoderCacheManager
+from jpaged.multimodal.encoder_cache import EncoderCacheFull, EncoderCacheManager
 from jpaged.multimodal.media import MediaOptions, check_image
 from jpaged.multimodal.processing import ProcessedPrompt, process_prompt
 
@@ -152,20 +152,40 @@ class MultimodalEngine:
                 if hits:
                     todo.append((j, hits))
                     pinned.update(item.mm_hash for item in hits)
-        missing = []  # (item, row): images to encode before this step's forward
+        if not todo:
+            return
+        rows, missing = self._rows([item for _, hits in todo for item in hits], pinned)
         for j, hits in todo:
             start, ids = batch.start_pos[j], list(batch.token_ids[j])
             for item in hits:
-                row = self.cache.lookup(item.mm_hash)
-                if row is None:
-                    row = self.cache.allocate(item.mm_hash, item.rows, pinned)
-                    missing.append((item, row))
                 lo, hi = max(start, item.offset), min(start + len(ids), item.offset + item.length)
-                base = self.vocab_size + row - item.offset
+                base = self.vocab_size + rows[item.mm_hash] - item.offset
                 ids[lo - start:hi - start] = range(base + lo, base + hi)
             batch.token_ids[j] = ids
         if missing:
             self._encode(missing)
+
+    def _rows(self, items: list, pinned: set) -> tuple[dict, list]:
+        """The step's images' first rows {mm_hash: row}, and the (item, row) pairs to encode:
+        those not cached, in rows freed of the least recently used others. Should the free rows
+        be too scattered for one (images of different sizes), the cache starts over with this
+        step's images alone, from row 0 up, all encoded again: the scheduler's budget keeps them
+        within its rows."""
+        needed = {item.mm_hash: item for item in items}
+        rows, missing = {}, []
+        try:
+            for mm_hash, item in needed.items():
+                row = self.cache.lookup(mm_hash)
+                if row is None:
+                    row = self.cache.allocate(mm_hash, item.rows, pinned)
+                    missing.append((item, row))
+                rows[mm_hash] = row
+        except EncoderCacheFull:
+            logger.info("encoder cache fragmented: re-encoding the step's %d images from row 0", len(needed))
+            self.cache.clear()
+            rows = {mm_hash: self.cache.allocate(mm_hash, item.rows, set()) for mm_hash, item in needed.items()}
+            missing = [(item, rows[mm_hash]) for mm_hash, item in needed.items()]
+        return rows, missing
 
     def _encode(self, missing: list):
         """Encode (item, row) pairs into their rows: images of one shape together, in batches of
