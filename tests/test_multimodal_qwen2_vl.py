@@ -93,11 +93,30 @@ def test_tensor_parallel(setup):
         pytest.skip("one family is enough (the vision tower is replicated either way)")
     llm = jpaged.LLM(path, dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=24,
                      block_size=16, tensor_parallel_size=2, enforce_eager=True)
-    images = [random_images(rng, sizes) for sizes in SIZES]
-    prompts = [{"prompt": p, "multi_modal_data": {"image": im}} if im else p for p, im in zip(PROMPTS, images)]
+    texts, images = PROMPTS[1:4:2], [[], random_images(rng, SIZES[3])]  # text only, and 3 images
+    prompts = [{"prompt": p, "multi_modal_data": {"image": im}} if im else p for p, im in zip(texts, images)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=STEPS, temperature=0, logprobs=0, ignore_eos=True),
                         use_tqdm=False)
-    for prompt, ims, out in zip(PROMPTS, images, outs):
+    for prompt, ims, out in zip(texts, images, outs):
+        tokens, logprobs, _ = hf_generate(hf, processor, prompt, ims)
+        assert out.outputs[0].token_ids == tokens, prompt
+        np.testing.assert_allclose([lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)], logprobs, atol=1e-4)
+
+
+def test_ngram_speculation(setup):
+    """n-gram speculation with M-RoPE: the drafts' positions are past the prompt (position + delta)."""
+    hf, processor, _, rng, path = setup
+    if hf.config.model_type != "qwen2_vl":
+        pytest.skip("one family is enough")
+    llm = jpaged.LLM(path, dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=24,
+                     block_size=16, enforce_eager=True,
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                         "prompt_lookup_min": 1})
+    texts, images = PROMPTS[1:4:2], [[], random_images(rng, SIZES[3])]  # text only, and 3 images
+    prompts = [{"prompt": p, "multi_modal_data": {"image": im}} if im else p for p, im in zip(texts, images)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=STEPS, temperature=0, logprobs=0, ignore_eos=True),
+                        use_tqdm=False)
+    for prompt, ims, out in zip(texts, images, outs):
         tokens, logprobs, _ = hf_generate(hf, processor, prompt, ims)
         assert out.outputs[0].token_ids == tokens, prompt
         np.testing.assert_allclose([lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)], logprobs, atol=1e-4)

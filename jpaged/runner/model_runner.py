@@ -103,8 +103,6 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
                              if isinstance(node, Linear) and node.lora_a is not None}
         self.graphdef, self.state = nnx.split(loaded.model)
         self.mrope = bool(getattr(loaded.model, "uses_mrope", False))  # positions [3, tokens] (mrope_step.py)
-        if self.mrope and (num_speculative_tokens or proposer is not None):
-            raise ValueError("speculative decoding is not supported with an M-RoPE model (Qwen2-VL)")
         # The engine's batch_invariant mode (the loader marks the model's layers; the sampler follows).
         self.batch_invariant = any(getattr(node, "batch_invariant", False) for _, node in nnx.iter_graph(loaded.model))
         self.num_layers = num_layers = kv_cache_spec.num_layers
