@@ -293,3 +293,15 @@ def test_nothing_compiles_while_serving_images(ckpt, hf):
                          for p, im in zip([PROMPTS[0], PROMPTS[3], PROMPTS[2]], images)], sp, use_tqdm=False)
     assert runner.num_compilations == compiled
     assert outs[1].outputs[0].token_ids == hf_generate(hf, PROMPTS[3], images[1], 4)[0]
+
+
+def test_tensor_parallel_2_matches_transformers(ckpt, hf):
+    """Tensor parallelism: the text model's heads split over two devices, the encoder replicated;
+    two images chunked through equal transformers."""
+    llm = jpaged.LLM(ckpt, dtype="float32", max_model_len=128, max_num_seqs=2, max_num_batched_tokens=24,
+                     block_size=16, tensor_parallel_size=2, enforce_eager=True)
+    rng = np.random.default_rng(SEED + 9)
+    images = random_images(rng, 2)
+    out = llm.generate({"prompt": PROMPTS[2], "multi_modal_data": {"image": images}},
+                       SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_generate(hf, PROMPTS[2], images, 6)[0]
