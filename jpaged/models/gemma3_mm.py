@@ -97,10 +97,17 @@ class Gemma3ForConditionalGeneration(nnx.Module):
     def compute_logits(self, hidden):
         return self.language_model.compute_logits(hidden)
 
-    def embed_image(self, pixel_values):
-        """pixel_values [batch, 3, size, size] -> [batch * mm_tokens_per_image, text hidden]."""
+    max_images_per_encode = 4  # (fixed-size images: encoded in batches of 1, 2 or 4; multimodal/runner.py)
+
+    def embed_images(self, pixel_values):
+        """pixel_values [images, 3, size, size] -> [images, mm_tokens_per_image, text hidden]."""
         out = self.multi_modal_projector(self.vision_tower(pixel_values))
-        return out.reshape(-1, out.shape[-1]).astype(self.language_model.embed_tokens.embedding.dtype)
+        return out.astype(self.language_model.embed_tokens.embedding.dtype)
+
+    def embed_image(self, pixel_values):
+        """pixel_values [images, 3, size, size] -> [images * mm_tokens_per_image, text hidden]."""
+        out = self.embed_images(pixel_values)
+        return out.reshape(-1, out.shape[-1])
 
     def encoder_input_shapes(self) -> list[dict]:
         t = self.vision_tower
