@@ -67,6 +67,26 @@ def test_outputs_match_the_synchronous_engine(engines):
     assert_all_blocks_free(overlap)
 
 
+def test_penalties_overlap_and_match_the_synchronous_engine(engines):
+    """Penalised requests no longer stop the overlap: the sampler appends each sampled token to
+    the sequence's device token history, and the next step's penalties read it there (the host
+    has not seen it yet). Tokens and logprobs equal the synchronous engine's."""
+    sync, overlap = engines
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 64, size=rng.integers(4, 40)).tolist() for _ in range(10)]  # repeats: penalties bite
+    params = [jpaged.SamplingParams(
+        temperature=0, max_tokens=int(rng.integers(5, 40)), ignore_eos=True, logprobs=1,
+        repetition_penalty=float(rng.choice([1.0, 1.5, 0.6])), presence_penalty=float(rng.choice([0.0, 1.0, -0.5])),
+        frequency_penalty=float(rng.choice([0.0, 0.7]))) for _ in prompts]
+    reference, _ = generate_counting_overlaps(sync, prompts, params)
+    outs, overlapped = generate_counting_overlaps(overlap, prompts, params)
+    assert overlapped > 10  # the overlap did happen, with penalties in every step
+    for ref, out in zip(reference, outs):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.outputs[0].cumulative_logprob == pytest.approx(ref.outputs[0].cumulative_logprob, abs=1e-4)
+    assert_all_blocks_free(overlap)
+
+
 def test_max_tokens_one_and_limits_while_in_flight(engines):
     _, overlap = engines
     rng = np.random.default_rng()

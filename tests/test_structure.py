@@ -160,11 +160,12 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref
 
 
 @pytest.mark.parametrize("params, needs", [
-    # (host_tokens, full_sampler, speculate), by hand: the host needs each token for penalties, a
-    # grammar or beams; logprobs need the full sampler only; forks and beams do not speculate.
+    # (host_tokens, full_sampler, speculate), by hand: the host needs each token for a grammar or
+    # beams; penalties (the device's token history) and logprobs need the full sampler only;
+    # forks and beams do not speculate.
     (dict(), (False, False, True)),
     (dict(logprobs=2), (False, True, True)),
-    (dict(presence_penalty=0.5), (True, True, True)),
+    (dict(presence_penalty=0.5), (False, True, True)),
     (dict(guided_json=SCHEMA), (True, True, True)),
     (dict(n=2, temperature=1.0), (False, False, False)),
     (dict(use_beam_search=True, best_of=2, temperature=0.0), (True, True, False)),

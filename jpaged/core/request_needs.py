@@ -9,8 +9,9 @@ from jpaged.sampling_params import SamplingParams
 
 @dataclasses.dataclass(frozen=True)
 class RequestNeeds:
-    # The next step's inputs depend on this step's token on the host: the penalties' token
-    # history, the grammar's next mask, beam search's choice of beams.
+    # The next step's inputs depend on this step's token on the host: the grammar's next mask,
+    # beam search's choice of beams. (Not penalties: the sampler appends each sampled token to the
+    # sequence's device token history, which the next step's penalties read.)
     host_tokens: bool
     # The sampler's full path (per-row history, masks, top logprobs) rather than the fast one.
     full_sampler: bool
@@ -21,5 +22,6 @@ class RequestNeeds:
 
     @staticmethod
     def of(sp: SamplingParams) -> "RequestNeeds":
-        host = sp.use_beam_search or sp.guided or sp.has_penalties
-        return RequestNeeds(host, host or sp.logprobs is not None, not sp.use_beam_search and sp.best_of == 1)
+        host = sp.use_beam_search or sp.guided
+        return RequestNeeds(host, host or sp.has_penalties or sp.logprobs is not None,
+                            not sp.use_beam_search and sp.best_of == 1)

@@ -15,7 +15,8 @@ from jpaged.core.sequence import SequenceStatus
 def can_overlap(scheduler, step_groups: set[str], max_model_len: int) -> bool:
     """Whether the next step can be scheduled before the step of `step_groups` (its groups'
     request ids) is read: each running group decodes one pending token per sequence with sampling
-    that needs no host state of it (no penalties, grammar, beam search or fork), nothing is
+    that needs no host state of it (no grammar, beam search or fork; penalties read the device's
+    token history, where the sampler appended the pending token), nothing is
     swapped out and nothing waits that a free seat would admit (no admission), every sequence can
     take a block (no preemption) and has a position left under max_model_len.
 

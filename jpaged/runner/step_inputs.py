@@ -285,16 +285,19 @@ def history_inputs(ib: InputBatch, batch: StepBatch, num_rows: int, widths, uplo
     history = HistoryInputs(*(np.full(num_rows, fill, np.int32) for fill in (-1, 0, 0, -1)))
     uploads = {}
     for i, (j, row, seq, drafts, appends) in batch.history.items():
-        tokens = seq.get_token_ids()  # (no pending token: penalties need the host's tokens)
-        prompt_len, length = seq.get_prompt_len(), len(tokens)
+        # A pending token (overlap) is on the device only: the row holds it, appended by the
+        # step that sampled it; a row to upload never has one (a new or recomputed sequence).
+        prompt_len, length = seq.get_prompt_len(), seq.get_len()
         if drafts:  # row j counts the outputs and the first j drafts
             if j == 0:  # the row holds the drafts past the sequence's tokens: sent again next step
-                uploads[row] = tokens + list(drafts)
+                uploads[row] = seq.get_token_ids() + list(drafts)
                 ib.history[row] = None
             history.rows[i], history.prompt_lens[i], history.lens[i] = row, prompt_len, length + j
             continue
         if ib.history[row] != (seq.seq_id, length):
-            uploads[row] = tokens
+            if seq.num_pending_tokens:
+                raise RuntimeError(f"{seq}: its token-history row lacks its pending token")
+            uploads[row] = seq.get_token_ids()
         history.rows[i], history.prompt_lens[i], history.lens[i] = row, prompt_len, length
         # The sampler appends a lone sample's token (a beam may take another token).
         if appends:
