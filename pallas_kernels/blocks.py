@@ -37,10 +37,12 @@ def normalize(out, l):
     return out / jnp.where(l > 0, l, 1.0)[:, None]
 
 
-def attend_block(carry, q, k, v, key_live, scale, row_ok=None, soft_cap=None):
+def attend_block(carry, q, k, v, key_live, scale, row_ok=None, soft_cap=None, mask_v=True):
     """One online-softmax step. q [R, dp], k/v [B, dp]; key_live bool [B]
     marks real keys, row_ok bool [R, B] (optional) a per-row (causal) mask;
-    soft_cap c (optional) maps scores to c * tanh(score / c)."""
+    soft_cap c (optional) maps scores to c * tanh(score / c). mask_v=False: the
+    caller knows every slot of v is a key of the sequence (finite), so masked
+    keys' p = 0 needs no select over v (an instruction per element)."""
     out, m, l = carry
     prec = lax.Precision.HIGHEST  # IEEE fp32 instead of TF32; no-op for bf16
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=prec) * scale
@@ -52,9 +54,30 @@ def attend_block(carry, q, k, v, key_live, scale, row_ok=None, soft_cap=None):
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[:, None])
     # Unused slots may hold anything (even NaN): keep them out of p @ v.
-    v = jnp.where(key_live[:, None], v, jnp.zeros_like(v))
+    if mask_v:
+        v = jnp.where(key_live[:, None], v, jnp.zeros_like(v))
     pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
     return out * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
+
+
+def fp8_compute_dtype(q_dtype, page_dtype):
+    """The dtype the kernels widen fp8 pages to and run their dots in: f16 for bf16 queries (sm_89+
+    converts two fp8 values to f16 in one instruction, while bf16 costs two more per value through
+    f16 or f32; fp8 values are exact in f16, and f16 keeps 3 more mantissa bits of q and p), else
+    q's dtype."""
+    if jnp.dtype(page_dtype).itemsize == 1 and jnp.dtype(q_dtype) == jnp.bfloat16:
+        return jnp.float16
+    return jnp.dtype(q_dtype)
+
+
+def to_f16_range(q):
+    """q as f16 over a power of two: (q / 2**k in f16, 2**k as f32[1]), k >= 0 the least that keeps
+    |q| / 2**k below 2**15 (f16's largest is 65504). Exact for bf16 q (8 mantissa bits fit f16's 11)
+    wherever q / 2**k stays above f16's smallest normal; k = 0 unless some |q| >= 32768."""
+    amax = jnp.max(jnp.abs(q.astype(jnp.float32)))
+    _, exponent = jnp.frexp(amax)  # amax < 2**exponent
+    factor = jnp.ldexp(jnp.float32(1), jnp.maximum(exponent - 15, 0))
+    return (q.astype(jnp.float32) / factor).astype(jnp.float16), factor.reshape(1)
 
 
 def pages_for_triton(pages, as_bits=None):

@@ -21,6 +21,18 @@ the XLA twin take any page size.
 With a sliding window w the query (at position context_len - 1) sees keys
 from context_len - w on; each split starts its loop at the first block
 holding one.
+
+Slots past the context may hold anything (NaN too), so each block zeroes
+them in V before p @ V: a select per V element (a quarter of the bf16 loop's
+instructions in its SASS for sm_90). peel_tail=True (an experiment for a GPU
+run to time: scripts/bench_kernels.py) cuts the loop in two, the blocks of
+the sequence's keys alone without the select, then the block holding the
+end; its SASS has a third fewer instructions per block but 145 registers
+instead of 101-128 (3 programs per SM instead of 4), so it is off by default.
+fp8 pages with bf16 queries run their dots in f16
+(blocks.fp8_compute_dtype: one conversion per two values instead of three
+instructions per value through bf16), q brought within f16's range by a
+power of two that the scores take back.
 """
 
 import functools
@@ -34,8 +46,17 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import blocks, tiling
 from pallas_kernels.xla import default_scale
 
-def _decode_kernel(ctx_ref, window_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *stat_refs, scale, head_dim,
-                   pages_per_iter, soft_cap):
+# Triton's pipelining depth. With the next block's page ids carried through the loop, 3 stages keep
+# one block's K/V copies in flight while the previous one computes (sm_90 SASS: the loop waits with
+# `DEPBAR.LE SB0, 0x2` instead of 0x0). fp8 pages: 55 KB of shared memory, 98 registers, 4 programs
+# per SM as before. bf16 pages would need 88 KB (2 per SM instead of 4): left at 2 until a GPU run
+# times both (bench_kernels' `pallas stages=3` row).
+STAGES = 2
+FP8_STAGES = 3
+
+
+def _decode_kernel(ctx_ref, window_ref, factor_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *stat_refs, scale,
+                   head_dim, pages_per_iter, soft_cap, peel_tail):
     seq, split = pl.program_id(0), pl.program_id(2)
     page_size = k_ref.shape[1]
     rows, dp = q_ref.shape
@@ -46,15 +67,32 @@ def _decode_kernel(ctx_ref, window_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *
     num_keys = jnp.clip(context - first, 0, span)
     start = jnp.clip(context - window_ref[0] - first, 0, num_keys)  # first key in the window, this split
     q = q_ref[...]
+    scale = scale * factor_ref[0]  # q came over a power of two (f16's range), 1 otherwise
 
-    def body(i, carry):
-        ids = table_ref[pl.ds(i * pages_per_iter, pages_per_iter)]
+    last = table_ref.shape[0] // pages_per_iter - 1
+
+    def body(i, state, mask_v):
+        carry, ids = state
+        # The next block's page ids, read now: its K/V copies need not wait for them, so Triton's
+        # pipeline (num_stages 3) has them in flight while this block computes.
+        next_ids = table_ref[pl.ds(jnp.minimum(i + 1, last) * pages_per_iter, pages_per_iter)]
         k = blocks.load_pages(k_ref, ids, head_dim, q.dtype)  # fp8 pages: widened in registers
         v = blocks.load_pages(v_ref, ids, head_dim, q.dtype)
         key = i * block + jnp.arange(block)
-        return blocks.attend_block(carry, q, k, v, (key >= start) & (key < num_keys), scale, soft_cap=soft_cap)
+        carry = blocks.attend_block(carry, q, k, v, (key >= start) & (key < num_keys), scale, soft_cap=soft_cap,
+                                    mask_v=mask_v)
+        return carry, next_ids
 
-    out, m, l = lax.fori_loop(start // block, tiling.cdiv(num_keys, block), body, blocks.init_carry(rows, dp))
+    def ids_of(i):
+        return table_ref[pl.ds(jnp.minimum(i, last) * pages_per_iter, pages_per_iter)]
+
+    first, end = start // block, tiling.cdiv(num_keys, block)
+    carry = blocks.init_carry(rows, dp)
+    if peel_tail:  # the blocks of the sequence's keys alone (V unmasked), then the block holding the end
+        full = jnp.maximum(first, num_keys // block)
+        carry, _ = lax.fori_loop(first, full, functools.partial(body, mask_v=False), (carry, ids_of(first)))
+        first = full
+    (out, m, l), _ = lax.fori_loop(first, end, functools.partial(body, mask_v=True), (carry, ids_of(first)))
     if stat_refs:  # split-K partial: combined outside
         m_ref, l_ref = stat_refs
         o_ref[...] = out
@@ -64,12 +102,15 @@ def _decode_kernel(ctx_ref, window_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *
         o_ref[...] = blocks.normalize(out, l).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret", "logits_soft_cap", "fp8_as_bits"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret", "logits_soft_cap", "fp8_as_bits",
+                                             "num_stages", "peel_tail"))
 def paged_attention_pallas(
     q, k_pages, v_pages, block_tables, context_lens, *, scale=None, num_splits=None, interpret=False,
-    sliding_window=None, logits_soft_cap=None, fp8_as_bits=None
+    sliding_window=None, logits_soft_cap=None, fp8_as_bits=None, num_stages=None, peel_tail=False
 ):
-    """fp8_as_bits: e4m3 pages read as bytes and widened by arithmetic (None: below sm_89 only)."""
+    """fp8_as_bits: e4m3 pages read as bytes and widened by arithmetic (None: below sm_89 only).
+    num_stages: Triton's software pipelining depth (None: FP8_STAGES for 1-byte pages, else
+    STAGES); it and peel_tail (above) are variants for bench_kernels to time on a GPU."""
     k_pages, v_pages = blocks.pages_for_triton(k_pages, fp8_as_bits), blocks.pages_for_triton(v_pages, fp8_as_bits)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -81,6 +122,10 @@ def paged_attention_pallas(
                                                     num_splits)
     qp = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     qp = jnp.pad(qp, ((0, 0), (0, 0), (0, rows - group), (0, dp - head_dim)))
+    if blocks.fp8_compute_dtype(q.dtype, k_pages.dtype) != q.dtype:  # fp8 pages, bf16 q: dots in f16
+        qp, factor = blocks.to_f16_range(qp)
+    else:
+        factor = jnp.ones((1,), jnp.float32)
 
     part = splits > 1
     out_dtype = jnp.float32 if part else q.dtype
@@ -94,7 +139,7 @@ def paged_attention_pallas(
     page_spec = pl.BlockSpec((None, num_pages, page_size, dp), lambda s, h, k: (h, 0, 0, 0))
     kernel = functools.partial(
         _decode_kernel, scale=default_scale(scale, head_dim), head_dim=head_dim, pages_per_iter=pages_per_iter,
-        soft_cap=logits_soft_cap,
+        soft_cap=logits_soft_cap, peel_tail=peel_tail,
     )
     window = jnp.full((1,), blocks.NO_WINDOW if sliding_window is None else sliding_window, jnp.int32)
     res = pl.pallas_call(
@@ -103,6 +148,7 @@ def paged_attention_pallas(
         in_specs=[
             pl.BlockSpec((num_seqs,), lambda s, h, k: (0,)),
             pl.BlockSpec((1,), lambda s, h, k: (0,)),
+            pl.BlockSpec((1,), lambda s, h, k: (0,)),
             pl.BlockSpec((None, per_split), lambda s, h, k: (s, k)),
             pl.BlockSpec((None, None, rows, dp), lambda s, h, k: (s, h, 0, 0)),
             page_spec,
@@ -110,10 +156,11 @@ def paged_attention_pallas(
         ],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=num_stages or (
+            FP8_STAGES if jnp.dtype(k_pages.dtype).itemsize == 1 else STAGES)),
         interpret=interpret,
         name="jpaged_decode",
-    )(context_lens.astype(jnp.int32), window, tables, qp, k_pages, v_pages)
+    )(context_lens.astype(jnp.int32), window, factor, tables, qp, k_pages, v_pages)
     out = tiling.combine_splits(*res) if part else res[0][0]
     out = out[:, :, :group, :head_dim].reshape(q.shape)
     return out.astype(q.dtype)

@@ -227,6 +227,15 @@ def bench_prefill(batch, length, heads, kv_heads, grid, iters, on_gpu=False):
     return time_impls(impls, iters), implementation, why
 
 
+# Variants of the Triton decode kernel (pallas_kernels/decode.py) for a GPU run to decide, at long
+# contexts only (a compile each): 3 pipeline stages with 16-bit pages (88 KB of shared memory, 2
+# programs per SM), the loop without V's select in its full blocks (145 registers), and fp8 pages at
+# the old 2 stages (the default is 3 since issue 66).
+VARIANTS = {"pallas[stages=3]": dict(num_stages=3), "pallas[peel_tail]": dict(peel_tail=True)}
+FP8_VARIANTS = {"pallas[stages=2]": dict(num_stages=2)}
+VARIANT_MIN_CONTEXT = 32768
+
+
 def bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters, kv_cache_dtype=None):
     head_dim, page, dtype = grid["head_dim"], grid["page"], grid["dtype"]
     q, k_pages, v_pages, tables, lens = make_inputs(
@@ -255,6 +264,16 @@ def bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters, kv_cache_d
             for name in ("pallas", "mosaic")
         }
         impls[f"xla {kv_cache_dtype}"] = (jax.jit(pk.paged_attention_xla), (q, k8, v8, tables, lens))
+    if context >= VARIANT_MIN_CONTEXT or not on_gpu:
+        from pallas_kernels.decode import paged_attention_pallas
+
+        def variant(**kw):
+            return jax.jit(lambda *a: paged_attention_pallas(*a, interpret=interpret, **kw))
+
+        impls |= {name: (variant(**kw), (q, k_pages, v_pages, tables, lens)) for name, kw in VARIANTS.items()}
+        if kv_cache_dtype:
+            impls |= {f"{name} {kv_cache_dtype}": (variant(**kw), impls[f"pallas {kv_cache_dtype}"][1])
+                      for name, kw in FP8_VARIANTS.items()}
     peer, why = jax_peer(interpret, context // page)
     if peer is not None:
         impls["jax_peer"] = (peer, (q, k_pages, v_pages, tables, lens))

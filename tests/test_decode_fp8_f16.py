@@ -1,0 +1,70 @@
+"""The Triton decode kernel's fp8 path (issue 66): with bf16 queries it widens fp8 pages to f16 and
+runs its dots in f16, q over a power of two that keeps it within f16's range; the next block's page
+ids ride the loop carry (so Triton can pipeline the K/V copies); peel_tail, a variant, skips the
+select over V in blocks that hold only the sequence's keys. Against the float64 reference, on
+poisoned pages (NaN in every slot no sequence owns), in interpret mode off-GPU."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_kernels import FP8, INTERPRET, attend, check_close, gather_seq, make_cache, rng
+
+from pallas_kernels import blocks
+from pallas_kernels.decode import paged_attention_pallas
+
+
+def test_compute_dtype():
+    assert blocks.fp8_compute_dtype(jnp.bfloat16, jnp.float8_e4m3fn) == jnp.float16
+    assert blocks.fp8_compute_dtype(jnp.bfloat16, jnp.float8_e5m2) == jnp.float16
+    assert blocks.fp8_compute_dtype(jnp.bfloat16, jnp.uint8) == jnp.float16  # e4m3 bytes (below sm_89)
+    assert blocks.fp8_compute_dtype(jnp.bfloat16, jnp.bfloat16) == jnp.bfloat16
+    assert blocks.fp8_compute_dtype(jnp.float32, jnp.float8_e4m3fn) == jnp.float32
+    assert blocks.fp8_compute_dtype(jnp.float16, jnp.float8_e4m3fn) == jnp.float16
+
+
+@pytest.mark.parametrize("amax", [0.0, 1.0, 32767.0, 32768.0, 3e5, 1e30])
+def test_to_f16_range_is_exact_and_in_range(amax):
+    q = jnp.asarray(rng.standard_normal((4, 16, 64)), jnp.bfloat16)
+    q = q / jnp.max(jnp.abs(q)).astype(jnp.bfloat16) * jnp.bfloat16(amax) if amax else q * 0
+    q16, factor = blocks.to_f16_range(q)
+    f = float(factor[0])
+    assert q16.dtype == jnp.float16 and factor.shape == (1,)
+    assert f >= 1 and np.log2(f) == int(np.log2(f))  # a power of two, never scaling up
+    back = np.asarray(q16, np.float64) * f
+    assert np.isfinite(back).all() and np.abs(np.asarray(q16, np.float64)).max() < 2**15
+    assert (f == 1) == (float(jnp.max(jnp.abs(q.astype(jnp.float32)))) < 2**15)
+    # exact wherever q / factor is a normal f16 (bf16's 8 mantissa bits fit f16's 11)
+    q64 = np.asarray(q, np.float64)
+    normal = np.abs(q64 / f) >= 2.0**-14
+    np.testing.assert_array_equal(back[normal], q64[normal])
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("q_amax, peel_tail", [(None, False), (1e5, False), (None, True)])
+def test_decode_fp8_pages_bf16_q(fp8, q_amax, peel_tail):
+    """Contexts on and off the 64-key block boundary (no tail block, only a tail, both) with split-K
+    and a sliding window; |q| up to 1e5 (past f16's largest) comes back through the power of two;
+    peel_tail (bench_kernels' variant) on the same poisoned pages."""
+    page, heads, kv_heads, head_dim = 16, 8, 2, 64
+    lens = [64, 128, 63, 65, 1, 0, 200, 256 + 17]
+    seed = int(rng.integers(1 << 30))
+    print(f"seed {seed} lens {lens}")
+    local = np.random.default_rng(seed)
+    k, v, tables, k64, v64 = make_cache(lens, kv_heads, page, head_dim, FP8[fp8])
+    q64 = local.standard_normal((len(lens), heads, head_dim))
+    if q_amax:
+        q64 = q64 / np.abs(q64).max() * q_amax
+    q = jnp.asarray(q64, jnp.bfloat16)
+    q64 = np.asarray(q, np.float64)
+    scale = 0.7 / np.sqrt(head_dim) / (q_amax or 1.0)  # keep the softmax away from one-hot
+    tables_np = np.asarray(tables)
+    for splits, window in ((1, None), (2, None), (None, 70)):
+        out = paged_attention_pallas(q, k, v, tables, jnp.asarray(lens, jnp.int32), scale=scale, num_splits=splits,
+                                     interpret=INTERPRET, sliding_window=window, peel_tail=peel_tail)
+        assert out.dtype == jnp.bfloat16
+        ref = []
+        for s, n in enumerate(lens):
+            kk, vv = gather_seq(k64, tables_np[s], n), gather_seq(v64, tables_np[s], n)
+            lo = 0 if window is None else max(0, n - window)
+            ref.append(attend(q64[s], kk[:, lo:], vv[:, lo:], scale))
+        check_close(out, np.stack(ref), "bf16", f"{fp8} q_amax={q_amax} peel={peel_tail} splits={splits} window={window}")
