@@ -218,3 +218,43 @@ def test_kv_events_carry_image_hashes(llm):
     keys = [k for e in stored for k in e.extra_keys]
     assert keys[0] is None  # the first block holds text only
     assert (image_hash(image.convert("RGB")),) in keys
+
+
+@pytest.mark.parametrize("variant", ["layers-full-v5-names", "llava-hf-names"])
+def test_image_features_of_config_and_name_variants(tmp_path, variant):
+    """The image embeddings equal transformers' get_image_features for a vision_feature_layer list
+    with the class token kept ("full"), and checkpoints naming their tensors as transformers 5
+    does (model.language_model.*, lm_head) or as llava-hf's do (vision_tower.vision_model.*)."""
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file, save_file
+
+    from jpaged.models.loader import load_model
+
+    torch.manual_seed(SEED)
+    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                 image_size=28, patch_size=14)
+    text = tf.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2)
+    full = variant.startswith("layers-full")
+    config = tf.LlavaConfig(vision_config=vision, text_config=text, image_token_index=299,
+                            vision_feature_layer=[-3, -1] if full else -2,
+                            vision_feature_select_strategy="full" if full else "default", image_seq_length=4)
+    model = tf.LlavaForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    if full:  # transformers 5's own names
+        tensors = {("lm_head.weight" if k == "language_model.lm_head.weight" else
+                    k.replace("language_model.model.", "model.language_model.", 1)): v for k, v in tensors.items()}
+    else:  # llava-hf's: the CLIP tower under vision_model
+        tensors = {k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in tensors.items()}
+    save_file(tensors, path, metadata={"format": "pt"})
+    loaded = load_model(str(tmp_path), dtype="float32")
+    pixels = torch.randn(1, 3, 28, 28)
+    with torch.no_grad():
+        want = model.get_image_features(pixel_values=pixels)
+    want = getattr(want, "pooler_output", want)
+    want = (want[0] if isinstance(want, (list, tuple)) else want).reshape(-1, 64).numpy()
+    got = np.asarray(loaded.model.embed_image(jnp.asarray(pixels.numpy())))
+    assert got.shape == (5 if full else 4, 64)
+    np.testing.assert_allclose(got, want, atol=2e-5)
