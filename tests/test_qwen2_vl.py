@@ -202,3 +202,20 @@ def test_processor_keeps_images_within_the_largest_bucket():
     assert out["pixel_values"].shape[0] == sum(sizes)
     with pytest.raises(ValueError, match="placeholder"):
         proc(text="no placeholder", images=random_images(rng, [(40, 50)]))
+
+
+def test_query_chunks_equal_hf(checkpoint, monkeypatch):
+    """A long packed sequence attended QUERY_CHUNK queries at a time (64 here: 4 chunks of a
+    256-patch bucket, segment masks per chunk) equals HF's features."""
+    from jpaged.models import vision_layers
+
+    hf, ours, rng = checkpoint
+    monkeypatch.setattr(vision_layers, "QUERY_CHUNK", 64)
+    batch = qwen_image_processor()(images=random_images(rng, SIZES[:2]), return_tensors="pt")
+    with torch.no_grad():
+        ref = torch.cat(hf.get_image_features(batch["pixel_values"], batch["image_grid_thw"]).pooler_output).numpy()
+    lay = ours.visual.layout(batch["image_grid_thw"].numpy(), pad_to=256)
+    px = np.zeros((256, batch["pixel_values"].shape[1]), np.float32)
+    px[:len(batch["pixel_values"])] = batch["pixel_values"].numpy()
+    out = np.asarray(ours.embed_image(jnp.asarray(px[None]), **{k: jnp.asarray(v[None]) for k, v in lay.items()}))
+    np.testing.assert_allclose(out[:len(ref)], ref, atol=2e-5 * max(1.0, np.abs(ref).max()), rtol=0)

@@ -30,9 +30,10 @@ from jpaged.models.qwen2_vl_vision import Qwen2VisionTransformer, tokens_per_ima
 from jpaged.models.vision_layers import bucket_size, pad_rows
 from jpaged.multimodal.encoder_cache import EncoderCache, embed_with_cache
 
-# Patch counts an image is padded to (one compiled encoder each). 4096 patches of 14 x 14 pixels:
-# about 800k pixels (e.g. 896 x 896); the processor's max_pixels must keep images within the last.
-VISION_BUCKETS = (256, 1024, 4096)
+# Patch counts an image is padded to (one compiled encoder each). 16384 patches of 14 x 14 pixels:
+# about 3.2M pixels (a 1080p photo at its own resolution, as transformers runs it); the processor
+# lowers max_pixels to the last (Qwen2VLPromptProcessor), so no image needs another encoder.
+VISION_BUCKETS = (256, 1024, 4096, 16384)
 
 
 class MRopeAttention(Attention):

@@ -26,7 +26,7 @@ from flax import nnx
 
 from jpaged.models.layers import HFWeights, LayerNorm, RMSNorm
 from jpaged.models.vision_layers import (EncoderStack, apply_rotary, conv_as_linear, dense_attention, pad_rows,
-                                         segment_mask, vision_activation, vision_linear)
+                                         vision_activation, vision_linear)
 
 
 def vision_layout(grids, merge: int, *, patch_size: int | None = None, window_size: int | None = None,
@@ -80,11 +80,11 @@ class VisionAttention(nnx.Module):
         self.qkv = vision_linear(dim, (3, num_heads, self.head_dim), dtype=dtype)
         self.proj = vision_linear(dim, dim, dtype=dtype)
 
-    def __call__(self, x, cos, sin, mask):
+    def __call__(self, x, cos, sin, segments):
         qkv = self.qkv(x)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = dense_attention(q, k, v, mask, self.head_dim ** -0.5)
+        out = dense_attention(q, k, v, segments, self.head_dim ** -0.5)
         return self.proj(out.reshape(x.shape[0], -1))
 
     def hf_weights(self, prefix):
@@ -123,10 +123,10 @@ class VisionBlock(nnx.Module):
         self.mlp = VisionMLP(dim, mlp_hidden, act, gated=qwen25, dtype=dtype)
 
     def __call__(self, x, shared, full_attention):
-        mask = shared["frame_mask"]
+        segments = shared["frames"]
         if full_attention is not None:  # Qwen2.5-VL: windows except in the full-attention blocks
-            mask = jnp.where(full_attention, mask, shared["window_mask"])
-        x = x + self.attn(self.norm1(x), shared["cos"], shared["sin"], mask)
+            segments = jnp.where(full_attention, segments, shared["windows"])
+        x = x + self.attn(self.norm1(x), shared["cos"], shared["sin"], segments)
         return x + self.mlp(self.norm2(x))
 
     def hf_weights(self, prefix):
@@ -189,10 +189,10 @@ class Qwen2VisionTransformer(nnx.Module):
         freqs = rope.astype(jnp.float32)[:, :, None] * jnp.asarray(self.inv_freq, jnp.float32)  # [N, 2, hd/4]
         freqs = freqs.reshape(freqs.shape[0], -1)
         emb = jnp.concatenate([freqs, freqs], axis=-1)
-        shared = {"cos": jnp.cos(emb), "sin": jnp.sin(emb), "frame_mask": segment_mask(frames)}
+        shared = {"cos": jnp.cos(emb), "sin": jnp.sin(emb), "frames": frames}
         per_layer = None
         if self.qwen25:
-            shared["window_mask"] = segment_mask(windows)
+            shared["windows"] = windows
             per_layer = jnp.asarray([i in self.full_blocks for i in range(self.depth)])
         x = self.blocks(x, shared, per_layer)
         return self.merger(x)

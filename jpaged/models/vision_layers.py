@@ -40,14 +40,31 @@ def vision_linear(n_in: int, out_shape, *, bias=True, dtype) -> Linear:
     return Linear((n_in,), out_shape, axes, use_bias=bias, dtype=dtype)
 
 
-def segment_mask(segments):
-    """bool[..., N, N]: patch i may attend to patch j (same segment id)."""
-    return segments[..., :, None] == segments[..., None, :]
+# Queries attended at a time in a long packed sequence (bounds the logits' memory: heads x QUERY_CHUNK x N).
+QUERY_CHUNK = 1024
 
 
-def dense_attention(q, k, v, mask, scale: float):
-    """Softmax attention of q, k, v [..., N, heads, head_dim] (mask bool[..., N, N] or None), the
-    softmax in fp32 as HF's eager attention does; the output [..., N, heads, head_dim] in q's dtype."""
+def dense_attention(q, k, v, segments, scale: float):
+    """Softmax attention of q, k, v [..., N, heads, head_dim], query i seeing key j when
+    segments[i] == segments[j] (segments int[N], or None: every key), the softmax in fp32 as HF's
+    eager attention does; the output [..., N, heads, head_dim] in q's dtype. A sequence of more than
+    QUERY_CHUNK patches (a multiple of it) is attended QUERY_CHUNK queries at a time."""
+    n = q.shape[-3]
+    if n > QUERY_CHUNK and n % QUERY_CHUNK == 0 and q.ndim == 3:
+        chunks = n // QUERY_CHUNK
+        qs = q.reshape(chunks, QUERY_CHUNK, *q.shape[1:])
+        seg_q = None if segments is None else segments.reshape(chunks, QUERY_CHUNK)
+
+        def one(args):
+            q_chunk, s_chunk = args
+            return _attend(q_chunk, k, v, None if segments is None else s_chunk[:, None] == segments[None, :], scale)
+
+        return jax.lax.map(one, (qs, seg_q)).reshape(q.shape)
+    mask = None if segments is None else segments[:, None] == segments[None, :]
+    return _attend(q, k, v, mask, scale)
+
+
+def _attend(q, k, v, mask, scale: float):
     precision = fp32_precision(q.dtype)
     logits = jnp.einsum("...qhd,...khd->...hqk", q, k, precision=precision).astype(jnp.float32) * scale
     if mask is not None:
