@@ -258,3 +258,23 @@ def test_image_features_of_config_and_name_variants(tmp_path, variant):
     got = np.asarray(loaded.model.embed_image(jnp.asarray(pixels.numpy())))
     assert got.shape == (5 if full else 4, 64)
     np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_token_id_prompts_with_images(llm, hf):
+    """vLLM's {"prompt_token_ids", "multi_modal_data"}: one placeholder id per image (expanded
+    here) or already expanded; both equal the text prompt's output."""
+    rng = np.random.default_rng(SEED + 10)
+    images = random_images(rng, 2)
+    model, processor = hf
+    expanded = processor(text=PROMPTS[2], images=images, return_tensors="np")["input_ids"][0].tolist()
+    once = processor.tokenizer(PROMPTS[2])["input_ids"]
+    assert once.count(IMAGE_TOKEN) == 2 and expanded.count(IMAGE_TOKEN) == 32
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}} for ids in (once, expanded)],
+                        sp, use_tqdm=False)
+    want = hf_generate(hf, PROMPTS[2], images, 6)[0]
+    assert [o.outputs[0].token_ids for o in outs] == [want, want]
+    assert outs[0].prompt_token_ids == expanded
+    with pytest.raises(ValueError, match="multi_modal_data"):  # three placeholders, two images
+        llm.generate({"prompt_token_ids": once + [IMAGE_TOKEN], "multi_modal_data": {"image": images}},
+                     use_tqdm=False)

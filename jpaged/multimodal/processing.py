@@ -126,3 +126,30 @@ def process_prompt(processor, hf_config, prompt: str, images: list, num_tokens: 
     items = [MMItem(image_hash(image), offset, n, p, output_rows(p) if output_rows else 0)
              for image, offset, n, p in zip(images, offsets, lengths, pixels)]
     return ProcessedPrompt(token_ids, items, prompt)
+
+
+def process_token_prompt(processor, hf_config, token_ids: list[int], images: list, num_tokens: Callable[[dict], int],
+                         pixel_inputs: Callable[[dict, int], dict] | None = None,
+                         output_rows: Callable[[dict], int] | None = None) -> ProcessedPrompt:
+    """vLLM's {"prompt_token_ids": ..., "multi_modal_data": ...}: the images through the
+    processor's image processor; the ids hold each image's placeholder token once (expanded here
+    to its tokens) or already expanded. ValueError naming multi_modal_data otherwise."""
+    spec = family_of(hf_config)
+    placeholder = spec.placeholder_id(hf_config)
+    image_processor = getattr(processor, "image_processor", None)
+    if image_processor is None:
+        raise ValueError("multi_modal_data: the checkpoint's processor has no image processor")
+    try:
+        processed = dict(image_processor(images=images, return_tensors="np"))
+    except (ValueError, TypeError, IndexError) as e:
+        raise ValueError(f"multi_modal_data: the image processor refused the images "
+                         f"({' '.join(str(e).split())[:200]})") from None
+    pixels = [(pixel_inputs or spec.pixel_inputs)(processed, i) for i in range(len(images))]
+    lengths = [num_tokens(p) for p in pixels]
+    if token_ids.count(placeholder) == len(images) != sum(lengths):  # one placeholder an image: expand each
+        each = iter(lengths)
+        token_ids = [t for token in token_ids for t in ([token] * next(each) if token == placeholder else [token])]
+    offsets = placeholder_runs(token_ids, placeholder, lengths)
+    items = [MMItem(image_hash(image), offset, n, p, output_rows(p) if output_rows else 0)
+             for image, offset, n, p in zip(images, offsets, lengths, pixels)]
+    return ProcessedPrompt(list(token_ids), items, None)

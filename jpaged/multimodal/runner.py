@@ -26,7 +26,7 @@ from flax import nnx
 
 from jpaged.multimodal.encoder_cache import EncoderCacheFull, EncoderCacheManager
 from jpaged.multimodal.media import MediaOptions, check_image
-from jpaged.multimodal.processing import ProcessedPrompt, process_prompt
+from jpaged.multimodal.processing import ProcessedPrompt, process_prompt, process_token_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -119,13 +119,17 @@ class MultimodalEngine:
         return len(self._executables)
 
     # ------------------------------------------------------------------ requests
-    def process(self, prompt: str, images: list) -> ProcessedPrompt:
-        """A prompt and its PIL images -> ProcessedPrompt (ValueError naming the field otherwise;
-        the caller checks limit_mm_per_prompt first: RequestValidator.check_images)."""
+    def process(self, prompt: str | list[int], images: list) -> ProcessedPrompt:
+        """A prompt (text, or token ids: vLLM's prompt_token_ids) and its PIL images ->
+        ProcessedPrompt (ValueError naming the field otherwise; the caller checks
+        limit_mm_per_prompt first: RequestValidator.check_images)."""
         if self.processor is None:
             raise ValueError("multi_modal_data: the checkpoint has no processor (processor_config.json) to read images with")
-        return process_prompt(self.processor, self.hf_config, prompt, images, self.model.num_image_tokens,
-                              getattr(self.model, "pixel_inputs", None), getattr(self.model, "encoder_output_rows", None))
+        model_hooks = (self.model.num_image_tokens, getattr(self.model, "pixel_inputs", None),
+                       getattr(self.model, "encoder_output_rows", None))
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return process_token_prompt(self.processor, self.hf_config, prompt, images, *model_hooks)
+        return process_prompt(self.processor, self.hf_config, prompt, images, *model_hooks)
 
     def attach(self, group, processed: ProcessedPrompt):
         """Give the just-added group its images: the pixel inputs on the group, the ranges and
