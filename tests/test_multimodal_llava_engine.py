@@ -96,3 +96,24 @@ def test_tensor_parallel_2_matches_transformers(ckpt, hf):
     out = llm.generate({"prompt": PROMPTS[2], "multi_modal_data": {"image": images}},
                        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_generate(hf, PROMPTS[2], images, 6)[0]
+
+
+def test_swap_preemption_and_forks_with_images(ckpt, hf):
+    """Preemption by swap (a group swapped out mid-prefill comes back and reads its images again)
+    equals transformers; n=2 sampling forks after a prompt with images (each fork its own tokens)."""
+    llm = jpaged.LLM(ckpt, dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32,
+                     block_size=16, num_gpu_blocks_override=11, preemption_mode="swap", swap_space=1,
+                     hf_overrides={"encoder_cache_size": 32}, enforce_eager=True)
+    rng = np.random.default_rng(SEED + 11)
+    images = [random_images(rng, n) for n in (3, 3, 2)]
+    prompts = [PROMPTS[3], PROMPTS[3], PROMPTS[2]]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": im}} for p, im in zip(prompts, images)], sp,
+                        use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    for prompt, ims, out in zip(prompts, images, outs):
+        assert out.outputs[0].token_ids == hf_generate(hf, prompt, ims, 24)[0], prompt
+    forks = llm.generate({"prompt": PROMPTS[0], "multi_modal_data": {"image": images[2][:1]}},
+                         SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=3, ignore_eos=True),
+                         use_tqdm=False)[0].outputs
+    assert len(forks) == 2 and all(len(f.token_ids) == 8 for f in forks)
