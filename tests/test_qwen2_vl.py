@@ -219,3 +219,12 @@ def test_query_chunks_equal_hf(checkpoint, monkeypatch):
     px[:len(batch["pixel_values"])] = batch["pixel_values"].numpy()
     out = np.asarray(ours.embed_image(jnp.asarray(px[None]), **{k: jnp.asarray(v[None]) for k, v in lay.items()}))
     np.testing.assert_allclose(out[:len(ref)], ref, atol=2e-5 * max(1.0, np.abs(ref).max()), rtol=0)
+
+
+def test_rename_hf_weight():
+    """transformers' newer layout and the hub's (save_pretrained's) read the same."""
+    rename = Qwen2VLForConditionalGeneration.rename_hf_weight
+    assert rename("model.visual.blocks.0.attn.qkv.weight") == "visual.blocks.0.attn.qkv.weight"
+    assert rename("model.language_model.layers.1.mlp.up_proj.weight") == "model.layers.1.mlp.up_proj.weight"
+    assert rename("model.layers.1.mlp.up_proj.weight") == "model.layers.1.mlp.up_proj.weight"
+    assert rename("lm_head.weight") == "lm_head.weight"

@@ -3,9 +3,9 @@ the vision transformer of qwen2_vl_vision.py in front of a Qwen2 decoder whose r
 is M-RoPE (mrope.py): three positions per token (temporal, height, width), each turning its
 section of the head's frequencies.
 
-Positions: the step's `positions` may be int[3, tokens] (the M-RoPE positions) or int[tokens]
-(text only: the three equal, the ordinary rotary embedding); a ForwardContext carrying
-`mrope_positions` (int[3, tokens]) wins over both.
+Positions: the step's `positions` are int[3, tokens] (the M-RoPE positions: the runner builds them
+for a model with `uses_mrope`, jpaged/multimodal/mrope_step.py) or int[tokens] (the three equal:
+the ordinary rotary embedding, exact for text).
 
 Images: `image_pixel_inputs` (host) cuts one image's patches out of the processor's batch, pads
 them to a bucket of patch counts (`VISION_BUCKETS`: each bucket one executable, compiled at
@@ -44,15 +44,12 @@ class MRopeAttention(Attention):
         self.mrope_section = tuple(int(n) for n in mrope_section)
 
     def __call__(self, x, positions, kv_cache):
-        ctx = get_forward_context()
-        meta = ctx.attn
-        mrope = getattr(ctx, "mrope_positions", None)
-        positions = positions if mrope is None else mrope
+        meta = get_forward_context().attn
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         inv_freq = np.asarray(self.rope[0][0], np.float32)
         q, k = (apply_mrope(t, positions, inv_freq, self.mrope_section) for t in (q, k))
-        window = None if self.sliding_window is None else self.sliding_window[0]
-        out, kv_cache = self.ops(q, k, v, kv_cache, meta, self.scale, window, self.logits_soft_cap)
+        # (no sliding window: Qwen2-VL's use_sliding_window is refused when the layers are built)
+        out, kv_cache = self.ops(q, k, v, kv_cache, meta, self.scale, None, self.logits_soft_cap)
         return self.o_proj(out.astype(x.dtype)), kv_cache
 
 
@@ -101,6 +98,7 @@ class Qwen2VLForConditionalGeneration(nnx.Module):
             (encoder_cache_rows(cfg, max(self.buckets) // merge ** 2), cfg.text_config.hidden_size), dtype))
 
     adapt_hf_config = staticmethod(adapt_multimodal_config)
+
     @classmethod
     def load_processor(cls, model_dir: str) -> Qwen2VLPromptProcessor:
         """transformers' Qwen2VLProcessor needs torchvision: the image processor and the tokenizer
