@@ -60,10 +60,8 @@ def test_image_features_equal_hf(checkpoint, count):
         assert mine.shape == tuple(theirs.shape)
         np.testing.assert_allclose(mine, theirs.numpy(), atol=2e-5 * max(1.0, float(theirs.abs().max())), rtol=0)
     # Packed together (one sequence, one segment per image) the same.
-    lay = ours.visual.layout(grids, pad_to=256 * count)
-    px = np.zeros((256 * count, batch["pixel_values"].shape[1]), np.float32)
-    px[:len(batch["pixel_values"])] = batch["pixel_values"].numpy()
-    packed = np.asarray(ours.embed_image(jnp.asarray(px[None]), **{k: jnp.asarray(v[None]) for k, v in lay.items()}))
+    inputs = ours.visual.pack(batch["pixel_values"].numpy(), grids, pad_to=256 * count)
+    packed = np.asarray(ours.embed_image(**{k: jnp.asarray(v[None]) for k, v in inputs.items()}))
     np.testing.assert_allclose(packed[:sum(len(r) for r in ref)], torch.cat(ref).numpy(), atol=2e-5, rtol=0)
 
 
@@ -75,9 +73,32 @@ def test_window_attention_matters(checkpoint):
     batch = qwen_image_processor()(images=random_images(rng, SIZES[2:]), return_tensors="pt")
     inputs = image_pixel_inputs(ours.visual, batch["pixel_values"].numpy(), batch["image_grid_thw"][0], BUCKETS)
     assert len(set(inputs["windows"][inputs["windows"] >= 0].tolist())) > 1
-    full = dict(inputs, windows=inputs["frames"])
-    a, b = (np.asarray(ours.embed_image(**{k: jnp.asarray(v) for k, v in x.items()})) for x in (inputs, full))
-    assert np.abs(a - b).max() > 1e-3
+    windowed = np.asarray(ours.embed_image(**{k: jnp.asarray(v) for k, v in inputs.items()}))
+    full_blocks = ours.visual.full_blocks
+    try:
+        ours.visual.full_blocks = tuple(range(ours.visual.depth))  # every block attends to the whole frame
+        full = np.asarray(ours.embed_image(**{k: jnp.asarray(v) for k, v in inputs.items()}))
+    finally:
+        ours.visual.full_blocks = full_blocks
+    assert np.abs(windowed - full).max() > 1e-3
+
+
+@pytest.mark.parametrize("block", [4, 16])
+def test_banded_attention_equals_dense(block):
+    """Contiguous runs of at most `block` (random lengths), then a longer run of padding: banded ==
+    dense masked on every real query (a padding query sees fewer padding keys: dropped anyway)."""
+    from jpaged.models.vision_layers import banded_attention, dense_attention
+
+    rng = np.random.default_rng(block)
+    lengths = []
+    while sum(lengths) < 6 * block:
+        lengths.append(int(rng.integers(1, block + 1)))
+    segments = np.repeat(np.arange(len(lengths)), lengths)[:6 * block]
+    segments = jnp.asarray(np.concatenate([segments, np.full(2 * block, -1)]), jnp.int32)
+    q, k, v = (jnp.asarray(rng.standard_normal((8 * block, 2, 8)), jnp.float32) for _ in range(3))
+    dense = np.asarray(dense_attention(q, k, v, segments, 0.3))
+    banded = np.asarray(banded_attention(q, k, v, segments, block, 0.3))
+    np.testing.assert_allclose(banded[:6 * block], dense[:6 * block], atol=1e-5, rtol=0)
 
 
 def prompt_with_images(rng, grids, merge=2, text_runs=None):
@@ -171,7 +192,10 @@ def test_model_prompt_helpers(checkpoint):
     assert [ours.num_image_tokens(p) for p in inputs] == [image_tokens(hf.config, g) for g in grids]
     assert [ours.encoder_output_rows(p) for p in inputs] == [16, 16, 64]  # buckets 64, 64, 256
     start = grids[0][1] * grids[0][2]
-    np.testing.assert_array_equal(inputs[1]["pixel_values"][0, :grids[1][1] * grids[1][2]],
+    rows = inputs[1]["pixel_values"][0]
+    if "unpermute" in inputs[1]:  # (Qwen2.5-VL: in window order; each merged unit's 4 patches together)
+        rows = rows[(inputs[1]["unpermute"][0][:, None] * 4 + np.arange(4)).reshape(-1)]
+    np.testing.assert_array_equal(rows[:grids[1][1] * grids[1][2]],
                                   batch["pixel_values"][start:start + grids[1][1] * grids[1][2]])
     ids = prompt_with_images(rng, grids)
     table, delta = ours.mrope_prompt(ids, inputs)
@@ -214,10 +238,8 @@ def test_query_chunks_equal_hf(checkpoint, monkeypatch):
     batch = qwen_image_processor()(images=random_images(rng, SIZES[:2]), return_tensors="pt")
     with torch.no_grad():
         ref = torch.cat(hf.get_image_features(batch["pixel_values"], batch["image_grid_thw"]).pooler_output).numpy()
-    lay = ours.visual.layout(batch["image_grid_thw"].numpy(), pad_to=256)
-    px = np.zeros((256, batch["pixel_values"].shape[1]), np.float32)
-    px[:len(batch["pixel_values"])] = batch["pixel_values"].numpy()
-    out = np.asarray(ours.embed_image(jnp.asarray(px[None]), **{k: jnp.asarray(v[None]) for k, v in lay.items()}))
+    inputs = ours.visual.pack(batch["pixel_values"].numpy(), batch["image_grid_thw"].numpy(), pad_to=256)
+    out = np.asarray(ours.embed_image(**{k: jnp.asarray(v[None]) for k, v in inputs.items()}))
     np.testing.assert_allclose(out[:len(ref)], ref, atol=2e-5 * max(1.0, np.abs(ref).max()), rtol=0)
 
 

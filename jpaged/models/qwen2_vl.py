@@ -27,7 +27,7 @@ from jpaged.models.mrope import apply_mrope, mrope_positions
 from jpaged.models.paged_attention import AttentionOps
 from jpaged.models.qwen2_vl_processor import Qwen2VLPromptProcessor
 from jpaged.models.qwen2_vl_vision import Qwen2VisionTransformer, tokens_per_image
-from jpaged.models.vision_layers import bucket_size, pad_rows
+from jpaged.models.vision_layers import bucket_size
 from jpaged.multimodal.encoder_cache import EncoderCache, embed_with_cache
 
 # Patch counts an image is padded to (one compiled encoder each). 16384 patches of 14 x 14 pixels:
@@ -121,12 +121,12 @@ class Qwen2VLForConditionalGeneration(nnx.Module):
         return self.language_model.compute_logits(hidden)
 
     # ------------------------------------------------------------------ vision
-    def embed_image(self, pixel_values, rope, frames, windows=None):
+    def embed_image(self, pixel_values, rope, frames, windows=None, unpermute=None):
         """One image's padded patches (image_pixel_inputs: a leading batch axis of 1) ->
         [bucket / merge^2, text hidden]: the image's tokens first, then rows of padding
         (encoder_output_rows in all)."""
-        windows = None if windows is None else windows[0]
-        return self.visual(pixel_values[0], rope[0], frames[0], windows).astype(self.encoder_cache.dtype)
+        windows, unpermute = (None if a is None else a[0] for a in (windows, unpermute))
+        return self.visual(pixel_values[0], rope[0], frames[0], windows, unpermute).astype(self.encoder_cache.dtype)
 
     def num_image_tokens(self, pixel_inputs: dict) -> int:
         """The image's placeholder tokens: its real (unpadded) patches / merge^2."""
@@ -144,7 +144,7 @@ class Qwen2VLForConditionalGeneration(nnx.Module):
             shape = {"pixel_values": ((1, b, v.patch_dim), np.float32), "rope": ((1, b, 2), np.int32),
                      "frames": ((1, b), np.int32)}
             if v.qwen25:
-                shape["windows"] = ((1, b), np.int32)
+                shape.update(windows=((1, b), np.int32), unpermute=((1, b // v.merge ** 2), np.int32))
             shapes.append(shape)
         return shapes
 
@@ -195,8 +195,7 @@ def image_pixel_inputs(visual: Qwen2VisionTransformer, rows: np.ndarray, grid, b
     if rows.shape != (n, visual.patch_dim):
         raise ValueError(f"image grid {grid} has {n} patches of {visual.patch_dim} values, pixel_values has "
                          f"{tuple(rows.shape)}")
-    size = bucket_size(n, buckets)
-    inputs = {"pixel_values": pad_rows(np.asarray(rows, np.float32), size), **visual.layout([grid], pad_to=size)}
+    inputs = visual.pack(rows, [grid], pad_to=bucket_size(n, buckets))
     return {name: value[None] for name, value in inputs.items()}  # (a batch of one image, as the engine's)
 
 

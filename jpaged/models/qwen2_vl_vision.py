@@ -10,23 +10,25 @@ patch's row, half with its column.
 
 Qwen2-VL: LayerNorm, a quick-GELU MLP and full attention within each frame. Qwen2.5-VL: RMSNorm,
 a gated SiLU MLP with biases, and attention within windows of window_size pixels except in the
-blocks `fullatt_block_indexes` names (full attention within each frame). HF permutes the patches
-into window order and back; here a patch keeps its place and a window is a segment of the mask,
-the same attention.
+blocks `fullatt_block_indexes` names (full attention within each frame). As in HF, the patches go
+in window order (each window a contiguous run, so the windowed blocks attend within bands of three
+windows' length, not over the whole sequence) and the merged output goes back to image order.
 
 `vision_layout` (numpy, on the host) computes everything that depends on the grids: the rotary
-positions, the frame and window segment ids, padded to a bucket size (padding is one more segment).
+positions, the frame and window segment ids, padded to a bucket size (padding is one more
+segment), and the window order.
 """
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jpaged.models.layers import HFWeights, LayerNorm, RMSNorm
-from jpaged.models.vision_layers import (EncoderStack, apply_rotary, conv_as_linear, dense_attention, pad_rows,
-                                         vision_activation, vision_linear)
+from jpaged.models.vision_layers import (EncoderStack, apply_rotary, banded_attention, conv_as_linear,
+                                         dense_attention, pad_rows, vision_activation, vision_linear)
 
 
 def vision_layout(grids, merge: int, *, patch_size: int | None = None, window_size: int | None = None,
@@ -37,7 +39,9 @@ def vision_layout(grids, merge: int, *, patch_size: int | None = None, window_si
     belongs to (full attention stays within one); windows: int32[N] (Qwen2.5-VL, when
     `window_size` is given), its attention window (window_size // merge // patch_size merged
     blocks on a side). Padded to `pad_to` patches: padding rows have segment id -1 and
-    position 0."""
+    position 0. With windows, the patches are in window order (each window a contiguous run):
+    patch_order [N] (which packed patch each row is: apply it to the pixel rows) and unpermute
+    [N / merge^2] (the merged rows back in packed order)."""
     rope, frames, windows = [], [], []
     frame = window = 0
     for t, h, w in grids:
@@ -65,6 +69,15 @@ def vision_layout(grids, merge: int, *, patch_size: int | None = None, window_si
            "frames": pad_rows(cat(frames, (0,)), pad_to, -1).astype(np.int32)}
     if window_size is not None:
         out["windows"] = pad_rows(cat(windows, (0,)), pad_to, -1).astype(np.int32)
+        # Window order (HF's window_index): merged blocks grouped by window, each window's in
+        # row-major order, padding last; the merger's output is put back by `unpermute`.
+        unit = merge * merge
+        unit_window = out["windows"][::unit]
+        perm = np.argsort(np.where(unit_window < 0, np.iinfo(np.int32).max, unit_window), kind="stable")
+        order = (perm[:, None] * unit + np.arange(unit)[None]).reshape(-1)
+        out = {name: value[order] for name, value in out.items()}
+        out["patch_order"] = order
+        out["unpermute"] = np.argsort(perm).astype(np.int32)
     return out
 
 
@@ -80,11 +93,15 @@ class VisionAttention(nnx.Module):
         self.qkv = vision_linear(dim, (3, num_heads, self.head_dim), dtype=dtype)
         self.proj = vision_linear(dim, dim, dtype=dtype)
 
-    def __call__(self, x, cos, sin, segments):
+    def __call__(self, x, cos, sin, segments, band: int | None = None):
+        """`band`: the segments are contiguous runs of at most `band` patches (windows in window order)."""
         qkv = self.qkv(x)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = dense_attention(q, k, v, segments, self.head_dim ** -0.5)
+        if band is not None and x.shape[0] % band == 0:
+            out = banded_attention(q, k, v, segments, band, self.head_dim ** -0.5)
+        else:
+            out = dense_attention(q, k, v, segments, self.head_dim ** -0.5)
         return self.proj(out.reshape(x.shape[0], -1))
 
     def hf_weights(self, prefix):
@@ -123,10 +140,12 @@ class VisionBlock(nnx.Module):
         self.mlp = VisionMLP(dim, mlp_hidden, act, gated=qwen25, dtype=dtype)
 
     def __call__(self, x, shared, full_attention):
-        segments = shared["frames"]
-        if full_attention is not None:  # Qwen2.5-VL: windows except in the full-attention blocks
-            segments = jnp.where(full_attention, segments, shared["windows"])
-        x = x + self.attn(self.norm1(x), shared["cos"], shared["sin"], segments)
+        h, cos, sin = self.norm1(x), shared["cos"], shared["sin"]
+        if full_attention is None:
+            x = x + self.attn(h, cos, sin, shared["frames"])
+        else:  # Qwen2.5-VL: windows (banded: each a contiguous run) except in the full-attention blocks
+            x = x + jax.lax.cond(full_attention, lambda: self.attn(h, cos, sin, shared["frames"]),
+                                 lambda: self.attn(h, cos, sin, shared["windows"], shared["band"]))
         return x + self.mlp(self.norm2(x))
 
     def hf_weights(self, prefix):
@@ -184,7 +203,16 @@ class Qwen2VisionTransformer(nnx.Module):
         return vision_layout(grids, self.merge, patch_size=self.patch_size, window_size=self.window_size,
                              pad_to=pad_to)
 
-    def __call__(self, patches, rope, frames, windows=None):
+    def pack(self, rows: np.ndarray, grids, pad_to: int | None = None) -> dict[str, np.ndarray]:
+        """The tower's inputs for images of `grids` whose processor rows [patches, patch_dim] are
+        `rows` (one after another): rows padded to `pad_to` (in window order for Qwen2.5-VL) and
+        the layout's arrays."""
+        layout = self.layout(grids, pad_to)
+        pixels = pad_rows(np.asarray(rows, np.float32), len(layout["frames"]))
+        order = layout.pop("patch_order", None)
+        return {"pixel_values": pixels if order is None else pixels[order], **layout}
+
+    def __call__(self, patches, rope, frames, windows=None, unpermute=None):
         x = self.patch_embed(patches.astype(self.patch_embed.kernel.dtype))
         freqs = rope.astype(jnp.float32)[:, :, None] * jnp.asarray(self.inv_freq, jnp.float32)  # [N, 2, hd/4]
         freqs = freqs.reshape(freqs.shape[0], -1)
@@ -192,10 +220,11 @@ class Qwen2VisionTransformer(nnx.Module):
         shared = {"cos": jnp.cos(emb), "sin": jnp.sin(emb), "frames": frames}
         per_layer = None
         if self.qwen25:
-            shared["windows"] = windows
+            side = self.window_size // self.merge // self.patch_size
+            shared.update(windows=windows, band=side * side * self.merge * self.merge)
             per_layer = jnp.asarray([i in self.full_blocks for i in range(self.depth)])
-        x = self.blocks(x, shared, per_layer)
-        return self.merger(x)
+        out = self.merger(self.blocks(x, shared, per_layer))
+        return out if unpermute is None else out[unpermute]
 
     def hf_weights(self, prefix: str = "visual") -> HFWeights:
         shape = (self.patch_embed.out_shape[0], self.in_channels, self.temporal_patch_size, self.patch_size,

@@ -64,6 +64,25 @@ def dense_attention(q, k, v, segments, scale: float):
     return _attend(q, k, v, mask, scale)
 
 
+def banded_attention(q, k, v, segments, block: int, scale: float):
+    """`dense_attention` for segments that are contiguous runs of at most `block` patches (Qwen2.5-VL's
+    windows, in window order), N a multiple of `block`: the queries of each block of `block` patches
+    see only the keys of that block and its two neighbours (any run reaching the block lies there),
+    so the work is N x 3 block instead of N^2. Keys past the ends carry segment -2 (no query's)."""
+    n, heads, dim = q.shape
+    nb = n // block
+
+    def neighbours(a, fill):
+        edge = jnp.full((block,) + a.shape[1:], fill, a.dtype)
+        blocks = jnp.concatenate([edge, a, edge]).reshape((nb + 2, block) + a.shape[1:])
+        return jnp.concatenate([blocks[:-2], blocks[1:-1], blocks[2:]], axis=1)  # [nb, 3 block, ...]
+
+    seg_k = neighbours(segments, -2)
+    mask = segments.reshape(nb, block)[:, :, None] == seg_k[:, None, :]
+    out = _attend(q.reshape(nb, block, heads, dim), neighbours(k, 0), neighbours(v, 0), mask, scale)
+    return out.reshape(n, heads, dim)
+
+
 def _attend(q, k, v, mask, scale: float):
     precision = fp32_precision(q.dtype)
     logits = jnp.einsum("...qhd,...khd->...hqk", q, k, precision=precision).astype(jnp.float32) * scale
