@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import tiling
+from pallas_kernels import blocks, tiling
 from pallas_kernels.cache_ops import FP8
 from pallas_kernels.xla import default_scale
 
@@ -194,16 +194,23 @@ def paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_lens, *, s
     qp = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     qp = jnp.pad(qp, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
     scale = default_scale(scale, head_dim)
+    # fp8 pages with bf16 q: widen to f16 and run wgmma in f16 (sm_90 converts two fp8 values to f16
+    # in one instruction; bf16 took a cvt to f32 per value and a pack more), q over a power of two
+    # in f16's range (blocks.to_f16_range), taken back in the scores.
+    if blocks.fp8_compute_dtype(q.dtype, k_pages.dtype) != q.dtype:
+        qp, factor = blocks.to_f16_range(qp)
+    else:
+        factor = jnp.ones((1,), jnp.float32)
 
-    def kernel(ctx_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, o_smem, m_smem, l_smem, q_bar, q_smem,
-               *scratch):
+    def kernel(ctx_ref, factor_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, o_smem, m_smem, l_smem,
+               q_bar, q_smem, *scratch):
         h, s, split = lax.axis_index("kv_head"), lax.axis_index("seq"), lax.axis_index("split")
         span = per_split * page_size
         num_keys = jnp.clip(ctx_ref[s] - split * span, 0, span)
         plgpu.copy_gmem_to_smem(q_ref.at[s, h], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
-        acc, m, l = _attend(q_smem, k_ref, v_ref, table_ref.at[s], h, split * per_split, num_keys, scale, None,
-                            scratch)
+        acc, m, l = _attend(q_smem, k_ref, v_ref, table_ref.at[s], h, split * per_split, num_keys,
+                            scale * factor_ref[0], None, scratch)
         o_smem[...] = acc
         m_smem[...] = m
         l_smem[...] = l
@@ -219,13 +226,13 @@ def paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_lens, *, s
         out_type=(jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, group, head_dim), jnp.float32), stat, stat),
         scratch_types=(plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32),
                        plgpu.SMEM((ROWS,), jnp.float32), plgpu.Barrier(),
-                       *_scratch(head_dim, page_size, q.dtype, k_pages.dtype)),
+                       *_scratch(head_dim, page_size, qp.dtype, k_pages.dtype)),
         grid=(num_kv_heads, num_seqs, splits),
         grid_names=("kv_head", "seq", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_params(interpret),
         kernel_name="jpaged_decode_mosaic",
-    )(context_lens.astype(jnp.int32), tables, qp, k_pages, v_pages)
+    )(context_lens.astype(jnp.int32), factor, tables, qp, k_pages, v_pages)
     # m is in log2 units: the merge only compares and exponentiates differences.
     out = tiling.combine_splits(out, m[..., :group] / LOG2E, l[..., :group])
     return out.reshape(q.shape).astype(q.dtype)

@@ -68,3 +68,31 @@ def test_decode_fp8_pages_bf16_q(fp8, q_amax, peel_tail):
             lo = 0 if window is None else max(0, n - window)
             ref.append(attend(q64[s], kk[:, lo:], vv[:, lo:], scale))
         check_close(out, np.stack(ref), "bf16", f"{fp8} q_amax={q_amax} peel={peel_tail} splits={splits} window={window}")
+
+
+@pytest.mark.skipif(not __import__("test_kernels").mosaic_runs(),
+                    reason="Mosaic GPU kernels need sm_90+, or jax >= 0.11 off-GPU")
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("q_amax", [None, 1e5])
+def test_mosaic_decode_fp8_pages_bf16_q(fp8, q_amax):
+    """The Mosaic decode kernel's fp8 path: pages widened to f16 in shared memory, wgmma in f16, q
+    over the same power of two (GPU interpret mode off-GPU, jax >= 0.11)."""
+    import pallas_kernels as pk
+
+    page, heads, kv_heads, head_dim = 16, 8, 2, 64
+    lens = [64, 63, 65, 1, 0, 200]
+    k, v, tables, k64, v64 = make_cache(lens, kv_heads, page, head_dim, FP8[fp8])
+    q64 = rng.standard_normal((len(lens), heads, head_dim))
+    if q_amax:
+        q64 = q64 / np.abs(q64).max() * q_amax
+    q = jnp.asarray(q64, jnp.bfloat16)
+    q64 = np.asarray(q, np.float64)
+    scale = 0.7 / np.sqrt(head_dim) / (q_amax or 1.0)
+    tables_np = np.asarray(tables)
+    ref = np.stack([attend(q64[s], gather_seq(k64, tables_np[s], n), gather_seq(v64, tables_np[s], n), scale)
+                    for s, n in enumerate(lens)])
+    for splits in (1, 2):
+        out = pk.paged_attention(q, k, v, tables, jnp.asarray(lens, jnp.int32), scale=scale, num_splits=splits,
+                                 backend="mosaic")
+        assert out.dtype == jnp.bfloat16
+        check_close(out, ref, "bf16", f"mosaic {fp8} q_amax={q_amax} splits={splits}")
