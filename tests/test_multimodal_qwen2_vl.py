@@ -103,15 +103,18 @@ def test_tensor_parallel(setup):
         np.testing.assert_allclose([lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)], logprobs, atol=1e-4)
 
 
-def test_ngram_speculation(setup):
-    """n-gram speculation with M-RoPE: the drafts' positions are past the prompt (position + delta)."""
+@pytest.mark.parametrize("options", [
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                            "prompt_lookup_min": 1}},
+    {"num_scheduler_steps": 4}], ids=["ngram", "multi_step"])
+def test_ngram_speculation_and_multi_step(setup, options):
+    """n-gram drafts and multi-step decodes with M-RoPE: both add to positions past the prompt
+    (position + delta in all three; a multi-step decode's + j on the device)."""
     hf, processor, _, rng, path = setup
     if hf.config.model_type != "qwen2_vl":
         pytest.skip("one family is enough")
     llm = jpaged.LLM(path, dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=24,
-                     block_size=16, enforce_eager=True,
-                     speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-                                         "prompt_lookup_min": 1})
+                     block_size=16, enforce_eager=True, **options)
     texts, images = PROMPTS[1:4:2], [[], random_images(rng, SIZES[3])]  # text only, and 3 images
     prompts = [{"prompt": p, "multi_modal_data": {"image": im}} if im else p for p, im in zip(texts, images)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=STEPS, temperature=0, logprobs=0, ignore_eos=True),
