@@ -11,13 +11,15 @@
   embedding: encoder_cache.py). An image evicted before its last token was prefilled, or a
   request preempted by recompute, is simply encoded again when a chunk needs it.
 
-The encode executables compile at start-up, one per pixel-input shape the model names
-(`encoder_input_shapes`: LLaVA-1.5 has one, its fixed image size), through the runner's
-executable cache: nothing compiles while serving.
+The encode executables compile at start-up, in a background thread (the first image waits for
+them), one per pixel-input shape the model names (`encoder_input_shapes`: LLaVA-1.5 has one, its
+fixed image size) and batch size, through the runner's executable cache: nothing compiles while
+serving.
 """
 
 import functools
 import logging
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -79,17 +81,30 @@ class MultimodalEngine:
         self.cache = EncoderCacheManager(self.model.encoder_cache.shape[0])
         self.num_encodes = 0  # images encoded (a cache hit encodes nothing)
         # Images of one shape are encoded together, in batches of these sizes (padded up): one
-        # executable per (shape, size), all compiled now. One image a call: `embed_image`.
+        # executable per (shape, size), all compiled at start-up. One image a call: `embed_image`.
         self.batch_sizes = batch_sizes(self.model)
         state_shardings = jax.tree.map(lambda x: x.sharding, runner.state)
+        # (compiled against the state's shapes: the weights may be replaced or asleep meanwhile)
+        self._state_avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                         runner.state)
         encode = _encode if self.batch_sizes == (1,) else _encode_batch
         self._jitted = jax.jit(functools.partial(encode, runner.graphdef), out_shardings=state_shardings,
                                donate_argnums=(0,))
-        self._executables, self._warm = {}, False
-        for shapes in self.model.encoder_input_shapes():
-            for size in self.batch_sizes:
-                self._executable(shapes, size)
-        self._warm = True  # (from now on a new shape is a compile while serving)
+        # Compiled in the background from now (the engine serves text meanwhile, as its step
+        # shapes compile in the background too); the first image to encode waits for them.
+        self._executables, self._compile_error = {}, None
+        planned = [(shapes, size) for shapes in self.model.encoder_input_shapes() for size in self.batch_sizes]
+        self._compiling = threading.Thread(target=self._compile_all, args=(planned,), name="jpaged-encoder-compile",
+                                           daemon=True)
+        self._compiling.start()
+
+    def _compile_all(self, planned: list):
+        try:
+            for shapes, size in planned:
+                self._compile(shapes, size)
+        except Exception as e:  # noqa: BLE001 - reported to the first image that needs them
+            logger.exception("compiling the image encoder failed")
+            self._compile_error = e
 
     def _batched(self, shape, size: int) -> tuple:
         """An input's shape for `size` images: its leading (image) axis `size` when images are
@@ -101,21 +116,32 @@ class MultimodalEngine:
                                                 for name, (shape, dtype) in shapes.items()))
 
     def _executable(self, shapes: dict, size: int = 1):
-        """The encode of `size` images whose inputs have `shapes` ({name: (shape, dtype)}, batch 1)."""
+        """The encode of `size` images whose inputs have `shapes` ({name: (shape, dtype)}, batch 1),
+        once the start-up compiles are done (an unexpected shape compiles now, with a warning)."""
         key = self._key(shapes, size)
         if key not in self._executables:
-            if self._warm:
+            self._compiling.join()
+            if self._compile_error is not None:
+                raise RuntimeError(f"the image encoder failed to compile at start-up ({self._compile_error!r}): "
+                                   "requests with images cannot run") from self._compile_error
+            if key not in self._executables:
                 logger.warning("compiling an encoder for unexpected image input shapes %s", key)
+                self._compile(shapes, size)
+        return self._executables[key]
+
+    def _compile(self, shapes: dict, size: int):
+        key = self._key(shapes, size)
+        if key not in self._executables:
             rep = self.runner._replicated
             args = {name: jax.ShapeDtypeStruct(self._batched(shape, size), dtype, sharding=rep)
                     for name, (shape, dtype) in shapes.items()}
             rows = jax.ShapeDtypeStruct(() if self.batch_sizes == (1,) else (size,), np.int32, sharding=rep)
             self._executables[key] = self.runner.executable_cache.compile(repr(key), self._jitted,
-                                                                          (self.runner.state, args, rows))
-        return self._executables[key]
+                                                                          (self._state_avals, args, rows))
 
     @property
     def num_compilations(self) -> int:
+        self._compiling.join()  # (the start-up's count, whenever asked)
         return len(self._executables)
 
     # ------------------------------------------------------------------ requests
