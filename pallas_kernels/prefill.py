@@ -47,8 +47,8 @@ def query_tile(num_tokens: int, num_seqs: int, group_pow2: int) -> int:
 
 
 def _prefill_kernel(
-    seq_ref, pos0_ref, keys_ref, window_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, scale, head_dim, tile,
-    pages_per_iter, soft_cap
+    seq_ref, pos0_ref, keys_ref, window_ref, factor_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, scale, head_dim,
+    tile, pages_per_iter, soft_cap
 ):
     j = pl.program_id(0)
     seq, pos0, num_keys = seq_ref[j], pos0_ref[j], keys_ref[j]
@@ -56,6 +56,7 @@ def _prefill_kernel(
     rows, dp = q_ref.shape
     block = pages_per_iter * page_size
     q = q_ref[...]
+    scale = scale * factor_ref[0]  # q came over a power of two (f16's range), 1 otherwise
     q_pos = pos0 + jnp.arange(rows) % tile
     window = window_ref[0]
     start = jnp.clip(pos0 - window + 1, 0, num_keys)  # the first key the tile's first token sees
@@ -99,6 +100,10 @@ def ragged_paged_attention_pallas(
     qt = qt.transpose(0, 2, 3, 1, 4)  # head-major rows within a kv head
     qt = jnp.pad(qt, ((0, 0), (0, 0), (0, gp - group), (0, 0), (0, dp - head_dim)))
     qt = qt.reshape(num_tiles, num_kv_heads, rows, dp)
+    if blocks.fp8_compute_dtype(q.dtype, k_pages.dtype) != q.dtype:  # fp8 pages, bf16 q: dots in f16 (decode.py)
+        qt, factor = blocks.to_f16_range(qt)
+    else:
+        factor = jnp.ones((1,), jnp.float32)
 
     scalar_spec = pl.BlockSpec((num_tiles,), lambda j, h: (0,))
     page_spec = pl.BlockSpec((None, num_pages, page_size, dp), lambda j, h: (h, 0, 0, 0))
@@ -120,6 +125,7 @@ def ragged_paged_attention_pallas(
             scalar_spec,
             scalar_spec,
             pl.BlockSpec((1,), lambda j, h: (0,)),
+            pl.BlockSpec((1,), lambda j, h: (0,)),
             pl.BlockSpec(tables.shape, lambda j, h: (0, 0)),
             row_spec,
             page_spec,
@@ -130,7 +136,7 @@ def ragged_paged_attention_pallas(
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="jpaged_ragged_prefill",
-    )(seq, pos0, num_keys, window, tables, qt, k_pages, v_pages)
+    )(seq, pos0, num_keys, window, factor, tables, qt, k_pages, v_pages)
     out = out.reshape(num_tiles, num_kv_heads, gp, tile, dp)
     out = out[:, :, :group, :, :head_dim].transpose(0, 3, 1, 2, 4)
     out = out.reshape(num_tiles, tile, num_heads, head_dim)

@@ -96,3 +96,36 @@ def test_mosaic_decode_fp8_pages_bf16_q(fp8, q_amax):
                                  backend="mosaic")
         assert out.dtype == jnp.bfloat16
         check_close(out, ref, "bf16", f"mosaic {fp8} q_amax={q_amax} splits={splits}")
+
+
+@pytest.mark.parametrize("pages", ["e4m3", "e5m2", "e4m3-bytes"])
+@pytest.mark.parametrize("q_amax", [None, 1e5])
+def test_prefill_fp8_pages_bf16_q(pages, q_amax):
+    """The Triton ragged prefill kernel takes the same f16 path: causal prompts over poisoned fp8 pages
+    (typed, or as bytes below sm_89), small query tiles so prompts span several."""
+    from test_kernels import prefill_seqs
+
+    from pallas_kernels.prefill import ragged_paged_attention_pallas
+
+    page, heads, kv_heads, head_dim = 16, 8, 2, 64
+    seqs = prefill_seqs(page)
+    ctx, qlens = [c for c, _ in seqs], [n for _, n in seqs]
+    qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    k, v, tables, k64, v64 = make_cache(ctx, kv_heads, page, head_dim, FP8[pages.split("-")[0]])
+    q64 = rng.standard_normal((int(qsl[-1]) + 2, heads, head_dim))
+    if q_amax:
+        q64 = q64 / np.abs(q64).max() * q_amax
+    q = jnp.asarray(q64, jnp.bfloat16)
+    q64 = np.asarray(q, np.float64)
+    scale = 0.7 / np.sqrt(head_dim) / (q_amax or 1.0)
+    out = ragged_paged_attention_pallas(q, k, v, tables, jnp.asarray(ctx, jnp.int32), jnp.asarray(qsl), scale=scale,
+                                        interpret=INTERPRET, q_tile=4, fp8_as_bits=pages.endswith("bytes"))
+    assert out.dtype == jnp.bfloat16
+    ref = np.zeros_like(q64)
+    tables_np = np.asarray(tables)
+    for s, (c, n) in enumerate(seqs):
+        kk, vv = gather_seq(k64, tables_np[s], c), gather_seq(v64, tables_np[s], c)
+        for j in range(n):
+            pos = c - n + j
+            ref[qsl[s] + j] = attend(q64[qsl[s] + j], kk[:, : pos + 1], vv[:, : pos + 1], scale)
+    check_close(out, ref, "bf16", f"prefill {pages} q_amax={q_amax}")
