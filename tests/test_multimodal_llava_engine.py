@@ -117,3 +117,21 @@ def test_swap_preemption_and_forks_with_images(ckpt, hf):
                          SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=3, ignore_eos=True),
                          use_tqdm=False)[0].outputs
     assert len(forks) == 2 and all(len(f.token_ids) == 8 for f in forks)
+
+
+def test_memory_plan_measures_the_encoder(ckpt):
+    """The KV pool's memory plan measures the image encoder's executables beside the steps' (each
+    batch size; nothing for a text-only model)."""
+    from jpaged.models.kv_cache import KVCacheSpec
+    from jpaged.models.loader import load_model
+    from jpaged.multimodal.runner import encoder_memory
+    from jpaged.runner.model_runner import ModelRunner
+
+    shape = dict(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
+    for model, expected in ((ckpt, 3), ("tiny", 0)):
+        loaded = load_model(model, dtype="float32")
+        spec = KVCacheSpec.of_model(loaded.model, 16, loaded.dtype)
+        probe = ModelRunner(loaded, spec, **shape, num_gpu_blocks=8, num_cpu_blocks=0, abstract=True)
+        found = encoder_memory(loaded, probe)
+        assert sorted(m.key[:2] for m in found) == [("encode", 1), ("encode", 2), ("encode", 4)][:expected]
+        assert all(m.temp > 0 and m.transient >= m.temp for m in found)

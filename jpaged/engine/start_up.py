@@ -63,12 +63,13 @@ def measure_step_memory(loaded, kv_cache_spec, shape: dict, num_scheduler_steps:
     """The largest executables' memory (runner/step_memory.py), compiled on an abstract runner of
     the engine's shapes before the pool exists: (peak transient bytes, its executable). Without a proposer: a draft's or an EAGLE head's executables are not measured
     (their weights are resident already, so counted)."""
+    from jpaged.multimodal.runner import encoder_memory
     from jpaged.runner import step_memory
     from jpaged.runner.model_runner import ModelRunner
 
     probe = ModelRunner(loaded, kv_cache_spec, **{**shape, "num_gpu_blocks": PROBE_BLOCKS, "num_cpu_blocks": 0},
                         num_scheduler_steps=num_scheduler_steps, executable_cache=executable_cache, abstract=True)
-    top = step_memory.peak(step_memory.measure(probe))
+    top = step_memory.peak(step_memory.measure(probe) + encoder_memory(loaded, probe))  # (images: their encoder's)
     return top.transient, " ".join(map(str, top.key))
 
 

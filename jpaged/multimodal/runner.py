@@ -19,6 +19,7 @@ serving.
 
 import functools
 import logging
+import math
 import threading
 
 import jax
@@ -67,7 +68,9 @@ def batch_sizes(model) -> tuple[int, ...]:
 
 
 class MultimodalEngine:
-    def __init__(self, loaded, runner):
+    def __init__(self, loaded, runner, background: bool = True):
+        """`background`: compile the encode executables in a thread (False: before returning, as
+        the memory plan's probe does: `encoder_memory`)."""
         if runner.lora_linears:  # (the tower's projections would take slots too, read outside a step)
             raise ValueError("enable_lora: not supported with a vision-language model yet")
         if runner.proposer.shared_pools() or runner.proposer.needs_hidden_states:
@@ -94,9 +97,12 @@ class MultimodalEngine:
         # shapes compile in the background too); the first image to encode waits for them.
         self._executables, self._compile_error = {}, None
         planned = [(shapes, size) for shapes in self.model.encoder_input_shapes() for size in self.batch_sizes]
-        self._compiling = threading.Thread(target=self._compile_all, args=(planned,), name="jpaged-encoder-compile",
-                                           daemon=True)
-        self._compiling.start()
+        self._compiled = threading.Event()  # set when the start-up compiles are done (or failed)
+        if background:
+            threading.Thread(target=self._compile_all, args=(planned,), name="jpaged-encoder-compile",
+                             daemon=True).start()
+        else:
+            self._compile_all(planned)
 
     def _compile_all(self, planned: list):
         try:
@@ -105,6 +111,8 @@ class MultimodalEngine:
         except Exception as e:  # noqa: BLE001 - reported to the first image that needs them
             logger.exception("compiling the image encoder failed")
             self._compile_error = e
+        finally:
+            self._compiled.set()
 
     def _batched(self, shape, size: int) -> tuple:
         """An input's shape for `size` images: its leading (image) axis `size` when images are
@@ -120,7 +128,7 @@ class MultimodalEngine:
         once the start-up compiles are done (an unexpected shape compiles now, with a warning)."""
         key = self._key(shapes, size)
         if key not in self._executables:
-            self._compiling.join()
+            self._compiled.wait()
             if self._compile_error is not None:
                 raise RuntimeError(f"the image encoder failed to compile at start-up ({self._compile_error!r}): "
                                    "requests with images cannot run") from self._compile_error
@@ -141,7 +149,7 @@ class MultimodalEngine:
 
     @property
     def num_compilations(self) -> int:
-        self._compiling.join()  # (the start-up's count, whenever asked)
+        self._compiled.wait()  # (the start-up's count, whenever asked)
         return len(self._executables)
 
     # ------------------------------------------------------------------ requests
@@ -244,6 +252,24 @@ class MultimodalEngine:
     def reset(self):
         """Forget every cached image (weights changed: their embeddings are stale)."""
         self.cache.clear()
+
+
+def encoder_memory(loaded, probe) -> list:
+    """The image encoder's executables' device memory (runner/step_memory.StepMemory each),
+    compiled on the memory plan's abstract runner `probe` (engine/start_up.measure_step_memory):
+    the KV pool is sized after the largest of these too. [] for a text-only model."""
+    if not is_multimodal(loaded.model):
+        return []
+    from jpaged.runner.step_memory import StepMemory
+
+    mm = MultimodalEngine(loaded, probe, background=False)
+    if mm._compile_error is not None:
+        raise mm._compile_error
+    held = sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(probe.state))  # (the weights and the encoder cache: resident)
+    return [StepMemory(key, stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.alias_size_in_bytes,
+                       stats.temp_size_in_bytes, held)
+            for key, stats in ((key, executable.memory_analysis()) for key, executable in mm._executables.items())]
 
 
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data"}
