@@ -95,3 +95,24 @@ def test_placeholder_runs():
         placeholder_runs(ids, 9, [2, 2])
     with pytest.raises(ValueError, match="not consecutive"):
         placeholder_runs(ids, 9, [3, 3])
+
+
+def test_an_encode_that_loses_the_weights_kills_the_runner():
+    """An encode failing after its donated state is gone leaves no half-alive runner: the KV pages
+    are dropped too, so ModelRunner.is_alive says so and the engine stops instead of failing every
+    later step; a failure that keeps the weights keeps the pages."""
+    import jax.numpy as jnp
+
+    mm = MultimodalEngine.__new__(MultimodalEngine)
+    for weights_lost in (False, True):
+        state, pages = {"w": jnp.ones(3)}, jnp.zeros(4)
+        mm.runner = types.SimpleNamespace(state=state, kv_cache=(pages,))
+
+        def failing(state, inputs, rows):
+            if weights_lost:
+                state["w"].delete()
+            raise RuntimeError("device out of memory")
+
+        with pytest.raises(RuntimeError, match="out of memory"):
+            mm._run(failing, {}, 0)
+        assert pages.is_deleted() == weights_lost

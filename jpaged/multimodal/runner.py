@@ -239,7 +239,7 @@ class MultimodalEngine:
                 self.num_encodes += len(part)
                 if self.batch_sizes == (1,):
                     (item, row), = part
-                    self.runner.state = self._executable(shapes)(self.runner.state, item.pixel_inputs, np.int32(row))
+                    self._run(self._executable(shapes), item.pixel_inputs, np.int32(row))
                     continue
                 size = next(b for b in self.batch_sizes if b >= len(part))
                 pad = size - len(part)
@@ -247,7 +247,21 @@ class MultimodalEngine:
                                                + [np.zeros((pad,) + shape[1:], dtype)] * bool(pad))
                           for name, (shape, dtype) in shapes.items()}
                 rows = np.array([row for _, row in part] + [-1] * pad, np.int32)
-                self.runner.state = self._executable(shapes, size)(self.runner.state, inputs, rows)
+                self._run(self._executable(shapes, size), inputs, rows)
+
+    def _run(self, executable, inputs: dict, rows):
+        """One encode call, the runner's state donated to it. Should it fail after taking the
+        weights, the KV pages go too, so that the engine sees a dead runner (ModelRunner.is_alive)
+        rather than failing every later step."""
+        runner = self.runner
+        try:
+            runner.state = executable(runner.state, inputs, rows)
+        except Exception:
+            if any(x.is_deleted() for x in jax.tree.leaves(runner.state) if isinstance(x, jax.Array)):
+                for pages in jax.tree.leaves(runner.kv_cache):
+                    if isinstance(pages, jax.Array) and not pages.is_deleted():
+                        pages.delete()
+            raise
 
     def reset(self):
         """Forget every cached image (weights changed: their embeddings are stale)."""
