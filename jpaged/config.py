@@ -97,7 +97,9 @@ class EngineConfig:
     dp_restart: bool = _option(True, "restart a replica process that died, loading its executables from the "
                                "cache (--no-dp-restart: it stays down and the others serve)")
     attention_backend: str = _option("auto", "attention kernels: 'pallas' (Triton), 'mosaic' (Mosaic GPU, sm_90+), "
-                                     "'xla' ('auto': Triton on GPU, XLA elsewhere)", choices=ATTENTION_BACKENDS)
+                                     "'xla' ('auto': on a GPU the family measured faster per phase and page dtype on "
+                                     "sm_90, pallas_kernels/choice.py; Triton below sm_90; XLA elsewhere)",
+                                     choices=ATTENTION_BACKENDS)
     device: str | None = _option(None, "device platform ('cuda' or 'cpu'): that one or a clear error at start-up "
                                  "(default: jax's default backend)", choices=DEVICES)
     seed: int = _option(0, "seed of unseeded sampling")
