@@ -113,6 +113,41 @@ def test_serve_freezes_its_imports_and_leaves_the_collector_on():
     assert report["enabled"] and report["jax"] and report["frozen"] > 100_000  # the imported modules' objects
 
 
+FREEZE_HEAP = """
+import gc, json, weakref
+from jpaged.engine import start_up
+
+class Node:
+    pass
+
+def cycle():
+    a, b = Node(), Node()
+    a.b, b.a = b, a
+    return [a], weakref.ref(a)
+
+gc.disable()
+held, before = cycle()
+held = None  # garbage, frozen before any engine (as `jpaged serve` freezes its imports)
+gc.freeze()
+engine, engine_ref = cycle()
+start_up.freeze_heap()  # the first engine's start-up
+after_first = [before() is not None, engine_ref() is not None]
+engine = None  # that engine dropped
+start_up.freeze_heap()  # the next engine's start-up
+print(json.dumps({"after_first": after_first, "after_second": [before() is not None, engine_ref() is not None]}))
+"""
+
+
+def test_engine_start_up_freezes_its_heap_and_lets_a_dropped_engine_go():
+    """The first engine walks only what nobody froze (jpaged serve's imports stay out of that pass);
+    a later one unfreezes first, so what an earlier, dropped engine froze is collected."""
+    result = subprocess.run([sys.executable, "-c", FREEZE_HEAP], capture_output=True, text=True, cwd=ROOT,
+                            timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"after_first": [True, True], "after_second": [False, False]}
+
+
 def access_lines(level: int, caplog) -> list[str]:
     logger = logging.getLogger(ACCESS_LOGGER)
     access = ProbeQuietAccessLogger(logger, '"%r" %s')

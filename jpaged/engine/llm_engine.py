@@ -6,7 +6,6 @@ and swaps) -> runner (padded host arrays, precompiled jitted step: write KV, att
 """
 
 import functools
-import gc
 import logging
 import os
 import threading
@@ -207,10 +206,8 @@ class LLMEngine:
         # The heap built so far (jax, the model, the tokenizer) lives as long as the engine: keep
         # it out of the cyclic collector's full passes, which otherwise cost milliseconds in the
         # middle of steps (measured: 5 ms per step at 256 sequences with async scheduling; vLLM
-        # freezes its start-up heap too). Unfreezing first lets an earlier, dropped engine go.
-        gc.unfreeze()
-        gc.collect()
-        gc.freeze()
+        # freezes its start-up heap too).
+        start_up.freeze_heap()
         self._groups: dict[str, SequenceGroup] = {}
         self._in_flight: DispatchedStep | None = None  # async_scheduling: a step not read yet
         # Overlap unless turned off; by default not with multi-step decode, whose K-step calls

@@ -3,6 +3,7 @@ the context length, the KV pool's size, an fp8 pool's scales, the executable cac
 key, and the start-up line that says all of it."""
 
 import dataclasses
+import gc
 import logging
 import math
 import os
@@ -15,6 +16,21 @@ from jpaged.engine.kv_pool_size import GIB, PoolSize, pool_size
 from jpaged.models.kv_cache import KVCacheSpec
 
 logger = logging.getLogger("jpaged.engine.llm_engine")  # the engine's own lines
+
+
+_froze_a_heap = False  # an engine's start-up has frozen the heap in this process
+
+
+def freeze_heap():
+    """Collect, then freeze what is left out of the cyclic collector's passes (an engine's start-up
+    heap). Unfreezing first lets an earlier, dropped engine go; a process's first engine walks only
+    what nobody froze yet (`jpaged serve` freezes its imports: a full pass was 0.15 s of its start)."""
+    global _froze_a_heap
+    if _froze_a_heap:
+        gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    _froze_a_heap = True
 
 
 def derive_max_model_len(hf_config, requested: int | None) -> int:
