@@ -255,6 +255,23 @@ def test_only_a_crash_while_loading_costs_the_cache(tmp_path, caplog, how):
     assert ExecutableCache(str(tmp_path), "m").load("step", arguments) is not None
 
 
+def test_a_start_killed_before_its_marker_says_anything_costs_nothing(tmp_path, caplog):
+    """A SIGKILL between the marker's creation and its first line (just after the server's URL
+    line, as the warm-up starts loading) leaves an empty marker: no load had begun, so the next
+    start loads every executable (it compiled all of them again before)."""
+    import socket
+    import subprocess
+    import sys
+
+    _, _, arguments = _kept(tmp_path)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    marker = tmp_path / f".loading.{socket.gethostname()}.{int(gone.stdout)}"
+    marker.write_text("")
+    cache = ExecutableCache(str(tmp_path), "m")
+    assert not cache.skip_loads and "died while loading" not in caplog.text
+    assert cache.load("step", arguments) is not None and not marker.exists()
+
+
 def test_loading_sets_faulthandler_back(tmp_path):
     """While loading, faulthandler writes into the marker; afterwards it is as it was."""
     import faulthandler

@@ -214,7 +214,9 @@ class ExecutableCache:
                     if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid), started):
                         continue  # that process is loading now
                     guarded, _, crash = rest.partition("\n")
-                    if guarded == _CRASH_RECORD and not crash.strip():
+                    # Empty: stopped between the marker's creation and its first line, before any load
+                    # (a SIGKILL just after the URL line; the next start compiled everything again).
+                    if guarded == _CRASH_RECORD and not crash.strip() or not content:
                         logger.info("an earlier start-up (pid %s) was stopped while loading cached executables from "
                                     "%s (a signal, not a crash): loading them as usual", pid, self.directory)
                     else:
