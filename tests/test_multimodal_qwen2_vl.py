@@ -93,6 +93,11 @@ def test_tensor_parallel(setup):
         pytest.skip("one family is enough (the vision tower is replicated either way)")
     llm = jpaged.LLM(path, dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=24,
                      block_size=16, tensor_parallel_size=2, enforce_eager=True)
+    _text_and_three_images_equal_hf(llm, hf, processor, rng)
+
+
+def _text_and_three_images_equal_hf(llm, hf, processor, rng):
+    """A text-only prompt and one with 3 images: greedy tokens equal HF's, logprobs within 1e-4."""
     texts, images = PROMPTS[1:4:2], [[], random_images(rng, SIZES[3])]  # text only, and 3 images
     prompts = [{"prompt": p, "multi_modal_data": {"image": im}} if im else p for p, im in zip(texts, images)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=STEPS, temperature=0, logprobs=0, ignore_eos=True),
@@ -115,11 +120,4 @@ def test_ngram_speculation_and_multi_step(setup, options):
         pytest.skip("one family is enough")
     llm = jpaged.LLM(path, dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=24,
                      block_size=16, enforce_eager=True, **options)
-    texts, images = PROMPTS[1:4:2], [[], random_images(rng, SIZES[3])]  # text only, and 3 images
-    prompts = [{"prompt": p, "multi_modal_data": {"image": im}} if im else p for p, im in zip(texts, images)]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=STEPS, temperature=0, logprobs=0, ignore_eos=True),
-                        use_tqdm=False)
-    for prompt, ims, out in zip(texts, images, outs):
-        tokens, logprobs, _ = hf_generate(hf, processor, prompt, ims)
-        assert out.outputs[0].token_ids == tokens, prompt
-        np.testing.assert_allclose([lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)], logprobs, atol=1e-4)
+    _text_and_three_images_equal_hf(llm, hf, processor, rng)

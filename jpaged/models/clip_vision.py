@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged.models.layers import HFWeights, LayerNorm, Linear, WeightTarget, activation, fp32_precision, weight_param
+from jpaged.models.stacked import stack_params
 
 
 def quick_gelu(x):
@@ -87,10 +88,7 @@ class VisionLayers(nnx.Module):
     def __init__(self, make_layer, num_layers: int):
         self.num_layers = num_layers
         self.layer = make_layer()
-        for _, node in nnx.iter_graph(self.layer):
-            if isinstance(node, nnx.Param):
-                node.set_value(jnp.zeros((num_layers,) + node.shape, node.dtype))
-                node.set_metadata(logical_axes=("layers",) + node.logical_axes)
+        stack_params(self.layer, num_layers)
 
     def __call__(self, x, num_layers: int):
         """The outputs of the first `num_layers` layers, [num_layers, *x.shape]."""

@@ -21,6 +21,7 @@ from flax import nnx
 from pallas_kernels.blocks import NO_WINDOW
 from jpaged.models.batch_invariant import mean_last, row_tiled_dot, separate
 from jpaged.models.forward_context import forward_context, get_forward_context, hidden_states_capture
+from jpaged.models.stacked import stack_params
 from jpaged.parallel.sharding import kv_head_replicas, tp_size
 
 
@@ -457,10 +458,7 @@ class LayerStack(nnx.Module):
     def __init__(self, make_layer: Callable[[], nnx.Module], num_layers: int):
         self.num_layers = num_layers
         self.layer = make_layer()
-        for _, node in nnx.iter_graph(self.layer):
-            if isinstance(node, nnx.Param):
-                node.set_value(jnp.zeros((num_layers,) + node.shape, node.dtype))
-                node.set_metadata(logical_axes=("layers",) + node.logical_axes)
+        stack_params(self.layer, num_layers)
 
     def __call__(self, x, positions, kv_cache):
         graphdef, weights = nnx.split(self.layer)

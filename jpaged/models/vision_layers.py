@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged.models.layers import ACTIVATIONS, HFWeights, Linear, WeightTarget, fp32_precision
+from jpaged.models.stacked import stack_params
 
 
 def quick_gelu(x):
@@ -113,10 +114,7 @@ class EncoderStack(nnx.Module):
     def __init__(self, make_block: Callable[[], nnx.Module], num_layers: int):
         self.num_layers = num_layers
         self.block = make_block()
-        for _, node in nnx.iter_graph(self.block):
-            if isinstance(node, nnx.Param):
-                node.set_value(jnp.zeros((num_layers,) + node.shape, node.dtype))
-                node.set_metadata(logical_axes=("layers",) + node.logical_axes)
+        stack_params(self.block, num_layers)
 
     def __call__(self, x, shared, per_layer=None):
         graphdef, weights = nnx.split(self.block)
