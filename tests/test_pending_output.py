@@ -12,7 +12,6 @@ import threading
 import numpy as np
 import pytest
 
-import jpaged
 from jpaged.core.detokenizer import Detokenizer
 from jpaged.core.pending_output import PendingOutput, complete, detokenizes_later
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -88,7 +87,7 @@ def _requests(rng: np.random.Generator, reference_tokens: dict | None = None) ->
                          ids=["overlap", "sync", "multi-step"])
 def test_text_made_off_the_engine_thread_equals_the_engine_threads(options, shared_llm):
     llm = shared_llm("tiny", num_gpu_blocks_override=80, **LIMITS, **options)
-    seed = int(np.random.SeedSequence().entropy % (1 << 31))
+    seed = 20261128  # fixed: the stop_token_ids drawn must hit a request's tokens midway
     print("requests seed", seed)
     first, _ = _run(llm, _requests(np.random.default_rng(seed)), later=False)
     requests = _requests(np.random.default_rng(seed), {k: o.outputs[0].token_ids for k, o in first.items()})
