@@ -27,23 +27,25 @@ PHASES = ("decode", "prefill")
 PAGES = ("16-bit", "fp8")  # bf16/fp16 pages (the run measured bf16; fp16 has the same bytes and path), fp8 ones
 
 # Where the figures come from (the GPU run's date, device, software).
-MEASURED_ON = dict(date="2026-11-28", gpu="NVIDIA H200 (sm_90, 143,771 MiB)", jax="0.11.2 (CUDA 13 plugin)",
-                   source="bench_kernels --quick --kv-cache-dtype fp8: bf16 q, head_dim 128, page 16, "
-                          "32 query / 8 KV heads")
+MEASURED_ON = dict(date="2026-11-28", gpu="NVIDIA H200 (sm_90, 143,771 MiB)",
+                   jax="0.11.2 (CUDA 13 plugin)",
+                   source="the day's second run (17:27 UTC), bench_kernels --quick --kv-cache-dtype fp8 in "
+                          "gpu_check.sh at 693de7e (fp8 widened to f16, Triton's page ids through the loop): "
+                          "bf16 q, head_dim 128, page 16, 32 query / 8 KV heads")
 
 # (phase, pages) -> family -> {(batch, context or prompt length): microseconds per call}.
 MEASURED = {
     ("decode", "16-bit"): {
-        "pallas": {(8, 4096): 101.3, (8, 32768): 414.5, (64, 4096): 345.4, (64, 32768): 2490.6},
-        "mosaic": {(8, 4096): 88.2, (8, 32768): 353.8, (64, 4096): 383.7, (64, 32768): 2596.4},
+        "pallas": {(8, 4096): 77.3, (8, 32768): 382.3, (64, 4096): 340.4, (64, 32768): 2462.8},
+        "mosaic": {(8, 4096): 73.2, (8, 32768): 344.9, (64, 4096): 360.5, (64, 32768): 2589.8},
     },
     ("decode", "fp8"): {
-        "pallas": {(8, 4096): 98.8, (8, 32768): 408.6, (64, 4096): 303.8, (64, 32768): 2280.6},
-        "mosaic": {(8, 4096): 92.1, (8, 32768): 466.3, (64, 4096): 474.5, (64, 32768): 3589.1},
+        "pallas": {(8, 4096): 72.4, (8, 32768): 284.9, (64, 4096): 272.1, (64, 32768): 1999.5},
+        "mosaic": {(8, 4096): 83.5, (8, 32768): 455.4, (64, 4096): 484.7, (64, 32768): 3499.7},
     },
     ("prefill", "16-bit"): {  # one causal prompt of 2,048 / 8,192 tokens (log's ms, 2 decimals)
-        "pallas": {(1, 2048): 260.0, (1, 8192): 2640.0},
-        "mosaic": {(1, 2048): 200.0, (1, 8192): 1890.0},
+        "pallas": {(1, 2048): 260.0, (1, 8192): 2620.0},
+        "mosaic": {(1, 2048): 200.0, (1, 8192): 1900.0},
     },
     ("prefill", "fp8"): {},  # not measured
 }

@@ -20,7 +20,9 @@ from test_spec_decode import assert_same_distributions, sampled_token_counts
 from test_spec_decode_async import count_proposer_work
 from test_spec_decode_draft import write_tiny
 
-LIMITS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
+# A pool of 128 blocks (of 16) is 2x what 8 sequences of 128 tokens need: on a GPU, where a pool is
+# otherwise sized from memory, several engines live in one test process (gpu_check.sh runs this file).
+LIMITS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_gpu_blocks_override=128)
 SEED = 20261125
 K = 3
 
@@ -128,7 +130,7 @@ def assert_warmed_engine_matches(speculative_config, prompts, params, reference,
     """A speculating engine warmed up on return (every bucket): nothing compiles while it
     generates, it drafts, and its tokens and the first request's logprobs are `reference`'s."""
     llm = jpaged.LLM("tiny", speculative_config=speculative_config, max_model_len=128, max_num_seqs=4,
-                     max_num_batched_tokens=32, background_warmup=False)
+                     max_num_batched_tokens=32, background_warmup=False, num_gpu_blocks_override=128)
     compiled = llm.stats()["num_compilations"]
     outputs = generate(llm, prompts, params)
     stats = spec_stats(llm)

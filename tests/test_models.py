@@ -116,8 +116,10 @@ def hf_greedy(model, ids: list[int], steps: int, with_logprobs=False):
 @pytest.mark.parametrize("case,backend", [(case, "xla") for case in CASES] + [(case, "pallas") for case in ("llama3-gqa-rope-scaling", "mistral-sliding-window", "gemma2")])
 def test_hf_parity(case, backend, tmp_path):
     hf = make_checkpoint(tmp_path, case)
+    # 64 blocks of 8 (4 sequences of 128 tokens): on a GPU a pool sized from memory would be most of
+    # it, and prompt_logits copies the pool.
     llm = jpaged.LLM(str(tmp_path), dtype="float32", block_size=8, attention_backend=backend, enforce_eager=True,
-                     max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
+                     max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=64)
     ids = np.random.randint(0, VOCAB, size=np.random.randint(17, 40)).tolist()
 
     ours = prompt_logits(llm, ids)
