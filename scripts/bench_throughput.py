@@ -61,30 +61,14 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts.bench_models import (PRESETS, TINY_VOCAB, build_random_llama,  # noqa: E402,F401
+                                  build_tiny_checkpoint, model_vocab_size)
 
 # ShareGPT-like length distributions (lognormal; mean = exp(mu + sigma^2 / 2) before caps).
 PROMPT_LOGNORMAL = (math.log(200) - 0.5, 1.0)  # mean 200 uncapped, median ~121
 OUTPUT_LOGNORMAL = (math.log(260) - 0.405, 0.9)  # mean 260 uncapped, median ~173
 MAX_PROMPT_LEN, MAX_TOTAL_LEN, MIN_LEN = 1024, 2048, 4
 
-# Random-Llama presets: LlamaConfig overrides. 25m ~= 25.2M parameters (fp32 on CPU);
-# 1b is Llama-3.2-1B-shaped and 8b Llama-3-8B-shaped (bf16, for GPUs).
-PRESETS = {
-    # The host-bound case: a model this small takes microseconds per step on the device.
-    "micro": {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-              "intermediate_size": 512, "vocab_size": 384, "max_position_embeddings": 4096,
-              "rope_theta": 10000.0, "tie_word_embeddings": False, "dtype": "float32"},
-    "25m": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
-            "intermediate_size": 1344, "vocab_size": 259, "max_position_embeddings": 4096,
-            "rope_theta": 10000.0, "tie_word_embeddings": False, "dtype": "float32"},
-    "1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-           "intermediate_size": 8192, "vocab_size": 128256, "max_position_embeddings": 8192,
-           "rope_theta": 500000.0, "tie_word_embeddings": True, "dtype": "bfloat16"},
-    "8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-           "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 8192,
-           "rope_theta": 500000.0, "tie_word_embeddings": False, "dtype": "bfloat16"},
-}
-TINY_VOCAB = 259
 logger = logging.getLogger("bench_throughput")
 
 
@@ -121,66 +105,6 @@ def make_requests(args, vocab_size: int) -> list[Request]:
     rng = np.random.default_rng(args.seed)
     lengths = sample_lengths(args, rng)
     return [Request(rng.integers(0, vocab_size, size=p).tolist(), o) for p, o in lengths]
-
-
-# ---------------------------------------------------------------------------------- models
-def build_random_llama(size: str, out_dir: str, seed: int, vocab_size: int | None = None) -> str:
-    """Save a randomly initialised Llama (config + safetensors [+ tiny tokenizer]) to out_dir."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    spec = dict(PRESETS[size])
-    if vocab_size:
-        spec["vocab_size"] = vocab_size
-    dtype = getattr(torch, spec.pop("dtype"))
-    with_tokenizer = spec["vocab_size"] == TINY_VOCAB
-    special = {"bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258} if with_tokenizer else \
-        {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
-    cfg = LlamaConfig(**spec, **special, rms_norm_eps=1e-5, initializer_range=0.02,
-                      architectures=["LlamaForCausalLM"])
-    torch.manual_seed(seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    model.config.dtype = dtype
-    model.save_pretrained(out_dir)
-    if with_tokenizer:
-        from jpaged.models.tiny import tiny_tokenizer
-        tiny_tokenizer().save_pretrained(out_dir)
-    n = sum(p.numel() for p in model.parameters())
-    del model
-    logger.info("random Llama %s: %.1fM parameters (%s) -> %s", size, n / 1e6, dtype, out_dir)
-    return out_dir
-
-
-def build_tiny_checkpoint(out_dir: str) -> str:
-    """jpaged's built-in tiny model as an HF checkpoint dir (for the hf backend)."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from jpaged.models.tiny import tiny_config, tiny_tokenizer, tiny_weights
-
-    cfg = tiny_config()
-    model = LlamaForCausalLM(cfg).to(torch.float32)
-    state = {k: torch.from_numpy(v) for k, v in tiny_weights(cfg)}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [m for m in missing if "rotary" not in m]:
-        raise RuntimeError(f"tiny weights do not match LlamaForCausalLM: {missing} {unexpected}")
-    model.save_pretrained(out_dir)
-    tiny_tokenizer().save_pretrained(out_dir)
-    return out_dir
-
-
-def model_vocab_size(model: str) -> int:
-    if model == "tiny":
-        return TINY_VOCAB
-    from transformers import AutoConfig
-    return AutoConfig.from_pretrained(model).get_text_config().vocab_size
 
 
 # ---------------------------------------------------------------------------------- backends
@@ -220,9 +144,14 @@ def run_jpaged(args, model: str, requests: list[Request]) -> dict:
     params = [jpaged.SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     warmup_s = 0.0
     if args.num_warmup_prompts:
+        # The first N requests' lengths with other token ids: the same schedule (the shapes the
+        # timed run meets compile here), and no prefix the timed run could find cached.
         k = args.num_warmup_prompts
+        rng = np.random.default_rng([args.seed, 1])
+        vocab = max(max(p) for p in prompts) + 1
+        warm = [rng.integers(0, vocab, size=len(p)).tolist() for p in prompts[:k]]
         t0 = time.perf_counter()
-        llm.generate(prompts[:k], params[:k], use_tqdm=False)
+        llm.generate(warm, params[:k], use_tqdm=False)
         warmup_s = time.perf_counter() - t0
     before = llm.stats()
     compilations_before = before["num_compilations"]
@@ -233,6 +162,9 @@ def run_jpaged(args, model: str, requests: list[Request]) -> dict:
         outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
         elapsed = time.perf_counter() - t0
     stats = llm.stats()
+    if stats["num_compilations"] > compilations_before:  # its seconds are in the figures: say so
+        print(f"WARNING: {stats['num_compilations'] - compilations_before} executable(s) compiled during the timed "
+              f"run (warm up with --num-warmup-prompts {len(prompts)}, or without --enforce-eager)", flush=True)
     from jpaged.step_clock import table
 
     phases = [{"phase": phase, "ms_per_step": ms, "share": share} for phase, ms, share in table(before, stats)]
@@ -414,7 +346,9 @@ def parse_args(argv=None):
     p.add_argument("--num-scheduler-steps", type=int, default=1, help="multi-step decode: steps per device call")
     p.add_argument("--quantization", choices=["fp8", "int8"], help="jpaged: weights quantized while loading")
     p.add_argument("--num-warmup-prompts", type=int, default=0,
-                   help="jpaged: run the first N requests once, untimed, before the timed run")
+                   help="jpaged: run N requests of the first N's lengths (other token ids: nothing cached) "
+                        "once, untimed, before the timed run; all of them (= --num-prompts) compiles every "
+                        "shape the timed run meets")
     # hf flags
     p.add_argument("--hf-api", choices=["manager", "generate_batch", "static"], default="manager",
                    help="manager: continuous batching with per-request lengths (default); generate_batch: the "

@@ -37,7 +37,7 @@ def main():
 
     import jpaged
     from jpaged.models.loader import iter_safetensors
-    from scripts.bench_throughput import build_random_llama
+    from scripts.bench_models import build_random_llama
 
     model = args.model
     if model is None:

@@ -262,7 +262,7 @@ def add_tiny_tokenizer(directory: str):
 def build_model(args) -> int:
     import time
 
-    from scripts.bench_throughput import build_random_llama
+    from scripts.bench_models import build_random_llama
 
     t0 = time.perf_counter()
     if not os.path.exists(os.path.join(args.dir, "config.json")):

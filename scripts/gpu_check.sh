@@ -265,11 +265,11 @@ if [ -n "$model" ]; then
   # warm-up run (--enforce-eager) instead of every bucket at start-up.
   if ((gpu)); then
     common=(--model "$model" --num-prompts 256 --input-len 512 --output-len 128 --no-tqdm)
-    engine=(--max-num-seqs 128 --num-warmup-prompts 128)
+    engine=(--max-num-seqs 128 --num-warmup-prompts 256)  # every shape of the timed run (none compiles in it)
     mem=${GPU_CHECK_TP_GPU_MEM-0.5}
   else
     common=(--model "$model" --num-prompts 16 --input-len 64 --output-len 16 --no-tqdm)
-    engine=(--max-num-seqs 16 --num-warmup-prompts 4)
+    engine=(--max-num-seqs 16 --num-warmup-prompts 16)
     mem=
   fi
   step tp_jpaged 90 "$python" scripts/bench_throughput.py "${common[@]}" --backend jpaged "${engine[@]}" \

@@ -44,6 +44,7 @@ from jpaged.models.kv_cache import KVCacheSpec  # noqa: E402
 from jpaged.models.llama import LlamaForCausalLM  # noqa: E402
 from jpaged.models.loader import LoadedModel  # noqa: E402
 from jpaged.models.paged_attention import AttentionOps  # noqa: E402
+from jpaged.models.stacked import unroll_layers_on_gpu  # noqa: E402
 from jpaged.parallel import sharding  # noqa: E402
 from jpaged.runner import step_memory  # noqa: E402
 from jpaged.runner.executable_cache import ExecutableCache  # noqa: E402
@@ -83,6 +84,7 @@ def abstract_model(name: str, mesh) -> LoadedModel:
                          **MODELS[name])
     model = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=jnp.bfloat16, ops=AttentionOps("auto", mesh),
                                                     max_model_len=config.max_position_embeddings))
+    unroll_layers_on_gpu(model, mesh)  # as the loader does on a GPU
     weights = 0
     for _, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Variable) and isinstance(node.get_value(), jax.ShapeDtypeStruct):

@@ -30,6 +30,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, PartitionSpec, 
 import jpaged
 import pallas_kernels as pk
 from jpaged.models.layers import Attention
+from jpaged.models.stacked import LayerStack
 from jpaged.parallel.sharding import TP_AXIS
 from jpaged.runner import step_functions
 from jpaged.runner.input_batch import layout_of
@@ -158,6 +159,8 @@ def _abstract_model(runner):
     for _, node in nnx.iter_graph(model):
         if isinstance(node, Attention):
             node.ops = dataclasses.replace(node.ops, mesh=MESH)
+        elif isinstance(node, LayerStack):  # as the loader builds it on a GPU (stacked.unroll_layers_on_gpu)
+            node.unroll = True
     graphdef, *states = nnx.split(model, runner.owned, ...) if head else nnx.split(model)
     state = jax.tree.map(strip, tuple(states) if head else states[0])
     # A GPU's pool holds its dtype (the CPU's holds raw bits: KVCache.raw_of).

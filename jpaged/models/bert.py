@@ -9,8 +9,9 @@ encoder runs over a packed batch (jpaged/pooling/packed.py), attention kept insi
 import jax.numpy as jnp
 from flax import nnx
 
-from jpaged.models.layers import Embedding, HFWeights, LayerNorm, LayerStack, Linear, activation
+from jpaged.models.layers import Embedding, HFWeights, LayerNorm, Linear, activation
 from jpaged.models.modernbert import ModernBertForSequenceClassification, ModernBertModel
+from jpaged.models.stacked import LayerStack
 from jpaged.pooling.packed import packed_attention
 
 

@@ -12,10 +12,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jpaged.models.batch_invariant import separate
-from jpaged.models.layers import (Attention, Embedding, GatedMLP, HFWeights, LayerStack, Linear,
+from jpaged.models.layers import (Attention, Embedding, GatedMLP, HFWeights, Linear,
                                   RMSNorm, RopeConfig, sliding_windows)
 from jpaged.models.llama import LlamaForCausalLM
 from jpaged.models.paged_attention import AttentionOps
+from jpaged.models.stacked import LayerStack
 
 
 class GemmaDecoderLayer(nnx.Module):

@@ -4,9 +4,10 @@
 import jax.numpy as jnp
 from flax import nnx
 
-from jpaged.models.layers import (Attention, Embedding, HFWeights, LayerNorm, LayerStack, MLP,
+from jpaged.models.layers import (Attention, Embedding, HFWeights, LayerNorm, MLP,
                                   WeightTarget)
 from jpaged.models.paged_attention import AttentionOps
+from jpaged.models.stacked import LayerStack
 
 
 class GPT2Block(nnx.Module):

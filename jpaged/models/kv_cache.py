@@ -19,7 +19,8 @@ import numpy as np
 from flax import nnx
 
 from jpaged.config import KV_CACHE_DTYPES
-from jpaged.models.layers import Attention, LayerStack
+from jpaged.models.layers import Attention
+from jpaged.models.stacked import LayerStack
 from pallas_kernels.cache_ops import FP8, RAW_BITS, as_dtype
 
 

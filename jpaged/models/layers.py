@@ -1,5 +1,6 @@
 """Building blocks shared by every model: linear layers with logical axis names, norms,
-rotary embeddings, MLPs, the one paged attention layer and the scanned stack of decoder layers.
+rotary embeddings, MLPs and the one paged attention layer (the scanned stack of decoder layers:
+stacked.py).
 
 Every weight is an `nnx.Param` carrying `logical_axes` (names such as "embed", "q_heads",
 "kv_heads", "mlp", "vocab"); tensor parallelism maps those names to mesh axes by rule.
@@ -20,8 +21,7 @@ from flax import nnx
 
 from pallas_kernels.blocks import NO_WINDOW
 from jpaged.models.batch_invariant import mean_last, row_tiled_dot, separate
-from jpaged.models.forward_context import forward_context, get_forward_context, hidden_states_capture
-from jpaged.models.stacked import stack_params
+from jpaged.models.forward_context import get_forward_context
 from jpaged.parallel.sharding import kv_head_replicas, tp_size
 
 
@@ -441,57 +441,3 @@ def common_sliding_window(model: nnx.Module) -> int | None:
     windows = {w for _, node in nnx.iter_graph(model) if isinstance(node, Attention)
                for w in (node.sliding_window or (NO_WINDOW,))}
     return windows.pop() if len(windows) == 1 and NO_WINDOW not in windows else None
-
-
-# ----------------------------------------------------------------------------- stacked layers
-
-class LayerStack(nnx.Module):
-    """`num_layers` decoder layers as one layer whose weights carry a leading "layers" axis, run
-    under `jax.lax.scan`: a step compiles one layer whatever the depth (MaxText's scan-layers).
-
-    The KV pool is one KVCache (k_pages, v_pages) for all layers, [num_kv_heads, num_layers *
-    pages_per_layer, page_size, head_dim]: each layer's pages follow the previous layer's, so the
-    kernels keep their per-layer signature (the layer only offsets the block tables and slots)
-    and the scan writes into the donated pool in place, with no per-layer slice copied out.
-    """
-
-    def __init__(self, make_layer: Callable[[], nnx.Module], num_layers: int):
-        self.num_layers = num_layers
-        self.layer = make_layer()
-        stack_params(self.layer, num_layers)
-
-    def __call__(self, x, positions, kv_cache):
-        graphdef, weights = nnx.split(self.layer)
-        ctx = get_forward_context()
-        num_pages, page_size = kv_cache.k_pages.shape[1:3]
-        pages_per_layer = num_pages // self.num_layers
-
-        capture = hidden_states_capture()
-        if capture is not None and capture["states"] is not None:
-            capture = None  # (the first stack's: the decoder's)
-        # EAGLE-3's features: the inputs of these layers (a layer may be named twice).
-        wanted = np.asarray(capture["layers"] if capture is not None else (), np.int32)
-
-        def one_layer(carry, layer_weights_and_index):
-            x, kv_cache, aux = carry
-            layer_weights, index = layer_weights_and_index
-            if capture is not None:
-                aux = jnp.where((jnp.asarray(wanted) == index)[:, None, None], x[None], aux)
-            layer = nnx.merge(graphdef, layer_weights)
-            with forward_context(ctx.replace(attn=ctx.attn.for_layer(index, pages_per_layer, page_size))):
-                x, kv_cache = layer(x, positions, kv_cache)
-            return (x, kv_cache, aux), None
-
-        aux = jnp.zeros((len(wanted),) + x.shape, x.dtype) if capture is not None else None
-        (x, kv_cache, aux), _ = jax.lax.scan(one_layer, (x, kv_cache, aux), (weights, jnp.arange(self.num_layers)))
-        if capture is not None:
-            capture["states"] = aux
-        return x, kv_cache
-
-    def hf_weights(self, prefix: Callable[[int], str]) -> HFWeights:
-        """Layer i's tensors (named with `prefix(i)`) fill slice i of the stacked weights."""
-        specs = {}
-        for i in range(self.num_layers):
-            for name, targets in self.layer.hf_weights(prefix(i)).items():
-                specs[name] = [target._replace(layer=i) for target in targets]
-        return specs

@@ -7,9 +7,10 @@ sliding window covers every layer; Qwen2/3 window the layers their `layer_types`
 
 from flax import nnx
 
-from jpaged.models.layers import (Attention, Embedding, GatedMLP, HFWeights, LayerStack, Linear,
+from jpaged.models.layers import (Attention, Embedding, GatedMLP, HFWeights, Linear,
                                   RMSNorm, RopeConfig, sliding_windows)
 from jpaged.models.paged_attention import AttentionOps
+from jpaged.models.stacked import LayerStack
 
 
 def head_dim_of(cfg) -> int:

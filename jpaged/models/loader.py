@@ -36,6 +36,7 @@ from jpaged.models.moe import MixtralForCausalLM, SparseMoE
 from jpaged.models.opt import OPTForCausalLM
 from jpaged.models.phi3 import Phi3ForCausalLM
 from jpaged.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from jpaged.models.stacked import unroll_layers_on_gpu
 from jpaged.parallel import sharding
 from jpaged.quantization.formats import Quantization, quantization_of
 from jpaged.quantization.scheme import QuantizedTensor, check_scales, layout, model_memory_bytes, quantize_model
@@ -147,6 +148,7 @@ def build_model(hf_config: "PretrainedConfig", weights: Iterable[tuple[str, np.n
     ops = ops or AttentionOps(attention_backend, mesh, batch_invariant)
     # Abstract: a tensor-parallel size the heads do not allow fails here, before any allocation.
     model = nnx.eval_shape(lambda: model_cls(hf_config, dtype=dtype, ops=ops, max_model_len=max_model_len))
+    unroll_layers_on_gpu(model, mesh)
     if batch_invariant:  # every matmul in fixed row tiles (jpaged/models/batch_invariant.py)
         for _, node in nnx.iter_graph(model):
             if isinstance(node, (Linear, Embedding, RMSNorm, LayerNorm, SparseMoE)):  # MoE: dense experts

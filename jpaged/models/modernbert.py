@@ -14,7 +14,8 @@ import numpy as np
 from flax import nnx
 
 from jpaged.models.forward_context import get_forward_context
-from jpaged.models.layers import Embedding, HFWeights, LayerNorm, LayerStack, Linear, RopeConfig, activation, apply_rope
+from jpaged.models.layers import Embedding, HFWeights, LayerNorm, Linear, RopeConfig, activation, apply_rope
+from jpaged.models.stacked import LayerStack
 from jpaged.pooling.packed import packed_attention
 
 FULL, SLIDING = "full_attention", "sliding_attention"

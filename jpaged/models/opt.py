@@ -4,8 +4,9 @@ output projection tied to the token embedding."""
 import jax.numpy as jnp
 from flax import nnx
 
-from jpaged.models.layers import Attention, Embedding, HFWeights, LayerNorm, LayerStack, MLP
+from jpaged.models.layers import Attention, Embedding, HFWeights, LayerNorm, MLP
 from jpaged.models.paged_attention import AttentionOps
+from jpaged.models.stacked import LayerStack
 
 # OPT's learned position table has two extra leading rows (a fairseq legacy).
 POSITION_OFFSET = 2
