@@ -36,7 +36,7 @@ def setup(tmp_path_factory):
     llms = {caching: jpaged.LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=16,
                                 block_size=BLOCK, enable_prefix_caching=caching, enforce_eager=True)
             for caching in (True, False)}
-    return hf, tf.AutoProcessor.from_pretrained(path), llms, seed
+    return hf, tf.AutoProcessor.from_pretrained(path), llms, seed, path
 
 
 def hf_generate(hf, inputs):
@@ -65,7 +65,7 @@ SP = SamplingParams(max_tokens=STEPS, temperature=0, logprobs=0, ignore_eos=True
 
 
 def test_images_in_a_batch_match_transformers(setup):
-    hf, processor, llms, seed = setup
+    hf, processor, llms, seed, _ = setup
     rng = np.random.default_rng(seed)
     images = [random_images(rng, [(int(rng.integers(30, 120)), int(rng.integers(30, 120)))] * n) for n in NUM_IMAGES]
     prompts = [{"prompt": p, "multi_modal_data": {"image": im}} if im else p for p, im in zip(PROMPTS, images)]
@@ -100,7 +100,7 @@ def test_prefix_hit_inside_an_image_matches_transformers(setup):
     14..17): the prefix cache hits block 0 (two of the image's tokens) and the next chunk
     computes the image's other two seeing the cached ones. Both rounds equal HF's generate, and
     the caching engine's outputs equal the other's."""
-    hf, processor, llms, seed = setup
+    hf, processor, llms, seed, _ = setup
     rng = np.random.default_rng(seed + 1)
     cfg = hf.config
     image = (cfg.boi_token_index, [cfg.image_token_index] * 4, cfg.eoi_token_index)
@@ -129,10 +129,25 @@ def test_prefix_hit_inside_an_image_matches_transformers(setup):
         np.testing.assert_allclose(on, off, atol=2e-5, err_msg=str(key))
 
 
+def test_triton_kernels_match_transformers(setup):
+    """The same through the Pallas Triton kernels (interpret mode on a CPU): 2 images and a text
+    prompt, the images across chunk boundaries of 16 tokens."""
+    hf, processor, _, seed, path = setup
+    rng = np.random.default_rng(seed + 2)
+    llm = jpaged.LLM(path, dtype="float32", max_model_len=128, max_num_seqs=2, max_num_batched_tokens=16,
+                     block_size=BLOCK, enforce_eager=True, attention_backend="pallas")
+    pictures = random_images(rng, [(50, 70), (80, 40)])
+    prompts = [("x <start_of_image> y <start_of_image> z", pictures), ("only words here", [])]
+    outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": ims}} if ims else p for p, ims in prompts], SP,
+                        use_tqdm=False)
+    for (prompt, ims), out in zip(prompts, outs):
+        check(out, hf_generate(hf, processor(text=prompt, images=ims or None, return_tensors="pt")), f"pallas {prompt!r}")
+
+
 def test_an_image_larger_than_a_step_is_refused(setup, monkeypatch):
     """Gemma 3's images are computed in one step each: an image of more tokens than
     max_num_batched_tokens is a ValueError naming it, and the engine serves on."""
-    hf, _, llms, seed = setup
+    hf, _, llms, seed, _ = setup
     llm = llms[True]
     monkeypatch.setattr(llm.llm_engine.scheduler, "max_num_batched_tokens", 3)
     picture = random_images(np.random.default_rng(seed), [(40, 40)])
