@@ -69,13 +69,12 @@ def ragged_plan(block_tables, num_pages: int, page_size: int, pages_per_iter: in
     padded_width = round_up(width, pages_per_iter)
     tables = jnp.pad(clamp_block_tables(block_tables, num_pages), ((0, 0), (0, padded_width - width)))
     seq, tok0, pos0, rows = ragged_tiles(query_start_loc, context_lens, num_tokens, tile)
-    last_keys = None
-    if key_limits is None:
-        seen = pos0 + rows
+    if key_limits is None:  # (the causal plan, op for op as before key limits existed)
+        last_keys = None
+        num_keys = jnp.minimum(context_lens[seq].astype(jnp.int32), pos0 + rows)
     else:
         last_keys = tile_last_keys(key_limits, tok0, pos0, rows, tile)
-        seen = jnp.max(last_keys, axis=1) + 1
-    num_keys = jnp.minimum(context_lens[seq].astype(jnp.int32), seen)
+        num_keys = jnp.minimum(context_lens[seq].astype(jnp.int32), jnp.max(last_keys, axis=1) + 1)
     num_keys = jnp.where(rows > 0, jnp.clip(num_keys, 0, padded_width * page_size), 0)
     return tables, (seq, tok0, pos0, rows), num_keys, last_keys
 
