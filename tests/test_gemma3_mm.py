@@ -74,7 +74,7 @@ def test_logits_equal_hf(checkpoint, count, bidirectional):
     limits = None
     if bidirectional:
         image = np.asarray(ids) == GEMMA_IMAGE_TOKEN
-        kwargs["token_type_ids"] = torch.tensor([image.astype(np.int64)])
+        kwargs["token_type_ids"] = torch.from_numpy(image.astype(np.int64)[None])
         ends = np.flatnonzero(image & ~np.append(image[1:], False))  # each image's last position
         following = ends[np.minimum(np.searchsorted(ends, np.arange(len(ids))), len(ends) - 1)] if len(ends) else 0
         limits = np.where(image, following, -1)
