@@ -27,12 +27,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, PartitionSpec, use_abstract_mesh
 
-import jpaged
-import pallas_kernels as pk
-from jpaged.models.layers import Attention
-from jpaged.parallel.sharding import TP_AXIS
-from jpaged.runner import step_functions
-from jpaged.runner.input_batch import layout_of
+# This checkout's jpaged, not one the interpreter has installed (the jax 0.11.2 venv's is /work/main's).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jpaged  # noqa: E402
+import pallas_kernels as pk  # noqa: E402
+from jpaged.models.layers import Attention  # noqa: E402
+from jpaged.parallel.sharding import TP_AXIS  # noqa: E402
+from jpaged.runner import step_functions  # noqa: E402
+from jpaged.runner.input_batch import layout_of  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
