@@ -37,7 +37,7 @@ def _option(default, help: str, **metadata):
 HOST_ONLY_OPTIONS = ("executable_cache", "grammar_compile_timeout", "grammar_compile_memory", "max_cpu_loras",
                      "enable_sleep_mode", "kv_events_config", "data_parallel_size", "data_parallel_rank",
                      "dp_routing", "dp_restart", "runner", "convert", "background_warmup", "limit_mm_per_prompt",
-                     "allowed_local_media_path", "allowed_media_domains")
+                     "allowed_local_media_path", "allowed_media_domains", "disable_chunked_mm_input")
 # --dp-routing (jpaged/data_parallel/router.py).
 DP_ROUTINGS = ("prefix", "least-loaded", "round-robin")
 
@@ -158,6 +158,10 @@ class EngineConfig:
     allowed_media_domains: list | str | None = _option(
         None, "chat image_url parts may fetch http(s) URLs only from these hosts (comma-separated on the command "
         "line; each redirect's host is checked too); unset: any host")
+    disable_chunked_mm_input: bool = _option(
+        False, "never end a prefill chunk inside an image: an image's tokens are computed in one step (vLLM's); "
+        "always on for models whose image tokens attend to each other both ways (Gemma 3), where an image "
+        "larger than max_num_batched_tokens is refused")
     revision: str | None = _option(None, "hub revision (branch, tag or commit) of the model")
     tokenizer: str | None = _option(None, "tokenizer directory or hub id, when not the model's")
     # Multi-host (jax.distributed): the same command on every host; unset -> JAX_COORDINATOR_ADDRESS,

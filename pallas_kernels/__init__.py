@@ -29,6 +29,13 @@ Both attention ops take sliding_window (None, an int or a traced int32
 scalar: a query at position p sees keys in (p - w, p]) and logits_soft_cap
 (None or a float c: scores -> c * tanh(score / c), Gemma 2); the Triton
 kernels and the XLA twins implement them, the Mosaic kernels not yet.
+ragged_paged_attention also takes key_limits (None or int32[num_tokens]):
+query t at position p sees keys up to max(p, key_limits[t]) (and after
+p - w), so a span of tokens can attend to each other both ways (Gemma 3's
+image tokens; vLLM's mm_prefix_range); None compiles the causal kernels as
+before. Those keys must be in the pages already (the scheduler keeps such a
+span in one chunk). Triton, the XLA twins and the batch-invariant attention
+take them; Mosaic does not ("auto" runs Triton for such calls).
 
 Backends (`backend` kwarg, the engine's attention_backend):
   "pallas"  Pallas kernels lowered through Triton (decode.py, prefill.py): any CUDA GPU.
@@ -114,8 +121,8 @@ def _interpret(interpret) -> bool:
     return not targets_gpu() if interpret is None else bool(interpret)
 
 
-def _mosaic_takes(q, k_pages, sliding_window, logits_soft_cap) -> bool:
-    if sliding_window is not None or logits_soft_cap is not None:
+def _mosaic_takes(q, k_pages, sliding_window, logits_soft_cap, key_limits=None) -> bool:
+    if sliding_window is not None or logits_soft_cap is not None or key_limits is not None:
         return False
     try:
         from pallas_kernels.mosaic import check_supported as mosaic_check
@@ -127,13 +134,16 @@ def _mosaic_takes(q, k_pages, sliding_window, logits_soft_cap) -> bool:
 
 
 def call_family(backend: str, phase: str, q, k_pages, kv_dtype=None, sliding_window=None,
-                logits_soft_cap=None) -> str:
+                logits_soft_cap=None, key_limits=None) -> str:
     """The family one call runs: `backend`'s, except "auto" on a GPU, which runs the family
     choice.py's measurements pick for `phase` ("decode" or "prefill") and the pages' dtype
     (`kv_dtype` for raw pools) where Mosaic takes the call, Triton otherwise."""
     family = kernel_family(backend)
     if family == "mosaic" and (sliding_window is not None or logits_soft_cap is not None):
         raise ValueError("attention_backend='mosaic' has no sliding window or logit soft-capping yet: use 'pallas'")
+    if family == "mosaic" and key_limits is not None:
+        raise ValueError("attention_backend='mosaic' has no per-query key limits (bidirectional image tokens) yet: "
+                         "use 'pallas'")
     if backend != "auto" or family != "pallas":
         return family
     gpu = gpu_device()
@@ -142,7 +152,7 @@ def call_family(backend: str, phase: str, q, k_pages, kv_dtype=None, sliding_win
     page_dtype = k_pages.dtype if kv_dtype is None else kv_dtype
     if choice.auto_family(gpu[1], phase, page_dtype) != "mosaic":
         return family
-    return "mosaic" if _mosaic_takes(q, k_pages, sliding_window, logits_soft_cap) else family
+    return "mosaic" if _mosaic_takes(q, k_pages, sliding_window, logits_soft_cap, key_limits) else family
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "backend", "logits_soft_cap",
@@ -176,15 +186,18 @@ def paged_attention(q, k_pages, v_pages, block_tables, context_lens, *, scale=No
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "backend", "logits_soft_cap", "kv_dtype"))
 def ragged_paged_attention(
     q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None, interpret=None, backend="auto",
-    sliding_window=None, logits_soft_cap=None, kv_dtype=None
+    sliding_window=None, logits_soft_cap=None, kv_dtype=None, key_limits=None
 ):
     """Causal attention of packed new tokens over paged K/V.
 
     q [num_tokens, num_heads, head_dim] -> same shape (q's dtype);
-    query_start_loc int32[num_seqs + 1], nondecreasing. See module docstring.
+    query_start_loc int32[num_seqs + 1], nondecreasing; key_limits None or
+    int32[num_tokens] (each query's last key when past its own). See module docstring.
     """
-    family = call_family(backend, "prefill", q, k_pages, kv_dtype, sliding_window, logits_soft_cap)
+    family = call_family(backend, "prefill", q, k_pages, kv_dtype, sliding_window, logits_soft_cap, key_limits)
     masking = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap) if family != "mosaic" else {}
+    if key_limits is not None:  # (call_family keeps such calls off Mosaic)
+        masking["key_limits"] = key_limits
     if family == "xla":
         return ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, scale=scale,
                                           kv_dtype=kv_dtype, **masking)

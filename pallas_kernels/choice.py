@@ -18,7 +18,7 @@ cannot outvote a 4% loss at batch 64 x 32k (106 us). Mixed results at the time o
 The table covers sm_90 (Hopper: H100, H200, GH200), where it was measured. Below sm_90 Mosaic GPU
 does not run (no wgmma or TMA) and Triton stays; on sm_100+ the Mosaic kernels' wgmma does not exist
 (Blackwell has tcgen05 instead) and nothing was measured, so Triton stays there too. Where the
-chosen family cannot take a call (Mosaic: bf16/fp16 q only, head_dim % 64, no sliding window or
+chosen family cannot take a call (Mosaic: bf16/fp16 q only, head_dim % 64, no sliding window, key limits or
 logit soft-capping), the call runs on Triton. A new GPU run updates MEASURED and the sums decide
 again; `bench_kernels` prints the family this table picks beside each point's measured winner.
 """

@@ -81,14 +81,16 @@ def chunk_pages(page_size: int) -> int:
     return max(1, CHUNK_KEYS // page_size)
 
 
-def attend(qt, q_pos, q_ok, chunk, num_chunks, *, scale, sliding_window=None, logits_soft_cap=None):
+def attend(qt, q_pos, q_ok, chunk, num_chunks, *, scale, sliding_window=None, logits_soft_cap=None, q_last=None):
     """Online softmax of query tiles over fixed chunks of keys.
 
     qt [N, tile, kvh, g, d]; q_pos int32[N, tile] (each query's position); q_ok bool[N, tile].
     chunk(i) -> (k, v [N, kvh, C, d], key int32[C] (positions), key_ok bool[N, C]) for chunk i.
     num_chunks: a Python int (lax.scan: differentiable) or a traced one (a loop that stops there).
+    q_last int32[N, tile] or None: the last key each query sees (None: its own position).
     Returns fp32 [N, tile, kvh, g, d]; rows with no visible key give zeros.
     """
+    q_last = q_pos if q_last is None else q_last
     n, tile, kvh, g, d = qt.shape
     # Scaled before the dot: its scores then come out of the dot, with no multiply left for the
     # softmax's subtract to contract with (`separate`).
@@ -108,7 +110,7 @@ def attend(qt, q_pos, q_ok, chunk, num_chunks, *, scale, sliding_window=None, lo
         if logits_soft_cap is not None:  # c * tanh(s / c): a product the subtract below would contract
             scores = separate(soft_cap(scores, logits_soft_cap))
         visible = key_ok[:, None, None, None, :] & q_ok[:, None, None, :, None] & (
-            key[None, None, None, None, :] <= q_pos[:, None, None, :, None])
+            key[None, None, None, None, :] <= q_last[:, None, None, :, None])
         if sliding_window is not None:
             visible &= key[None, None, None, None, :] > q_pos[:, None, None, :, None] - sliding_window
         scores = jnp.where(visible, scores, -jnp.inf)
@@ -136,7 +138,7 @@ def _tiles(q, k_pages, v_pages, tables, context_lens, tiles, tile, num_chunks, *
     """`attend` over the query tiles (seq, tok0, pos0, rows) of `tile` rows: [NT, tile, H, d] fp32."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, num_pages, page_size = k_pages.shape[:3]
-    kv_dtype = opts.pop("kv_dtype")
+    kv_dtype, key_limits = opts.pop("kv_dtype"), opts.pop("key_limits")
     seq, tok0, pos0, rows = tiles
     qt = tiling.gather_query_tiles(q, tok0, rows, tile).reshape(-1, tile, num_kv_heads, num_heads // num_kv_heads,
                                                                   head_dim)
@@ -157,25 +159,27 @@ def _tiles(q, k_pages, v_pages, tables, context_lens, tiles, tile, num_chunks, *
     keys_per_chunk = cp * page_size
     if num_chunks is None:  # up to the longest context among these tiles (none: no chunk at all)
         num_chunks = (jnp.max(tile_context) + keys_per_chunk - 1) // keys_per_chunk
-    out = attend(qt, q_pos, q_ok, chunk, num_chunks, **opts)
+    q_last = None if key_limits is None else tiling.tile_last_keys(key_limits, tok0, pos0, rows, tile)
+    out = attend(qt, q_pos, q_ok, chunk, num_chunks, q_last=q_last, **opts)
     return out.reshape(-1, tile, num_heads, head_dim)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "logits_soft_cap", "kv_dtype", "num_chunks", "tiles"))
 def ragged_paged_attention_invariant(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None,
                                      sliding_window=None, logits_soft_cap=None, kv_dtype=None, num_chunks=None,
-                                     tiles=(QUERY_TILE, QUERY_TILE)):
+                                     tiles=(QUERY_TILE, QUERY_TILE), key_limits=None):
     """ragged_paged_attention (decode rows included) with batch-invariant bits: q [T, H, d] -> [T, H, d].
     `num_chunks` (static): visit that many chunks of CHUNK_KEYS keys (differentiable); None: up to
     the longest context. `tiles` (decode, prefill): rows per tile for one-token sequences and for
-    the others; other than QUERY_TILE only where `invariant_tiles` measured the same bits."""
+    the others; other than QUERY_TILE only where `invariant_tiles` measured the same bits.
+    `key_limits`: as pallas_kernels.ragged_paged_attention's."""
     num_tokens, _, head_dim = q.shape
     num_pages = k_pages.shape[1]
     cp = chunk_pages(k_pages.shape[2])
     tables = tiling.clamp_block_tables(block_tables, num_pages)
     tables = jnp.pad(tables, ((0, 0), (0, (-tables.shape[1]) % cp)))
     opts = dict(scale=default_scale(scale, head_dim), sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                kv_dtype=kv_dtype)
+                kv_dtype=kv_dtype, key_limits=key_limits)
     decode_tile, tile = tiles
     if tiles == (QUERY_TILE, QUERY_TILE) or isinstance(num_chunks, int):  # LLM.policy(): whole sequences
         tile = QUERY_TILE

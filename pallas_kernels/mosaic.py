@@ -249,7 +249,7 @@ def ragged_paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_len
     gp = tiling.next_pow2(group)
     tile = ROWS // gp
     block = max(MIN_BLOCK_KEYS, page_size)
-    tables, (seq, tok0, pos0, n_rows), num_keys = tiling.ragged_plan(
+    tables, (seq, tok0, pos0, n_rows), num_keys, _ = tiling.ragged_plan(
         block_tables, num_pages, page_size, block // page_size, query_start_loc, context_lens, num_tokens, tile)
     num_tiles = seq.shape[0]
     qt = tiling.gather_query_tiles(q, tok0, n_rows, tile)

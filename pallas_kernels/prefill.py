@@ -21,7 +21,10 @@ applies the causal mask per row. Queries are gathered into tiles and outputs
 scattered back to tokens with XLA gathers around the kernel (cheap next to
 the attention itself). With a sliding window w, row r sees keys in
 (pos_r - w, pos_r] and the loop starts at the first block the tile's first
-token sees.
+token sees. With `key_limits` (int32[tokens]; Gemma 3's images) row r sees keys
+up to max(pos_r, key_limits[token_r]) instead (still after pos_r - w), and the
+loop runs to the furthest key any row sees; without them the kernel is the
+causal one, unchanged (the limits are an input only when given).
 """
 
 import functools
@@ -47,9 +50,11 @@ def query_tile(num_tokens: int, num_seqs: int, group_pow2: int) -> int:
 
 
 def _prefill_kernel(
-    seq_ref, pos0_ref, keys_ref, window_ref, factor_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, scale, head_dim,
-    tile, pages_per_iter, soft_cap
+    seq_ref, pos0_ref, keys_ref, window_ref, factor_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale, head_dim,
+    tile, pages_per_iter, soft_cap, bidirectional
 ):
+    # refs: (last_ref, o_ref) with per-row key limits (last_ref [rows]: each row's last key), else (o_ref,).
+    last_ref, o_ref = refs if bidirectional else (None, *refs)
     j = pl.program_id(0)
     seq, pos0, num_keys = seq_ref[j], pos0_ref[j], keys_ref[j]
     page_size = k_ref.shape[1]
@@ -58,6 +63,7 @@ def _prefill_kernel(
     q = q_ref[...]
     scale = scale * factor_ref[0]  # q came over a power of two (f16's range), 1 otherwise
     q_pos = pos0 + jnp.arange(rows) % tile
+    q_last = last_ref[...] if bidirectional else q_pos  # the last key each row sees
     window = window_ref[0]
     start = jnp.clip(pos0 - window + 1, 0, num_keys)  # the first key the tile's first token sees
 
@@ -66,7 +72,7 @@ def _prefill_kernel(
         k = blocks.load_pages(k_ref, ids, head_dim, q.dtype)  # fp8 pages: widened in registers
         v = blocks.load_pages(v_ref, ids, head_dim, q.dtype)
         k_pos = i * block + jnp.arange(block)
-        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+        visible = (k_pos[None, :] <= q_last[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
         key_live = (k_pos >= start) & (k_pos < num_keys)
         return blocks.attend_block(carry, q, k, v, key_live, scale, visible, soft_cap)
 
@@ -77,10 +83,11 @@ def _prefill_kernel(
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "q_tile", "logits_soft_cap", "fp8_as_bits"))
 def ragged_paged_attention_pallas(
     q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None, interpret=False, q_tile=None,
-    sliding_window=None, logits_soft_cap=None, fp8_as_bits=None
+    sliding_window=None, logits_soft_cap=None, fp8_as_bits=None, key_limits=None
 ):
     """q_tile overrides the tokens per tile (tests use it to cross tiles); fp8_as_bits: e4m3 pages
-    read as bytes and widened by arithmetic (None: below sm_89 only)."""
+    read as bytes and widened by arithmetic (None: below sm_89 only); key_limits: int32[tokens],
+    the last key each query sees when past its own position (pallas_kernels.ragged_paged_attention)."""
     k_pages, v_pages = blocks.pages_for_triton(k_pages, fp8_as_bits), blocks.pages_for_triton(v_pages, fp8_as_bits)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -91,8 +98,9 @@ def ragged_paged_attention_pallas(
     tile = max(q_tile or query_tile(num_tokens, num_seqs, gp), 16 // gp, 1)
     rows = gp * tile
     pages_per_iter = max(1, blocks.KEYS_PER_ITER // page_size)
-    tables, (seq, tok0, pos0, n_rows), num_keys = tiling.ragged_plan(
-        block_tables, num_pages, page_size, pages_per_iter, query_start_loc, context_lens, num_tokens, tile)
+    tables, (seq, tok0, pos0, n_rows), num_keys, last_keys = tiling.ragged_plan(
+        block_tables, num_pages, page_size, pages_per_iter, query_start_loc, context_lens, num_tokens, tile,
+        key_limits)
     num_tiles = seq.shape[0]
 
     qt = tiling.gather_query_tiles(q, tok0, n_rows, tile)
@@ -115,7 +123,12 @@ def ragged_paged_attention_pallas(
         tile=tile,
         pages_per_iter=pages_per_iter,
         soft_cap=logits_soft_cap,
+        bidirectional=key_limits is not None,
     )
+    extra_specs, extra_args = [], []
+    if key_limits is not None:  # each row's last key, head-major rows as q's (row r: token r % tile)
+        extra_specs.append(pl.BlockSpec((None, rows), lambda j, h: (j, 0)))
+        extra_args.append(jnp.tile(last_keys, (1, gp)))
     window = jnp.full((1,), blocks.NO_WINDOW if sliding_window is None else sliding_window, jnp.int32)
     out = pl.pallas_call(
         kernel,
@@ -130,13 +143,14 @@ def ragged_paged_attention_pallas(
             row_spec,
             page_spec,
             page_spec,
+            *extra_specs,
         ],
         out_specs=row_spec,
         out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="jpaged_ragged_prefill",
-    )(seq, pos0, num_keys, window, factor, tables, qt, k_pages, v_pages)
+    )(seq, pos0, num_keys, window, factor, tables, qt, k_pages, v_pages, *extra_args)
     out = out.reshape(num_tiles, num_kv_heads, gp, tile, dp)
     out = out[:, :, :group, :, :head_dim].transpose(0, 3, 1, 2, 4)
     out = out.reshape(num_tiles, tile, num_heads, head_dim)

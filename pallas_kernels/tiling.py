@@ -59,17 +59,35 @@ def split_tables(block_tables, num_pages: int, num_programs: int, pages_per_iter
 
 
 def ragged_plan(block_tables, num_pages: int, page_size: int, pages_per_iter: int, query_start_loc, context_lens,
-                num_tokens: int, tile: int):
+                num_tokens: int, tile: int, key_limits=None):
     """The ragged prefill kernels' plan: tables clamped and padded to whole iterations of
-    `pages_per_iter` pages, the query tiles (ragged_tiles), and the keys each tile's last real
-    token sees (0 for empty tiles). Returns (tables, (seq, tok0, pos0, rows), num_keys)."""
+    `pages_per_iter` pages, the query tiles (ragged_tiles), the keys a tile's queries see (the
+    keys up to its last real token's, or up to the furthest of its `key_limits`: 0 for empty
+    tiles) and, with `key_limits`, each tile row's last key (tile_last_keys; else None).
+    Returns (tables, (seq, tok0, pos0, rows), num_keys, last_keys)."""
     width = block_tables.shape[1]
     padded_width = round_up(width, pages_per_iter)
     tables = jnp.pad(clamp_block_tables(block_tables, num_pages), ((0, 0), (0, padded_width - width)))
     seq, tok0, pos0, rows = ragged_tiles(query_start_loc, context_lens, num_tokens, tile)
-    num_keys = jnp.minimum(context_lens[seq].astype(jnp.int32), pos0 + rows)
+    if key_limits is None:  # (the causal plan, op for op as before key limits existed)
+        last_keys = None
+        num_keys = jnp.minimum(context_lens[seq].astype(jnp.int32), pos0 + rows)
+    else:
+        last_keys = tile_last_keys(key_limits, tok0, pos0, rows, tile)
+        num_keys = jnp.minimum(context_lens[seq].astype(jnp.int32), jnp.max(last_keys, axis=1) + 1)
     num_keys = jnp.where(rows > 0, jnp.clip(num_keys, 0, padded_width * page_size), 0)
-    return tables, (seq, tok0, pos0, rows), num_keys
+    return tables, (seq, tok0, pos0, rows), num_keys, last_keys
+
+
+def tile_last_keys(key_limits, tile_tok0, tile_pos0, tile_rows, tile: int):
+    """The last key position each query of each tile sees, int32[NT, tile]: key_limits[token]
+    where that is past the query's own position (a span of tokens that attend to each other both
+    ways, as an image's tokens do in Gemma 3: vLLM's mm_prefix_range), its own position otherwise
+    (causal; also for the rows past a tile's real tokens)."""
+    r = jnp.arange(tile, dtype=jnp.int32)
+    q_pos = tile_pos0[:, None] + r[None, :]
+    limits = gather_query_tiles(key_limits.astype(jnp.int32), tile_tok0, tile_rows, tile)
+    return jnp.where(r[None, :] < tile_rows[:, None], jnp.maximum(q_pos, limits), q_pos)
 
 
 def num_ragged_tiles(num_tokens: int, num_seqs: int, tile: int) -> int:

@@ -22,7 +22,9 @@ dtype's raw bits (cache_ops.write_kv), reinterpreted as they are gathered.
 Optional, as the kernels: `sliding_window` w (an int or a traced int32 scalar)
 lets a query at position p see only keys in (p - w, p], and the loop starts at
 the first chunk any query sees; `logits_soft_cap` c maps scores to
-c * tanh(score / c) (Gemma 2).
+c * tanh(score / c) (Gemma 2). Ragged prefill also takes `key_limits` (int32[tokens]): a
+query sees keys up to max(its position, key_limits[token]) (Gemma 3's images), the loop still
+ending at the longest context; None keeps the causal code as it was.
 """
 
 import functools
@@ -144,7 +146,7 @@ def xla_query_tile(num_tokens: int, num_seqs: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("scale", "logits_soft_cap", "kv_dtype"))
 def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None,
-                               sliding_window=None, logits_soft_cap=None, kv_dtype=None):
+                               sliding_window=None, logits_soft_cap=None, kv_dtype=None, key_limits=None):
     """Ragged prefill: q [T, H, d] -> [T, H, d]; see ragged_paged_attention."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size = k_pages.shape[:3]
@@ -158,6 +160,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, 
     tile_context = jnp.where(rows > 0, context_lens[seq], 0)  # [NT]
     row = jnp.arange(tile, dtype=jnp.int32)
     scale = default_scale(scale, head_dim)
+    q_last = None if key_limits is None else tiling.tile_last_keys(key_limits, tok0, pos0, rows, tile)[:, :, None]
 
     def chunk_scores(chunk_tables, first_key):
         k = as_dtype(_gather_pages(k_pages, chunk_tables), kv_dtype).astype(q.dtype)  # [kvh, NT, keys, d]; fp8 pages widened
@@ -166,7 +169,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, 
         key_ok = (key[None, :] < tile_context[:, None]) & (key[None, :] >= tile_start[:, None])  # [NT, keys]
         v = jnp.where(key_ok[None, :, :, None], v, jnp.zeros((), v.dtype))
         q_pos = (pos0[:, None] + row[None, :])[:, :, None]
-        causal = key[None, None, :] <= q_pos
+        causal = key[None, None, :] <= (q_pos if q_last is None else q_last)
         if sliding_window is not None:
             causal &= key[None, None, :] > q_pos - sliding_window
         mask = causal & key_ok[:, None, :] & (row[None, :] < rows[:, None])[:, :, None]

@@ -27,13 +27,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, PartitionSpec, use_abstract_mesh
 
-import jpaged
-import pallas_kernels as pk
-from jpaged.models.layers import Attention
-from jpaged.models.stacked import LayerStack
-from jpaged.parallel.sharding import TP_AXIS
-from jpaged.runner import step_functions
-from jpaged.runner.input_batch import layout_of
+# This checkout's jpaged, not one the interpreter has installed (the jax 0.11.2 venv's is /work/main's).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jpaged  # noqa: E402
+import pallas_kernels as pk  # noqa: E402
+from jpaged.models.layers import Attention  # noqa: E402
+from jpaged.models.stacked import LayerStack  # noqa: E402
+from jpaged.parallel.sharding import TP_AXIS  # noqa: E402
+from jpaged.runner import step_functions  # noqa: E402
+from jpaged.runner.input_batch import layout_of  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -132,6 +134,17 @@ def kernel_cases(families_here=("pallas", "mosaic")):
                    decode(dtype, heads, kv_heads, head_dim, page, page_dtype=page_dtype))
             yield (f"prefill {label}", functools.partial(pk.ragged_paged_attention, backend=backend), backend,
                    prefill(dtype, heads, kv_heads, head_dim, page, page_dtype=page_dtype))
+    if "pallas" in families_here:  # per-query key limits (Gemma 3's images): the Triton kernel (Mosaic has none)
+        for dtype, heads, kv_heads, head_dim, page in ((bf16, 32, 8, 128, 16), (bf16, 8, 4, 256, 16), (f32, 8, 4, 64, 16)):
+            args = prefill(dtype, heads, kv_heads, head_dim, page)
+            yield (f"prefill pallas key_limits {jnp.dtype(dtype).name} heads={heads}/{kv_heads} d={head_dim} "
+                   f"page={page}", functools.partial(_with_key_limits, backend="pallas"), "pallas",
+                   args + [jax.ShapeDtypeStruct((args[0].shape[0],), jnp.int32)])
+
+
+def _with_key_limits(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, key_limits, backend):
+    return pk.ragged_paged_attention(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,
+                                     key_limits=key_limits, backend=backend)
 
 
 def auto_cases(compute_capability):
@@ -147,6 +160,11 @@ def auto_cases(compute_capability):
             args = [args[0], pages, pages, *args[3:]]
             yield (f"{phase} auto pages={jnp.dtype(page_dtype).name}", functools.partial(fn, backend="auto"),
                    choice.auto_family(compute_capability, phase, page_dtype), args)
+    # Key limits (Gemma 3's images): Mosaic cannot take them, so auto runs Triton even where it picks Mosaic.
+    args = list(kernel_cases(("pallas",)))[1][3]
+    yield ("prefill auto key_limits pages=bfloat16", functools.partial(_with_key_limits, backend="auto"),
+           choice.auto_family(compute_capability, "prefill", jnp.bfloat16, mosaic_takes_it=False),
+           args + [jax.ShapeDtypeStruct((args[0].shape[0],), jnp.int32)])
 
 
 def _abstract_model(runner):
@@ -257,6 +275,36 @@ def forward_cases(families_here=("pallas", "mosaic")):
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
         yield label, (lambda f=multi_step, a=(state, kv_cache, packed, *last_tokens):
                       lower_for_cuda(f, *a, donate_argnums=(1, 3))), backend
+
+
+def key_limit_cases(families_here=("pallas", "mosaic")):
+    """The engine's forward with per-token key limits, as a model whose image tokens attend to each
+    other both ways (`is_mm_prefix_lm`, Gemma 3) compiles it: the tiny model's steps given the
+    key_limits input (mixed steps of 8 and 64 tokens; the 4-step decode loop), on Triton."""
+    backend = "pallas"
+    llm = engine("tiny", dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8,
+                 num_gpu_blocks_override=64, attention_backend=backend, num_scheduler_steps=4, kv_cache_dtype="auto",
+                 calculate_kv_scales=False, speculative_config=None, enable_lora=False, max_loras=4,
+                 quantization=None)
+    runner = llm.llm_engine.runner
+    graphdef, state, kv_cache, last_tokens = _abstract_model(runner)
+    runner.mm_prefix = True  # (what the runner of such a model says: its step inputs carry the limits)
+    try:
+        layouts = {tokens: layout_of(runner._abstract_inputs(tokens)) for tokens in (8, 64)}
+        multi = layout_of(runner._abstract_multi_step_inputs(8))
+    finally:
+        runner.mm_prefix = False
+    for tokens, layout in layouts.items():
+        forward = functools.partial(step_functions.forward, graphdef, PartitionSpec(), layout=layout)
+        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
+        yield (f"forward {backend} key_limits mixed tokens={tokens}",
+               lambda f=forward, a=(state, kv_cache, packed, *last_tokens): lower_for_cuda(f, *a, donate_argnums=(1,)),
+               backend)
+    multi_step = functools.partial(step_functions.multi_step, graphdef, PartitionSpec(), layout=multi, num_steps=4)
+    packed = jax.ShapeDtypeStruct((multi.size,), jnp.int32)
+    yield (f"multi-step decode {backend} key_limits tokens=8 steps=4",
+           lambda f=multi_step, a=(state, kv_cache, packed, *last_tokens): lower_for_cuda(f, *a, donate_argnums=(1, 3)),
+           backend)
 
 
 def pooling_cases():
@@ -426,7 +474,7 @@ def main() -> int:
             compute_capability = pk.gpu_device()[1]
         for label, fn, backend, args in auto_cases(compute_capability):
             check(label, functools.partial(lower_for_cuda, fn, *args), backend)
-        for label, lower, backend in forward_cases(families):
+        for label, lower, backend in (*forward_cases(families), *key_limit_cases(families)):
             check(label, lower, backend, expect_aliases=2)  # k_pages and v_pages
         for label, lower in (*invariant_cases(), *pooling_cases()):
             check_xla(label, lower)

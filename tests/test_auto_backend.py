@@ -88,6 +88,10 @@ def test_call_family_on_abstract_gpus(kind, cc):
             assert pk.call_family("auto", "prefill", q_, pages_) == "pallas"
         assert pk.call_family("auto", "prefill", q, pages, sliding_window=128) == "pallas"
         assert pk.call_family("auto", "prefill", q, pages, logits_soft_cap=50.0) == "pallas"
+        limits = jax.ShapeDtypeStruct((q.shape[0],), jnp.int32)  # per-query key limits (Gemma 3's images)
+        assert pk.call_family("auto", "prefill", q, pages, key_limits=limits) == "pallas"
+        with pytest.raises(ValueError, match="key limits" if cc >= 9.0 else "sm_90"):
+            pk.call_family("mosaic", "prefill", q, pages, key_limits=limits)
         assert pk.call_family("auto", "prefill", *shapes(F16)) == ("mosaic" if hopper else "pallas")
         # explicit backends are what they say
         assert pk.call_family("pallas", "prefill", q, pages) == "pallas"
@@ -132,7 +136,11 @@ def test_traced_calls_contain_the_chosen_kernels():
         _, pages8 = shapes(page_dtype=E4M3)
         prefill8 = _families(lambda *a: pk.ragged_paged_attention(*a, backend="auto"), q, pages8, pages8,
                                  tables, lens, starts)
+        limits = jax.ShapeDtypeStruct((64,), jnp.int32)
+        bidirectional = _families(lambda *a: pk.ragged_paged_attention(*a[:-1], key_limits=a[-1], backend="auto"),
+                                  q, pages, pages, tables, lens, starts, limits)
     assert decode == {"pallas"} and prefill == {"mosaic"} and prefill8 == {"pallas"}, (decode, prefill, prefill8)
+    assert bidirectional == {"pallas"}, bidirectional  # Mosaic has no key limits: Triton takes the call
 
 
 def test_auto_lowers_for_h100_and_a100_to_the_chosen_kernels():

@@ -45,6 +45,21 @@ def test_budget_cuts_a_chunk_before_an_image_that_does_not_fit():
     assert encoder_chunk(group, 15, 3, {"x": 6}) == 0  # inside c, no room: wait for the next step
 
 
+def test_whole_images_never_end_a_chunk_inside_one():
+    """disable_chunked_mm_input (Gemma 3: an image's tokens attend to each other both ways): a
+    chunk stops before an image it would end inside; one that starts inside an image (a prefix
+    hit that stopped there) reaches its end or waits; chunks that end at or before an image's
+    end pass, and without the flag a chunk may end anywhere."""
+    items = [item("a", 2, 4), item("b", 8, 4)]
+    whole = types.SimpleNamespace(mm_items=items, encoder_cache_rows=100, disable_chunked_mm_input=True)
+    chunked = types.SimpleNamespace(mm_items=items, encoder_cache_rows=100)
+    assert [encoder_chunk(whole, 0, n, {}) for n in (2, 4, 5, 6, 7, 9, 12, 20)] == [2, 2, 2, 6, 7, 8, 12, 20]
+    assert [encoder_chunk(chunked, 0, n, {}) for n in (4, 9)] == [4, 9]
+    assert encoder_chunk(whole, 4, 1, {}) == 0  # inside a, its end (6) out of reach: wait
+    assert encoder_chunk(whole, 4, 2, {}) == 2  # inside a, up to its end
+    assert encoder_chunk(whole, 4, 6, {}) == 4  # a's rest, then stop before b
+
+
 def fake_engine(rows: int):
     mm = MultimodalEngine.__new__(MultimodalEngine)
     mm.cache, mm.vocab_size, mm.encoded = EncoderCacheManager(rows), VOCAB, []

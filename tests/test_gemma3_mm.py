@@ -1,8 +1,9 @@
 """Gemma 3's multimodal checkpoints against transformers on a tiny random one (save_pretrained):
 SigLIP + the multimodal projector equal to HF's get_image_features for 1, 2 and 3 images of
 different sizes through transformers' Gemma 3 image processor; the text decoder under the
-multimodal wrapper equal to HF's logits on text; with images, equal to HF's causal forward (HF's
-bidirectional image blocks are not in jpaged's kernels yet: see gemma3_mm.py)."""
+multimodal wrapper equal to HF's logits on text; with images, equal to HF's forward with
+token_type_ids (an image's tokens attend to each other both ways: jpaged's key limits) and
+without (causal: no key limits)."""
 
 import os
 
@@ -53,10 +54,13 @@ def test_rename_hf_weight():
     assert rename("multi_modal_projector.mm_soft_emb_norm.weight") == "multi_modal_projector.mm_soft_emb_norm.weight"
 
 
+@pytest.mark.parametrize("bidirectional", [False, True])
 @pytest.mark.parametrize("count", [0, 2])
-def test_logits_equal_hf(checkpoint, count):
+def test_logits_equal_hf(checkpoint, count, bidirectional):
     """Text with `count` images (boi, 4 image tokens, eoi), longer than the sliding window: ours
-    (embeddings in place, paged prefill) against HF's forward without token_type_ids (causal)."""
+    (embeddings in place, paged prefill) against HF's forward with token_type_ids (each image's
+    tokens see their whole image: our key limits at the image's last position) or without
+    (causal, as ours without key limits)."""
     hf, ours, rng = checkpoint
     ids = rng.integers(3, 290, 6).tolist()
     for _ in range(count):
@@ -67,7 +71,15 @@ def test_logits_equal_hf(checkpoint, count):
         pixels = gemma3_image_processor()(images=random_images(rng, SIZES[:count]), return_tensors="pt")["pixel_values"]
         kwargs["pixel_values"] = pixels
         embeds[np.asarray(ids) == GEMMA_IMAGE_TOKEN] = np.asarray(ours.embed_image(jnp.asarray(pixels.numpy())))
+    limits = None
+    if bidirectional:
+        image = np.asarray(ids) == GEMMA_IMAGE_TOKEN
+        kwargs["token_type_ids"] = torch.from_numpy(image.astype(np.int64)[None])
+        ends = np.flatnonzero(image & ~np.append(image[1:], False))  # each image's last position
+        following = ends[np.minimum(np.searchsorted(ends, np.arange(len(ids))), len(ends) - 1)] if len(ends) else 0
+        limits = np.where(image, following, -1)
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([ids]), **kwargs).logits[0].numpy()
-    logits = np.asarray(ours.compute_logits(paged_forward(ours, jnp.asarray(embeds), np.arange(len(ids)))))
+    logits = np.asarray(ours.compute_logits(paged_forward(ours, jnp.asarray(embeds), np.arange(len(ids)),
+                                                          key_limits=limits)))
     assert np.abs(logits - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())

@@ -135,3 +135,28 @@ def test_memory_plan_measures_the_encoder(ckpt):
         found = encoder_memory(loaded, probe)
         assert sorted(m.key[:2] for m in found) == [("encode", 1), ("encode", 2), ("encode", 4)][:expected]
         assert all(m.temp > 0 and m.transient >= m.temp for m in found)
+
+
+def test_disable_chunked_mm_input_keeps_each_image_in_one_chunk(ckpt, hf):
+    """vLLM's disable_chunked_mm_input on a LLaVA engine (16 tokens an image, a 20-token budget):
+    no prefill chunk ends inside an image (several stop right before one), and the outputs still
+    equal transformers'."""
+    llm = jpaged.LLM(ckpt, dtype="float32", max_model_len=256, max_num_seqs=2, max_num_batched_tokens=20,
+                     block_size=16, enforce_eager=True, disable_chunked_mm_input=True)
+    scheduler = llm.llm_engine.scheduler
+    plans, schedule = [], scheduler.schedule
+    scheduler.schedule = lambda *a, **kw: plans.append(schedule(*a, **kw)) or plans[-1]
+    rng = np.random.default_rng(SEED + 9)
+    prompts, images = [PROMPTS[3], PROMPTS[2]], [random_images(rng, 3), random_images(rng, 2)]
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": im}} for p, im in zip(prompts, images)], sp,
+                        use_tqdm=False)
+    cuts = 0
+    for sg in (sg for plan in plans for sg in plan.scheduled_seq_groups):
+        end = sg.start + sg.token_chunk_size
+        for item in sg.seq_group.mm_items:
+            assert not item.offset < end < item.offset + item.length, (sg.seq_group.request_id, sg.start, end)
+            cuts += end == item.offset
+    assert cuts >= 2
+    for prompt, ims, out in zip(prompts, images, outs):
+        assert out.outputs[0].token_ids == hf_generate(hf, prompt, ims, 6)[0], prompt

@@ -563,3 +563,38 @@ def test_pooling_requests_run_whole_fcfs_and_take_no_blocks():
     assert groups[14].seqs[0].status is SequenceStatus.FINISHED_IGNORED
     assert groups[15].seqs[0].status is SequenceStatus.FINISHED_ABORTED and groups[15].pooled is None
     assert gen.is_finished() and bm.gpu_pool.get_num_free_blocks() == bm.num_gpu_blocks
+
+
+def with_image(group, offset: int, length: int, mm_hash: str = "image"):
+    """Give a just-added group one image, as MultimodalEngine.attach does for a model whose image
+    tokens attend to each other both ways (Gemma 3): computed in one chunk, never cut."""
+    from jpaged.multimodal.processing import MMItem
+
+    group.mm_items, group.encoder_cache_rows, group.disable_chunked_mm_input = [MMItem(mm_hash, offset, length, {})], 64, True
+    for seq in group.seqs:
+        seq.mm_ranges = ((offset, length, mm_hash),)
+    return group
+
+
+def test_an_image_attended_both_ways_is_computed_in_one_chunk():
+    """disable_chunked_mm_input: a chunk that would end inside the image stops before it; after a
+    prefix hit that stopped inside the image (its first blocks cached), the group computes the
+    image's rest in one chunk, and waits (scheduled with no tokens, not at all) while the step's
+    budget is too small for it."""
+    engine = FakeEngine(block_size=4, max_num_batched_tokens=8, enable_caching=True)
+    prefix = tuple(range(700, 720))
+    with_image(engine.add("a", 20, 2, prefix=prefix), 6, 5)  # the image at 6..10
+    chunks = []
+    while engine.scheduler.has_unfinished_seqs():
+        chunks += [n for name, n in scheduled(engine.step()) if name == "a"]
+    assert chunks[:3] == [6, 8, 6]  # [0, 6), [6, 14): the image whole, [14, 20)
+    # c takes 6 of the 8 tokens; b hits a's first two blocks (8 tokens: the image's first two) and
+    # its image's other three do not fit the 2 left: b waits a step, then computes them at once.
+    engine.add("c", 6, 2)
+    with_image(engine.add("b", 14, 2, prefix=prefix[:9]), 6, 5)
+    first = engine.step()
+    assert scheduled(first) == [("c", 6)] and engine.groups["b"].seqs[0].num_computed_tokens == 8
+    second = engine.step()
+    assert ("b", 6) in scheduled(second)  # 8..13: the image's rest (8..10) and the prompt's end
+    engine.run()
+    assert engine.outputs("b") == run_alone("b", 14, 2, prefix=prefix[:9])

@@ -75,8 +75,9 @@ def random_images(rng: np.random.Generator, sizes):
     return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
 
 
-def paged_forward(model, embeds: jax.Array, positions, block_size: int = 8):
-    """The model's final hidden states for one sequence of input embeddings, prefilled in fresh pages."""
+def paged_forward(model, embeds: jax.Array, positions, block_size: int = 8, key_limits=None):
+    """The model's final hidden states for one sequence of input embeddings, prefilled in fresh pages
+    (`key_limits`: AttentionMetadata's, int32[tokens])."""
     n = embeds.shape[0]
     blocks = -(-n // block_size)
     spec = KVCacheSpec.of_model(model, block_size, embeds.dtype)
@@ -84,7 +85,8 @@ def paged_forward(model, embeds: jax.Array, positions, block_size: int = 8):
     kv_cache = KVCache(pages, pages)
     meta = AttentionMetadata(slot_mapping=jnp.arange(n, dtype=jnp.int32),
                              block_tables=jnp.arange(blocks, dtype=jnp.int32)[None],
-                             context_lens=jnp.array([n], jnp.int32), query_start_loc=jnp.array([0, n], jnp.int32))
+                             context_lens=jnp.array([n], jnp.int32), query_start_loc=jnp.array([0, n], jnp.int32),
+                             key_limits=None if key_limits is None else jnp.asarray(key_limits, jnp.int32))
     with forward_context(ForwardContext(meta)):
         hidden, _ = model.forward_embeds(embeds, jnp.asarray(positions, jnp.int32), kv_cache)
     return hidden

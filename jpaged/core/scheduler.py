@@ -289,7 +289,9 @@ class Scheduler(StepUpdate):
                 seq.num_computed_tokens = num_cached_tokens
             self.running.append(seq_group)
             budget.num_seqs -= num_seqs
-            self._add(out, budget, seq_group, self._chunk_size(seq_group, budget))
+            chunk = self._chunk_size(seq_group, budget)  # (from its first uncached token: may be 0, an image's rest)
+            if chunk:
+                self._add(out, budget, seq_group, chunk)
 
     def _admit_pooling(self, seq_group: SequenceGroup, out: SchedulerOutputs, budget: _Budget) -> bool:
         """A pooling request joins the step with its whole input, or waits (FCFS). (Its engine

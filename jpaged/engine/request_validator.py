@@ -29,6 +29,16 @@ class RequestValidator:
             raise ValueError(f"limit_mm_per_prompt: the prompt has {num_images} images, more than the "
                              f"{limit} allowed (limit_mm_per_prompt={{'image': {limit}}})")
 
+    def check_whole_images(self, lengths: list[int], budget: int):
+        """ValueError naming max_num_batched_tokens when an image that must be computed in one step
+        (disable_chunked_mm_input; always for Gemma 3, whose image tokens attend to each other
+        both ways) has more tokens than a step may compute (`budget`: the scheduler's)."""
+        largest = max(lengths, default=0)
+        if largest > budget:
+            raise ValueError(f"max_num_batched_tokens: an image of {largest} tokens must be computed in one step "
+                             f"(its tokens attend to each other both ways, or disable_chunked_mm_input is set), "
+                             f"more than max_num_batched_tokens={budget}; raise max_num_batched_tokens")
+
     def check(self, prompt_token_ids: list[int], sp: SamplingParams):
         """ValueError (naming the field and the limit) unless the request can run to completion
         here: ids in the vocabulary, within max_model_len, and all its sequences at full length

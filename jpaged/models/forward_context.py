@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["slot_mapping", "block_tables", "context_lens", "query_start_loc", "decode", "layer"],
+                   data_fields=["slot_mapping", "block_tables", "context_lens", "query_start_loc", "decode", "layer",
+                                "key_limits"],
                    meta_fields=[])
 @dataclasses.dataclass
 class AttentionMetadata:
@@ -34,6 +35,11 @@ class AttentionMetadata:
       kernel alone, with no cond.
     layer: int32 scalar, the decoder layer being run (set by the layer stack's scan), for the
       layers that differ by layer (Gemma's alternating local and global attention).
+    key_limits: int32[tokens] or None: the last key each new token may see when past its own
+      position (-1: causal), for models whose image tokens attend to each other both ways
+      (`is_mm_prefix_lm`, Gemma 3: an image's tokens see up to its last token; vLLM's
+      mm_prefix_range). None (every other model): causal prefill kernels, compiled as before.
+      Decode kernels ignore it (a decoding token is never inside an image).
     """
 
     slot_mapping: jax.Array
@@ -42,6 +48,7 @@ class AttentionMetadata:
     query_start_loc: jax.Array
     decode: jax.Array | None = None
     layer: jax.Array | None = None
+    key_limits: jax.Array | None = None
 
     def for_layer(self, layer, pages_per_layer: int, page_size: int) -> "AttentionMetadata":
         """The same step in layer `layer`'s part of the stacked pool, whose page axis holds every

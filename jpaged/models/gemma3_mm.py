@@ -6,16 +6,14 @@ mm_tokens_per_image tokens (a sqrt(mm_tokens_per_image) grid), normed by an RMSN
 Gemma's (1 + w) scale, and projected to the text width by a plain matrix. The text embeddings
 are scaled by sqrt(hidden) (`embed_tokens_fn`), the image embeddings are not.
 
-Not yet equal to HF: during a prefill HF lets an image's tokens attend to each other both ways
-(token_type_ids -> a bidirectional block per image); jpaged's paged kernels are causal, so a
-prompt with images differs from HF past its first image token (text-only prompts are equal). The
-kernels would need a per-query key limit: a query inside an image block sees keys up to the end
-of that block (int32[tokens], the default being its own position), and the scheduler must put a
-whole image in one prefill chunk (vLLM does the same for Gemma 3).
+An image's tokens attend to each other both ways, as in HF (token_type_ids -> a bidirectional
+block per image, within the sliding window on local layers): the model says `is_mm_prefix_lm`
+(vLLM's name), so the runner gives every step per-token key limits (multimodal/mm_prefix.py:
+an image token sees up to its image's last token) and the scheduler keeps each image whole in
+one prefill chunk (`disable_chunked_mm_input`).
 """
 
 import copy
-import logging
 
 import jax.numpy as jnp
 import numpy as np
@@ -27,8 +25,6 @@ from jpaged.models.paged_attention import AttentionOps
 from jpaged.models.llava import adapt_multimodal_config, encoder_cache_rows
 from jpaged.models.siglip import SiglipVisionTower
 from jpaged.multimodal.encoder_cache import EncoderCache, embed_with_cache
-
-logger = logging.getLogger(__name__)
 
 
 class Gemma3MultiModalProjector(nnx.Module):
@@ -62,6 +58,7 @@ class Gemma3MultiModalProjector(nnx.Module):
 
 class Gemma3ForConditionalGeneration(nnx.Module):
     is_multimodal = True
+    is_mm_prefix_lm = True  # an image's tokens attend to each other both ways (multimodal/mm_prefix.py)
 
     def __init__(self, cfg, *, dtype, ops: AttentionOps, max_model_len: int | None = None):
         self.vision_tower = SiglipVisionTower(cfg.vision_config, dtype=dtype)
@@ -71,8 +68,6 @@ class Gemma3ForConditionalGeneration(nnx.Module):
         self.language_model = GemmaForCausalLM(text, dtype=dtype, ops=ops, max_model_len=max_model_len)
         self.image_token_id = cfg.image_token_index
         self.vocab_size = text.vocab_size
-        logger.warning("Gemma 3: the image tokens attend causally to each other (transformers lets them attend "
-                       "both ways within an image): outputs with images differ from transformers'")
         self.tokens_per_image = cfg.mm_tokens_per_image
         self.encoder_cache = EncoderCache(jnp.zeros((encoder_cache_rows(cfg, self.tokens_per_image), text.hidden_size),
                                                     dtype))

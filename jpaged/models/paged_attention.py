@@ -96,15 +96,17 @@ class AttentionOps:
         def decode():
             return pallas_kernels.paged_attention(*args, **opts)
 
+        limits = {} if meta.key_limits is None else {"key_limits": meta.key_limits}  # (Gemma 3's images)
+
         def ragged():
-            return pallas_kernels.ragged_paged_attention(*args, meta.query_start_loc, **opts)
+            return pallas_kernels.ragged_paged_attention(*args, meta.query_start_loc, **opts, **limits)
 
         if self.batch_invariant:
             return invariant.ragged_paged_attention_invariant(*args, meta.query_start_loc, scale=scale,
                                                               sliding_window=sliding_window,
                                                               logits_soft_cap=logits_soft_cap, kv_dtype=kv_dtype,
                                                               num_chunks=self.static_chunks,
-                                                              tiles=self.invariant_tiles)
+                                                              tiles=self.invariant_tiles, **limits)
         # XLA's ragged path is as fast as its decode path on decode steps (tile 1; measured faster
         # inside the multi-step decode on a CPU): one branch, less to compile.
         if pallas_kernels.kernel_family(self.backend) == "xla":

@@ -29,6 +29,8 @@ from flax import nnx
 
 from jpaged.multimodal.encoder_cache import EncoderCacheFull, EncoderCacheManager
 from jpaged.multimodal.media import MediaOptions, check_image
+from jpaged.multimodal.mm_prefix import with_key_limits
+from jpaged.multimodal.mrope_step import with_mrope_positions
 from jpaged.multimodal.processing import ProcessedPrompt, process_prompt, process_token_prompt
 
 logger = logging.getLogger(__name__)
@@ -165,10 +167,12 @@ class MultimodalEngine:
             return process_token_prompt(self.processor, self.hf_config, prompt, images, *model_hooks)
         return process_prompt(self.processor, self.hf_config, prompt, images, *model_hooks)
 
-    def attach(self, group, processed: ProcessedPrompt):
+    def attach(self, group, processed: ProcessedPrompt, whole_images: bool = False):
         """Give the just-added group its images: the pixel inputs on the group, the ranges and
-        hashes on its sequence (forks copy them)."""
+        hashes on its sequence (forks copy them). `whole_images`: no prefill chunk ends inside
+        one of its images (disable_chunked_mm_input; encoder_budget.py)."""
         group.mm_items = processed.items
+        group.disable_chunked_mm_input = whole_images
         group.encoder_cache_rows = self.cache.num_rows  # (the scheduler's encoder budget: encoder_budget.py)
         group.prompt = processed.prompt
         for seq in group.seqs:
@@ -202,6 +206,15 @@ class MultimodalEngine:
             batch.token_ids[j] = ids
         if missing:
             self._encode(missing)
+
+    def step_inputs(self, batch, inputs):
+        """The step's inputs (numpy, prepare_step's) with what images change in them: M-RoPE
+        positions (`uses_mrope`: Qwen2-VL), key limits (`is_mm_prefix_lm`: Gemma 3; mm_prefix.py)."""
+        if getattr(self.model, "uses_mrope", False):
+            inputs = with_mrope_positions(self.model, batch, inputs)
+        if getattr(self.model, "is_mm_prefix_lm", False):
+            inputs = with_key_limits(batch, inputs)
+        return inputs
 
     def _rows(self, items: list, pinned: set) -> tuple[dict, list]:
         """The step's images' first rows {mm_hash: row}, and the (item, row) pairs to encode:
@@ -318,5 +331,10 @@ def add_request(mm: "MultimodalEngine | None", engine, request_id: str, prompt, 
     if mm is None:
         raise ValueError("multi_modal_data: this model takes no images (a text-only model)")
     engine.request_validator.check_images(len(prompt.items))
+    # Gemma 3's image tokens attend to each other both ways: each image is computed in one chunk.
+    whole = bool(getattr(mm.model, "is_mm_prefix_lm", False) or engine.config.disable_chunked_mm_input)
+    if whole:
+        engine.request_validator.check_whole_images([item.length for item in prompt.items],
+                                                    engine.scheduler.max_num_batched_tokens)
     engine.add_request(request_id, prompt.token_ids, sampling_params, arrival_time, lora_request)
-    mm.attach(engine._groups[request_id], prompt)  # (this thread added it: no step has seen it yet)
+    mm.attach(engine._groups[request_id], prompt, whole)  # (this thread added it: no step has seen it yet)

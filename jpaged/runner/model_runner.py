@@ -54,7 +54,6 @@ from jpaged.lora.model import abstract_slot
 from jpaged.models.layers import Linear
 from jpaged.models.loader import LoadedModel
 from jpaged.multimodal import runner as multimodal
-from jpaged.multimodal.mrope_step import with_mrope_positions
 from jpaged.parallel import distributed
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, replicated
 from jpaged.runner import kv_transfer, sampler, step_functions, step_inputs
@@ -103,6 +102,7 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
                              if isinstance(node, Linear) and node.lora_a is not None}
         self.graphdef, self.state = nnx.split(loaded.model)
         self.mrope = bool(getattr(loaded.model, "uses_mrope", False))  # positions [3, tokens] (mrope_step.py)
+        self.mm_prefix = bool(getattr(loaded.model, "is_mm_prefix_lm", False))  # key limits per token (mm_prefix.py)
         # The engine's batch_invariant mode (the loader marks the model's layers; the sampler follows).
         self.batch_invariant = any(getattr(node, "batch_invariant", False) for _, node in nnx.iter_graph(loaded.model))
         self.num_layers = num_layers = kv_cache_spec.num_layers
@@ -339,7 +339,8 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
     def _abstract_inputs(self, num_tokens: int, lora: bool | None = None) -> StepInputs:
         num_seqs = self.buckets.seqs(num_tokens)
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-        attn = AttentionMetadata(i32((num_tokens,)), None, i32((num_seqs,)), i32((num_seqs + 1,)))
+        attn = AttentionMetadata(i32((num_tokens,)), None, i32((num_seqs,)), i32((num_seqs + 1,)),
+                                 key_limits=i32((num_tokens,)) if self.mm_prefix else None)
         lora = lora if lora is not None else self.lora_linears
         return StepInputs(i32((num_tokens,)), i32((3, num_tokens) if self.mrope else (num_tokens,)), attn,
                           i32((self.buckets.sample_rows(num_tokens),)), i32((num_tokens,)),
@@ -408,8 +409,8 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
         ib = self.input_batch
         step = prepare_step(batch, ib, self.serving_buckets, self.block_size, multi_step,
                             lora_slots=ib.lora_slot[batch.rows] if self.lora_linears else None)
-        if self.mrope:  # each token's (temporal, height, width) positions
-            step.inputs = with_mrope_positions(self.mm.model, batch, step.inputs)
+        if self.mrope or self.mm_prefix:  # M-RoPE positions, images' key limits (MultimodalEngine.step_inputs)
+            step.inputs = self.mm.step_inputs(batch, step.inputs)
         self.flush_block_table(self.dispatch_op)
         inputs, num_sample_rows = step.inputs, len(step.inputs.logits_indices)
         hooks = not (spec_disabled and step.num_tokens >= self.hookless_from)
