@@ -206,8 +206,8 @@ class LLMEngine:
         # The heap built so far (jax, the model, the tokenizer) lives as long as the engine: keep
         # it out of the cyclic collector's full passes, which otherwise cost milliseconds in the
         # middle of steps (measured: 5 ms per step at 256 sequences with async scheduling; vLLM
-        # freezes its start-up heap too).
-        start_up.freeze_heap()
+        # freezes its start-up heap too). Dropping the engine unfreezes it.
+        start_up.freeze_heap(self)
         self._groups: dict[str, SequenceGroup] = {}
         self._in_flight: DispatchedStep | None = None  # async_scheduling: a step not read yet
         # Overlap unless turned off; by default not with multi-step decode, whose K-step calls

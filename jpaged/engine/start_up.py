@@ -7,6 +7,7 @@ import gc
 import logging
 import math
 import os
+import weakref
 
 import jax
 
@@ -21,16 +22,30 @@ logger = logging.getLogger("jpaged.engine.llm_engine")  # the engine's own lines
 _froze_a_heap = False  # an engine's start-up has frozen the heap in this process
 
 
-def freeze_heap():
+def freeze_heap(engine=None):
     """Collect, then freeze what is left out of the cyclic collector's passes (an engine's start-up
     heap). Unfreezing first lets an earlier, dropped engine go; a process's first engine walks only
-    what nobody froze yet (`jpaged serve` freezes its imports: a full pass was 0.15 s of its start)."""
+    what nobody froze yet (`jpaged serve` freezes its imports: a full pass was 0.15 s of its start).
+    Frozen objects are freed by reference counting alone: what of `engine` sits in a reference
+    cycle would stay until the next engine's start-up (its KV pool sized meanwhile). So once
+    `engine` is dropped (`engine_dropped`), the heap is unfrozen: gc.collect() then frees the rest
+    of it. (A runner and its KV pool are kept out of cycles and go at once.)"""
     global _froze_a_heap
     if _froze_a_heap:
         gc.unfreeze()
     gc.collect()
     gc.freeze()
     _froze_a_heap = True
+    if engine is not None:
+        weakref.finalize(engine, engine_dropped, engine.runner.warmup).atexit = False
+
+
+def engine_dropped(warmup=None):
+    """An engine is gone (garbage): stop its background warm-up after the compile under way (the
+    warm-up thread holds the runner until it ends) and unfreeze the heap (`freeze_heap`)."""
+    if warmup is not None:
+        warmup.abandon()
+    gc.unfreeze()
 
 
 def derive_max_model_len(hf_config, requested: int | None) -> int:

@@ -109,7 +109,6 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
         kv, rep = kv_cache_sharding(self.mesh), replicated(self.mesh)
         self._replicated = rep
         self.proposer = proposer if proposer is not None else Proposer()
-        self.pools = [self] + self.proposer.shared_pools()  # KV pools addressed by the same block ids
         self.proposer.attach(self)
         self.kv_cache: KVCache = (kv_cache_spec.abstract if abstract else kv_cache_spec.allocate)(
             num_gpu_blocks, kv, kv_scales, calculate_kv_scales)
@@ -157,23 +156,14 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
         # run the decode kernel alone (keys ("forward", n, "decode")), where the kernels differ:
         # the XLA family (a CPU) has one path for both, and batch-invariant mode one kernel.
         self.decode_keys = not self.batch_invariant and attention_family(loaded.model) != "xla"
-        self._forward = lambda layout, hidden, decode=False: jax.jit(
-            functools.partial(step_functions.forward, self.graphdef, rep, layout=layout, decode=decode,
-                              return_hidden=(self.hidden_layers or True) if hidden else False),
-            donate_argnums=(1,), out_shardings=(rep, pool, rep) if hidden else (rep, pool))
+        # The makers of the jitted functions by layout (one per executable key), closing over no runner.
+        self._forward, self._sample, self._multi_step, self._kv_forward = step_functions.layout_jits(
+            self.graphdef, rep, pool, self.hidden_layers, num_scheduler_steps)
         self._table_writer = jax.jit(step_functions.write_block_table, out_shardings=rep, donate_argnums=(0,))
-        self._sample = lambda layout: jax.jit(functools.partial(step_functions.sample, layout=layout),
-                                              out_shardings=(rep, rep, rep), donate_argnums=(2, 3))
         self._history_writer = jax.jit(step_functions.write_history, out_shardings=rep, donate_argnums=(0,))
         self._lora_writer = jax.jit(functools.partial(step_functions.write_lora_slot, self.graphdef,
                                                       list(self.lora_linears)),
                                     out_shardings=jax.tree.map(lambda x: x.sharding, self.state), donate_argnums=(0,))
-        self._multi_step = lambda layout: jax.jit(
-            functools.partial(step_functions.multi_step, self.graphdef, rep, layout=layout,
-                              num_steps=num_scheduler_steps),
-            donate_argnums=(1, 3), out_shardings=(rep, pool, rep))
-        self._kv_forward = lambda layout: jax.jit(functools.partial(step_functions.forward_kv, self.graphdef, layout=layout),
-                                                  donate_argnums=(1,), out_shardings=pool)
         self.executable_cache = executable_cache or ExecutableCache(None, "")
         self._executables = {}
         if self._multihost and not abstract:  # the driver's broadcasts: one executable, compiled now
@@ -191,6 +181,12 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
         # it encode the images a step's prefill chunks cover and point their tokens at the embeddings.
         self.mm = multimodal.MultimodalEngine(loaded, self) if multimodal.is_multimodal(loaded.model) and not abstract \
             else None
+
+    @property
+    def pools(self) -> list:
+        """The KV pools addressed by the same block ids: these pages and the proposer's (a property,
+        not a list kept on the runner: that would be a reference cycle, see step_functions.layout_jits)."""
+        return [self] + self.proposer.shared_pools()
 
     @property
     def num_compilations(self) -> int:

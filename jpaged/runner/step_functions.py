@@ -246,3 +246,28 @@ def write_lora_slot(graphdef, paths, state, slot, weights):
         linear.lora_a.set_value(linear.lora_a[...].at[index].set(a))
         linear.lora_b.set_value(linear.lora_b[...].at[index].set(b))
     return nnx.split(model)[1]
+
+
+def layout_jits(graphdef, rep, pool, hidden_layers: tuple, num_steps: int):
+    """The runner's makers of its jitted functions by input layout (each called per executable
+    key): the forward (`hidden`: with the hidden states a proposer reads, `hidden_layers` for
+    EAGLE-3), the sampler, the multi-step decode, and a draft's K/V-only forward. They close
+    over these values, never over the runner: a closure over the runner is a reference cycle, and
+    an engine freezes its heap out of the cyclic collector (engine/start_up.freeze_heap), so only
+    reference counting frees a dropped engine's runner and its KV pool at once."""
+    def forward_jit(layout, hidden, decode=False):
+        return jax.jit(functools.partial(forward, graphdef, rep, layout=layout, decode=decode,
+                                         return_hidden=(hidden_layers or True) if hidden else False),
+                       donate_argnums=(1,), out_shardings=(rep, pool, rep) if hidden else (rep, pool))
+
+    def sample_jit(layout):
+        return jax.jit(functools.partial(sample, layout=layout), out_shardings=(rep, rep, rep), donate_argnums=(2, 3))
+
+    def multi_step_jit(layout):
+        return jax.jit(functools.partial(multi_step, graphdef, rep, layout=layout, num_steps=num_steps),
+                       donate_argnums=(1, 3), out_shardings=(rep, pool, rep))
+
+    def kv_forward_jit(layout):
+        return jax.jit(functools.partial(forward_kv, graphdef, layout=layout), donate_argnums=(1,), out_shardings=pool)
+
+    return forward_jit, sample_jit, multi_step_jit, kv_forward_jit

@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 
 import jax
 
@@ -138,8 +139,13 @@ class WarmUp:
     the thread ends after the compile under way (whose cache file is written whole or not at all)."""
 
     def __init__(self, runner, keys: list, base_keys: list, stop: threading.Event | None = None):
-        self.runner, self.keys, self.base_keys = runner, keys, base_keys
+        # The runner, weakly: it holds its warm-up (`ModelRunner.warmup`), and a cycle would keep a
+        # dropped engine's runner and KV pool (engine/start_up.freeze_heap). The thread holds it while it runs.
+        self._runner = weakref.ref(runner)
+        self.executables, self.cache = runner._executables, runner.executable_cache  # (the runner's own)
+        self.keys, self.base_keys = keys, base_keys
         self.stop = stop if stop is not None else threading.Event()
+        self._abandoned = False  # its engine was dropped (`abandon`)
         self.failed: dict = {}  # key -> the exception its compile raised
         self.done = threading.Event()
         self.progress = threading.Condition()
@@ -151,6 +157,11 @@ class WarmUp:
         failing = os.environ.get(FAIL_ENV, "")
         self._failing = [s for s in failing.split(";") if s]
 
+    @property
+    def runner(self):
+        """The runner (None once dropped)."""
+        return self._runner()
+
     # ------------------------------------------------------------------ progress
     @property
     def total(self) -> int:
@@ -158,7 +169,7 @@ class WarmUp:
 
     @property
     def compiled(self) -> int:
-        return sum(k in self.runner._executables for k in self.keys)
+        return sum(k in self.executables for k in self.keys)
 
     @property
     def remaining(self) -> int:
@@ -176,11 +187,11 @@ class WarmUp:
         return self._ready
 
     def _update(self):
-        have, failed = self.runner._executables, self.failed
-        buckets = self.runner.buckets
-        if all(k in have or k in failed for k in self.base_keys):
+        runner, have, failed = self.runner, self.executables, self.failed
+        if runner is not None and all(k in have or k in failed for k in self.base_keys):
+            buckets = runner.buckets
             self._ready = [t for t in buckets.tokens
-                           if all(k in have for k in step_keys(buckets, self.runner.forward_keys, t))]
+                           if all(k in have for k in step_keys(buckets, runner.forward_keys, t))]
         # Once steps can run, XLA's compile threads yield the cores to them; before, nothing serves,
         # and the first executables compile at full speed.
         if self._background and self._ready and not self.done.is_set():
@@ -199,7 +210,7 @@ class WarmUp:
         the first step (a LoRA slot written as the server registers its adapters), which would
         otherwise be compiled twice. The base keys come first: a short wait."""
         with self.progress:
-            while key not in self.runner._executables and key not in self.failed and not self.done.is_set():
+            while key not in self.executables and key not in self.failed and not self.done.is_set():
                 self.progress.wait(0.5)
 
     def wait_for_progress(self, timeout: float):
@@ -228,7 +239,7 @@ class WarmUp:
         try:
             self.run()
             logger.info("warm-up done: %d of %d step executables in %.1f s (%d loaded from the executable cache)%s",
-                        self.compiled, self.total, time.perf_counter() - start, self.runner.executable_cache.hits,
+                        self.compiled, self.total, time.perf_counter() - start, self.cache.hits,
                         f"; {len(self.failed)} failed" if self.failed else "")
         except BaseException:  # never reached by design; logged rather than lost in a thread
             logger.exception("the background warm-up failed")
@@ -240,8 +251,16 @@ class WarmUp:
             _fast_switching(False)  # (after `done`: while it is unset, the interval is the warm-up's)
             self._update()
 
+    def abandon(self):
+        """Its engine was dropped: end after the compile under way (the thread holds the runner until
+        then), leaving `stop` unset (the server's start-up event: a later engine may share it)."""
+        self._abandoned = True
+
+    def _stopping(self) -> bool:
+        return self.stop.is_set() or self._abandoned
+
     def _check_stop(self):
-        if self.stop.is_set():
+        if self._stopping():
             raise SystemExit(0)
 
     def run(self):
@@ -249,8 +268,10 @@ class WarmUp:
         In the foreground, the first failure is raised once the others are done."""
         from tqdm.auto import tqdm
 
-        runner, cache = self.runner, self.runner.executable_cache
-        keys = [k for k in self.keys if k not in runner._executables]
+        runner, cache = self.runner, self.cache
+        if runner is None:  # dropped before its warm-up began
+            return
+        keys = [k for k in self.keys if k not in self.executables]
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jpaged-compile")
         try:
             with tqdm(total=len(keys), desc="Compiling step buckets", unit="shape",
@@ -298,19 +319,19 @@ class WarmUp:
             raise next(iter(self.failed.values()))
 
     def _compile(self, key, args, lowered, bar):
-        if self.stop.is_set():
+        if self._stopping():
             return
         if self._background:
             _lower_priority()
         try:
-            executable = self.runner.executable_cache.compile_lowered(repr(key), args, lowered)
+            executable = self.cache.compile_lowered(repr(key), args, lowered)
         except Exception as e:
             self._fail(key, e)
             return
         self._add(key, executable, bar)
 
     def _add(self, key, executable, bar):
-        self.runner._executables[key] = executable
+        self.executables[key] = executable
         bar.update()
         self._update()
 
