@@ -14,7 +14,8 @@ nothing downloaded). Steps:
    target (--mem-fraction of the device, as XLA_PYTHON_CLIENT_MEM_FRACTION; jax saw 104.9 GiB of
    an H200 at 0.75 on the first GPU run) minus the weights.
 3. The largest forward and the full sampler compiled again with the planned pool: their transient
-   bytes must not grow with the pool, and the forward must update the pool in place (aliased).
+   bytes must not grow with the pool (beyond the plan's margin or 0.1% of the pool: no temporary
+   the pool's size), and the forward must update the pool in place (aliased).
 Exit 1 when weights + step state + the peak transient + the pool exceed the budget, or step 3 fails.
 """
 
@@ -160,7 +161,10 @@ def main() -> int:
         grew = again.transient - by_key[key].transient
         print(f"at the planned pool: {' '.join(map(str, key))}: transient {mib(again.transient).strip()} MiB "
               f"({grew:+d} bytes against the probe's), alias {again.alias / GIB:.2f} GiB")
-        if grew > 0:
+        # What this guards against is a temporary the size of the pool (a second copy of it): growth
+        # in GiB. XLA's choices can step by a few MiB once the pool passes 2^31 elements (unrolled
+        # layers on an H200: +12 MiB at 184k blocks, none up to 4k); the plan's margin takes that.
+        if grew > min(plan.margin, pool_bytes // 1000):
             failures.append(f"{key}: its transient bytes grew by {grew} with the pool's size")
         if key[0] == "forward" and again.alias < pool_bytes:
             failures.append(f"{key}: the pool is not updated in place (aliased {again.alias} of {pool_bytes} bytes)")
