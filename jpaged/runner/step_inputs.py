@@ -49,6 +49,9 @@ class StepBatch:
     history: dict[int, tuple] = dataclasses.field(default_factory=dict)
     # Per group: (its ScheduledSequenceGroup, its first sequence, its first sampling row).
     groups: list[tuple] = dataclasses.field(default_factory=list)
+    # A decode lane step (StepBuilder._build_lane): the per-sequence fields are numpy arrays, one
+    # token (taken on the device: PENDING_TOKEN) and one sample per sequence, its row's.
+    lane: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -93,16 +96,32 @@ class DispatchedStep:
     failed: dict  # request_id -> (group, exception): groups left out (inputs or dispatch failed)
 
 
+class RunnerLane:
+    """The runner's arrays of the scheduler's decode lane (core/decode_lane.py) as of lane step
+    `step`: each lane sequence's InputBatch row, and its position minus its output position
+    (constant while it decodes). The next lane step is applied to them as a diff."""
+
+    __slots__ = ("version", "step", "rows", "offset")
+
+    def __init__(self, version: int, step: int, rows: np.ndarray, offset: np.ndarray):
+        self.version, self.step, self.rows, self.offset = version, step, rows, offset
+
+
+_PENDING = [-1]  # (prepare_inputs.PENDING_TOKEN: a lane step's tokens are on the device)
+
+
 class StepBuilder:
     """Builds a plan's StepBatch over `input_batch`. What it reads of the engine is handed over
     once, read only: the BlockManager (block tables), the StructuredOutputManager (grammar
     masks), the StopChecker (EOS, which min_tokens bans; tests move it), and the engine seed
-    (unseeded requests' keys)."""
+    (unseeded requests' keys). A plan whose decode lane continues the last one it built is
+    applied as a diff (`_build_lane`); `use_lane` False (the runner's multimodal models): never."""
 
     def __init__(self, input_batch: InputBatch, block_manager=None, structured_output=None, stop_checker=None,
                  seed: int = 0):
         self.input_batch, self.block_manager = input_batch, block_manager
         self.structured_output, self.stop_checker, self.seed = structured_output, stop_checker, seed
+        self.use_lane, self.lane = True, None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -116,7 +135,44 @@ class StepBuilder:
     def build(self, plan, lora_slots: dict[int, int]) -> tuple[StepBatch, dict]:
         """The plan's StepBatch, and the groups whose inputs could not be built: {request_id:
         (group, error)} (the others go on). Rows of sequences not in the plan are freed."""
-        ib, batch, failed = self.input_batch, StepBatch(), {}
+        lane, cache, self.lane = plan.lane, self.lane, None
+        if lane is None or not self.use_lane:
+            return self._build(plan, lora_slots)[:2]
+        if (cache is not None and lane.version == cache.version and lane.step == cache.step + 1
+                and lane.n == len(plan.scheduled_seq_groups)):
+            return self._build_lane(plan, lane, cache), {}
+        batch, failed, inline = self._build(plan, lora_slots)
+        if not failed and inline == lane.n == len(plan.scheduled_seq_groups):  # every group inline: keep the lane
+            self.lane = RunnerLane(lane.version, lane.step, np.array(batch.rows, np.int32),
+                                   lane.start - np.array(batch.sample_index, np.int64))
+        return batch, failed
+
+    def _build_lane(self, plan, lane, cache: RunnerLane) -> StepBatch:
+        """The lane step's StepBatch from the last one's arrays: rows of sequences that left
+        freed, tables updated where a block was appended, positions from the plan."""
+        ib = self.input_batch
+        ib.step += 1
+        rows, offset = cache.rows, cache.offset
+        if lane.keep is not None:
+            for row in rows[~lane.keep].tolist():
+                ib.free(ib.seq_ids[row])
+            rows, offset = rows[lane.keep], offset[lane.keep]
+        scheduled = plan.scheduled_seq_groups
+        if len(lane.grown):
+            get_block_table = self.block_manager.get_block_table
+            for i in lane.grown.tolist():
+                ib.set_table(int(rows[i]), get_block_table(scheduled[i].seqs[0]))
+        self.lane = RunnerLane(lane.version, lane.step, rows, offset)
+        n = len(rows)
+        positions = range(n)
+        ones, zeros = np.ones(n, np.int32), np.zeros(n, np.int32)
+        return StepBatch(rows, [_PENDING] * n, lane.start, ones, zeros, zeros, rows,
+                         (lane.start - offset).astype(np.int32), groups=list(zip(scheduled, positions, positions)),
+                         lane=True)
+
+    def _build(self, plan, lora_slots: dict[int, int]) -> tuple[StepBatch, dict, int]:
+        """build's general way; also how many groups took the inline decode."""
+        ib, batch, failed, inline = self.input_batch, StepBatch(), {}, 0
         ib.step += 1
         step, stamps, row_of, plain, lora, index_of = ib.step, ib.stamps, ib.row_of, ib.plain, ib.lora_slot_of, \
             ib.seq_index_of
@@ -148,6 +204,7 @@ class StepBuilder:
                         num_spec.append(0)
                         src.append(row)
                         sample_index.append(len(seq.output_token_ids) + seq.num_pending_tokens)
+                        inline += 1
                         continue
                 first = batch._lengths()
                 self._add_group(batch, scheduled, lora_slots, plan)
@@ -160,7 +217,7 @@ class StepBuilder:
         if len(row_of) > len(rows):  # rows of sequences that left: finished, aborted, preempted, not scheduled
             for seq_id, row in [(i, r) for i, r in row_of.items() if stamps[r] != step]:
                 ib.free(seq_id)
-        return batch, failed
+        return batch, failed, inline
 
     def _add_group(self, batch: StepBatch, scheduled, lora_slots, plan):
         ib, group, get_block_table = self.input_batch, scheduled.seq_group, self.block_manager.get_block_table
