@@ -1,6 +1,6 @@
 """The steady decode lane (jpaged/core/decode_lane.py, the runner's StepBuilder._build_lane): a
-step that repeats the last one's decode is scheduled from arrays and applied by the runner as a
-diff. It must change nothing: the same tokens, logprobs, finish and stop reasons as every step
+step that repeats the last one's decode is scheduled from arrays, applied by the runner as a
+diff, dispatched and read back with the rows' stop checks as arrays (Scheduler._update_lane). It must change nothing: the same tokens, logprobs, finish and stop reasons as every step
 the general way (Scheduler.use_lane False), over seeded random workloads with stop tokens hit
 midway, EOS, max_tokens, min_tokens, logprobs, seeded sampling, requests arriving mid-run,
 preemption (recompute and swap), prefix caching, with and without overlap.
@@ -127,6 +127,15 @@ def test_lane_steps_reuse_runner_arrays(test_seed):
         return build_lane(plan, lane, cache)
 
     builder._build_lane = recording
+    sched, updates = llm.llm_engine.scheduler, []
+    update_lane = sched._update_lane
+
+    def recording_update(lane, out):
+        updates.append(lane.step)
+        return update_lane(lane, out)
+
+    sched._update_lane = recording_update
     steps, _ = _compare(llm, test_seed)
     assert built and all(step == previous + 1 for step, previous in built)
     assert max(s or 0 for s in steps) >= 3
+    assert len(updates) >= len(built) // 2  # the lane's steps were read whole (update_from_output's fast path)

@@ -42,6 +42,7 @@ import dataclasses
 import itertools
 
 from jpaged.core.block_manager import AllocStatus, BlockManager
+from jpaged.core import decode_lane
 from jpaged.core.decode_lane import DecodeLane
 from jpaged.core.scheduler_output import ScheduledSequenceGroup, SchedulerOutputs
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -127,15 +128,22 @@ class Scheduler(StepUpdate):
         and from the decode lane when the queue is the lane."""
         lane = self.lane
         if lane is not None and lane.matches(self.running):
-            keep = [not g.is_finished() for g in lane.groups]
+            keep = [not g.is_finished() for g in lane.rows.groups]
             if not all(keep):
                 lane.drop(keep)
-                self.running = collections.deque(lane.groups)
+                self.running = collections.deque(lane.rows.groups)
             return
         self.lane = None
         self.running = collections.deque(g for g in self.running if not g.is_finished())
 
     # ------------------------------------------------------------------ after the step
+    def on_dispatched_step(self, results, lane=None):
+        """on_dispatched for each group of a dispatched step (`results`: (ScheduledSequenceGroup,
+        handle, row) each); a decode lane's step whole (`lane`, its LanePlan) row by row at once."""
+        if not decode_lane.dispatched(lane, results):
+            for scheduled, _, _ in results:
+                self.on_dispatched(scheduled)
+
     def on_dispatched(self, scheduled: ScheduledSequenceGroup):
         """The group's step is on the device: its tokens count as computed from now on, and each
         sequence's sampled token is pending until it is read (a beam or a fork: read at once)."""
@@ -183,7 +191,8 @@ class Scheduler(StepUpdate):
         elif (self.lane is None and self.use_lane and not out.preempted
               and 0 < self._num_decode_one == len(self.running) == len(out.scheduled_seq_groups)):
             # Every running group decoded plainly (_decode_one) and nothing else ran: a lane.
-            self.lane = DecodeLane(list(self.running), list(out.scheduled_seq_groups), self.block_manager)
+            self.lane = DecodeLane(list(self.running), list(out.scheduled_seq_groups), self.block_manager,
+                                   self.stop_checker)
             out.lane = self.lane.first_plan()
         return out
 

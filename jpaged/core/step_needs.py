@@ -9,12 +9,13 @@ those and the queues: whether the next step may be scheduled before this one's t
 adds its rule here, nowhere else.
 """
 
+from jpaged.core import decode_lane
 from jpaged.core.sequence import SequenceStatus
 
 
-def can_overlap(scheduler, step_groups: set[str], max_model_len: int) -> bool:
-    """Whether the next step can be scheduled before the step of `step_groups` (its groups'
-    request ids) is read: each running group decodes one pending token per sequence with sampling
+def can_overlap(scheduler, results, max_model_len: int, lane=None) -> bool:
+    """Whether the next step can be scheduled before the dispatched step of `results` (its
+    (ScheduledSequenceGroup, handle, row) each; `lane`: its decode lane's LanePlan) is read: each running group decodes one pending token per sequence with sampling
     that needs no host state of it (no grammar, beam search or fork; penalties read the device's
     token history, where the sampler appended the pending token), nothing is
     swapped out and nothing waits that a free seat would admit (no admission), every sequence can
@@ -33,6 +34,10 @@ def can_overlap(scheduler, step_groups: set[str], max_model_len: int) -> bool:
     spec = scheduler.speculator
     if scheduler.swapped or (spec is not None and spec.may_draft(scheduler.running)):
         return False
+    whole_lane = decode_lane.can_overlap(scheduler, lane, results, max_model_len)  # (the same rules, as arrays)
+    if whole_lane is not None:
+        return whole_lane
+    step_groups = {s.seq_group.request_id for s, _, _ in results}
     bm = scheduler.block_manager
     static, num_seqs, seats = bm.kv_allocation == "static", 0, 0
     running = SequenceStatus.RUNNING
