@@ -130,8 +130,11 @@ class Scheduler(StepUpdate):
         if lane is not None and lane.matches(self.running):
             keep = [not g.is_finished() for g in lane.rows.groups]
             if not all(keep):
-                lane.drop(keep)
-                self.running = collections.deque(lane.rows.groups)
+                self.running = collections.deque(itertools.compress(lane.rows.groups, keep))
+                if self.running:
+                    lane.drop(keep)
+                else:
+                    self.lane = None
             return
         self.lane = None
         self.running = collections.deque(g for g in self.running if not g.is_finished())
@@ -168,7 +171,7 @@ class Scheduler(StepUpdate):
         num_tokens = self.max_num_batched_tokens if limit is None else min(limit, self.max_num_batched_tokens)
         num_seqs = self.max_num_seqs if limit is None else min(limit, self.max_num_seqs)
         lane, self.lane = self.lane, None
-        if (lane is not None and not num_lookahead_slots and len(lane) <= min(num_tokens, num_seqs)
+        if (lane is not None and self.use_lane and not num_lookahead_slots and len(lane) <= min(num_tokens, num_seqs)
                 and lane.matches(self.running) and lane.schedule(out, self.block_manager)):
             # The steady decode lane (decode_lane.py): the running groups, one token each.
             self.lane = lane
