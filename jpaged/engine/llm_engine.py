@@ -391,11 +391,12 @@ class LLMEngine:
     def _complete(self, dispatched: DispatchedStep) -> list[RequestOutput]:
         """Read a dispatched step's sampled ids, have the scheduler update the sequences from them,
         and build the outputs. Groups that finished or were aborted meanwhile drop their tokens."""
-        failed, results = dispatched.failed, []
+        failed = dispatched.failed
         read = [None] * len(dispatched.handles)  # each handle's outputs, read once
         clock = self.clock
         with clock.phase("read"):
-            for scheduled, h, row in dispatched.results:
+            results = dispatched.read_whole(self.runner.collect)  # (a decode lane's step, all still running)
+            for scheduled, h, row in () if results else dispatched.results:
                 group = scheduled.seq_group
                 if group.request_id in failed or group.is_finished() or self._groups.get(group.request_id) is not group:
                     continue  # ended while this step ran: its tokens of this step are dropped

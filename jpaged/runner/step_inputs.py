@@ -16,14 +16,19 @@ its last token and after each draft (speculative decoding), at consecutive outpu
 """
 
 import dataclasses
+import itertools
+import operator
 
 import numpy as np
 
 from jpaged.config import MAX_LOGPROBS
+from jpaged.core.sequence import _FINISH_REASONS
 from jpaged.runner.buckets import HISTORY_UPLOAD_ROWS, fit
 from jpaged.runner.input_batch import MAX_BANNED_TOKENS, InputBatch
 from jpaged.runner.sampler import GREEDY_TEMPERATURE, SamplingMetadata
 from jpaged.runner.step_functions import HistoryInputs
+
+_status = operator.attrgetter("status")
 
 
 @dataclasses.dataclass
@@ -95,6 +100,21 @@ class DispatchedStep:
     handles: list  # StepHandles: one, or one per group when the batch was re-run group by group
     results: list  # (ScheduledSequenceGroup, index into handles, the group's first row there), plan order
     failed: dict  # request_id -> (group, exception): groups left out (inputs or dispatch failed)
+
+    def read_whole(self, collect) -> list:
+        """A decode lane's step (core/decode_lane.py) dispatched whole, none of its sequences
+        finished or aborted meanwhile: each group's (ScheduledSequenceGroup, outputs, row), the
+        one output read at once by `collect`. [] otherwise (or if the read fails): the caller
+        reads group by group."""
+        lane = self.plan.lane
+        if lane is None or self.failed or len(self.handles) != 1 or len(self.results) != lane.n or not lane.n \
+                or any(map(_FINISH_REASONS.__contains__, map(_status, lane.rows.seqs))):
+            return []
+        try:
+            outs = collect(self.handles[0])
+        except Exception:
+            return []
+        return list(zip(lane.rows.scheduled, itertools.repeat(outs), range(lane.n)))
 
 
 class RunnerLane:
