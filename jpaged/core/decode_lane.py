@@ -170,27 +170,18 @@ class DecodeLane:
                 assert seq.get_len() - seq.num_computed_tokens == 1, seq
 
 
+def whole(lane: LanePlan | None, results) -> bool:
+    """`results` ((ScheduledSequenceGroup, ...) each, in plan order: a subsequence of the plan's
+    groups) are the lane plan's rows, all of them and nothing else."""
+    return lane is not None and lane.n > 0 and len(results) == lane.n and results[-1][0] is lane.rows.scheduled[-1]
+
+
 def dispatched(lane: LanePlan, results) -> bool:
     """The lane plan's step was dispatched whole: its tokens count as computed (on_dispatched for
     each row: one token, one pending sample). False: the caller goes group by group."""
-    if lane is None or len(results) != lane.n:
+    if not whole(lane, results):
         return False
     for seq in lane.rows.seqs:
         seq.num_computed_tokens += 1
         seq.num_pending_tokens += 1
     return True
-
-
-def can_overlap(scheduler, lane: LanePlan, results, max_model_len: int) -> bool | None:
-    """step_needs.can_overlap for a step that is the current lane's whole (None: not that case):
-    the rows' static needs and positions as arrays."""
-    current = scheduler.lane
-    if (lane is None or scheduler.swapped or current is None or current.rows is not lane.rows or len(results) != lane.n
-            or not current.matches(scheduler.running) or scheduler.block_manager.kv_allocation == "static"):
-        return None
-    # Each row has its token pending (after the dispatch, one of its position + 1): room for one more.
-    if lane.n == 0 or lane.rows.host_tokens.any() or (lane.start + 2 >= max_model_len).any():
-        return False
-    if scheduler.waiting and scheduler.max_num_seqs - lane.n >= scheduler.waiting[0].get_max_num_running_seqs():
-        return False
-    return scheduler.block_manager.get_num_free_gpu_blocks() >= lane.n

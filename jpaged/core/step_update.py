@@ -4,6 +4,7 @@ manager and speculator. See scheduler.py for who calls it and when."""
 
 import numpy as np
 
+from jpaged.core import decode_lane
 from jpaged.core.beam_search import beam_search_step, top_logprobs
 from jpaged.core.scheduler_output import ScheduledSequenceGroup, SchedulerOutputs
 from jpaged.core.sequence import _FINISH_REASONS, Sequence, SequenceGroup, SequenceStatus
@@ -25,8 +26,7 @@ class StepUpdate:
         step ran drop its tokens. Returns the groups whose update raised, {request_id: (group,
         error)}: the caller aborts them; the others are updated. `lane`: the step's decode lane
         (core/decode_lane.py); when every row of it was read, in one output, `_update_lane`."""
-        if lane is not None and len(results) == lane.n and lane.n and results[-1][2] == lane.n - 1 \
-                and len(results[0][1]) == 1:
+        if decode_lane.whole(lane, results) and results[-1][2] == lane.n - 1 and len(results[0][1]) == 1:
             return self._update_lane(lane, results[0][1][0])
         failed = {}
         # A multi-step decode's outputs, transposed once for all the step's groups (they share the

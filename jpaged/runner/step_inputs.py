@@ -108,6 +108,7 @@ class DispatchedStep:
         reads group by group."""
         lane = self.plan.lane
         if lane is None or self.failed or len(self.handles) != 1 or len(self.results) != lane.n or not lane.n \
+                or self.results[-1][0] is not lane.rows.scheduled[-1] \
                 or any(map(_FINISH_REASONS.__contains__, map(_status, lane.rows.seqs))):
             return []
         try:
