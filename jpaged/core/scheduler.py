@@ -42,6 +42,8 @@ import dataclasses
 import itertools
 
 from jpaged.core.block_manager import AllocStatus, BlockManager
+from jpaged.core import decode_lane
+from jpaged.core.decode_lane import DecodeLane
 from jpaged.core.scheduler_output import ScheduledSequenceGroup, SchedulerOutputs
 from jpaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from jpaged.core.step_update import StepUpdate
@@ -86,6 +88,10 @@ class Scheduler(StepUpdate):
         # While the engine compiles in the background: the largest step (tokens, hence sequence
         # seats too) it has executables for (0: none yet); None: max_num_batched_tokens. It only grows.
         self.token_limit: int | None = None
+        # The steady decode lane (decode_lane.py): the running groups when they all decode plainly.
+        self.lane: DecodeLane | None = None
+        self.use_lane = True  # (False: every step the general way; the tests compare the two)
+        self._num_decode_one = 0  # running groups the last general pass scheduled by _decode_one
 
     def new_seq_id(self) -> int:
         return next(self.seq_ids)
@@ -99,6 +105,7 @@ class Scheduler(StepUpdate):
             for seq_group in queue:
                 if seq_group.request_id == request_id:
                     queue.remove(seq_group)
+                    self.lane = None
                     self._finish(seq_group, SequenceStatus.FINISHED_ABORTED)
                     return
 
@@ -117,10 +124,29 @@ class Scheduler(StepUpdate):
         self.block_manager.free(seq)
 
     def free_finished_seq_groups(self):
-        """Drop finished groups from the running queue (update_from_output does, after a step)."""
+        """Drop finished groups from the running queue (update_from_output does, after a step),
+        and from the decode lane when the queue is the lane."""
+        lane = self.lane
+        if lane is not None and lane.matches(self.running):
+            keep = [not g.is_finished() for g in lane.rows.groups]
+            if not all(keep):
+                self.running = collections.deque(itertools.compress(lane.rows.groups, keep))
+                if self.running:
+                    lane.drop(keep)
+                else:
+                    self.lane = None
+            return
+        self.lane = None
         self.running = collections.deque(g for g in self.running if not g.is_finished())
 
     # ------------------------------------------------------------------ after the step
+    def on_dispatched_step(self, results, lane=None):
+        """on_dispatched for each group of a dispatched step (`results`: (ScheduledSequenceGroup,
+        handle, row) each); a decode lane's step whole (`lane`, its LanePlan) row by row at once."""
+        if not decode_lane.dispatched(lane, results):
+            for scheduled, _, _ in results:
+                self.on_dispatched(scheduled)
+
     def on_dispatched(self, scheduled: ScheduledSequenceGroup):
         """The group's step is on the device: its tokens count as computed from now on, and each
         sequence's sampled token is pending until it is read (a beam or a fork: read at once)."""
@@ -142,15 +168,22 @@ class Scheduler(StepUpdate):
         that many more tokens (multi-step decode samples them on the device)."""
         out = SchedulerOutputs()
         limit = self.token_limit
-        budget = _Budget(self.max_num_batched_tokens if limit is None else min(limit, self.max_num_batched_tokens),
-                         (self.max_num_seqs if limit is None else min(limit, self.max_num_seqs))
-                         - sum(g.get_max_num_running_seqs() for g in self.running))
-        prefilling = self._schedule_running(out, budget, num_lookahead_slots)
-        # Decodes came first; prompts already being prefilled take their next chunk.
-        for seq_group in prefilling:
-            chunk = self._chunk_size(seq_group, budget)
-            if chunk:
-                self._add(out, budget, seq_group, chunk)
+        num_tokens = self.max_num_batched_tokens if limit is None else min(limit, self.max_num_batched_tokens)
+        num_seqs = self.max_num_seqs if limit is None else min(limit, self.max_num_seqs)
+        lane, self.lane = self.lane, None
+        if (lane is not None and self.use_lane and not num_lookahead_slots and len(lane) <= min(num_tokens, num_seqs)
+                and lane.matches(self.running) and lane.schedule(out, self.block_manager)):
+            # The steady decode lane (decode_lane.py): the running groups, one token each.
+            self.lane = lane
+            budget = _Budget(num_tokens - len(lane), num_seqs - len(lane))
+        else:
+            budget = _Budget(num_tokens, num_seqs - sum(g.get_max_num_running_seqs() for g in self.running))
+            prefilling = self._schedule_running(out, budget, num_lookahead_slots)
+            # Decodes came first; prompts already being prefilled take their next chunk.
+            for seq_group in prefilling:
+                chunk = self._chunk_size(seq_group, budget)
+                if chunk:
+                    self._add(out, budget, seq_group, chunk)
         # A preemption means blocks are short: don't bring anyone in this step.
         if not out.preempted:
             self._schedule_swapped(out, budget)
@@ -158,6 +191,12 @@ class Scheduler(StepUpdate):
                 self._schedule_waiting(out, budget)
         if self.speculator is not None:  # disable_by_batch_size: the proposer skips its per-step work too
             out.spec_disabled = not self.speculator.enabled_for(self.running)
+        elif (self.lane is None and self.use_lane and not out.preempted
+              and 0 < self._num_decode_one == len(self.running) == len(out.scheduled_seq_groups)):
+            # Every running group decoded plainly (_decode_one) and nothing else ran: a lane.
+            self.lane = DecodeLane(list(self.running), list(out.scheduled_seq_groups), self.block_manager,
+                                   self.stop_checker)
+            out.lane = self.lane.first_plan()
         return out
 
     def _batch_closed(self) -> bool:
@@ -176,9 +215,11 @@ class Scheduler(StepUpdate):
         bm, pool = self.block_manager, self.block_manager.gpu_pool
         # The common decode, inlined (every running group, every step): _decode_one, else below.
         one = not num_lookahead_slots and not spare and bm.sliding_window is None
+        self._num_decode_one = 0
         while queue:
             seq_group = queue.popleft()
             if one and len(seq_group.seqs) == 1 and self._decode_one(out, budget, seq_group):
+                self._num_decode_one += 1
                 continue
             if seq_group.is_prefill():
                 prefilling.append(seq_group)

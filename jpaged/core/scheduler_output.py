@@ -64,6 +64,9 @@ class SchedulerOutputs:
     # More sequences run than disable_by_batch_size: no drafts, and the proposer skips its per-step
     # work (a draft model's K/V forward, an EAGLE head's fill), as vLLM's skip_proposer.
     spec_disabled: bool = False
+    # The steady decode lane's part (decode_lane.LanePlan): the first groups are the lane's, sent
+    # to the runner as a diff of its previous lane step; None: no lane.
+    lane: object = None
 
     def is_empty(self) -> bool:
         return not (self.scheduled_seq_groups or self.blocks_to_swap_out or self.blocks_to_swap_in

@@ -9,12 +9,14 @@ those and the queues: whether the next step may be scheduled before this one's t
 adds its rule here, nowhere else.
 """
 
+from jpaged.core import decode_lane
 from jpaged.core.sequence import SequenceStatus
 
 
-def can_overlap(scheduler, step_groups: set[str], max_model_len: int) -> bool:
-    """Whether the next step can be scheduled before the step of `step_groups` (its groups'
-    request ids) is read: each running group decodes one pending token per sequence with sampling
+def can_overlap(scheduler, results, max_model_len: int, lane=None) -> bool:
+    """Whether the next step can be scheduled before the dispatched step of `results` (its
+    (ScheduledSequenceGroup, handle, row) each; `lane`: its decode lane's LanePlan) is read: each
+    running group decodes one pending token per sequence with sampling
     that needs no host state of it (no grammar, beam search or fork; penalties read the device's
     token history, where the sampler appended the pending token), nothing is
     swapped out and nothing waits that a free seat would admit (no admission), every sequence can
@@ -33,6 +35,10 @@ def can_overlap(scheduler, step_groups: set[str], max_model_len: int) -> bool:
     spec = scheduler.speculator
     if scheduler.swapped or (spec is not None and spec.may_draft(scheduler.running)):
         return False
+    whole_lane = _lane_can_overlap(scheduler, lane, results, max_model_len)  # (the same rules, as arrays)
+    if whole_lane is not None:
+        return whole_lane
+    step_groups = {s.seq_group.request_id for s, _, _ in results}
     bm = scheduler.block_manager
     static, num_seqs, seats = bm.kv_allocation == "static", 0, 0
     running = SequenceStatus.RUNNING
@@ -58,6 +64,22 @@ def can_overlap(scheduler, step_groups: set[str], max_model_len: int) -> bool:
     if scheduler.waiting and scheduler.max_num_seqs - seats >= scheduler.waiting[0].get_max_num_running_seqs():
         return False  # a seat is free for the next request: admit it (its prefill) now
     return num_seqs > 0 and bm.get_num_free_gpu_blocks() >= num_seqs
+
+
+def _lane_can_overlap(scheduler, lane, results, max_model_len: int) -> bool | None:
+    """can_overlap for a step that is the scheduler's current decode lane whole, the running
+    queue that lane (None: not that case; core/decode_lane.py): the rows' needs and positions as
+    arrays."""
+    current = scheduler.lane
+    if (current is None or not decode_lane.whole(lane, results) or current.rows is not lane.rows
+            or not current.matches(scheduler.running) or scheduler.block_manager.kv_allocation == "static"):
+        return None
+    # Each row has its token pending (after the dispatch, one of its position + 1): room for one more.
+    if lane.rows.host_tokens.any() or (lane.start + 2 >= max_model_len).any():
+        return False
+    if scheduler.waiting and scheduler.max_num_seqs - lane.n >= scheduler.waiting[0].get_max_num_running_seqs():
+        return False
+    return scheduler.block_manager.get_num_free_gpu_blocks() >= lane.n
 
 
 def can_multi_step(scheduler, num_steps: int, max_model_len: int) -> bool:

@@ -2,6 +2,9 @@
 step's sampled rows make to the sequences, through the scheduler's own stop checker, block
 manager and speculator. See scheduler.py for who calls it and when."""
 
+import numpy as np
+
+from jpaged.core import decode_lane
 from jpaged.core.beam_search import beam_search_step, top_logprobs
 from jpaged.core.scheduler_output import ScheduledSequenceGroup, SchedulerOutputs
 from jpaged.core.sequence import _FINISH_REASONS, Sequence, SequenceGroup, SequenceStatus
@@ -16,12 +19,15 @@ def _as_list(values) -> list:
 
 
 class StepUpdate:
-    def update_from_output(self, results) -> dict[str, tuple[SequenceGroup, Exception]]:
+    def update_from_output(self, results, lane=None) -> dict[str, tuple[SequenceGroup, Exception]]:
         """Every sequence-state change a step's sampled rows make. `results`: for each group
         read, (its ScheduledSequenceGroup, the step's SamplerOutputs: one, or K for a multi-step
         decode, the group's first row in them). Groups that finished or were aborted while the
         step ran drop its tokens. Returns the groups whose update raised, {request_id: (group,
-        error)}: the caller aborts them; the others are updated."""
+        error)}: the caller aborts them; the others are updated. `lane`: the step's decode lane
+        (core/decode_lane.py); when every row of it was read, in one output, `_update_lane`."""
+        if decode_lane.whole(lane, results) and results[-1][2] == lane.n - 1 and len(results[0][1]) == 1:
+            return self._update_lane(lane, results[0][1][0])
         failed = {}
         # A multi-step decode's outputs, transposed once for all the step's groups (they share the
         # same list, read once): per row, its K tokens and their logprobs.
@@ -43,6 +49,48 @@ class StepUpdate:
             except Exception as e:
                 failed[group.request_id] = (group, e)
         self.free_finished_seq_groups()
+        return failed
+
+    def _update_lane(self, lane, out) -> dict[str, tuple[SequenceGroup, Exception]]:
+        """update_from_output for a decode lane's step read whole: rows whose token may stop them
+        (EOS, a stop token id, the length cap; with prefix caching, a block it fills) or that
+        need more than an append (a grammar, top logprobs, stop strings: LaneRows.inline) take
+        `_process`, in row order; every other row's token is appended inline, the same as
+        StopChecker.append_token does (no stop check can fire for it). Nothing else touches a row."""
+        rows, n, failed = lane.rows, lane.n, {}
+        ids, logprobs = _as_list(out.token_ids), _as_list(out.logprobs)
+        tokens = np.asarray(ids[:n])
+        # The token's output position + 1: its sequence's output length once it is appended.
+        general = ~rows.inline | (lane.start + 2 - rows.prompt_len >= rows.cap)
+        eos = self.stop_checker.eos_token_id
+        if eos is not None:
+            general |= (tokens == eos) & rows.eos
+        if rows.stop_ids is not None:
+            general |= (rows.stop_ids == tokens[:, None]).any(1)
+        bm = self.block_manager
+        if bm.enable_caching:  # (_process hashes a block the token fills)
+            general |= (lane.start + 2) % bm.block_size == 0
+        detokenizer = self.stop_checker.detokenizer
+        seqs = rows.seqs
+        for i in np.flatnonzero(~general).tolist():
+            seq = seqs[i]
+            try:
+                if seq.num_pending_tokens:
+                    seq.num_pending_tokens -= 1
+                seq.output_token_ids.append(ids[i])
+                seq.cumulative_logprob += logprobs[i]
+                if detokenizer is not None and not seq.detokenize_later:
+                    detokenizer.decode_sequence_incrementally(seq)
+            except Exception as e:
+                failed[rows.groups[i].request_id] = (rows.groups[i], e)
+        special = np.flatnonzero(general).tolist()
+        for i in special:
+            try:
+                self._process(rows.scheduled[i], out, i)
+            except Exception as e:
+                failed[rows.groups[i].request_id] = (rows.groups[i], e)
+        if special or failed:  # (only these can have finished)
+            self.free_finished_seq_groups()
         return failed
 
     @staticmethod

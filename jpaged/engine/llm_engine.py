@@ -361,8 +361,7 @@ class LLMEngine:
         """Whether the next step may be scheduled before `dispatched` is read (step_needs.py)."""
         return (self.async_scheduling and not dispatched.failed  # (verified drafts: accepted count unknown)
                 and (self.proposer is None or not any(s.spec_token_ids for s in dispatched.plan.scheduled_seq_groups))
-                and can_overlap(self.scheduler, {s.seq_group.request_id for s, _, _ in dispatched.results},
-                                self.max_model_len))
+                and can_overlap(self.scheduler, dispatched.results, self.max_model_len, dispatched.plan.lane))
 
     def _dispatch(self, plan: SchedulerOutputs, multi_step: bool, previous: DispatchedStep | None) -> DispatchedStep:
         """Make the plan's block copies and start its step on the device (the runner builds its
@@ -386,18 +385,18 @@ class LLMEngine:
             if not self.runner.is_alive():
                 raise
             raise StepFailedError([g.request_id for g in groups], e, outputs) from e
-        for scheduled, _, _ in dispatched.results:
-            self.scheduler.on_dispatched(scheduled)
+        self.scheduler.on_dispatched_step(dispatched.results, dispatched.plan.lane)
         return dispatched
 
     def _complete(self, dispatched: DispatchedStep) -> list[RequestOutput]:
         """Read a dispatched step's sampled ids, have the scheduler update the sequences from them,
         and build the outputs. Groups that finished or were aborted meanwhile drop their tokens."""
-        failed, results = dispatched.failed, []
+        failed = dispatched.failed
         read = [None] * len(dispatched.handles)  # each handle's outputs, read once
         clock = self.clock
         with clock.phase("read"):
-            for scheduled, h, row in dispatched.results:
+            results = dispatched.read_whole(self.runner.collect)  # (a decode lane's step, all still running)
+            for scheduled, h, row in () if results else dispatched.results:
                 group = scheduled.seq_group
                 if group.request_id in failed or group.is_finished() or self._groups.get(group.request_id) is not group:
                     continue  # ended while this step ran: its tokens of this step are dropped
@@ -412,7 +411,7 @@ class LLMEngine:
                 results.append((scheduled, read[h], row))
         detokenized = self.detokenizer.seconds if self.detokenizer is not None else 0.0
         with clock.phase("update"):
-            failed.update(self.scheduler.update_from_output(results))
+            failed.update(self.scheduler.update_from_output(results, dispatched.plan.lane))
         if self.detokenizer is not None:  # (detokenizing runs inside the stop checks)
             clock.move("update", "detokenize", self.detokenizer.seconds - detokenized)
         clock.step_done()

@@ -181,6 +181,7 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
         # it encode the images a step's prefill chunks cover and point their tokens at the embeddings.
         self.mm = multimodal.MultimodalEngine(loaded, self) if multimodal.is_multimodal(loaded.model) and not abstract \
             else None
+        self.step_builder.use_lane = self.mm is None  # (mm.prepare reads each sequence's tokens)
 
     @property
     def pools(self) -> list:

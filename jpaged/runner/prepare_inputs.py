@@ -84,6 +84,8 @@ def prepare_step(seqs, input_batch: InputBatch, buckets: Buckets, block_size: in
     buckets.num_scheduler_steps); `steps_of`: each sequence's steps that count (a draft model's
     proposals), its later slots -1 (nothing written: they may lie past its blocks).
     `lora_slots`: each sequence's LoRA slot (None: LoRA off, no slots sent)."""
+    if getattr(seqs, "lane", None) is not None and not multi_step:
+        return prepare_lane(seqs, input_batch, buckets, block_size, lora_slots)
     n = len(seqs.rows)
     token_ids = seqs.token_ids
     lens = np.fromiter(map(len, token_ids), np.int32, n)
@@ -159,3 +161,44 @@ def prepare_step(seqs, input_batch: InputBatch, buckets: Buckets, block_size: in
         lookahead_slots[:, :n] = np.where(used, blocks * block_size + later % block_size, -1)
     return PreparedStep(num_tokens, num_rows, rows, inputs, dst_rows, lookahead_slots,
                         num_seqs == num_tokens and num_tokens_real == n)
+
+
+def prepare_lane(seqs, input_batch: InputBatch, buckets: Buckets, block_size: int,
+                 lora_slots: Sequence[int] | np.ndarray | None = None) -> PreparedStep:
+    """`prepare_step` for a decode lane step (step_inputs.StepBuilder._build_lane): one token per
+    sequence, taken on the device (the one its row sampled last), one sample each into its row;
+    the same arrays as prepare_step's for those, without walking the sequences. The arrays that
+    depend only on the rows are made once while the lane's rows stay (`seqs.lane`)."""
+    rows, pos = seqs.rows, seqs.start_pos
+    n = len(rows)
+    num_tokens = fit(buckets.tokens, n)
+    num_seqs = buckets.seqs(num_tokens)
+    fixed = seqs.lane.get(("inputs", num_tokens))
+    if fixed is None:
+        table_rows = np.full(num_seqs, input_batch.neutral, np.int32)
+        table_rows[:n] = rows
+        input_ids = np.zeros(num_tokens, np.int32)
+        input_ids[:n] = PENDING_TOKEN
+        src_rows = np.full(num_tokens, -1, np.int32)
+        src_rows[:n] = rows
+        logits_indices = np.zeros(buckets.sample_rows(num_tokens), np.int32)
+        logits_indices[:n] = np.arange(n, dtype=np.int32)
+        dst_rows = np.full(len(logits_indices), -1, np.int32)
+        dst_rows[:n] = rows
+        token_lora = None
+        if lora_slots is not None:
+            token_lora = np.full(num_tokens, -1, np.int32)
+            token_lora[:n] = lora_slots
+        fixed = seqs.lane[("inputs", num_tokens)] = (
+            table_rows, np.minimum(np.arange(num_seqs + 1, dtype=np.int32), n), input_ids, src_rows, logits_indices,
+            dst_rows, token_lora, np.asarray(rows, np.int32))
+    table_rows, query_start_loc, input_ids, src_rows, logits_indices, dst_rows, token_lora, rows32 = fixed
+    context_lens = np.zeros(num_seqs, np.int32)
+    context_lens[:n] = pos + 1
+    positions = np.zeros(num_tokens, np.int32)
+    positions[:n] = pos
+    slot_mapping = np.full(num_tokens, -1, np.int32)
+    slot_mapping[:n] = input_batch.block_tables[rows, pos // block_size] * block_size + pos % block_size
+    attn = AttentionMetadata(slot_mapping, None, context_lens, query_start_loc)
+    inputs = StepInputs(input_ids, positions, attn, logits_indices, src_rows, token_lora, table_rows)
+    return PreparedStep(num_tokens, n, rows32, inputs, dst_rows, None, num_seqs == num_tokens)

@@ -16,14 +16,19 @@ its last token and after each draft (speculative decoding), at consecutive outpu
 """
 
 import dataclasses
+import itertools
+import operator
 
 import numpy as np
 
 from jpaged.config import MAX_LOGPROBS
+from jpaged.core.sequence import _FINISH_REASONS
 from jpaged.runner.buckets import HISTORY_UPLOAD_ROWS, fit
 from jpaged.runner.input_batch import MAX_BANNED_TOKENS, InputBatch
 from jpaged.runner.sampler import GREEDY_TEMPERATURE, SamplingMetadata
 from jpaged.runner.step_functions import HistoryInputs
+
+_status = operator.attrgetter("status")
 
 
 @dataclasses.dataclass
@@ -49,6 +54,10 @@ class StepBatch:
     history: dict[int, tuple] = dataclasses.field(default_factory=dict)
     # Per group: (its ScheduledSequenceGroup, its first sequence, its first sampling row).
     groups: list[tuple] = dataclasses.field(default_factory=list)
+    # A decode lane step (StepBuilder._build_lane): the per-sequence fields are numpy arrays, one
+    # token (taken on the device: PENDING_TOKEN) and one sample per sequence, its row's; `lane`:
+    # the arrays that depend only on the rows, kept while the lane's rows stay (RunnerLane.arrays).
+    lane: dict | None = None
 
     @property
     def num_rows(self) -> int:
@@ -92,17 +101,52 @@ class DispatchedStep:
     results: list  # (ScheduledSequenceGroup, index into handles, the group's first row there), plan order
     failed: dict  # request_id -> (group, exception): groups left out (inputs or dispatch failed)
 
+    def read_whole(self, collect) -> list:
+        """A decode lane's step (core/decode_lane.py) dispatched whole, none of its sequences
+        finished or aborted meanwhile: each group's (ScheduledSequenceGroup, outputs, row), the
+        one output read at once by `collect`. [] otherwise (or if the read fails): the caller
+        reads group by group."""
+        lane = self.plan.lane
+        if lane is None or self.failed or len(self.handles) != 1 or len(self.results) != lane.n or not lane.n \
+                or self.results[-1][0] is not lane.rows.scheduled[-1] \
+                or any(map(_FINISH_REASONS.__contains__, map(_status, lane.rows.seqs))):
+            return []
+        try:
+            outs = collect(self.handles[0])
+        except Exception:
+            return []
+        return list(zip(lane.rows.scheduled, itertools.repeat(outs), range(lane.n)))
+
+
+class RunnerLane:
+    """The runner's arrays of the scheduler's decode lane (core/decode_lane.py) as of lane step
+    `step`: each lane sequence's InputBatch row, and its position minus its output position
+    (constant while it decodes). The next lane step is applied to them as a diff."""
+
+    __slots__ = ("version", "step", "rows", "offset", "arrays")
+
+    def __init__(self, version: int, step: int, rows: np.ndarray, offset: np.ndarray, arrays: dict | None = None):
+        self.version, self.step, self.rows, self.offset = version, step, rows, offset
+        # Step arrays that depend only on the rows (the padded inputs' row-indexed parts, the
+        # sampler's knobs), by shape: reused while no row leaves (prepare_lane, sampling_metadata).
+        self.arrays = {} if arrays is None else arrays
+
+
+_PENDING = [-1]  # (prepare_inputs.PENDING_TOKEN: a lane step's tokens are on the device)
+
 
 class StepBuilder:
     """Builds a plan's StepBatch over `input_batch`. What it reads of the engine is handed over
     once, read only: the BlockManager (block tables), the StructuredOutputManager (grammar
     masks), the StopChecker (EOS, which min_tokens bans; tests move it), and the engine seed
-    (unseeded requests' keys)."""
+    (unseeded requests' keys). A plan whose decode lane continues the last one it built is
+    applied as a diff (`_build_lane`); `use_lane` False (the runner's multimodal models): never."""
 
     def __init__(self, input_batch: InputBatch, block_manager=None, structured_output=None, stop_checker=None,
                  seed: int = 0):
         self.input_batch, self.block_manager = input_batch, block_manager
         self.structured_output, self.stop_checker, self.seed = structured_output, stop_checker, seed
+        self.use_lane, self.lane = True, None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -116,7 +160,44 @@ class StepBuilder:
     def build(self, plan, lora_slots: dict[int, int]) -> tuple[StepBatch, dict]:
         """The plan's StepBatch, and the groups whose inputs could not be built: {request_id:
         (group, error)} (the others go on). Rows of sequences not in the plan are freed."""
-        ib, batch, failed = self.input_batch, StepBatch(), {}
+        lane, cache, self.lane = plan.lane, self.lane, None
+        if lane is None or not self.use_lane:
+            return self._build(plan, lora_slots)[:2]
+        if (cache is not None and lane.version == cache.version and lane.step == cache.step + 1
+                and lane.n == len(plan.scheduled_seq_groups)):
+            return self._build_lane(plan, lane, cache), {}
+        batch, failed, inline = self._build(plan, lora_slots)
+        if not failed and inline == lane.n == len(plan.scheduled_seq_groups):  # every group inline: keep the lane
+            self.lane = RunnerLane(lane.version, lane.step, np.array(batch.rows, np.int32),
+                                   lane.start - np.array(batch.sample_index, np.int64))
+        return batch, failed
+
+    def _build_lane(self, plan, lane, cache: RunnerLane) -> StepBatch:
+        """The lane step's StepBatch from the last one's arrays: rows of sequences that left
+        freed, tables updated where a block was appended, positions from the plan."""
+        ib = self.input_batch
+        ib.step += 1
+        rows, offset, arrays = cache.rows, cache.offset, cache.arrays
+        if lane.keep is not None:
+            for row in rows[~lane.keep].tolist():
+                ib.free(ib.seq_ids[row])
+            rows, offset, arrays = rows[lane.keep], offset[lane.keep], {}
+        scheduled = plan.scheduled_seq_groups
+        if len(lane.grown):
+            get_block_table = self.block_manager.get_block_table
+            for i in lane.grown.tolist():
+                ib.set_table(int(rows[i]), get_block_table(scheduled[i].seqs[0]))
+        self.lane = RunnerLane(lane.version, lane.step, rows, offset, arrays)
+        n = len(rows)
+        positions = range(n)
+        ones, zeros = np.ones(n, np.int32), np.zeros(n, np.int32)
+        return StepBatch(rows, [_PENDING] * n, lane.start, ones, zeros, zeros, rows,
+                         (lane.start - offset).astype(np.int32), groups=list(zip(scheduled, positions, positions)),
+                         lane=arrays)
+
+    def _build(self, plan, lora_slots: dict[int, int]) -> tuple[StepBatch, dict, int]:
+        """build's general way; also how many groups took the inline decode."""
+        ib, batch, failed, inline = self.input_batch, StepBatch(), {}, 0
         ib.step += 1
         step, stamps, row_of, plain, lora, index_of = ib.step, ib.stamps, ib.row_of, ib.plain, ib.lora_slot_of, \
             ib.seq_index_of
@@ -148,6 +229,7 @@ class StepBuilder:
                         num_spec.append(0)
                         src.append(row)
                         sample_index.append(len(seq.output_token_ids) + seq.num_pending_tokens)
+                        inline += 1
                         continue
                 first = batch._lengths()
                 self._add_group(batch, scheduled, lora_slots, plan)
@@ -160,7 +242,7 @@ class StepBuilder:
         if len(row_of) > len(rows):  # rows of sequences that left: finished, aborted, preempted, not scheduled
             for seq_id, row in [(i, r) for i, r in row_of.items() if stamps[r] != step]:
                 ib.free(seq_id)
-        return batch, failed
+        return batch, failed, inline
 
     def _add_group(self, batch: StepBatch, scheduled, lora_slots, plan):
         ib, group, get_block_table = self.input_batch, scheduled.seq_group, self.block_manager.get_block_table
@@ -236,6 +318,9 @@ def sampling_metadata(ib: InputBatch, batch: StepBatch | None, num_rows: int, fu
     padding alone (a warm-up's shapes). `all_greedy`: the caller found every row greedy
     (`is_all_greedy`): the sampler's executable without a random path."""
     n = 0 if batch is None else batch.num_rows
+    if batch is not None and batch.lane is not None:
+        return _lane_sampling_metadata(ib, batch, num_rows, full, vocab_size, eos_token_id, batch_invariant,
+                                       all_greedy)
     src = np.full(num_rows, ib.neutral, np.intp)
     seq_index = np.zeros(num_rows, np.int32)
     sample_index = np.zeros(num_rows, np.int32)
@@ -269,6 +354,49 @@ def sampling_metadata(ib: InputBatch, batch: StepBatch | None, num_rows: int, fu
         logit_bias_ids=ib.logit_bias_ids[src], logit_bias_values=ib.logit_bias_values[src], allowed_bitmask=allowed,
         target_token_ids=targets, do_penalties=full, num_logprobs=min(MAX_LOGPROBS, vocab_size) if full else 0,
         do_guided=full, batch_invariant=batch_invariant, all_greedy=all_greedy)
+
+
+def _lane_sampling_metadata(ib: InputBatch, batch: StepBatch, num_rows: int, full: bool, vocab_size: int,
+                           eos_token_id: int | None, batch_invariant: bool, all_greedy: bool) -> SamplingMetadata:
+    """sampling_metadata for a decode lane step: the rows' knobs gathered once while the lane's
+    rows stay (batch.lane); each step only its output positions and the min_tokens bans."""
+    n, key = batch.num_rows, ("sampler", num_rows, full)
+    knobs = batch.lane.get(key)
+    if knobs is None:
+        src = np.full(num_rows, ib.neutral, np.intp)
+        src[:n] = batch.src
+        seq_index = np.zeros(num_rows, np.int32)
+        seq_index[:n] = ib.seq_index[src[:n]]
+        knobs = batch.lane[key] = dict(
+            src=src, temperature=ib.temperature[src], top_k=ib.top_k[src], top_p=ib.top_p[src], min_p=ib.min_p[src],
+            presence_penalty=ib.presence_penalty[src], frequency_penalty=ib.frequency_penalty[src],
+            repetition_penalty=ib.repetition_penalty[src], seeds=ib.seeds[src], seq_index=seq_index,
+            prompt_token_ids=np.full((num_rows, 0), -1, np.int32), logit_bias_ids=ib.logit_bias_ids[src],
+            logit_bias_values=ib.logit_bias_values[src],
+            allowed_bitmask=np.full((num_rows, -(-vocab_size // 32) if full else 0), -1, np.int32),
+            target_token_ids=np.full(num_rows, -1, np.int32), min_tokens=ib.min_tokens[src[:n]],
+            no_bans=np.full((num_rows, MAX_BANNED_TOKENS), -1, np.int32))
+    src = knobs["src"]
+    sample_index = np.zeros(num_rows, np.int32)
+    sample_index[:n] = batch.sample_index
+    banned = knobs["no_bans"]
+    ban = np.flatnonzero(sample_index[:n] < knobs["min_tokens"])
+    if len(ban):  # (as sampling_metadata)
+        banned = banned.copy()
+        banning = src[ban]
+        banned[ban] = ib.stop_ids[banning]
+        if eos_token_id is not None:
+            banned[ban, ib.num_stop[banning]] = eos_token_id
+    return SamplingMetadata(
+        temperature=knobs["temperature"], top_k=knobs["top_k"], top_p=knobs["top_p"], min_p=knobs["min_p"],
+        presence_penalty=knobs["presence_penalty"], frequency_penalty=knobs["frequency_penalty"],
+        repetition_penalty=knobs["repetition_penalty"], seeds=knobs["seeds"], seq_index=knobs["seq_index"],
+        sample_index=sample_index, prompt_token_ids=knobs["prompt_token_ids"],
+        output_token_ids=knobs["prompt_token_ids"], banned_token_ids=banned, logit_bias_ids=knobs["logit_bias_ids"],
+        logit_bias_values=knobs["logit_bias_values"], allowed_bitmask=knobs["allowed_bitmask"],
+        target_token_ids=knobs["target_token_ids"], do_penalties=full,
+        num_logprobs=min(MAX_LOGPROBS, vocab_size) if full else 0, do_guided=full, batch_invariant=batch_invariant,
+        all_greedy=all_greedy)
 
 
 def is_all_greedy(ib: InputBatch, batch: StepBatch) -> bool:
