@@ -158,7 +158,7 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
         self.decode_keys = not self.batch_invariant and attention_family(loaded.model) != "xla"
         # The makers of the jitted functions by layout (one per executable key), closing over no runner.
         self._forward, self._sample, self._multi_step, self._kv_forward = step_functions.layout_jits(
-            self.graphdef, rep, pool, self.hidden_layers, num_scheduler_steps)
+            self.graphdef, rep, pool, num_scheduler_steps)
         self._table_writer = jax.jit(step_functions.write_block_table, out_shardings=rep, donate_argnums=(0,))
         self._history_writer = jax.jit(step_functions.write_history, out_shardings=rep, donate_argnums=(0,))
         self._lora_writer = jax.jit(functools.partial(step_functions.write_lora_slot, self.graphdef,
@@ -270,7 +270,7 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
         """The jitted function executable `key` compiles, and its (abstract) arguments."""
         if key[0] == "forward":
             layout = layout_of(self._abstract_inputs(key[1]))
-            return self._forward(layout, "hidden" in key, "decode" in key), (
+            return self._forward(layout, "hidden" in key and (self.hidden_layers or True), "decode" in key), (
                 self.state, self.kv_cache, self._packed(layout), self.last_tokens, self.block_table)
         if key[0] == "kv_forward":  # over another runner's step: its inputs carry LoRA slots if its do
             layout = layout_of(self._abstract_inputs(key[1], lora="lora" in key))

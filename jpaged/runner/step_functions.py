@@ -248,16 +248,17 @@ def write_lora_slot(graphdef, paths, state, slot, weights):
     return nnx.split(model)[1]
 
 
-def layout_jits(graphdef, rep, pool, hidden_layers: tuple, num_steps: int):
+def layout_jits(graphdef, rep, pool, num_steps: int):
     """The runner's makers of its jitted functions by input layout (each called per executable
-    key): the forward (`hidden`: with the hidden states a proposer reads, `hidden_layers` for
-    EAGLE-3), the sampler, the multi-step decode, and a draft's K/V-only forward. They close
+    key): the forward (`hidden`: False, or the hidden states a proposer reads: True, or the layers
+    whose inputs EAGLE-3 reads, given at the call since a feature recorder sets them on a built
+    runner), the sampler, the multi-step decode, and a draft's K/V-only forward. They close
     over these values, never over the runner: a closure over the runner is a reference cycle, and
     an engine freezes its heap out of the cyclic collector (engine/start_up.freeze_heap), so only
     reference counting frees a dropped engine's runner and its KV pool at once."""
     def forward_jit(layout, hidden, decode=False):
         return jax.jit(functools.partial(forward, graphdef, rep, layout=layout, decode=decode,
-                                         return_hidden=(hidden_layers or True) if hidden else False),
+                                         return_hidden=hidden),
                        donate_argnums=(1,), out_shardings=(rep, pool, rep) if hidden else (rep, pool))
 
     def sample_jit(layout):
