@@ -46,6 +46,42 @@ def test_the_longest_cached_prefix_wins_within_the_load_slack():
     assert router.route(a + [9]) == 0  # 12 each: the lower rank
 
 
+def test_a_long_prefix_is_worth_a_longer_queue():
+    """The slack grows by one request per PREFIX_TOKENS_PER_REQUEST tokens the hit saves over the
+    least-loaded replica (what it already caches of the prompt counts against the hit)."""
+    size, per = 16, router_module.PREFIX_TOKENS_PER_REQUEST
+    long_prompt, short_prompt = list(range(1, 2049)), list(range(3000, 3000 + per))
+
+    def route(prompt, extra, zero_caches=()):
+        router = Router(2, size)  # load_slack 8; a new router each time (a route counts as sent there)
+        router.on_events(1, stored(router, prompt))
+        router.on_events(0, stored(router, list(zero_caches)) if zero_caches else [])
+        router.loads = [2, 2 + extra]
+        return router.route(prompt + [5])
+
+    long_slack, short_slack, half_slack = 8 + 2048 // per, 8 + 1, 8 + 1024 // per
+    assert (route(long_prompt, long_slack), route(long_prompt, long_slack + 1)) == (1, 0)
+    assert (route(short_prompt, short_slack), route(short_prompt, short_slack + 1)) == (1, 0)
+    # Replica 0 caches the long prompt's first half: the hit on replica 1 saves the other half only.
+    half = long_prompt[:1024]
+    assert (route(long_prompt, half_slack, half), route(long_prompt, half_slack + 1, half)) == (1, 0)
+
+
+def test_a_replica_without_a_free_seat_loses_the_request_to_one_with_a_seat():
+    prompt = list(range(40, 64))
+
+    def route(loads, seats=6):
+        router = Router(2, BLOCK, seats=seats)  # a new router each time (a route counts as sent there)
+        router.on_events(1, stored(router, prompt))
+        router.loads = list(loads)
+        return router.route(prompt + [1])
+
+    assert route([5, 5]) == 1
+    assert route([5, 6]) == 0  # replica 1 full, replica 0 has a seat: there the request would not wait
+    assert route([6, 7]) == 1  # both full: the cached prefix wins within the slack
+    assert route([5, 6], seats=None) == 1  # seats unknown: the slack alone
+
+
 def test_a_prefix_just_sent_counts_as_cached_there_until_its_events_or_the_ttl(monkeypatch):
     """Requests with one new prefix, in a burst (before the replica's events): they follow the
     first to its replica, within the load slack, for SENT_TTL_S; an eviction event ends it."""

@@ -93,7 +93,7 @@ class Fleet:
     def __init__(self, config: EngineConfig, lora_modules=()):
         self.config, self.lora_modules = config, list(lora_modules)
         self.size = config.data_parallel_size
-        self.router = Router(self.size, config.block_size, config.dp_routing)
+        self.router = Router(self.size, config.block_size, config.dp_routing, seats=config.max_num_seqs)
         if config.dp_routing == "prefix" and not config.enable_prefix_caching:
             logger.warning("dp_routing='prefix' without enable_prefix_caching: the replicas cache no prefixes, "
                            "so requests go to the least-loaded replica")
