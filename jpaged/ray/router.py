@@ -3,7 +3,8 @@
 `PrefixAwareRequestRouter` (build_app's `request_router="prefix"`, the default) routes as
 `jpaged serve --data-parallel-size` does (jpaged/data_parallel/router.py, whose rules it runs): to
 the replica whose prefix cache holds the longest run of the request's leading blocks, unless
-that replica is `load_slack` requests busier than the least-loaded one. What a replica caches
+that replica is busier than the least-loaded one by more than its slack (`load_slack`, plus one
+request per PREFIX_TOKENS_PER_REQUEST tokens the hit saves). What a replica caches
 comes from the replica itself (its `record_routing_stats`: the block hashes its engine's KV events
 describe, pulled by Ray Serve every `request_routing_stats_period_s`); between two reports the
 router also counts the prefixes it sent each replica since (SENT_TTL_S), which that replica
