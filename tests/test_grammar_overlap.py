@@ -264,3 +264,20 @@ def test_beam_search_still_refuses_the_overlap(engines):
     _, overlapped, failed = run(overlap, [[1, 2, 3, 4]], params)
     assert overlapped == 0 and not failed
     assert_all_blocks_free(overlap)
+
+
+def test_nothing_compiles_when_grammar_steps_overlap(monkeypatch):
+    """The deferred sampling runs the executables a fused step runs (the same keys): after the
+    warm-up, a mix of grammar and plain requests overlapped compiles nothing."""
+    from test_compilation import CompileRecorder
+
+    llm = jpaged.LLM("tiny", num_gpu_blocks_override=80, background_warmup=False,
+                     **{**LIMITS, "enforce_eager": False})
+    compiled = llm.stats()["num_compilations"]
+    prompts, params = mixed_batch(seeded_rng(), 8)
+    counts = count_deferred(monkeypatch, llm.llm_engine.runner)
+    with CompileRecorder() as recorder:
+        finals, overlapped, failed = run(llm, prompts, params)
+    assert not failed and overlapped > 10 and counts["deferred"] > 10
+    assert recorder.events == [], f"compiled after warm-up: {recorder.events}"
+    assert llm.stats()["num_compilations"] == compiled

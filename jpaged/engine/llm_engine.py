@@ -82,7 +82,9 @@ class LLMEngine:
     the next step does not need on the host (every group decoding, no seat free for a waiting
     request, blocks to spare: step_needs.can_overlap) stays in flight: the next call schedules and
     dispatches the next step, whose inputs take those ids on the device, and only then reads and
-    processes the previous one, so the host works while the device runs. Outputs then come one
+    processes the previous one, so the host works while the device runs. A grammar row's mask
+    needs its matcher advanced by the previous step's token: that step's forward is dispatched
+    before the read and its sampler after it (runner/deferred_sample.py). Outputs then come one
     call later; once every request has ended, the call that reads the last of them also reads the
     step still in flight, so none is left behind.
 

@@ -6,7 +6,8 @@ merges them inside jit, so no Python object traversal happens per step. The KV p
 head_dim] (layer l's page p at l * num_pages + p; see LayerStack); it is donated to the step and
 comes back updated in place. Block copies and swaps move every layer's part of a page. A step is
 two device calls: the model forward (its logits stay on the device) and the sampler; only sampled
-ids and logprobs return to the host. `execute(plan)` builds the step's inputs itself from the
+ids and logprobs return to the host. Both are dispatched at once (`run_step`), or, for a grammar
+step behind a step in flight, the sampler later, once the masks are known (deferred_sample.py). `execute(plan)` builds the step's inputs itself from the
 scheduler's plan over the persistent InputBatch (a row per scheduled sequence: block table,
 sampling knobs, LoRA slot, kept across steps; see input_batch.py, step_inputs.py); each call's
 inputs travel packed in one int32 array. It returns before the device is done and `collect`
