@@ -71,10 +71,31 @@ class Timer:
         setattr(obj, name, timed)
 
 
-def stub_device(runner, vocab_size: int, eos: int | None = None):
-    """Replace the device step by random token ids of the right shape, returned at once; a grammar
-    row's token drawn from those its mask allows (EOS only if nothing else is). A grammar step
-    behind a step in flight is two device calls (runner/deferred_sample.py): both stubbed."""
+class SimulatedDevice:
+    """--device-ms: a device stream that runs each call after the one before, taking its time;
+    a call's result is ready when the stream gets there (reading it sleeps until then)."""
+
+    def __init__(self, forward_ms: float, sample_ms: float):
+        self.forward_s, self.sample_s, self.busy_until = forward_ms / 1e3, sample_ms / 1e3, 0.0
+
+    def run(self, seconds: float) -> float:
+        self.busy_until = max(time.perf_counter(), self.busy_until) + seconds
+        return self.busy_until
+
+    class Result:
+        def __init__(self, array: np.ndarray, ready: float):
+            self.array, self.ready = array, ready
+
+        def addressable_data(self, _):
+            time.sleep(max(self.ready - time.perf_counter(), 0.0))
+            return self.array
+
+
+def stub_device(runner, vocab_size: int, eos: int | None = None, simulated: SimulatedDevice | None = None):
+    """Replace the device step by random token ids of the right shape, returned at once (or, with
+    `simulated`, once its simulated stream has run it); a grammar row's token drawn from those its
+    mask allows (EOS only if nothing else is). A grammar step behind a step in flight is two
+    device calls (runner/deferred_sample.py): both stubbed."""
     rng = np.random.default_rng(0)
     kept = {}
 
@@ -85,6 +106,9 @@ def stub_device(runner, vocab_size: int, eos: int | None = None):
         packed[:rows] = rng.integers(0, vocab_size, rows)
         if full:
             masked_tokens(packed, np.asarray(smeta), runner.buckets.sample_rows(num_tokens), key[4])
+        if simulated is not None:
+            return simulated.Result(packed, simulated.run((0 if inputs is None else simulated.forward_s)
+                                                          + simulated.sample_s))
         return jax.device_put(packed)  # a device array, as the real step returns
 
     def masked_tokens(packed, smeta, rows, greedy):
@@ -100,6 +124,8 @@ def stub_device(runner, vocab_size: int, eos: int | None = None):
 
     def run_forward(key, ident, inputs):
         kept[ident] = key
+        if simulated is not None:
+            simulated.run(simulated.forward_s)
 
     def run_sample(ident, smeta):
         return run_step(kept.pop(ident), None, smeta)
@@ -202,9 +228,12 @@ def measure(llm, num_seqs: int, steps: int, vocab_size: int, output_kind: str, o
 
 
 def main():
+    global CLOCK
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help='"tiny", "micro" or a local HF checkpoint dir')
     p.add_argument("--device", choices=("stub", "real"), default="stub")
+    p.add_argument("--device-ms", help="FORWARD,SAMPLER: the stub simulates a device stream taking this long per "
+                   "call (results ready when it gets there); figures are then wall time per step")
     p.add_argument("--num-seqs", type=int, nargs="+", default=[1, 32, 256])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--output-kind", choices=[k.name for k in jpaged.RequestOutputKind], default="CUMULATIVE",
@@ -235,9 +264,11 @@ def main():
     llm.wait_for_warmup()  # timed steps never wait on a background compile
     vocab_size = llm.llm_engine.hf_config.vocab_size
     if args.device == "stub":
-        stub_device(llm.llm_engine.runner, vocab_size, llm.llm_engine.eos_token_id)
+        simulated = SimulatedDevice(*map(float, args.device_ms.split(","))) if args.device_ms else None
+        stub_device(llm.llm_engine.runner, vocab_size, llm.llm_engine.eos_token_id, simulated)
+        if simulated is not None:
+            CLOCK = time.perf_counter
     else:
-        global CLOCK
         CLOCK = time.perf_counter
     results, output_thread = [], None
     if args.detokenize_off_thread:
