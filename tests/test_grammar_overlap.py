@@ -37,7 +37,10 @@ def mixed_batch(rng, n: int = 8):
              lambda: dict(guided_regex=REGEX, max_tokens=30),
              lambda: dict(guided_json={"type": "object"}, max_tokens=int(rng.integers(4, 12))),  # ends at max_tokens
              lambda: dict(max_tokens=30, presence_penalty=0.5),
-             lambda: dict(guided_regex=REGEX, max_tokens=30, temperature=1.0, seed=int(rng.integers(2**31)))]
+             lambda: dict(guided_regex=REGEX, max_tokens=30, temperature=1.0, seed=int(rng.integers(2**31))),
+             lambda: dict(guided_json=SCHEMA, max_tokens=60, repetition_penalty=1.3, logprobs=2),
+             lambda: dict(guided_choice=["yes", "no", "not sure"], max_tokens=20, n=2, temperature=1.0,
+                          seed=int(rng.integers(2**31)))]  # forks: the child's matcher copied from its parent's
     prompts = [rng.integers(0, 256, size=int(rng.integers(3, 40))).tolist() for _ in range(n)]
     params = [jpaged.SamplingParams(**{"temperature": 0, **kinds[i % len(kinds)]()}) for i in range(n)]
     return prompts, params
@@ -86,9 +89,10 @@ def count_deferred(monkeypatch, runner):
 def check_same(reference: dict, finals: dict, params):
     assert sorted(finals) == sorted(reference)
     for key, ref in reference.items():
-        a, b = ref.outputs[0], finals[key].outputs[0]
-        assert b.token_ids == a.token_ids, (key, params[int(key)])
-        assert (b.text, b.finish_reason, b.stop_reason) == (a.text, a.finish_reason, a.stop_reason)
+        assert len(finals[key].outputs) == len(ref.outputs)
+        for a, b in zip(ref.outputs, finals[key].outputs):
+            assert b.token_ids == a.token_ids, (key, params[int(key)])
+            assert (b.text, b.finish_reason, b.stop_reason) == (a.text, a.finish_reason, a.stop_reason)
 
 
 def check_grammars(finals: dict, params):
@@ -100,7 +104,7 @@ def check_grammars(finals: dict, params):
         if sp.guided_regex is not None and c.finish_reason == "stop":
             assert re.fullmatch(REGEX, c.text), c.text
         if sp.guided_choice is not None:
-            assert c.text in sp.guided_choice and c.finish_reason == "stop"
+            assert all(c.text in sp.guided_choice and c.finish_reason == "stop" for c in out.outputs)
 
 
 @pytest.fixture(scope="module")
