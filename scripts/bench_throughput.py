@@ -142,6 +142,10 @@ def run_jpaged(args, model: str, requests: list[Request]) -> dict:
     init_s = time.perf_counter() - t0
     prompts = [r.prompt_token_ids for r in requests]
     params = [jpaged.SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    if args.guided_every:  # structured output: every Nth request follows a grammar to its max_tokens (no EOS before)
+        params = [jpaged.SamplingParams(temperature=0.0, max_tokens=r.output_len, guided_regex=args.guided_regex
+                                        or f"[a-z ]{{{r.output_len},}}") if i % args.guided_every == 0 else sp
+                  for i, (r, sp) in enumerate(zip(requests, params))]
     warmup_s = 0.0
     if args.num_warmup_prompts:
         # The first N requests' lengths with other token ids: the same schedule (the shapes the
@@ -344,6 +348,10 @@ def parse_args(argv=None):
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap the host's work with the device's (default: the engine's, on)")
     p.add_argument("--num-scheduler-steps", type=int, default=1, help="multi-step decode: steps per device call")
+    p.add_argument("--guided-every", type=int, default=0, help="jpaged: every Nth request follows --guided-regex "
+                   "(structured output; the model needs a tokenizer: --random-llama with --vocab-size 259)")
+    p.add_argument("--guided-regex", help="default: [a-z ]{OUTPUT_LEN,} (a grammar allows EOS when it "
+                   "may end, whatever min_tokens says)")
     p.add_argument("--quantization", choices=["fp8", "int8"], help="jpaged: weights quantized while loading")
     p.add_argument("--num-warmup-prompts", type=int, default=0,
                    help="jpaged: run N requests of the first N's lengths (other token ids: nothing cached) "

@@ -1,7 +1,7 @@
 """Multi-host serving: two processes on this machine (jax.distributed on 127.0.0.1, two CPU devices
 each) run the tiny model with tensor_parallel_size=4 across both. Process 0 schedules, process 1
-follows its steps; both return what one process with TP=1 returns, also under swap preemption
-and copy-on-write, and a bad request raises on both.
+follows its steps; both return what one process with TP=1 returns, also under swap preemption,
+copy-on-write and a grammar's deferred sampling, and a bad request raises on both.
 
 This file is also the worker: `python tests/test_multihost.py PROCESS_ID PORT OUT_JSON`.
 """
@@ -29,7 +29,9 @@ def workload():
     prompts = [rng.integers(0, 256, size=rng.integers(5, 60)).tolist() for _ in range(6)]
     greedy = jpaged.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     sampled = jpaged.SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True, logprobs=2)
-    return prompts, [greedy] * 5 + [sampled]
+    # A grammar: its steps behind a step in flight are a forward and a later sampler (deferred_sample.py), on both.
+    guided = jpaged.SamplingParams(temperature=0, max_tokens=12, guided_regex="[a-z]{4,12}", logprobs=2)
+    return prompts, [greedy] * 4 + [guided, sampled]
 
 
 def summarize(outs) -> list:
@@ -49,8 +51,16 @@ def worker(process_id: int, port: int, out_path: str):
                      **LIMITS, **distributed)
     result = broadcast_check(process_id)
     prompts, params = workload()
+    runner, ops = llm.llm_engine.runner, {}
+    run_op = runner._run_op
+
+    def counting(op, args):  # the device operations each process ran
+        ops[op] = ops.get(op, 0) + 1
+        return run_op(op, args)
+
+    runner._run_op = counting
     result.update(outputs=summarize(llm.generate(prompts, params, use_tqdm=False)),
-                  num_preemptions=llm.stats()["num_preemptions"])
+                  num_preemptions=llm.stats()["num_preemptions"], ops=ops)
     try:
         llm.generate([[1, 2], []], use_tqdm=False)
     except ValueError as e:
@@ -117,6 +127,8 @@ def test_two_processes_match_one(tmp_path):
     assert [len(r) // 2 for r in leader["received"]] == [0, 10, chunk - 20, 3 * chunk + 5]
     assert leader["broadcast_compilations"] == follower["broadcast_compilations"] == []
     assert leader["num_preemptions"] > 0  # only the driver schedules
+    assert leader["ops"] == follower["ops"] and leader["ops"].get("run_forward", 0) > 0  # deferred samplings too
+    assert leader["ops"]["run_forward"] == leader["ops"]["run_sample"]
     assert leader["outputs"] == follower["outputs"]
     assert leader["error"] == follower["error"] == "prompt is empty"
 

@@ -160,15 +160,16 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref
 
 
 @pytest.mark.parametrize("params, needs", [
-    # (host_tokens, full_sampler, speculate), by hand: the host needs each token for a grammar or
-    # beams; penalties (the device's token history) and logprobs need the full sampler only;
-    # forks and beams do not speculate.
-    (dict(), (False, False, True)),
-    (dict(logprobs=2), (False, True, True)),
-    (dict(presence_penalty=0.5), (False, True, True)),
-    (dict(guided_json=SCHEMA), (True, True, True)),
-    (dict(n=2, temperature=1.0), (False, False, False)),
-    (dict(use_beam_search=True, best_of=2, temperature=0.0), (True, True, False)),
+    # (host_tokens, full_sampler, speculate, grammar), by hand: the host needs each token before
+    # the next plan for beams; a grammar needs it before the next sampling only (its masks);
+    # penalties (the device's token history) and logprobs need the full sampler only; forks and
+    # beams do not speculate.
+    (dict(), (False, False, True, False)),
+    (dict(logprobs=2), (False, True, True, False)),
+    (dict(presence_penalty=0.5), (False, True, True, False)),
+    (dict(guided_json=SCHEMA), (False, True, True, True)),
+    (dict(n=2, temperature=1.0), (False, False, False, False)),
+    (dict(use_beam_search=True, best_of=2, temperature=0.0), (True, True, False, False)),
 ])
 def test_request_needs_live_on_the_group_not_in_the_params(params, needs):
     sp = SamplingParams(**params)

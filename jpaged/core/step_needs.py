@@ -16,9 +16,11 @@ from jpaged.core.sequence import SequenceStatus
 def can_overlap(scheduler, results, max_model_len: int, lane=None) -> bool:
     """Whether the next step can be scheduled before the dispatched step of `results` (its
     (ScheduledSequenceGroup, handle, row) each; `lane`: its decode lane's LanePlan) is read: each
-    running group decodes one pending token per sequence with sampling
-    that needs no host state of it (no grammar, beam search or fork; penalties read the device's
-    token history, where the sampler appended the pending token), nothing is
+    running group decodes one pending token per sequence with a plan
+    that needs no host state of it (no beam search or fork; penalties read the device's
+    token history, where the sampler appended the pending token; a grammar's mask needs the
+    token only before the next step's SAMPLING: the runner launches that step's forward at once
+    and its sampler once the token is read and the matcher advanced, runner/deferred_sample.py), nothing is
     swapped out and nothing waits that a free seat would admit (no admission), every sequence can
     take a block (no preemption) and has a position left under max_model_len.
 

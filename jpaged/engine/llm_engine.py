@@ -29,6 +29,7 @@ from jpaged.core.step_needs import can_multi_step, can_overlap
 from jpaged.core.stop_checker import StopChecker
 from jpaged.core.structured_output import StructuredOutputManager
 from jpaged.engine import start_up
+from jpaged.engine.engine_stats import engine_stats
 from jpaged.engine.request_validator import RequestValidator
 from jpaged.kv_events.events import KVEventBatch
 from jpaged.kv_events.publisher import make_publisher
@@ -81,7 +82,9 @@ class LLMEngine:
     the next step does not need on the host (every group decoding, no seat free for a waiting
     request, blocks to spare: step_needs.can_overlap) stays in flight: the next call schedules and
     dispatches the next step, whose inputs take those ids on the device, and only then reads and
-    processes the previous one, so the host works while the device runs. Outputs then come one
+    processes the previous one, so the host works while the device runs. A grammar row's mask
+    needs its matcher advanced by the previous step's token: that step's forward is dispatched
+    before the read and its sampler after it (runner/deferred_sample.py). Outputs then come one
     call later; once every request has ended, the call that reads the last of them also reads the
     step still in flight, so none is left behind.
 
@@ -332,7 +335,10 @@ class LLMEngine:
         if previous is None and (multi_step or not self._can_overlap(current)):
             return self._complete(current)
         self._in_flight = current
-        outputs = self._complete(previous) if previous is not None else []
+        try:
+            outputs = self._complete(previous) if previous is not None else []
+        finally:  # grammar rows' masks from the matchers that just took `previous`'s tokens (runner/deferred_sample.py)
+            self.runner.sample_deferred(current)
         if self._in_flight is not None and not self.scheduler.has_unfinished_seqs():
             # Every request ended with the step just read: the one in flight only holds their
             # extra tokens (dropped). Read it now, so that no step is left in flight when the
@@ -391,6 +397,7 @@ class LLMEngine:
     def _complete(self, dispatched: DispatchedStep) -> list[RequestOutput]:
         """Read a dispatched step's sampled ids, have the scheduler update the sequences from them,
         and build the outputs. Groups that finished or were aborted meanwhile drop their tokens."""
+        self.runner.sample_deferred(dispatched)  # (done already when it was in flight)
         failed = dispatched.failed
         read = [None] * len(dispatched.handles)  # each handle's outputs, read once
         clock = self.clock
@@ -469,28 +476,4 @@ class LLMEngine:
         return KVMap.of(self.block_manager, self.scheduler.running)
 
     def stats(self) -> dict:
-        bm, sched = self.block_manager, self.scheduler
-        return {
-            "num_gpu_blocks": bm.num_gpu_blocks, "num_free_gpu_blocks": bm.get_num_free_gpu_blocks(),
-            "num_cpu_blocks": bm.num_cpu_blocks, "num_free_cpu_blocks": bm.get_num_free_cpu_blocks(),
-            "num_running": len(sched.running), "num_waiting": len(sched.waiting), "num_swapped": len(sched.swapped),
-            "num_preemptions": sched.num_preemptions,
-            # Prefix caching, counted in TOKENS (as vLLM v1): tokens of admitted sequences looked
-            # up, and those found cached (not computed).
-            "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits,
-            # Sharing (forks, beams, cached prefixes): device blocks held now, and how many the same
-            # block tables would hold if no block were shared; cached = free blocks still holding a prefix.
-            "num_gpu_blocks_in_use": bm.get_num_gpu_blocks_in_use(),
-            "num_gpu_blocks_without_sharing": bm.get_num_gpu_blocks_without_sharing(),
-            "num_cached_gpu_blocks": bm.get_num_cached_gpu_blocks(),
-            "num_compilations": self.runner.num_compilations,
-            "warmup_executables_remaining": 0 if self.runner.warmup is None else self.runner.warmup.remaining,
-            "warmup_executables_total": 0 if self.runner.warmup is None else self.runner.warmup.total,
-            "kv_cache_dtype": self.kv_cache_dtype,
-            "model_memory_bytes": self.model_memory_bytes,
-            "kv_cache_bytes": 0 if self.runner.kv_cache is None else self.runner.kv_cache_spec.bytes_per_block
-            * self.runner.num_gpu_blocks * self.config.tensor_parallel_size,
-            **(sched.speculator.stats() if sched.speculator else {}),
-            # Seconds each phase of the steps took, since the start (step_clock.py), and the steps.
-            **self.clock.snapshot(),
-        }
+        return engine_stats(self)

@@ -6,7 +6,8 @@ merges them inside jit, so no Python object traversal happens per step. The KV p
 head_dim] (layer l's page p at l * num_pages + p; see LayerStack); it is donated to the step and
 comes back updated in place. Block copies and swaps move every layer's part of a page. A step is
 two device calls: the model forward (its logits stay on the device) and the sampler; only sampled
-ids and logprobs return to the host. `execute(plan)` builds the step's inputs itself from the
+ids and logprobs return to the host. Both are dispatched at once (`run_step`), or, for a grammar
+step behind a step in flight, the sampler later, once the masks are known (deferred_sample.py). `execute(plan)` builds the step's inputs itself from the
 scheduler's plan over the persistent InputBatch (a row per scheduled sequence: block table,
 sampling knobs, LoRA slot, kept across steps; see input_batch.py, step_inputs.py); each call's
 inputs travel packed in one int32 array. It returns before the device is done and `collect`
@@ -57,6 +58,7 @@ from jpaged.multimodal import runner as multimodal
 from jpaged.parallel import distributed
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, replicated
 from jpaged.runner import kv_transfer, sampler, step_functions, step_inputs
+from jpaged.runner.deferred_sample import DeferredSampling
 from jpaged.runner.buckets import Buckets, update_chunks
 from jpaged.runner.executable_cache import ExecutableCache
 from jpaged.runner.input_batch import InputBatch, Layout, layout_of, pack
@@ -70,7 +72,7 @@ from jpaged.step_clock import StepClock
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
+class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps, DeferredSampling):
     def __init__(self, loaded: LoadedModel, kv_cache_spec: KVCacheSpec, *, num_gpu_blocks: int, num_cpu_blocks: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_scheduler_steps: int = 1,
                  executable_cache: ExecutableCache | None = None, kv_scales=None, calculate_kv_scales: bool = False,
@@ -152,6 +154,7 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
         self.hookless_from = math.inf if disable_by_batch_size is None else 0 if not self.return_hidden else \
             min((t for t in self.buckets.tokens if t > disable_by_batch_size), default=math.inf)
         self.last_prepared = None  # with hidden states: the last step's host inputs (which row is whose)
+        self._kept_logits = {}  # forwards whose sampling waits for grammar masks, by id (deferred_sample.py)
         # Decode steps (a token per sequence, known to the host) get executables of their own that
         # run the decode kernel alone (keys ("forward", n, "decode")), where the kernels differ:
         # the XLA family (a CPU) has one path for both, and batch-invariant mode one kernel.
@@ -420,9 +423,12 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
             history = step_inputs.history_inputs(
                 ib, batch, num_sample_rows, self.buckets.history,
                 lambda rows, tokens: self.dispatch_op("write_history", rows, tokens)) if full else None
+            key = (step.num_tokens, full, hooks, step.decode, greedy)
+            if batch.deferred:  # grammar rows behind a step in flight: sampled once it is read (deferred_sample.py)
+                return self.defer_sample(key, pack(inputs), smeta, step.dst_rows, history, batch, step.num_rows)
             packed = pack(inputs), pack((smeta, step.dst_rows, history))
             with self.clock.phase("launch"):
-                out = self.dispatch_op("run_step", (step.num_tokens, full, hooks, step.decode, greedy), *packed)
+                out = self.dispatch_op("run_step", key, *packed)
             return StepHandle(out, num_sample_rows, smeta.num_logprobs, step.num_rows)
         packed = pack((inputs, smeta, step.dst_rows, step.lookahead_slots))
         with self.clock.phase("launch"):
@@ -447,26 +453,6 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
     def _write_block_table(self, rows: np.ndarray, cols: np.ndarray, values: np.ndarray):
         self.block_table = self._executable(("write_block_table", len(rows)))(self.block_table, rows, cols, values)
 
-    def _run_step(self, key, inputs: np.ndarray, smeta: np.ndarray):
-        num_tokens, full, hooks, decode, greedy = key
-        key = self.forward_key(num_tokens, hooks, decode)
-        logits, self.kv_cache, *hidden = self._executable(key)(self.state, self.kv_cache, inputs, self.last_tokens,
-                                                               self.block_table)
-        if hidden:
-            self.hidden_states = hidden[0]
-        if hooks:  # (before last_tokens is donated)
-            self.proposer.forward_kv(num_tokens, inputs, self.last_tokens, self.block_table)
-        if self.kv_cache.scales_pending is not None and not self._kv_scales_computed:
-            self._kv_scales_computed = True  # this step computed them: later steps keep them
-            self.kv_cache = self.kv_cache.replace(
-                scales_pending=jax.device_put(np.bool_(False), self.kv_cache.scales_pending.sharding))
-        out, self.last_tokens, self.token_history = self._executable(
-            ("sample", self.buckets.sample_rows(num_tokens), full) + (("greedy",) if greedy else ()))(
-            logits, smeta, self.last_tokens, self.token_history)
-        if hidden:
-            self.proposer.after_step(num_tokens, inputs, self.hidden_states, out, self.block_table)  # (EAGLE: its K/V)
-        return out
-
     def _write_history(self, rows: np.ndarray, tokens: np.ndarray):
         self.token_history = self._executable(("write_history",) + tokens.shape)(self.token_history, rows, tokens)
 
@@ -489,7 +475,8 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps):
         """Device operation `op` (a name: a multi-host driver sends it) on host inputs `args`. The
         table is built per call, so methods replaced on the instance count (scripts/bench_host.py
         stubs the steps)."""
-        ops = {"run_step": self._run_step, "run_multi_step": self._run_multi_step, "write_history": self._write_history,
+        ops = {"run_step": self._run_step, "run_forward": self._run_forward, "run_sample": self._run_sample,
+               "run_multi_step": self._run_multi_step, "write_history": self._write_history,
                "write_block_table": self._write_block_table,
                "copy_blocks": self._copy_blocks, "swap_out": self._swap_out, "swap_in": self._swap_in,
                "write_lora": self._write_lora, **self.proposer.device_ops()}

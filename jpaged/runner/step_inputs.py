@@ -58,6 +58,10 @@ class StepBatch:
     # token (taken on the device: PENDING_TOKEN) and one sample per sequence, its row's; `lane`:
     # the arrays that depend only on the rows, kept while the lane's rows stay (RunnerLane.arrays).
     lane: dict | None = None
+    # By sampling row: a grammar row whose sequence has a token pending (a step in flight), as
+    # (its group, its sequence): its mask is made once that token is read and the matcher has
+    # taken it; the step's sampling waits for it (runner/deferred_sample.py).
+    deferred: dict[int, tuple] = dataclasses.field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
@@ -73,7 +77,7 @@ class StepBatch:
             del a[n:]
         for a in (self.src, self.sample_index):
             del a[r:]
-        for d in (self.targets, self.seq_index, self.masks, self.history):
+        for d in (self.targets, self.seq_index, self.masks, self.history, self.deferred):
             for i in [i for i in d if i >= r]:
                 del d[i]
 
@@ -88,7 +92,7 @@ class StepBatch:
         return StepBatch(self.rows[s0:s1], self.token_ids[s0:s1], self.start_pos[s0:s1], self.num_samples[s0:s1],
                          self.num_prompt_rows[s0:s1], self.num_spec_tokens[s0:s1], self.src[r0:r1],
                          self.sample_index[r0:r1], sparse(self.targets), sparse(self.seq_index), sparse(self.masks),
-                         sparse(self.history), [(scheduled, 0, 0)])
+                         sparse(self.history), [(scheduled, 0, 0)], deferred=sparse(self.deferred))
 
 
 @dataclasses.dataclass
@@ -281,12 +285,16 @@ class StepBuilder:
                 token_ids = [seq.get_last_token_id()] if chunk == 1 and samples \
                     else seq.get_token_ids()[start:start + chunk]
                 if samples:
-                    mask = self.structured_output.bitmask(seq.seq_id, sp) if sp.guided else None
+                    # A token pending (a decode behind a step in flight): the mask once it is read.
+                    defer = sp.guided and seq.num_pending_tokens
+                    mask = self.structured_output.bitmask(seq.seq_id, sp) if sp.guided and not defer else None
                     for i in range(samples):
                         if samples > 1:  # a fresh prompt's forks: one row each, seq_index = its place
                             batch.seq_index[len(batch.src) + i] = i
                         if mask is not None:
                             batch.masks[len(batch.src) + i] = mask
+                        elif defer:
+                            batch.deferred[len(batch.src) + i] = (group, seq)
                     batch.sample_index.extend([output_len] * samples)
             if samples:
                 if ib.penalised[row]:
