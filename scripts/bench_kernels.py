@@ -47,7 +47,10 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pallas_kernels as pk  # noqa: E402
-from jpaged.models.kv_cache import FP8_DTYPES  # noqa: E402
+
+# The KV cache's fp8 names (jpaged.config.KV_CACHE_DTYPES, jpaged.models.kv_cache.FP8_DTYPES), spelled
+# out: importing jpaged needs packages a bare GPU image lacks (msgspec), and this runs there alone.
+FP8_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 
 GPU_GRID = dict(
     batch=[1, 8, 32, 64, 128, 256],

@@ -73,3 +73,11 @@ def test_variants_read_against_their_default(capsys):
     assert "| decode | 8 x 32768 | mosaic[2/SM] fp8 | 300.0 | mosaic fp8 | 450.0 | 0.667 |" in out
     assert "| decode | 8 x 32768 | mosaic[2/SM,diag] fp8 | failed: x | mosaic fp8 | - | - |" in out
     assert "| prefill | 1 x 8192 | mosaic[keys=128,diag] | 1500.0 | mosaic | 2000.0 | 0.750 |" in out
+
+
+def test_fp8_names_match_the_kv_cache():
+    """bench_kernels spells the fp8 KV cache names out (it runs on GPU images without jpaged's
+    dependencies): the same as the engine's."""
+    from jpaged.models.kv_cache import FP8_DTYPES
+
+    assert load_bench().FP8_DTYPES == FP8_DTYPES
