@@ -64,7 +64,7 @@ def _interpret_params(interpret):
 
 
 def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scale, causal, scratch, num_full=0,
-            row_limits=False):
+            row_limits=False, team=None):
     """Online-softmax attention of q_smem's rows over keys [0, num_keys) of the pages listed in
     table_ref[first_page:]. causal = (pos0, tile) (prefill): row r is the query at position
     pos0 + r % tile (head-major rows) and sees keys up to its own position. The first `num_full`
@@ -72,7 +72,10 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
     without the mask's arithmetic, as FlashAttention-3 does; 0 masks every block. row_limits: the
     mask compares each score's column with its row's key count in the block (one compare and select
     per score, one iota); else key and row iotas over the block (sm_90: 255 registers and spills at
-    128-key blocks, 216 at 64).
+    128-key blocks, 216 at 64). team = (wg, consumed, sync) (mosaic_wide.py): two warpgroups share
+    the K/V stages; warpgroup 0 issues the copies once both have arrived on `consumed` (a barrier per
+    stage) after their PV, and zeroes the last block's dead V slots before both pass `sync`.
+    causal = (pos0, tile, row0): the rows are rows row0.. of the tile's (0 when absent).
     Returns fp32 (out [ROWS, d] unnormalised, max [ROWS] in log2 units, sumexp [ROWS])."""
     k_smem, v_smem, p_smem, k_bar, v_bar, *wide = scratch
     page_size = k_ref.shape[2]
@@ -89,8 +92,10 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
             plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_bar.at[slot])
 
     num_blocks = tiling.cdiv(num_keys, block)
+    wg, consumed, sync = team or (0, None, None)
+    pos0, tile, row0 = (*causal, 0)[:3] if causal is not None else (None, None, None)
 
-    @pl.when(num_blocks > 0)
+    @pl.when((num_blocks > 0) & (wg == 0))
     def _():
         fetch(0, 0)
 
@@ -103,8 +108,12 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
         acc, m, l = carry
         slot = lax.rem(i, STAGES)
 
-        @pl.when(i + 1 < num_blocks)  # the other stage was consumed by step i - 1's wgmmas
+        @pl.when((i + 1 < num_blocks) & (wg == 0))  # the other stage was consumed by step i - 1's wgmmas
         def _():
+            if team:  # ... of both warpgroups
+                @pl.when(i >= 1)
+                def _():
+                    plgpu.barrier_wait(consumed.at[1 - slot])
             fetch(i + 1, 1 - slot)
 
         plgpu.barrier_wait(k_bar.at[slot])
@@ -118,8 +127,7 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
         if masked and row_limits:  # one compare per score against its row's key count in this block
             col = plgpu.broadcasted_iota(jnp.int32, (ROWS, block), 1, layout=plgpu.Layout.WGMMA)
             if causal is not None:
-                pos0, tile = causal
-                row = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=wgmma_rows)
+                row = row0 + plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=wgmma_rows)
                 limit = jnp.minimum(num_keys, pos0 + lax.rem(row, tile) + 1) - i * block
                 ok = col < lax.broadcast_in_dim(limit, s.shape, [0])
             else:
@@ -129,8 +137,7 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
             key = i * block + plgpu.broadcasted_iota(jnp.int32, (ROWS, block), 1, layout=plgpu.Layout.WGMMA)
             ok = key < num_keys
             if causal is not None:
-                pos0, tile = causal
-                row = plgpu.broadcasted_iota(jnp.int32, (ROWS, block), 0, layout=plgpu.Layout.WGMMA)
+                row = row0 + plgpu.broadcasted_iota(jnp.int32, (ROWS, block), 0, layout=plgpu.Layout.WGMMA)
                 ok = ok & (key <= pos0 + lax.rem(row, tile))
             s = jnp.where(ok, s * (scale * LOG2E), MASK_VALUE)  # log2 units: exp2 below
         else:  # a block every row sees whole
@@ -148,9 +155,15 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
             # reach the output through p @ v, so zero them in shared memory first.
             @pl.when((i + 1) * block > num_keys)
             def _():
-                row = plgpu.broadcasted_iota(jnp.int32, (block, head_dim), 0, layout=plgpu.Layout.WGMMA)
-                v_op[...] = jnp.where(i * block + row < num_keys, v_op[...], jnp.zeros((), dtype))
-                plgpu.commit_smem()
+                @pl.when(wg == 0)
+                def _():
+                    row = plgpu.broadcasted_iota(jnp.int32, (block, head_dim), 0, layout=plgpu.Layout.WGMMA)
+                    v_op[...] = jnp.where(i * block + row < num_keys, v_op[...], jnp.zeros((), dtype))
+                    plgpu.commit_smem()
+
+                if team:  # the other warpgroup's PV waits for the zeroes
+                    plgpu.barrier_arrive(sync)
+                    plgpu.barrier_wait(sync)
 
         # p goes through shared memory: the one wgmma form GPU interpret mode simulates, so
         # the path tested on the CPU is the path compiled (registers would save a round trip).
@@ -163,6 +176,8 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
 
         # A fresh accumulator, added in registers (interpret mode has no run_state over ACC refs).
         acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
+        if team:  # this warpgroup's wgmmas are done with the stage
+            plgpu.barrier_arrive(consumed.at[slot])
         return acc, m_new, l
 
     carry = (acc, m, l)
@@ -171,7 +186,16 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
         carry = lax.fori_loop(0, num_full, functools.partial(body, masked=False), carry)
     else:
         num_full = 0
-    return lax.fori_loop(num_full, num_blocks, functools.partial(body, masked=True), carry)
+    carry = lax.fori_loop(num_full, num_blocks, functools.partial(body, masked=True), carry)
+    if team:  # warpgroup 0 observes the last two blocks' consumption too (every phase it waits on)
+
+        @pl.when(wg == 0)
+        def _():
+            def drain(k, _):
+                plgpu.barrier_wait(consumed.at[lax.rem(k, STAGES)])
+
+            lax.fori_loop(jnp.maximum(num_blocks - STAGES, 0), num_blocks, drain, None)
+    return carry
 
 
 def _widened(stage, wide, dtype):

@@ -224,10 +224,13 @@ def bench_prefill(batch, length, heads, kv_heads, grid, iters, on_gpu=False, var
         name: (jax.jit(lambda *a, b=name: pk.ragged_paged_attention(*a, backend=b)), paged)
         for name in ("pallas", "mosaic", "xla")
     }
-    from pallas_kernels.mosaic import ragged_paged_attention_mosaic
+    from pallas_kernels import mosaic, mosaic_wide
 
-    impls |= {name: (jax.jit(lambda *a, kw=kw: ragged_paged_attention_mosaic(*a, interpret=not on_gpu, **kw)), paged)
-              for name, kw in MOSAIC_PREFILL_VARIANTS.items() if variants}
+    def prefill_variant(wide=False, **kw):
+        fn = mosaic_wide.ragged_paged_attention_mosaic_wide if wide else mosaic.ragged_paged_attention_mosaic
+        return jax.jit(lambda *a: fn(*a, interpret=not on_gpu, **kw))
+
+    impls |= {name: (prefill_variant(**kw), paged) for name, kw in MOSAIC_PREFILL_VARIANTS.items() if variants}
     dense_args = (q.reshape(batch, length, heads, head_dim), k_dense, v_dense)
     dense, implementation, why = dense_reference(dense_args, on_gpu)
     impls["dense"] = (dense, dense_args)
@@ -243,11 +246,13 @@ VARIANTS = {"pallas[stages=2]": dict(num_stages=2), "pallas[stages=3]": dict(num
 FP8_VARIANTS = {"pallas[stages=2]": dict(num_stages=2)}
 # - Mosaic prefill (FlashAttention-3's choices): the mask only on the blocks a tile's diagonal
 #   crosses (`diag`), 128-key blocks (`keys=128`: 176 KB of shared memory, 1 program per SM instead
-#   of 2), and both. Mosaic decode, 16-bit and fp8 pages: the output's staging buffer in the loop
+#   of 2), and both; two warpgroups sharing the K/V stages (`2wg`: mosaic_wide.py, 128 rows a program, the
+#   diagonal-only mask), at 64 and 128 keys. Mosaic decode, 16-bit and fp8 pages: the output's staging buffer in the loop
 #   buffers' memory (`2/SM`: 93 KB of shared memory instead of 124 KB, 2 programs per SM instead of
 #   1), alone and with only each split's last block masked.
 MOSAIC_PREFILL_VARIANTS = {"mosaic[diag]": dict(mask_diagonal_only=True), "mosaic[keys=128]": dict(block_keys=128),
-                           "mosaic[keys=128,diag]": dict(block_keys=128, mask_diagonal_only=True)}
+                           "mosaic[keys=128,diag]": dict(block_keys=128, mask_diagonal_only=True),
+                           "mosaic[2wg,diag]": dict(wide=True), "mosaic[2wg,keys=128,diag]": dict(wide=True, block_keys=128)}
 MOSAIC_DECODE_VARIANTS = {"mosaic[2/SM]": dict(share_smem=True),
                           "mosaic[2/SM,diag]": dict(share_smem=True, mask_diagonal_only=True)}
 VARIANT_MIN_CONTEXT = 4096  # the quick grid's points

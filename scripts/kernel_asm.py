@@ -219,7 +219,10 @@ def compile_kernel(args, dump_dir: str):
     else:
         q = spec((args.batch * args.context, args.heads, d), dtype)
         if args.family == "mosaic" and options:
-            fn = lambda *a: ragged_paged_attention_mosaic(*a, interpret=False, **options)  # noqa: E731
+            from pallas_kernels.mosaic_wide import ragged_paged_attention_mosaic_wide as wide
+
+            kernel = wide if options.pop("wide", 0) else ragged_paged_attention_mosaic
+            fn = lambda *a: kernel(*a, interpret=False, **options)  # noqa: E731
         else:
             fn = lambda *a: pk.ragged_paged_attention(*a, backend=args.family, interpret=False)  # noqa: E731
         inputs = (q, pages, pages, tables, lens, spec((args.batch + 1,), jnp.int32))
@@ -280,7 +283,7 @@ def main(argv=None) -> int:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--option", action="append", default=[],
                         help="KEY=VALUE for the Triton decode kernel (num_stages=3) or a Mosaic kernel "
-                             "(block_keys=128, mask_diagonal_only=1: prefill)")
+                             "(block_keys=128, mask_diagonal_only=1, wide=1: prefill)")
     parser.add_argument("--keep", help="a directory for the cubin, SASS and Mosaic dumps")
     args = parser.parse_args(argv)
     if args.keep:

@@ -17,7 +17,8 @@ pytestmark = needs_mosaic
 # (context_len, q_len): fresh prompts at the block boundaries, chunks whose tiles start mid-block,
 # a query alone after a full block, an empty row.
 BOUNDARY_SEQS = [(1, 1), (127, 127), (128, 128), (129, 129), (255, 255), (300, 45), (256, 128), (129, 1), (0, 0)]
-VARIANTS = [dict(), dict(mask_diagonal_only=True), dict(block_keys=128), dict(block_keys=128, mask_diagonal_only=True)]
+VARIANTS = [dict(), dict(mask_diagonal_only=True), dict(block_keys=128), dict(block_keys=128, mask_diagonal_only=True),
+            dict(wide=True), dict(wide=True, block_keys=128)]  # wide: mosaic_wide.py, two warpgroups sharing K/V
 
 
 def seeded(monkeypatch):
@@ -30,14 +31,16 @@ def seeded(monkeypatch):
 
 def run_prefill(seqs, heads, kv_heads, head_dim, page, dtype, page_dtype, variant, rng, pad_tokens=2):
     from pallas_kernels.mosaic import ragged_paged_attention_mosaic
+    from pallas_kernels.mosaic_wide import ragged_paged_attention_mosaic_wide
 
+    variant = dict(variant)
+    kernel = ragged_paged_attention_mosaic_wide if variant.pop("wide", False) else ragged_paged_attention_mosaic
     ctx, qlens = [c for c, _ in seqs], [n for _, n in seqs]
     qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
     k, v, tables, k64, v64 = make_cache(ctx, kv_heads, page, head_dim, page_dtype)
     q = jnp.asarray(rng.standard_normal((int(qsl[-1]) + pad_tokens, heads, head_dim)), dtype)
     q64 = np.asarray(q, np.float64)
-    out = ragged_paged_attention_mosaic(q, k, v, tables, jnp.asarray(ctx, jnp.int32), jnp.asarray(qsl),
-                                        interpret=True, **variant)
+    out = kernel(q, k, v, tables, jnp.asarray(ctx, jnp.int32), jnp.asarray(qsl), interpret=True, **variant)
     assert out.shape == q.shape and out.dtype == q.dtype
     ref = np.zeros_like(q64)
     tables_np = np.asarray(tables)
@@ -54,8 +57,9 @@ def run_prefill(seqs, heads, kv_heads, head_dim, page, dtype, page_dtype, varian
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
 @pytest.mark.parametrize("heads, kv_heads, page", [(8, 2, 16), (2, 2, 64)], ids=["tile16-page16", "tile64-page64"])
 def test_prefill_block_variants(monkeypatch, variant, heads, kv_heads, page):
-    """Query tiles of 16 tokens (GQA group 4) and of 64 (group 1), so tiles start on and off the 64-
-    and 128-key block boundaries; pages of 16 (8 TMA copies a 128-key block) and 64 (2)."""
+    """Query tiles of 16 tokens (GQA group 4) and of 64 (group 1), 32 and 128 with two warpgroups, so
+    tiles start on and off the 64- and 128-key block boundaries; pages of 16 (8 TMA copies a 128-key
+    block) and 64 (2)."""
     rng = seeded(monkeypatch)
     seqs = [BOUNDARY_SEQS[i] for i in rng.permutation(len(BOUNDARY_SEQS))]
     print(f"seqs {seqs}")
@@ -93,6 +97,16 @@ def test_decode_mask_diagonal_only(monkeypatch, page_dtype):
         out = paged_attention_mosaic(q, k, v, tables, jnp.asarray(lens, jnp.int32), num_splits=splits, interpret=True,
                                      mask_diagonal_only=True)
         check_close(out, ref, "bf16", f"mosaic decode diagonal-only {page_dtype} splits={splits}")
+
+
+def test_wide_prefill_refuses_fp8_pages():
+    from pallas_kernels.mosaic_wide import ragged_paged_attention_mosaic_wide
+
+    q = jnp.zeros((4, 4, 64), jnp.bfloat16)
+    pages = jnp.zeros((2, 4, 16, 64), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="pages in q's dtype"):
+        ragged_paged_attention_mosaic_wide(q, pages, pages, jnp.zeros((1, 2), jnp.int32), jnp.asarray([4], jnp.int32),
+                                           jnp.asarray([0, 4], jnp.int32), interpret=True)
 
 
 def test_block_keys_must_be_whole_pages():
