@@ -37,12 +37,10 @@ def normalize(out, l):
     return out / jnp.where(l > 0, l, 1.0)[:, None]
 
 
-def attend_block(carry, q, k, v, key_live, scale, row_ok=None, soft_cap=None, mask_v=True):
+def attend_block(carry, q, k, v, key_live, scale, row_ok=None, soft_cap=None):
     """One online-softmax step. q [R, dp], k/v [B, dp]; key_live bool [B]
     marks real keys, row_ok bool [R, B] (optional) a per-row (causal) mask;
-    soft_cap c (optional) maps scores to c * tanh(score / c). mask_v=False: the
-    caller knows every slot of v is a key of the sequence (finite), so masked
-    keys' p = 0 needs no select over v (an instruction per element)."""
+    soft_cap c (optional) maps scores to c * tanh(score / c)."""
     out, m, l = carry
     prec = lax.Precision.HIGHEST  # IEEE fp32 instead of TF32; no-op for bf16
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=prec) * scale
@@ -54,8 +52,7 @@ def attend_block(carry, q, k, v, key_live, scale, row_ok=None, soft_cap=None, ma
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[:, None])
     # Unused slots may hold anything (even NaN): keep them out of p @ v.
-    if mask_v:
-        v = jnp.where(key_live[:, None], v, jnp.zeros_like(v))
+    v = jnp.where(key_live[:, None], v, jnp.zeros_like(v))
     pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
     return out * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
 

@@ -23,12 +23,9 @@ from context_len - w on; each split starts its loop at the first block
 holding one.
 
 Slots past the context may hold anything (NaN too), so each block zeroes
-them in V before p @ V: a select per V element (a quarter of the bf16 loop's
-instructions in its SASS for sm_90). peel_tail=True (an experiment for a GPU
-run to time: scripts/bench_kernels.py) cuts the loop in two, the blocks of
-the sequence's keys alone without the select, then the block holding the
-end; its SASS has a third fewer instructions per block but 145 registers
-instead of 101-128 (3 programs per SM instead of 4), so it is off by default.
+them in V before p @ V. (A variant that skipped that select in the blocks
+holding only the sequence's keys, `peel_tail`, measured 1.3-2x slower on an
+H200 at 32k contexts: 145 registers, 3 programs per SM; it was removed.)
 fp8 pages with bf16 queries run their dots in f16
 (blocks.fp8_compute_dtype: one conversion per two values instead of three
 instructions per value through bf16), q brought within f16's range by a
@@ -44,19 +41,54 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import blocks, tiling
+from pallas_kernels.targets import gpu_device
 from pallas_kernels.xla import default_scale
 
 # Triton's pipelining depth. With the next block's page ids carried through the loop, 3 stages keep
 # one block's K/V copies in flight while the previous one computes (sm_90 SASS: the loop waits with
 # `DEPBAR.LE SB0, 0x2` instead of 0x0). fp8 pages: 55 KB of shared memory, 98 registers, 4 programs
-# per SM as before. bf16 pages would need 88 KB (2 per SM instead of 4): left at 2 until a GPU run
-# times both (bench_kernels' `pallas stages=3` row).
+# per SM, always 3 stages. 16-bit pages at 3 stages need 88 KB (2 programs per SM instead of 4), so
+# their depth follows the grid (decode_stages).
 STAGES = 2
 FP8_STAGES = 3
+DEEP_STAGES = 3
+# Measured basis (H200, 132 SMs, jax 0.11.2, bench_kernels --quick, 2026-11-28 17:27 UTC; docs/PERF.md
+# "Second GPU run"): bf16 pages, 32/8 heads, head_dim 128, page 16. At batch 8 x 32k the grid is
+# 8 x 8 x 4 splits = 256 programs: 3 stages took 352.7 us against 2 stages' 382.3 (8% faster). At
+# 64 x 32k it is 64 x 8 x 1 = 512 programs: 3 stages took 2,628.9 us against 2,462.8 (7% slower).
+# At 3 stages an SM holds 2 programs (88 KB each), so up to 2 x SMs programs (264 on an H200) run in
+# one wave: there the deeper pipeline costs no occupancy that the grid would have used; past it,
+# 4 programs per SM at 2 stages hide more latency. Applied on sm_90 only, where it was measured.
+DEEP_PROGRAMS_PER_SM = 2
+HOPPER_SMS = 132  # an H100 / H200 SXM, when the device does not say
+
+
+def decode_stages(num_programs: int, page_itemsize: int, gpu=None, sm_count=None) -> int:
+    """Triton's num_stages for a decode grid of `num_programs` programs: FP8_STAGES for 1-byte pages;
+    16-bit pages DEEP_STAGES on sm_90 (`gpu`: (kind, compute capability), targets.gpu_device()) when
+    the grid fits one wave of DEEP_PROGRAMS_PER_SM programs per SM (`sm_count`, default HOPPER_SMS),
+    else STAGES."""
+    if page_itemsize == 1:
+        return FP8_STAGES
+    if gpu is None or not 9.0 <= gpu[1] < 10.0:
+        return STAGES
+    return DEEP_STAGES if num_programs <= DEEP_PROGRAMS_PER_SM * (sm_count or HOPPER_SMS) else STAGES
+
+
+def _target():
+    """(gpu, SM count) of the GPU being compiled for: (None, None) off a GPU."""
+    gpu = gpu_device()
+    if gpu is None:
+        return None, None
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is None:
+        device = jax.devices()[0]
+        return gpu, getattr(device, "core_count", None)
+    return gpu, getattr(device, "num_cores", None)
 
 
 def _decode_kernel(ctx_ref, window_ref, factor_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *stat_refs, scale,
-                   head_dim, pages_per_iter, soft_cap, peel_tail):
+                   head_dim, pages_per_iter, soft_cap):
     seq, split = pl.program_id(0), pl.program_id(2)
     page_size = k_ref.shape[1]
     rows, dp = q_ref.shape
@@ -71,7 +103,7 @@ def _decode_kernel(ctx_ref, window_ref, factor_ref, table_ref, q_ref, k_ref, v_r
 
     last = table_ref.shape[0] // pages_per_iter - 1
 
-    def body(i, state, mask_v):
+    def body(i, state):
         carry, ids = state
         # The next block's page ids, read now: its K/V copies need not wait for them, so Triton's
         # pipeline (num_stages 3) has them in flight while this block computes.
@@ -79,20 +111,12 @@ def _decode_kernel(ctx_ref, window_ref, factor_ref, table_ref, q_ref, k_ref, v_r
         k = blocks.load_pages(k_ref, ids, head_dim, q.dtype)  # fp8 pages: widened in registers
         v = blocks.load_pages(v_ref, ids, head_dim, q.dtype)
         key = i * block + jnp.arange(block)
-        carry = blocks.attend_block(carry, q, k, v, (key >= start) & (key < num_keys), scale, soft_cap=soft_cap,
-                                    mask_v=mask_v)
+        carry = blocks.attend_block(carry, q, k, v, (key >= start) & (key < num_keys), scale, soft_cap=soft_cap)
         return carry, next_ids
 
-    def ids_of(i):
-        return table_ref[pl.ds(jnp.minimum(i, last) * pages_per_iter, pages_per_iter)]
-
     first, end = start // block, tiling.cdiv(num_keys, block)
-    carry = blocks.init_carry(rows, dp)
-    if peel_tail:  # the blocks of the sequence's keys alone (V unmasked), then the block holding the end
-        full = jnp.maximum(first, num_keys // block)
-        carry, _ = lax.fori_loop(first, full, functools.partial(body, mask_v=False), (carry, ids_of(first)))
-        first = full
-    (out, m, l), _ = lax.fori_loop(first, end, functools.partial(body, mask_v=True), (carry, ids_of(first)))
+    ids = table_ref[pl.ds(jnp.minimum(first, last) * pages_per_iter, pages_per_iter)]
+    (out, m, l), _ = lax.fori_loop(first, end, body, (blocks.init_carry(rows, dp), ids))
     if stat_refs:  # split-K partial: combined outside
         m_ref, l_ref = stat_refs
         o_ref[...] = out
@@ -103,14 +127,14 @@ def _decode_kernel(ctx_ref, window_ref, factor_ref, table_ref, q_ref, k_ref, v_r
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret", "logits_soft_cap", "fp8_as_bits",
-                                             "num_stages", "peel_tail"))
+                                             "num_stages"))
 def paged_attention_pallas(
     q, k_pages, v_pages, block_tables, context_lens, *, scale=None, num_splits=None, interpret=False,
-    sliding_window=None, logits_soft_cap=None, fp8_as_bits=None, num_stages=None, peel_tail=False
+    sliding_window=None, logits_soft_cap=None, fp8_as_bits=None, num_stages=None
 ):
     """fp8_as_bits: e4m3 pages read as bytes and widened by arithmetic (None: below sm_89 only).
-    num_stages: Triton's software pipelining depth (None: FP8_STAGES for 1-byte pages, else
-    STAGES); it and peel_tail (above) are variants for bench_kernels to time on a GPU."""
+    num_stages: Triton's software pipelining depth (None: decode_stages' rule for the grid and
+    the target GPU); bench_kernels times 2 and 3 against it."""
     k_pages, v_pages = blocks.pages_for_triton(k_pages, fp8_as_bits), blocks.pages_for_triton(v_pages, fp8_as_bits)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -139,7 +163,7 @@ def paged_attention_pallas(
     page_spec = pl.BlockSpec((None, num_pages, page_size, dp), lambda s, h, k: (h, 0, 0, 0))
     kernel = functools.partial(
         _decode_kernel, scale=default_scale(scale, head_dim), head_dim=head_dim, pages_per_iter=pages_per_iter,
-        soft_cap=logits_soft_cap, peel_tail=peel_tail,
+        soft_cap=logits_soft_cap,
     )
     window = jnp.full((1,), blocks.NO_WINDOW if sliding_window is None else sliding_window, jnp.int32)
     res = pl.pallas_call(
@@ -156,8 +180,8 @@ def paged_attention_pallas(
         ],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=num_stages or (
-            FP8_STAGES if jnp.dtype(k_pages.dtype).itemsize == 1 else STAGES)),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=num_stages or decode_stages(
+            num_seqs * num_kv_heads * splits, jnp.dtype(k_pages.dtype).itemsize, *_target())),
         interpret=interpret,
         name="jpaged_decode",
     )(context_lens.astype(jnp.int32), window, factor, tables, qp, k_pages, v_pages)

@@ -63,10 +63,19 @@ def _interpret_params(interpret):
     return plgpu.InterpretGPUParams()
 
 
-def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scale, causal, scratch):
+def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scale, causal, scratch, num_full=0,
+            row_limits=False, team=None):
     """Online-softmax attention of q_smem's rows over keys [0, num_keys) of the pages listed in
     table_ref[first_page:]. causal = (pos0, tile) (prefill): row r is the query at position
-    pos0 + r % tile (head-major rows) and sees keys up to its own position.
+    pos0 + r % tile (head-major rows) and sees keys up to its own position. The first `num_full`
+    blocks (a traced int: blocks every row sees whole, below the diagonal and before num_keys) run
+    without the mask's arithmetic, as FlashAttention-3 does; 0 masks every block. row_limits: the
+    mask compares each score's column with its row's key count in the block (one compare and select
+    per score, one iota); else key and row iotas over the block (sm_90: 255 registers and spills at
+    128-key blocks, 216 at 64). team = (wg, consumed, sync) (mosaic_wide.py): two warpgroups share
+    the K/V stages; warpgroup 0 issues the copies once both have arrived on `consumed` (a barrier per
+    stage) after their PV, and zeroes the last block's dead V slots before both pass `sync`.
+    causal = (pos0, tile, row0): the rows are rows row0.. of the tile's (0 when absent).
     Returns fp32 (out [ROWS, d] unnormalised, max [ROWS] in log2 units, sumexp [ROWS])."""
     k_smem, v_smem, p_smem, k_bar, v_bar, *wide = scratch
     page_size = k_ref.shape[2]
@@ -83,8 +92,10 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
             plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_bar.at[slot])
 
     num_blocks = tiling.cdiv(num_keys, block)
+    wg, consumed, sync = team or (0, None, None)
+    pos0, tile, row0 = (*causal, 0)[:3] if causal is not None else (None, None, None)
 
-    @pl.when(num_blocks > 0)
+    @pl.when((num_blocks > 0) & (wg == 0))
     def _():
         fetch(0, 0)
 
@@ -93,12 +104,16 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
     l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), wgmma_rows)
     acc = plgpu.layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-    def body(i, carry):
+    def body(i, carry, masked):
         acc, m, l = carry
         slot = lax.rem(i, STAGES)
 
-        @pl.when(i + 1 < num_blocks)  # the other stage was consumed by step i - 1's wgmmas
+        @pl.when((i + 1 < num_blocks) & (wg == 0))  # the other stage was consumed by step i - 1's wgmmas
         def _():
+            if team:  # ... of both warpgroups
+                @pl.when(i >= 1)
+                def _():
+                    plgpu.barrier_wait(consumed.at[1 - slot])
             fetch(i + 1, 1 - slot)
 
         plgpu.barrier_wait(k_bar.at[slot])
@@ -109,13 +124,24 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
             return acc_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((ROWS, block), jnp.float32))
-        key = i * block + plgpu.broadcasted_iota(jnp.int32, (ROWS, block), 1, layout=plgpu.Layout.WGMMA)
-        ok = key < num_keys
-        if causal is not None:
-            pos0, tile = causal
-            row = plgpu.broadcasted_iota(jnp.int32, (ROWS, block), 0, layout=plgpu.Layout.WGMMA)
-            ok = ok & (key <= pos0 + lax.rem(row, tile))
-        s = jnp.where(ok, s * (scale * LOG2E), MASK_VALUE)  # log2 units: exp2 below
+        if masked and row_limits:  # one compare per score against its row's key count in this block
+            col = plgpu.broadcasted_iota(jnp.int32, (ROWS, block), 1, layout=plgpu.Layout.WGMMA)
+            if causal is not None:
+                row = row0 + plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=wgmma_rows)
+                limit = jnp.minimum(num_keys, pos0 + lax.rem(row, tile) + 1) - i * block
+                ok = col < lax.broadcast_in_dim(limit, s.shape, [0])
+            else:
+                ok = col < num_keys - i * block
+            s = jnp.where(ok, s * (scale * LOG2E), MASK_VALUE)
+        elif masked:
+            key = i * block + plgpu.broadcasted_iota(jnp.int32, (ROWS, block), 1, layout=plgpu.Layout.WGMMA)
+            ok = key < num_keys
+            if causal is not None:
+                row = row0 + plgpu.broadcasted_iota(jnp.int32, (ROWS, block), 0, layout=plgpu.Layout.WGMMA)
+                ok = ok & (key <= pos0 + lax.rem(row, tile))
+            s = jnp.where(ok, s * (scale * LOG2E), MASK_VALUE)  # log2 units: exp2 below
+        else:  # a block every row sees whole
+            s = s * (scale * LOG2E)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -124,13 +150,20 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
         plgpu.barrier_wait(v_bar.at[slot])
         v_op = _widened(v_smem.at[slot], wide[1], dtype) if wide else v_smem.at[slot]
 
-        # The last block's slots past num_keys may hold anything (even NaN): 0 * NaN would
-        # reach the output through p @ v, so zero them in shared memory first.
-        @pl.when((i + 1) * block > num_keys)
-        def _():
-            row = plgpu.broadcasted_iota(jnp.int32, (block, head_dim), 0, layout=plgpu.Layout.WGMMA)
-            v_op[...] = jnp.where(i * block + row < num_keys, v_op[...], jnp.zeros((), dtype))
-            plgpu.commit_smem()
+        if masked:
+            # The last block's slots past num_keys may hold anything (even NaN): 0 * NaN would
+            # reach the output through p @ v, so zero them in shared memory first.
+            @pl.when((i + 1) * block > num_keys)
+            def _():
+                @pl.when(wg == 0)
+                def _():
+                    row = plgpu.broadcasted_iota(jnp.int32, (block, head_dim), 0, layout=plgpu.Layout.WGMMA)
+                    v_op[...] = jnp.where(i * block + row < num_keys, v_op[...], jnp.zeros((), dtype))
+                    plgpu.commit_smem()
+
+                if team:  # the other warpgroup's PV waits for the zeroes
+                    plgpu.barrier_arrive(sync)
+                    plgpu.barrier_wait(sync)
 
         # p goes through shared memory: the one wgmma form GPU interpret mode simulates, so
         # the path tested on the CPU is the path compiled (registers would save a round trip).
@@ -143,9 +176,26 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
 
         # A fresh accumulator, added in registers (interpret mode has no run_state over ACC refs).
         acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
+        if team:  # this warpgroup's wgmmas are done with the stage
+            plgpu.barrier_arrive(consumed.at[slot])
         return acc, m_new, l
 
-    return lax.fori_loop(0, num_blocks, body, (acc, m, l))
+    carry = (acc, m, l)
+    if not isinstance(num_full, int) or num_full:
+        num_full = jnp.minimum(num_full, num_blocks)
+        carry = lax.fori_loop(0, num_full, functools.partial(body, masked=False), carry)
+    else:
+        num_full = 0
+    carry = lax.fori_loop(num_full, num_blocks, functools.partial(body, masked=True), carry)
+    if team:  # warpgroup 0 observes the last two blocks' consumption too (every phase it waits on)
+
+        @pl.when(wg == 0)
+        def _():
+            def drain(k, _):
+                plgpu.barrier_wait(consumed.at[lax.rem(k, STAGES)])
+
+            lax.fori_loop(jnp.maximum(num_blocks - STAGES, 0), num_blocks, drain, None)
+    return carry
 
 
 def _widened(stage, wide, dtype):
@@ -167,10 +217,18 @@ def _wgmma_smem(shape, dtype):
                                                 plgpu.SwizzleTransform(swizzle)))
 
 
-def _scratch(head_dim, page_size, dtype, page_dtype):
+def _block_keys(page_size, block_keys=None):
+    """Keys per pipeline step: `block_keys` (default MIN_BLOCK_KEYS; a multiple of 64), at least a
+    page, and a whole number of pages."""
+    block = max(block_keys or MIN_BLOCK_KEYS, page_size)
+    if block % 64 or block % page_size:
+        raise ValueError(f"block_keys={block_keys} with page size {page_size}: need a multiple of 64 and of the page")
+    return block
+
+
+def _scratch(head_dim, page_size, dtype, page_dtype, block):
     """q, K and V stages (in the pages' dtype), p, the stages' barriers, and for fp8 pages the
     K and V blocks widened to q's dtype."""
-    block = max(MIN_BLOCK_KEYS, page_size)
     pages = _wgmma_smem((STAGES, block, head_dim), page_dtype)
     # Every page's copy arrives on its stage's barrier: it completes when all have landed.
     barrier = plgpu.Barrier(num_arrivals=block // page_size, num_barriers=STAGES)
@@ -179,15 +237,20 @@ def _scratch(head_dim, page_size, dtype, page_dtype):
             *wide)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret", "mask_diagonal_only", "share_smem"))
 def paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_lens, *, scale=None, num_splits=None,
-                           interpret=False):
-    """Decode attention (see pallas_kernels.paged_attention) on Mosaic GPU."""
+                           interpret=False, mask_diagonal_only=False, share_smem=False):
+    """Decode attention (see pallas_kernels.paged_attention) on Mosaic GPU. Variants for
+    bench_kernels: mask_diagonal_only (only the block holding a split's last key is masked, with the
+    per-row mask), share_smem (the K/V stages, p and the fp8 widening buffers live in a scope of
+    their own, and the f32 output's 32 KB staging buffer reuses their memory after the loop:
+    sm_90 compile for head_dim 128, 93 KB of shared memory instead of 124 KB, 2 programs per SM
+    instead of 1)."""
     check_supported(q, k_pages)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     group = num_heads // num_kv_heads
-    block = max(MIN_BLOCK_KEYS, page_size)
+    block = _block_keys(page_size)
     pages_per_block = block // page_size
     tables, splits, per_split = tiling.split_tables(block_tables, num_pages, num_seqs * num_kv_heads, pages_per_block,
                                                     num_splits)
@@ -202,31 +265,47 @@ def paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_lens, *, s
     else:
         factor = jnp.ones((1,), jnp.float32)
 
-    def kernel(ctx_ref, factor_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, o_smem, m_smem, l_smem,
-               q_bar, q_smem, *scratch):
+    q_type, *loop_types = _scratch(head_dim, page_size, qp.dtype, k_pages.dtype, block)
+    out_types = (plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32),
+                 plgpu.SMEM((ROWS,), jnp.float32))
+
+    def kernel(ctx_ref, factor_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *scratch):
         h, s, split = lax.axis_index("kv_head"), lax.axis_index("seq"), lax.axis_index("split")
         span = per_split * page_size
         num_keys = jnp.clip(ctx_ref[s] - split * span, 0, span)
+
+        def attend(q_smem, *loop_scratch):
+            return _attend(q_smem, k_ref, v_ref, table_ref.at[s], h, split * per_split, num_keys,
+                           scale * factor_ref[0], None, loop_scratch,
+                           num_full=num_keys // block if mask_diagonal_only else 0, row_limits=mask_diagonal_only)
+
+        def write(acc, m, l, o_smem, m_smem, l_smem):
+            o_smem[...] = acc
+            m_smem[...] = m
+            l_smem[...] = l
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[split, s, h])
+            plgpu.copy_smem_to_gmem(m_smem, m_ref.at[split, s, h])
+            plgpu.copy_smem_to_gmem(l_smem, l_ref.at[split, s, h])
+            plgpu.wait_smem_to_gmem(0)
+
+        if share_smem:  # the loop's buffers, then the output's, in the same memory
+            q_bar, q_smem = scratch
+        else:
+            *out_smem, q_bar, q_smem = scratch[:5]
         plgpu.copy_gmem_to_smem(q_ref.at[s, h], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
-        acc, m, l = _attend(q_smem, k_ref, v_ref, table_ref.at[s], h, split * per_split, num_keys,
-                            scale * factor_ref[0], None, scratch)
-        o_smem[...] = acc
-        m_smem[...] = m
-        l_smem[...] = l
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[split, s, h])
-        plgpu.copy_smem_to_gmem(m_smem, m_ref.at[split, s, h])
-        plgpu.copy_smem_to_gmem(l_smem, l_ref.at[split, s, h])
-        plgpu.wait_smem_to_gmem(0)
+        if share_smem:
+            acc, m, l = pl.run_scoped(functools.partial(attend, q_smem), *loop_types)
+            pl.run_scoped(functools.partial(write, acc, m, l), *out_types)
+        else:
+            write(*attend(q_smem, *scratch[5:]), *out_smem)
 
     stat = jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, ROWS), jnp.float32)
     out, m, l = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, group, head_dim), jnp.float32), stat, stat),
-        scratch_types=(plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32),
-                       plgpu.SMEM((ROWS,), jnp.float32), plgpu.Barrier(),
-                       *_scratch(head_dim, page_size, qp.dtype, k_pages.dtype)),
+        scratch_types=((plgpu.Barrier(), q_type) if share_smem else (*out_types, plgpu.Barrier(), q_type, *loop_types)),
         grid=(num_kv_heads, num_seqs, splits),
         grid_names=("kv_head", "seq", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -238,17 +317,22 @@ def paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_lens, *, s
     return out.reshape(q.shape).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_keys", "mask_diagonal_only"))
 def ragged_paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None,
-                                  interpret=False):
-    """Ragged prefill (see pallas_kernels.ragged_paged_attention) on Mosaic GPU."""
+                                  interpret=False, block_keys=None, mask_diagonal_only=False):
+    """Ragged prefill (see pallas_kernels.ragged_paged_attention) on Mosaic GPU. Variants for
+    bench_kernels to time (FlashAttention-3's choices): block_keys (keys per pipeline step, default
+    MIN_BLOCK_KEYS; 128 halves the per-block overheads but needs 176 KB of shared memory, one program
+    per SM instead of two) and mask_diagonal_only (blocks that every row of a tile sees whole, all
+    below the tile's first query, skip the mask's iota, compares and selects). Either takes the
+    per-row mask (_attend's row_limits); the default is the kernel as measured on 2026-11-28."""
     check_supported(q, k_pages)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     group = num_heads // num_kv_heads
     gp = tiling.next_pow2(group)
     tile = ROWS // gp
-    block = max(MIN_BLOCK_KEYS, page_size)
+    block = _block_keys(page_size, block_keys)
     tables, (seq, tok0, pos0, n_rows), num_keys, _ = tiling.ragged_plan(
         block_tables, num_pages, page_size, block // page_size, query_start_loc, context_lens, num_tokens, tile)
     num_tiles = seq.shape[0]
@@ -261,8 +345,13 @@ def ragged_paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_len
         h, j = lax.axis_index("kv_head"), lax.axis_index("tile")
         plgpu.copy_gmem_to_smem(q_ref.at[j, h], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
-        acc, _, l = _attend(q_smem, k_ref, v_ref, table_ref.at[seq_ref[j]], h, 0, keys_ref[j], scale,
-                            (pos0_ref[j], tile), scratch)
+        num_keys = keys_ref[j]
+        # Keys up to the tile's first position are seen by every row (num_keys is past it for a
+        # tile with a real row, 0 for an empty one).
+        num_full = jnp.minimum(pos0_ref[j] + 1, num_keys) // block if mask_diagonal_only else 0
+        acc, _, l = _attend(q_smem, k_ref, v_ref, table_ref.at[seq_ref[j]], h, 0, num_keys, scale,
+                            (pos0_ref[j], tile), scratch, num_full=num_full,
+                            row_limits=mask_diagonal_only or block_keys is not None)
         l = jnp.where(l > 0, l, 1.0)  # empty tiles stay zero
         o_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(o_smem.dtype)
         plgpu.commit_smem()
@@ -273,7 +362,7 @@ def ragged_paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_len
         kernel,
         out_type=jax.ShapeDtypeStruct(qt.shape, q.dtype),
         scratch_types=(_wgmma_smem((ROWS, head_dim), q.dtype), plgpu.Barrier(),
-                       *_scratch(head_dim, page_size, q.dtype, k_pages.dtype)),
+                       *_scratch(head_dim, page_size, q.dtype, k_pages.dtype, block)),
         grid=(num_kv_heads, num_tiles),
         grid_names=("kv_head", "tile"),
         compiler_params=plgpu.CompilerParams(approx_math=True),

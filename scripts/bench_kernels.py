@@ -47,7 +47,10 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pallas_kernels as pk  # noqa: E402
-from jpaged.models.kv_cache import FP8_DTYPES  # noqa: E402
+
+# The KV cache's fp8 names (jpaged.config.KV_CACHE_DTYPES, jpaged.models.kv_cache.FP8_DTYPES), spelled
+# out: importing jpaged needs packages a bare GPU image lacks (msgspec), and this runs there alone.
+FP8_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 
 GPU_GRID = dict(
     batch=[1, 8, 32, 64, 128, 256],
@@ -205,7 +208,7 @@ def dense_reference(args, on_gpu):
     return cudnn, "cudnn", None
 
 
-def bench_prefill(batch, length, heads, kv_heads, grid, iters, on_gpu=False):
+def bench_prefill(batch, length, heads, kv_heads, grid, iters, on_gpu=False, variants=True):
     """Each sequence one causal prompt of `length` tokens, its K/V already in the pages. Returns
     (name -> seconds or failure, the dense reference's implementation, why it is not cuDNN's)."""
     head_dim, page, dtype = grid["head_dim"], grid["page"], grid["dtype"]
@@ -221,22 +224,41 @@ def bench_prefill(batch, length, heads, kv_heads, grid, iters, on_gpu=False):
         name: (jax.jit(lambda *a, b=name: pk.ragged_paged_attention(*a, backend=b)), paged)
         for name in ("pallas", "mosaic", "xla")
     }
+    from pallas_kernels import mosaic, mosaic_wide
+
+    def prefill_variant(wide=False, **kw):
+        fn = mosaic_wide.ragged_paged_attention_mosaic_wide if wide else mosaic.ragged_paged_attention_mosaic
+        return jax.jit(lambda *a: fn(*a, interpret=not on_gpu, **kw))
+
+    impls |= {name: (prefill_variant(**kw), paged) for name, kw in MOSAIC_PREFILL_VARIANTS.items() if variants}
     dense_args = (q.reshape(batch, length, heads, head_dim), k_dense, v_dense)
     dense, implementation, why = dense_reference(dense_args, on_gpu)
     impls["dense"] = (dense, dense_args)
     return time_impls(impls, iters), implementation, why
 
 
-# Variants of the Triton decode kernel (pallas_kernels/decode.py) for a GPU run to decide, at long
-# contexts only (a compile each): 3 pipeline stages with 16-bit pages (88 KB of shared memory, 2
-# programs per SM), the loop without V's select in its full blocks (145 registers), and fp8 pages at
-# the old 2 stages (the default is 3 since issue 66).
-VARIANTS = {"pallas[stages=3]": dict(num_stages=3), "pallas[peel_tail]": dict(peel_tail=True)}
+# Variants for a GPU run to decide (a compile each), beside each family's default:
+# - Triton decode, 16-bit pages: 2 and 3 pipeline stages, forced. The default follows the grid
+#   (decode.decode_stages: 3 stages on sm_90 when the grid fits one wave of 2 programs per SM, as at
+#   8 x 32k; else 2): its row equals one of them.
+# - Triton decode, fp8 pages: the old 2 stages (the default is 3 since issue 66).
+VARIANTS = {"pallas[stages=2]": dict(num_stages=2), "pallas[stages=3]": dict(num_stages=3)}
 FP8_VARIANTS = {"pallas[stages=2]": dict(num_stages=2)}
-VARIANT_MIN_CONTEXT = 32768
+# - Mosaic prefill (FlashAttention-3's choices): the mask only on the blocks a tile's diagonal
+#   crosses (`diag`), 128-key blocks (`keys=128`: 176 KB of shared memory, 1 program per SM instead
+#   of 2), and both; two warpgroups sharing the K/V stages (`2wg`: mosaic_wide.py, 128 rows a program, the
+#   diagonal-only mask), at 64 and 128 keys. Mosaic decode, 16-bit and fp8 pages: the output's staging buffer in the loop
+#   buffers' memory (`2/SM`: 93 KB of shared memory instead of 124 KB, 2 programs per SM instead of
+#   1), alone and with only each split's last block masked.
+MOSAIC_PREFILL_VARIANTS = {"mosaic[diag]": dict(mask_diagonal_only=True), "mosaic[keys=128]": dict(block_keys=128),
+                           "mosaic[keys=128,diag]": dict(block_keys=128, mask_diagonal_only=True),
+                           "mosaic[2wg,diag]": dict(wide=True), "mosaic[2wg,keys=128,diag]": dict(wide=True, block_keys=128)}
+MOSAIC_DECODE_VARIANTS = {"mosaic[2/SM]": dict(share_smem=True),
+                          "mosaic[2/SM,diag]": dict(share_smem=True, mask_diagonal_only=True)}
+VARIANT_MIN_CONTEXT = 4096  # the quick grid's points
 
 
-def bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters, kv_cache_dtype=None):
+def bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters, kv_cache_dtype=None, variants=True):
     head_dim, page, dtype = grid["head_dim"], grid["page"], grid["dtype"]
     q, k_pages, v_pages, tables, lens = make_inputs(
         jax.random.PRNGKey(batch * 7 + context), batch, context, heads, kv_heads, head_dim, page, dtype
@@ -264,16 +286,25 @@ def bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters, kv_cache_d
             for name in ("pallas", "mosaic")
         }
         impls[f"xla {kv_cache_dtype}"] = (jax.jit(pk.paged_attention_xla), (q, k8, v8, tables, lens))
-    if context >= VARIANT_MIN_CONTEXT or not on_gpu:
+    if variants and (context >= VARIANT_MIN_CONTEXT or not on_gpu):
         from pallas_kernels.decode import paged_attention_pallas
 
         def variant(**kw):
             return jax.jit(lambda *a: paged_attention_pallas(*a, interpret=interpret, **kw))
 
+        from pallas_kernels.mosaic import paged_attention_mosaic
+
+        def mosaic_variant(**kw):
+            return jax.jit(lambda *a: paged_attention_mosaic(*a, interpret=interpret, **kw))
+
         impls |= {name: (variant(**kw), (q, k_pages, v_pages, tables, lens)) for name, kw in VARIANTS.items()}
+        impls |= {name: (mosaic_variant(**kw), (q, k_pages, v_pages, tables, lens))
+                  for name, kw in MOSAIC_DECODE_VARIANTS.items()}
         if kv_cache_dtype:
             impls |= {f"{name} {kv_cache_dtype}": (variant(**kw), impls[f"pallas {kv_cache_dtype}"][1])
                       for name, kw in FP8_VARIANTS.items()}
+            impls |= {f"{name} {kv_cache_dtype}": (mosaic_variant(**kw), impls[f"mosaic {kv_cache_dtype}"][1])
+                      for name, kw in MOSAIC_DECODE_VARIANTS.items()}
     peer, why = jax_peer(interpret, context // page)
     if peer is not None:
         impls["jax_peer"] = (peer, (q, k_pages, v_pages, tables, lens))
@@ -292,6 +323,8 @@ def main(argv=None):
     parser.add_argument("--max-tokens", type=int, default=1 << 21, help="skip points with batch * context above this")
     parser.add_argument("--kv-cache-dtype", choices=sorted(FP8_DTYPES),
                         help="also decode from fp8 pages (their GB/s counted on the fp8 K/V bytes)")
+    parser.add_argument("--no-variants", action="store_true",
+                        help="time the families' defaults only (the variants add a compile each: about a minute on a GPU)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     on_gpu = jax.default_backend() == "gpu"
@@ -319,7 +352,8 @@ def main(argv=None):
                 kv_bytes = 2 * batch * context * kv_heads * grid["head_dim"] * itemsize
                 # besides K/V: q read, the output written (both in the grid's dtype), block tables and lengths read
                 other_bytes = 2 * batch * heads * grid["head_dim"] * itemsize + 4 * batch * (context // grid["page"] + 1)
-                res = bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters, args.kv_cache_dtype)
+                res = bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters, args.kv_cache_dtype,
+                                  not args.no_variants)
                 for impl, sec in res.items():
                     fp8 = args.kv_cache_dtype is not None and impl.endswith(f" {args.kv_cache_dtype}")
                     moved = (kv_bytes // itemsize if fp8 else kv_bytes) + other_bytes
@@ -343,7 +377,8 @@ def main(argv=None):
     notes = {}  # why the dense reference is XLA's -> the points it was
     for batch, length in grid["prefill"]:
         flops = 2 * batch * heads * length * length * grid["head_dim"]  # QK^T and PV, causal half
-        res, implementation, why = bench_prefill(batch, length, heads, kv_heads, grid, iters, on_gpu)
+        res, implementation, why = bench_prefill(batch, length, heads, kv_heads, grid, iters, on_gpu,
+                                                 not args.no_variants)
         if why:
             notes.setdefault(why, []).append(f"{batch}x{length}")
         dense = res.get("dense")
@@ -366,8 +401,44 @@ def main(argv=None):
     for why, points in notes.items():
         print(f"\ndense xla (batch x prompt {', '.join(points)}): XLA's attention instead of cuDNN's: {why}")
     print_summary(rows, args.kv_cache_dtype, jnp.dtype(grid["dtype"]))
+    print_variants(rows, grid)
     print(f"\nbench_kernels: {time.perf_counter() - started:.0f} s")
     return rows
+
+
+def default_stages(batch, context, kv_heads, grid, itemsize):
+    """(num_stages, programs) the Triton decode kernel's default picks for a point (decode.decode_stages
+    over its grid, on the GPU jax runs on)."""
+    from pallas_kernels import blocks, decode, tiling
+
+    per_iter = max(1, blocks.KEYS_PER_ITER // grid["page"])
+    programs = batch * kv_heads * tiling.auto_num_splits(batch * kv_heads, context // grid["page"], per_iter)
+    return decode.decode_stages(programs, itemsize, *decode._target()), programs
+
+
+def print_variants(rows, grid):
+    """Each variant (an impl named `family[...]`, fp8 ones with the dtype after) against its family's
+    default at the same point: time and ratio (below 1: the variant is faster), and for Triton decode
+    the depth its default took there."""
+    variants = [r for r in rows if "[" in r["impl"]]
+    if not variants:
+        return
+    print("\nVariants against their default (ratio < 1: the variant is faster)")
+    print("| phase | batch x context | variant | µs | default | default µs | variant / default |")
+    print("|---|---|---|---|---|---|---|")
+    for r in variants:
+        base = r["impl"][:r["impl"].index("[")] + r["impl"][r["impl"].index("]") + 1:]
+        ref = next((x for x in rows if x["kind"] == r["kind"] and x["impl"] == base
+                    and (x["batch"], x["context"]) == (r["batch"], r["context"])), None)
+        label = base
+        if base.startswith("pallas") and r["kind"] == "decode":
+            itemsize = 1 if base != "pallas" else jnp.dtype(grid["dtype"]).itemsize
+            stages, programs = default_stages(r["batch"], r["context"], r["kv_heads"], grid, itemsize)
+            label = f"{base} (stages={stages}, {programs} programs)"
+        ok = ref is not None and not isinstance(ref["seconds"], str) and not isinstance(r["seconds"], str)
+        cells = (f"{r['seconds'] * 1e6:.1f} | {label} | {ref['seconds'] * 1e6:.1f} | {r['seconds'] / ref['seconds']:.3f}"
+                 if ok else f"{r['seconds'] if isinstance(r['seconds'], str) else '-'} | {label} | - | -")
+        print(f"| {r['kind']} | {r['batch']} x {r['context']} | {r['impl']} | {cells} |")
 
 
 def print_summary(rows, kv_cache_dtype, dtype):

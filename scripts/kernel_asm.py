@@ -13,6 +13,8 @@ Needs Python 3.12 with jax[cuda13]==0.11.2 (the CUDA plugin; no GPU):
   JAX_PLATFORMS=cpu python scripts/kernel_asm.py --family pallas --pages e4m3
   JAX_PLATFORMS=cpu python scripts/kernel_asm.py --family pallas --pages bf16 --option num_stages=3
   JAX_PLATFORMS=cpu python scripts/kernel_asm.py --family mosaic --pages e4m3 --keep /tmp/asm
+  JAX_PLATFORMS=cpu python scripts/kernel_asm.py --family mosaic --phase prefill --batch 1 --context 8192 \
+      --option block_keys=128 --option mask_diagonal_only=1
 """
 
 import argparse
@@ -187,6 +189,7 @@ def compile_kernel(args, dump_dir: str):
     sys.path.insert(0, ROOT)
     import pallas_kernels as pk
     from pallas_kernels.decode import paged_attention_pallas
+    from pallas_kernels.mosaic import paged_attention_mosaic, ragged_paged_attention_mosaic
 
     config = open(os.path.join(ROOT, "..", "shared", "gpu_targets", TARGETS[args.target])).read() \
         if args.target_config is None else open(args.target_config).read()
@@ -208,12 +211,20 @@ def compile_kernel(args, dump_dir: str):
         q = spec((args.batch, args.heads, d), dtype)
         if args.family == "pallas" and options:
             fn = lambda *a: paged_attention_pallas(*a, interpret=False, **options)  # noqa: E731
+        elif options:
+            fn = lambda *a: paged_attention_mosaic(*a, interpret=False, **options)  # noqa: E731
         else:
             fn = lambda *a: pk.paged_attention(*a, backend=args.family, interpret=False)  # noqa: E731
         inputs = (q, pages, pages, tables, lens)
     else:
         q = spec((args.batch * args.context, args.heads, d), dtype)
-        fn = lambda *a: pk.ragged_paged_attention(*a, backend=args.family, interpret=False)  # noqa: E731
+        if args.family == "mosaic" and options:
+            from pallas_kernels.mosaic_wide import ragged_paged_attention_mosaic_wide as wide
+
+            kernel = wide if options.pop("wide", 0) else ragged_paged_attention_mosaic
+            fn = lambda *a: kernel(*a, interpret=False, **options)  # noqa: E731
+        else:
+            fn = lambda *a: pk.ragged_paged_attention(*a, backend=args.family, interpret=False)  # noqa: E731
         inputs = (q, pages, pages, tables, lens, spec((args.batch + 1,), jnp.int32))
     os.environ.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump_dir)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
@@ -271,7 +282,8 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--option", action="append", default=[],
-                        help="KEY=VALUE for the Triton decode kernel (num_stages=3, peel_tail=1)")
+                        help="KEY=VALUE for the Triton decode kernel (num_stages=3) or a Mosaic kernel "
+                             "(block_keys=128, mask_diagonal_only=1, wide=1: prefill)")
     parser.add_argument("--keep", help="a directory for the cubin, SASS and Mosaic dumps")
     args = parser.parse_args(argv)
     if args.keep:

@@ -141,6 +141,20 @@ def kernel_cases(families_here=("pallas", "mosaic")):
                    f"page={page}", functools.partial(_with_key_limits, backend="pallas"), "pallas",
                    args + [jax.ShapeDtypeStruct((args[0].shape[0],), jnp.int32)])
 
+    # bench_kernels' variants (issue 66): Triton's depths, Mosaic's 2/SM, diagonal masks, 128-key blocks, 2 wgs
+    from pallas_kernels import decode as triton, mosaic, mosaic_wide
+    variants = [("decode", triton.paged_attention_pallas, dict(num_stages=n), None) for n in (2, 3)] + [
+        ("decode", mosaic.paged_attention_mosaic, dict(share_smem=True, mask_diagonal_only=True), t) for t in (None, e4m3)]
+    variants += [("prefill", mosaic.ragged_paged_attention_mosaic, dict(block_keys=k, mask_diagonal_only=d), t)
+                 for k, d, t in ((None, True, None), (128, False, None), (128, True, e4m3))] + [
+        ("prefill", mosaic_wide.ragged_paged_attention_mosaic_wide, dict(block_keys=k), None) for k in (None, 128)]
+    for phase, fn, options, page_dtype in variants:
+        backend = "pallas" if fn is triton.paged_attention_pallas else "mosaic"
+        if backend in families_here:
+            args = (decode if phase == "decode" else prefill)(bf16, 32, 8, 128, 16, page_dtype=page_dtype)
+            yield (f"{phase} {backend}{options} pages={jnp.dtype(page_dtype or bf16).name} heads=32/8 d=128 page=16",
+                   functools.partial(fn, **options), backend, args)
+
 
 def _with_key_limits(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, key_limits, backend):
     return pk.ragged_paged_attention(q, k_pages, v_pages, block_tables, context_lens, query_start_loc,

@@ -55,3 +55,29 @@ def test_summary_reads_the_rows(capsys):
     out = capsys.readouterr().out
     assert "| 64 x 32768 | 80 | 64 | 89 | 0.60 | 0.40 | pallas | mosaic | pallas | pallas |" in out
     assert "| 1 x 8192 | 200 | 400 | cuDNN | 500 | 40% | 80% | mosaic | mosaic |" in out
+
+
+def test_variants_read_against_their_default(capsys):
+    """Synthetic rows: each variant (`family[...]`, fp8 ones suffixed) over its family's default at
+    the same point; Triton decode's default names the depth its grid gets (decode.decode_stages)."""
+    bench = load_bench()
+    rows = [dict(kind="decode", batch=8, context=32768, kv_heads=8, impl=impl, seconds=sec)
+            for impl, sec in (("pallas", 400e-6), ("pallas[stages=2]", 400e-6), ("pallas[stages=3]", 360e-6),
+                              ("mosaic fp8", 450e-6), ("mosaic[2/SM] fp8", 300e-6), ("mosaic[2/SM,diag] fp8", "failed: x"))]
+    rows += [dict(kind="prefill", batch=1, context=8192, kv_heads=8, impl="mosaic", seconds=2e-3),
+             dict(kind="prefill", batch=1, context=8192, kv_heads=8, impl="mosaic[keys=128,diag]", seconds=1.5e-3)]
+    bench.print_variants(rows, bench.QUICK_GRID)
+    out = capsys.readouterr().out
+    # off a GPU the rule keeps 2 stages; 8 x 32k is 8 x 8 x 4 splits = 256 programs
+    assert "| decode | 8 x 32768 | pallas[stages=3] | 360.0 | pallas (stages=2, 256 programs) | 400.0 | 0.900 |" in out
+    assert "| decode | 8 x 32768 | mosaic[2/SM] fp8 | 300.0 | mosaic fp8 | 450.0 | 0.667 |" in out
+    assert "| decode | 8 x 32768 | mosaic[2/SM,diag] fp8 | failed: x | mosaic fp8 | - | - |" in out
+    assert "| prefill | 1 x 8192 | mosaic[keys=128,diag] | 1500.0 | mosaic | 2000.0 | 0.750 |" in out
+
+
+def test_fp8_names_match_the_kv_cache():
+    """bench_kernels spells the fp8 KV cache names out (it runs on GPU images without jpaged's
+    dependencies): the same as the engine's."""
+    from jpaged.models.kv_cache import FP8_DTYPES
+
+    assert load_bench().FP8_DTYPES == FP8_DTYPES

@@ -1,7 +1,7 @@
 """The Triton decode kernel's fp8 path (issue 66): with bf16 queries it widens fp8 pages to f16 and
 runs its dots in f16, q over a power of two that keeps it within f16's range; the next block's page
-ids ride the loop carry (so Triton can pipeline the K/V copies); peel_tail, a variant, skips the
-select over V in blocks that hold only the sequence's keys. Against the float64 reference, on
+ids ride the loop carry (so Triton can pipeline the K/V copies); num_stages 2 and 3 (the rule and
+bench_kernels' variants) compute the same. Against the float64 reference, on
 poisoned pages (NaN in every slot no sequence owns), in interpret mode off-GPU."""
 
 import jax.numpy as jnp
@@ -40,11 +40,11 @@ def test_to_f16_range_is_exact_and_in_range(amax):
 
 
 @pytest.mark.parametrize("fp8", FP8)
-@pytest.mark.parametrize("q_amax, peel_tail", [(None, False), (1e5, False), (None, True)])
-def test_decode_fp8_pages_bf16_q(fp8, q_amax, peel_tail):
+@pytest.mark.parametrize("q_amax, num_stages", [(None, None), (1e5, None), (None, 2)])
+def test_decode_fp8_pages_bf16_q(fp8, q_amax, num_stages):
     """Contexts on and off the 64-key block boundary (no tail block, only a tail, both) with split-K
     and a sliding window; |q| up to 1e5 (past f16's largest) comes back through the power of two;
-    peel_tail (bench_kernels' variant) on the same poisoned pages."""
+    2 stages (bench_kernels' variant) on the same poisoned pages."""
     page, heads, kv_heads, head_dim = 16, 8, 2, 64
     lens = [64, 128, 63, 65, 1, 0, 200, 256 + 17]
     seed = int(rng.integers(1 << 30))
@@ -60,14 +60,14 @@ def test_decode_fp8_pages_bf16_q(fp8, q_amax, peel_tail):
     tables_np = np.asarray(tables)
     for splits, window in ((1, None), (2, None), (None, 70)):
         out = paged_attention_pallas(q, k, v, tables, jnp.asarray(lens, jnp.int32), scale=scale, num_splits=splits,
-                                     interpret=INTERPRET, sliding_window=window, peel_tail=peel_tail)
+                                     interpret=INTERPRET, sliding_window=window, num_stages=num_stages)
         assert out.dtype == jnp.bfloat16
         ref = []
         for s, n in enumerate(lens):
             kk, vv = gather_seq(k64, tables_np[s], n), gather_seq(v64, tables_np[s], n)
             lo = 0 if window is None else max(0, n - window)
             ref.append(attend(q64[s], kk[:, lo:], vv[:, lo:], scale))
-        check_close(out, np.stack(ref), "bf16", f"{fp8} q_amax={q_amax} peel={peel_tail} splits={splits} window={window}")
+        check_close(out, np.stack(ref), "bf16", f"{fp8} q_amax={q_amax} stages={num_stages} splits={splits} window={window}")
 
 
 @pytest.mark.skipif(not __import__("test_kernels").mosaic_runs(),
