@@ -62,7 +62,7 @@ def _bytes(shape: str) -> int:
 def weight_copies(hlo: str, num_layers: int) -> dict:
     """In an optimized HLO module: `weight_copies`, the fusions (plain or async: fusion-start; not
     GEMMs) that read an array stacked over the layers (a leading dimension of `num_layers`) through
-    a dynamic slice: a layer's weights copied out of the stack (a slice, or a concatenation for
+    a slice (dynamic when scanned): a layer's weights copied out of the stack (a slice, or a concatenation for
     merged GEMMs), counted per appearance in the text (in a scanned forward's loop body: per layer;
     a step runs it num_layers times), and `copied_mib`, their outputs' size; `in_place_slices`: XLA's
     dynamic-slice fusions (a cuBLAS GEMM reading the slice where it lies); `while_loops` left."""
@@ -80,7 +80,7 @@ def weight_copies(hlo: str, num_layers: int) -> dict:
         text = "\n".join(bodies.get(called, ()))
         if kind == "kCustom":
             in_place += "dynamic-slice-fusion" in called or "address_computation" in called
-        elif "dynamic-slice(" in text and stacked.search(bodies.get(called, [""])[0]):
+        elif ("dynamic-slice(" in text or " slice(" in text) and stacked.search(bodies.get(called, [""])[0]):
             copies += 1
             copied += _bytes(outputs.get(called, ""))
     return {"weight_copies": copies, "copied_mib": round(copied / 2**20, 1), "in_place_slices": in_place,
