@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jpaged  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
 from jpaged.models.layers import Attention  # noqa: E402
-from jpaged.models.stacked import LayerStack  # noqa: E402
+from jpaged.models.stacked import Unrollable  # noqa: E402
 from jpaged.parallel.sharding import TP_AXIS  # noqa: E402
 from jpaged.runner import step_functions  # noqa: E402
 from jpaged.runner.input_batch import layout_of  # noqa: E402
@@ -191,7 +191,7 @@ def _abstract_model(runner):
     for _, node in nnx.iter_graph(model):
         if isinstance(node, Attention):
             node.ops = dataclasses.replace(node.ops, mesh=MESH)
-        elif isinstance(node, LayerStack):  # as the loader builds it on a GPU (stacked.unroll_layers_on_gpu)
+        elif isinstance(node, Unrollable):  # as the loader builds it on a GPU (stacked.unroll_layers_on_gpu)
             node.unroll = True
     graphdef, *states = nnx.split(model, runner.owned, ...) if head else nnx.split(model)
     state = jax.tree.map(strip, tuple(states) if head else states[0])

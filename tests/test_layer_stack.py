@@ -75,3 +75,29 @@ def test_only_a_gpu_unrolls():
         model = nnx.merge(runner.graphdef, runner.state)
         unroll_layers_on_gpu(model, _Mesh(platform))
         assert stacks(model) and all(s.unroll is expected for s in stacks(model)), platform
+
+
+
+def test_scan_layers_keeps_the_scan_on_a_gpu_and_changes_the_cache_key(monkeypatch):
+    """$JPAGED_SCAN_LAYERS=1: a GPU keeps its LayerStack's scan; the executable cache's key says which
+    form was compiled (engine/start_up.model_fingerprint), so neither loads the other's executables."""
+    import types
+
+    import transformers
+
+    from jpaged.engine import start_up
+    from jpaged.models.stacked import SCAN_LAYERS_ENV, layers_form
+
+    llm = jpaged.LLM("tiny", enforce_eager=True, max_model_len=64, max_num_seqs=2, num_gpu_blocks_override=16)
+    engine = llm.llm_engine
+    runner = engine.runner
+    config = transformers.LlamaConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1)
+    fingerprints = {}
+    for scan in ("1", ""):
+        monkeypatch.setenv(SCAN_LAYERS_ENV, scan)
+        model = nnx.merge(runner.graphdef, runner.state)
+        unroll_layers_on_gpu(model, _Mesh("gpu"))
+        assert all(s.unroll is (not scan) for s in stacks(model)), scan
+        loaded = types.SimpleNamespace(hf_config=config, dtype=jnp.dtype(jnp.float32), model=model)
+        fingerprints[layers_form(model)] = start_up.model_fingerprint(engine.config, loaded, 64)
+    assert set(fingerprints) == {"scanned", "unrolled"} and len(set(fingerprints.values())) == 2

@@ -15,6 +15,7 @@ from jpaged import devices as device_platform
 from jpaged.config import HOST_ONLY_OPTIONS, EngineConfig
 from jpaged.engine.kv_pool_size import GIB, PoolSize, pool_size
 from jpaged.models.kv_cache import KVCacheSpec
+from jpaged.models.stacked import layers_form
 
 logger = logging.getLogger("jpaged.engine.llm_engine")  # the engine's own lines
 
@@ -180,10 +181,12 @@ def model_fingerprint(config: EngineConfig, loaded, max_model_len: int) -> str:
     """What shapes the compiled steps besides their arguments' shapes, jpaged's source and the
     devices (the executable cache keys those itself): the model's config (constants such as
     rope_theta and eps are baked in), dtype, the engine's options and the derived max_model_len
-    (LongRoPE picks its factors by it)."""
+    (LongRoPE picks its factors by it), and whether its stacked layers are unrolled ($JPAGED_SCAN_LAYERS
+    on a GPU: models/stacked.py)."""
     options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
                if f.name not in HOST_ONLY_OPTIONS and f.name != "devices"}
-    return "\n".join([loaded.hf_config.to_json_string(), loaded.dtype.name, repr(options), str(max_model_len)])
+    return "\n".join([loaded.hf_config.to_json_string(), loaded.dtype.name, repr(options), str(max_model_len),
+                      layers_form(loaded.model)])
 
 
 def log_start_up(config: EngineConfig, loaded, devices: list, pool: PoolSize, num_gpu_blocks: int,

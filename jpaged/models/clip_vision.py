@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged.models.layers import HFWeights, LayerNorm, Linear, WeightTarget, activation, fp32_precision, weight_param
-from jpaged.models.stacked import stack_params
+from jpaged.models.stacked import Unrollable, stack_params
 
 
 def quick_gelu(x):
@@ -81,12 +81,15 @@ class CLIPEncoderLayer(nnx.Module):
                 **self.layer_norm2.hf_weights(f"{prefix}.layer_norm2"), **self.mlp.hf_weights(f"{prefix}.mlp")}
 
 
-class VisionLayers(nnx.Module):
+class VisionLayers(nnx.Module, Unrollable):
     """Encoder layers with their weights stacked on a leading "layers" axis, run by a scan that
-    keeps each layer's output (a vision encoder has no KV cache: not models.layers.LayerStack)."""
+    keeps each layer's output (a vision encoder has no KV cache: not models.layers.LayerStack).
+    `unroll` (the loader sets it on a GPU, stacked.unroll_layers_on_gpu): unrolled, each layer's
+    GEMMs read its weights in place instead of a copy of them per image batch."""
 
     def __init__(self, make_layer, num_layers: int):
         self.num_layers = num_layers
+        self.unroll = False
         self.layer = make_layer()
         stack_params(self.layer, num_layers)
 
@@ -99,7 +102,7 @@ class VisionLayers(nnx.Module):
             x = nnx.merge(graphdef, layer_weights)(x)
             return x, x
 
-        _, outputs = jax.lax.scan(one_layer, x, weights)
+        _, outputs = jax.lax.scan(one_layer, x, weights, unroll=self.scan_unroll())
         return outputs
 
     def hf_weights(self, prefix) -> HFWeights:

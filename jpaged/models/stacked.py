@@ -1,5 +1,7 @@
 """Layers whose weights are stacked on a leading "layers" axis, for a `jax.lax.scan` over them."""
 
+import os
+
 from typing import TYPE_CHECKING, Callable
 
 import jax
@@ -22,7 +24,36 @@ def stack_params(layer: nnx.Module, num_layers: int):
             node.set_metadata(logical_axes=("layers",) + node.logical_axes)
 
 
-class LayerStack(nnx.Module):
+# Set (1, true): keep every scan over stacked layers on a GPU too (MaxText's scan_layers), instead of
+# unrolling it (unroll_layers_on_gpu): compiles ~1.8x faster; each step copies the layers' weights
+# out of the stack unless XLA's dynamic-slice fusion takes the slices (docs/PERF.md, "Warm-up
+# compile time, deviceless H200").
+SCAN_LAYERS_ENV = "JPAGED_SCAN_LAYERS"
+
+
+def scan_layers_on_gpu() -> bool:
+    """$JPAGED_SCAN_LAYERS: keep the scans on a GPU."""
+    return os.environ.get(SCAN_LAYERS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class Unrollable:
+    """A module that runs stacked layers under a scan, unrolled where its `unroll` is set (the loader
+    sets it on a GPU: unroll_layers_on_gpu): LayerStack, and the vision towers' VisionLayers and
+    EncoderStack."""
+
+    def scan_unroll(self) -> int | bool:
+        """`jax.lax.scan`'s unroll: every layer (static weight slices) or one (a loop)."""
+        return True if getattr(self, "unroll", False) else 1
+
+
+def layers_form(model: nnx.Module) -> str:
+    """How the model's stacked layers run: "unrolled", "scanned", or "" (none): the executable
+    cache's key takes it (engine/start_up.model_fingerprint)."""
+    forms = {bool(node.unroll) for _, node in nnx.iter_graph(model) if isinstance(node, Unrollable)}
+    return "" if not forms else "unrolled" if forms == {True} else "scanned" if forms == {False} else "mixed"
+
+
+class LayerStack(nnx.Module, Unrollable):
     """`num_layers` decoder layers as one layer whose weights carry a leading "layers" axis, run
     under `jax.lax.scan`: a step compiles one layer whatever the depth (MaxText's scan-layers).
 
@@ -69,7 +100,7 @@ class LayerStack(nnx.Module):
 
         aux = jnp.zeros((len(wanted),) + x.shape, x.dtype) if capture is not None else None
         (x, kv_cache, aux), _ = jax.lax.scan(one_layer, (x, kv_cache, aux), (weights, jnp.arange(self.num_layers)),
-                                             unroll=self.num_layers if self.unroll else 1)
+                                             unroll=self.scan_unroll())
         if capture is not None:
             capture["states"] = aux
         return x, kv_cache
@@ -84,9 +115,10 @@ class LayerStack(nnx.Module):
 
 
 def unroll_layers_on_gpu(model: nnx.Module, mesh) -> None:
-    """On a GPU, unroll every LayerStack's scan (LayerStack: the GEMMs then read each layer's
-    weights in place instead of a copy per step). The loader calls it on every model it builds."""
-    if mesh.devices.flat[0].platform == "gpu":
+    """On a GPU, unroll every scan over stacked layers (LayerStack, the vision towers' stacks: the
+    GEMMs then read each layer's weights in place instead of a copy per step), unless
+    $JPAGED_SCAN_LAYERS says to keep them. The loader calls it on every model it builds."""
+    if mesh.devices.flat[0].platform == "gpu" and not scan_layers_on_gpu():
         for _, node in nnx.iter_graph(model):
-            if isinstance(node, LayerStack):
+            if isinstance(node, Unrollable):
                 node.unroll = True

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged.models.layers import ACTIVATIONS, HFWeights, Linear, WeightTarget, fp32_precision
-from jpaged.models.stacked import stack_params
+from jpaged.models.stacked import Unrollable, stack_params
 
 
 def quick_gelu(x):
@@ -104,15 +104,17 @@ def apply_rotary(x, cos, sin):
     return (x32 * cos[:, None, :] + rotate_half(x32) * sin[:, None, :]).astype(x.dtype)
 
 
-class EncoderStack(nnx.Module):
+class EncoderStack(nnx.Module, Unrollable):
     """`num_layers` encoder blocks whose weights carry a leading "layers" axis, run by one
     `jax.lax.scan` (one block compiled whatever the depth). A block is called as
     block(x, shared, per_layer): `shared` the same for every layer (masks, rotary tables),
     `per_layer` this layer's row of the arrays given stacked over layers (e.g. Qwen2.5-VL's
-    full-attention flag)."""
+    full-attention flag). `unroll` (the loader sets it on a GPU, stacked.unroll_layers_on_gpu):
+    unrolled, each block's GEMMs read its weights in place instead of a copy per image batch."""
 
     def __init__(self, make_block: Callable[[], nnx.Module], num_layers: int):
         self.num_layers = num_layers
+        self.unroll = False
         self.block = make_block()
         stack_params(self.block, num_layers)
 
@@ -123,7 +125,7 @@ class EncoderStack(nnx.Module):
             layer_weights, row = scanned
             return nnx.merge(graphdef, layer_weights)(x, shared, row), None
 
-        x, _ = jax.lax.scan(one_block, x, (weights, per_layer))
+        x, _ = jax.lax.scan(one_block, x, (weights, per_layer), unroll=self.scan_unroll())
         return x
 
     def hf_weights(self, prefix: Callable[[int], str]) -> HFWeights:

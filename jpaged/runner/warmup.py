@@ -9,9 +9,13 @@ runner pads steps to ready buckets only, so serving never waits for a compile no
 itself. A compile that fails is logged and its shape left out; a request that needs it gets the
 error (ModelRunner._executable), the others go on with the shapes there are.
 
-The pipeline is the one warm-up had before: this thread traces and lowers the next executables
-(Python) while one worker thread runs XLA's compiles (C++, without the GIL), one at a time: on a
-GPU several compiles would autotune side by side, and tracing in several threads once hung in CI.
+The pipeline: this thread traces and lowers the executables in order (Python; tracing in several
+threads once hung in CI) while `compile_threads()` worker threads run XLA's compiles (C++, without
+the GIL) side by side, taken in order of need. A bucket is ready once all of its executables are
+in, whichever finished first. On a GPU one compile at a time by default: XLA autotunes each
+compile's fusions on the device, under a per-device lock, and compiles autotuning side by side
+have hit its profiler's DelayKernel timeouts (openxla/xla PRs 41399, 42347, 42415; docs/PERF.md,
+"Warm-up compile time, deviceless H200"). $JPAGED_WARMUP_COMPILE_THREADS sets the number anywhere.
 """
 
 import concurrent.futures
@@ -26,9 +30,35 @@ import jax
 
 logger = logging.getLogger(__name__)
 
+# The number of XLA compiles run side by side (default: compile_threads()).
+THREADS_ENV = "JPAGED_WARMUP_COMPILE_THREADS"
+MAX_COMPILE_THREADS = 8  # (each compile holds its own memory; XLA's compiler also has threads of its own)
+
 # Fault injection for the tests: compiles of keys whose repr contains one of these ';'-separated
 # strings fail (as a compiler error would).
 FAIL_ENV = "JPAGED_INJECT_COMPILE_FAILURE"
+
+
+def compile_threads(platform: str) -> int:
+    """How many compiles the warm-up runs side by side: $JPAGED_WARMUP_COMPILE_THREADS if set (at
+    least 1); else 1 on a GPU (autotuning on the device: the module's docstring), and on a CPU (or
+    a TPU) one per core this process may run on, at most MAX_COMPILE_THREADS."""
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if value:
+        try:
+            threads = int(value)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            raise ValueError(f"{THREADS_ENV} must be a whole number of at least 1, not {value!r}")
+        return threads
+    if platform in ("gpu", "cuda", "rocm"):
+        return 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_COMPILE_THREADS, cores))
 
 
 def need_order(buckets, forward_keys, base_keys: list) -> list:
@@ -136,9 +166,11 @@ def _renice_native_threads(nice: int | None = BACKGROUND_NICE, saved: dict | Non
 class WarmUp:
     """Compiles `keys` (in order) into `runner._executables`. `stop`: checked between shapes;
     in the foreground it raises SystemExit(0) (the server's start-up signal), in the background
-    the thread ends after the compile under way (whose cache file is written whole or not at all)."""
+    the thread ends after the compiles under way (whose cache files are written whole or not at
+    all). `threads`: compiles side by side (default: compile_threads() for the runner's devices)."""
 
-    def __init__(self, runner, keys: list, base_keys: list, stop: threading.Event | None = None):
+    def __init__(self, runner, keys: list, base_keys: list, stop: threading.Event | None = None,
+                 threads: int | None = None):
         # The runner, weakly: it holds its warm-up (`ModelRunner.warmup`), and a cycle would keep a
         # dropped engine's runner and KV pool (engine/start_up.freeze_heap). The thread holds it while it runs.
         self._runner = weakref.ref(runner)
@@ -154,6 +186,9 @@ class WarmUp:
         self._background = False
         self._reniced = None  # XLA's threads given BACKGROUND_NICE once steps can run: {id: former nice}
         self._renice_lock = threading.Lock()
+        self._lock = threading.Lock()  # the compile threads' results: executables, failed, _ready
+        mesh = getattr(runner, "mesh", None)
+        self.threads = threads or compile_threads(mesh.devices.flat[0].platform if mesh is not None else "cpu")
         failing = os.environ.get(FAIL_ENV, "")
         self._failing = [s for s in failing.split(";") if s]
 
@@ -188,10 +223,11 @@ class WarmUp:
 
     def _update(self):
         runner, have, failed = self.runner, self.executables, self.failed
-        if runner is not None and all(k in have or k in failed for k in self.base_keys):
-            buckets = runner.buckets
-            self._ready = [t for t in buckets.tokens
-                           if all(k in have for k in step_keys(buckets, runner.forward_keys, t))]
+        with self._lock:  # (compile threads finish side by side: the last to look writes the newest)
+            if runner is not None and all(k in have or k in failed for k in self.base_keys):
+                buckets = runner.buckets
+                self._ready = [t for t in buckets.tokens
+                               if all(k in have for k in step_keys(buckets, runner.forward_keys, t))]
         # Once steps can run, XLA's compile threads yield the cores to them; before, nothing serves,
         # and the first executables compile at full speed.
         if self._background and self._ready and not self.done.is_set():
@@ -227,7 +263,7 @@ class WarmUp:
         return self
 
     def shutdown(self, timeout: float | None = None):
-        """Stop after the compile under way (its file is written whole) and wait for it."""
+        """Stop after the compiles under way (their files are written whole) and wait for them."""
         self.stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
@@ -272,7 +308,7 @@ class WarmUp:
         if runner is None:  # dropped before its warm-up began
             return
         keys = [k for k in self.keys if k not in self.executables]
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jpaged-compile")
+        pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="jpaged-compile")
         try:
             with tqdm(total=len(keys), desc="Compiling step buckets", unit="shape",
                       disable=self._background) as bar:
@@ -307,10 +343,11 @@ class WarmUp:
                 for future in futures:
                     while not concurrent.futures.wait([future], timeout=0.25).done:
                         self._check_stop()
+                self._check_stop()  # (stopped while the last compiles ran: those queued returned at once)
         except SystemExit:
             if not self._background:
                 raise
-        finally:  # SIGTERM: the running compile finishes (its file written whole), the queued ones are dropped
+        finally:  # SIGTERM: the running compiles finish (their files written whole), the queued ones are dropped
             pool.shutdown(wait=True, cancel_futures=True)
             if not self._background:
                 self.done.set()
@@ -331,8 +368,9 @@ class WarmUp:
         self._add(key, executable, bar)
 
     def _add(self, key, executable, bar):
-        self.executables[key] = executable
-        bar.update()
+        with self._lock:
+            self.executables[key] = executable
+            bar.update()
         self._update()
 
     def _inject(self, key):
@@ -340,7 +378,8 @@ class WarmUp:
             raise RuntimeError(f"injected compile failure ({FAIL_ENV})")
 
     def _fail(self, key, error: Exception):
-        self.failed[key] = error
+        with self._lock:
+            self.failed[key] = error
         if self._background:
             logger.error("compiling step shape %s failed: %r; requests that need it get this error, the others are "
                          "served on the shapes there are", key, error, exc_info=error)
