@@ -43,6 +43,15 @@ class Proposer:
         (Scheduler.set_drafts), after the plan's block moves. `seed_of(params, seq)`: the seed
         the target's rows sample with."""
 
+    def after_dispatch(self, dispatched, runner) -> None:
+        """Right after a target step's dispatch (`dispatched`: its DispatchedStep), before any
+        host read: start the next step's drafts on the device from the tokens it samples (an
+        EAGLE head's chain, eagle_ahead.py)."""
+
+    def read_ahead(self, dispatched, runner) -> None:
+        """When `dispatched`'s sampled tokens are read: read the drafts `after_dispatch` started
+        for it, for the next step's `propose`."""
+
     # ------------------------------------------------------------------ the runner's hooks
     def attach(self, runner) -> None:
         """The target's runner, once built. A proposer that uses the target's weights (an EAGLE
