@@ -133,3 +133,38 @@ def test_speculative_steps_launch_without_device_reads_and_verify_the_last_steps
         assert event[2] == ready[event[1]][1][:len(event[2])]
         used += 1
     assert used > 10
+
+
+def test_a_failing_chain_leaves_the_next_step_without_drafts(head, shared_llm):
+    """The head's chain fails to dispatch once, then its output fails to read once: each time the
+    next step verifies no drafts (a warning), the outputs are those without speculation."""
+    prompts = [[5, 6, 7, 8, 9], [100, 3, 4, 17]]
+    sp = jpaged.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = generate(shared_llm("tiny", enforce_eager=True, **LIMITS), prompts, sp)
+    llm = jpaged.LLM("tiny", speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3},
+                     enforce_eager=True, **LIMITS)
+    proposer, scheduler = llm.llm_engine.runner.proposer, llm.llm_engine.scheduler
+    run_ahead, calls, given = proposer.runner.run_ahead, [], []
+
+    class Unreadable:
+        def __array__(self, dtype=None, copy=None):
+            raise RuntimeError("the chain's output is lost")
+
+    def failing(*args):
+        calls.append(len(calls))
+        if len(calls) == 3:
+            raise RuntimeError("the chain failed to dispatch")
+        out = run_ahead(*args)
+        return Unreadable() if len(calls) == 5 else out
+
+    set_drafts = scheduler.set_drafts
+
+    def recording(plan, scheduled, tokens):
+        given.append((len(calls), list(tokens)))
+        return set_drafts(plan, scheduled, tokens)
+
+    proposer.runner.run_ahead, scheduler.set_drafts = failing, recording
+    assert generate(llm, prompts, sp) == expected
+    assert all(not tokens for n, tokens in given if n in (3, 5))  # after the failures: none
+    assert any(tokens for n, tokens in given if n not in (3, 5))
+    assert llm.stats()["spec_decode_num_draft_tokens"] > 0

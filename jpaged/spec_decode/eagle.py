@@ -20,10 +20,15 @@ fewer drafts are accepted there, the output is unchanged.) Steps above disable_b
 skip all of it (the runner's forward without hidden states, no fill): their entries stay stale,
 and the first step after them drafts nothing (`last_prepared` is None), then drafting resumes.
 
-A step's drafts (`propose`, after scheduling and the block moves): for each speculating sequence,
-the last step's row that sampled its last token gives the first draft and the midlayer's output;
-k - 1 more midlayer steps, each fed its own last draft and output, give the rest, in one device
-call (a chain), writing the head's pages at the reserved slots (rewritten by the next step).
+A step's drafts come from the step before it, as vLLM v1's (eagle_ahead.py): right after a target
+step's dispatch (`after_dispatch`: its sampler and the fill on their way, no host read between),
+the chain: for each speculating sequence, the row that sampled its new last token (the accepted
+count worked out on the device) gives the first draft and the midlayer's output; k - 1 more
+midlayer steps, each fed its own last draft and output, give the rest, in one device call,
+writing the head's K/V to scratch blocks past the target's (the real pages keep the fill's
+entries). Its output is read with the step's tokens (`read_ahead`, into `ready`); the next
+step's `propose` (after scheduling, which reserves DRAFT_PENDING) puts those drafts in with no
+device call, where they follow the sequence as it now stands.
 Drafts are the head's argmax: verification (the exact scheme, spec_decode/__init__.py) keeps the
 target's own draws whatever the drafts are.
 """
@@ -82,7 +87,8 @@ def _shared_state(modules: dict) -> nnx.State:
 
 class EagleRunner(ModelRunner):
     """The head's pages and executables: a ModelRunner over the head (block copies, swaps and
-    the executable cache as the target's), whose steps are `fill` and `chain`."""
+    the executable cache as the target's), whose steps are `fill` and eagle_ahead's `chain_ahead`;
+    its pool has the chain's scratch blocks past the target's block ids."""
 
     def __init__(self, head: EagleHead, num_steps: int, target_lora: bool, executable_cache, **shape):
         # Past the target's block ids: the chain's scratch blocks (eagle_ahead.py), per chain row.
@@ -161,8 +167,8 @@ class EagleRunner(ModelRunner):
 
 
 class EagleProposer(RunnerProposer):
-    """Drafts after scheduling (the plan reserves k slots per speculating sequence), from the
-    target's hidden states through the head's EagleRunner (`runner`)."""
+    """Drafts after each target step for the next (eagle_ahead.py; the plan reserves k slots per
+    speculating sequence), from the target's hidden states through the head's EagleRunner (`runner`)."""
 
     needs_hidden_states = True
 
