@@ -13,6 +13,7 @@ the host's side is what is measured). On a GPU: --model DIR --eagle3 HEAD (scrip
 import argparse
 import json
 import os
+import pathlib
 import statistics
 import sys
 import tempfile
@@ -87,7 +88,7 @@ def main() -> int:
     if head is None:
         from eagle3_head import write_head
         from jpaged.models import tiny
-        head = write_head(os.path.join(tempfile.mkdtemp(), "head"), tiny.tiny_config())
+        head = str(write_head(pathlib.Path(tempfile.mkdtemp()) / "head", tiny.tiny_config()))
     llm = jpaged.LLM(args.model, speculative_config={"method": "eagle3", "model": head,
                                                      "num_speculative_tokens": args.k},
                      max_model_len=512, max_num_seqs=max(args.batch, 8), max_num_batched_tokens=512,
