@@ -168,3 +168,18 @@ def test_a_failing_chain_leaves_the_next_step_without_drafts(head, shared_llm):
     assert all(not tokens for n, tokens in given if n in (3, 5))  # after the failures: none
     assert any(tokens for n, tokens in given if n not in (3, 5))
     assert llm.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_drafts_up_to_max_model_len(head, shared_llm):
+    """Sequences that run up to max_model_len (the chain's last positions past the block table,
+    its scratch blocks crossing block boundaries: blocks of 8): the outputs without speculation."""
+    limits = dict(max_model_len=40, max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=64,
+                  block_size=8)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [100, 3, 4, 17, 29, 31, 2, 2, 9, 44, 45, 46, 47]]
+    sp = [jpaged.SamplingParams(temperature=0, max_tokens=40 - len(p), ignore_eos=True) for p in prompts]
+    expected = generate(shared_llm("tiny", enforce_eager=True, **limits), prompts, sp)
+    llm = jpaged.LLM("tiny", speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 4},
+                     enforce_eager=True, **limits)
+    assert generate(llm, prompts, sp) == expected
+    assert [len(e) for e in expected] == [40 - len(p) for p in prompts]
+    assert llm.stats()["spec_decode_num_draft_tokens"] > 0
