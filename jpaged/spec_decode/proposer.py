@@ -4,7 +4,9 @@ A proposer drafts at one of two times. At scheduling (`draft`: host-only propose
 n-gram lookup), the drafts go straight into the plan. After scheduling and the step's block moves
 (`drafts_after_scheduling`: a draft model, whose K/V writes need the slots the scheduler
 allocates), the scheduler reserves DRAFT_PENDING placeholders and `propose` puts the drafts in
-(`Scheduler.set_drafts`).
+(`Scheduler.set_drafts`). A proposer may compute them a step early on the device, right after
+the target step that sampled (`after_dispatch`, read with that step's tokens by `read_ahead`: an
+EAGLE head, eagle_ahead.py), so that `propose` makes no device call.
 
 A proposer with device state hooks into the target's runner (jpaged/runner/model_runner.py), which
 calls the hooks and knows nothing else of it: `shared_pools` are KV pools addressed by the
