@@ -409,8 +409,9 @@ def eagle_head() -> str:
 
 
 def eagle_cases(eagle, backend, name):
-    """An EAGLE head's pass over a target step (its pages) and its 3-draft chain."""
+    """An EAGLE head's pass over a target step (its pages) and its 3-draft chain (eagle_ahead.py)."""
     from jpaged.spec_decode import eagle as eagle_module
+    from jpaged.spec_decode import eagle_ahead
 
     graphdef, (state, shared), kv_cache, (_, block_table) = _abstract_model(eagle)
     layout = layout_of(eagle._abstract_inputs(32))
@@ -422,10 +423,12 @@ def eagle_cases(eagle, backend, name):
         lambda f=fill, a=args: lower_for_cuda(f, *a, donate_argnums=(2,))), backend
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     rows = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), eagle.rows)
-    chain = functools.partial(eagle_module.chain, graphdef, num_steps=eagle.num_chain_steps)
-    args = (state, shared, kv_cache, rows, i32((8,)), i32((8,)), i32((8, eagle.buckets.width)),
-            i32((eagle.num_chain_steps, 8)))
-    yield f"{name} draft chain {backend} seqs=8 drafts=3", (
+    chain = functools.partial(eagle_ahead.chain_ahead, graphdef, num_steps=eagle.num_chain_steps,
+                              block_size=eagle.block_size, scratch_base=eagle.scratch_base,
+                              blocks_per_seq=eagle.blocks_per_seq)
+    k = eagle.num_chain_steps + 1
+    args = (state, shared, kv_cache, rows, block_table, i32((8,)), i32((8, k + 1)), i32((8, k)), i32((8,)), i32((8,)))
+    yield f"{name} draft chain after the step {backend} seqs=8 drafts={k}", (
         lambda f=chain, a=args: lower_for_cuda(f, *a, donate_argnums=(2,))), backend
 
 

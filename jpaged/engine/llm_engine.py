@@ -384,6 +384,7 @@ class LLMEngine:
                     self.proposer.propose(plan, self.scheduler, self.runner, self.runner.step_builder.seed_of)
             lora_slots = self.lora_manager.slots_of(plan.scheduled_seq_groups) if self.lora_manager else {}
             dispatched = self.runner.execute(plan, lora_slots, multi_step)
+            self.runner.proposer.after_dispatch(dispatched, self.runner)  # (EAGLE: the next step's drafts)
         except Exception as e:
             outputs = self._complete(previous) if previous is not None else []
             groups = [s.seq_group for s in plan.scheduled_seq_groups]
@@ -416,6 +417,7 @@ class LLMEngine:
                     failed[group.request_id] = (group, e)
                     continue
                 results.append((scheduled, read[h], row))
+            self.runner.proposer.read_ahead(dispatched, self.runner)
         detokenized = self.detokenizer.seconds if self.detokenizer is not None else 0.0
         with clock.phase("update"):
             failed.update(self.scheduler.update_from_output(results, dispatched.plan.lane))

@@ -18,7 +18,8 @@ keeps exactly the target's distribution.
                 against the target
   eagle.py      EagleProposer: the head's pages (one layer, the target's block ids), its pass over
                 every target step (the target's hidden states entering three of its layers, or its
-                output) and its k-draft chain on the device, after scheduling
+                output) and its k-draft chain on the device (eagle_ahead.py), dispatched right
+                after the target step that sampled, its drafts read with that step's tokens
   speculator.py which sequences speculate and how many drafts they take this step, and the
                 counters (stats(), Prometheus); the acceptance is Scheduler._accept's
 

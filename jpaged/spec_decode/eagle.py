@@ -20,10 +20,15 @@ fewer drafts are accepted there, the output is unchanged.) Steps above disable_b
 skip all of it (the runner's forward without hidden states, no fill): their entries stay stale,
 and the first step after them drafts nothing (`last_prepared` is None), then drafting resumes.
 
-A step's drafts (`propose`, after scheduling and the block moves): for each speculating sequence,
-the last step's row that sampled its last token gives the first draft and the midlayer's output;
-k - 1 more midlayer steps, each fed its own last draft and output, give the rest, in one device
-call (a chain), writing the head's pages at the reserved slots (rewritten by the next step).
+A step's drafts come from the step before it, as vLLM v1's (eagle_ahead.py): right after a target
+step's dispatch (`after_dispatch`: its sampler and the fill on their way, no host read between),
+the chain: for each speculating sequence, the row that sampled its new last token (the accepted
+count worked out on the device) gives the first draft and the midlayer's output; k - 1 more
+midlayer steps, each fed its own last draft and output, give the rest, in one device call,
+writing the head's K/V to scratch blocks past the target's (the real pages keep the fill's
+entries). Its output is read with the step's tokens (`read_ahead`, into `ready`); the next
+step's `propose` (after scheduling, which reserves DRAFT_PENDING) puts those drafts in with no
+device call, where they follow the sequence as it now stands.
 Drafts are the head's argmax: verification (the exact scheme, spec_decode/__init__.py) keeps the
 target's own draws whatever the drafts are.
 """
@@ -38,11 +43,12 @@ import numpy as np
 from flax import nnx
 
 from jpaged.config import MAX_LOGPROBS
-from jpaged.models.forward_context import AttentionMetadata, ForwardContext, forward_context
-from jpaged.runner.buckets import BLOCK_OP_SIZES, BLOCK_OPS, fit
+from jpaged.models.forward_context import ForwardContext, forward_context
+from jpaged.runner.buckets import BLOCK_OP_SIZES, BLOCK_OPS
 from jpaged.runner.input_batch import layout_of, unpack
 from jpaged.runner.step_functions import resolve
 from jpaged.runner.model_runner import ModelRunner
+from jpaged.spec_decode.eagle_ahead import ahead_inputs, chain_ahead, scratch_blocks_per_seq
 from jpaged.spec_decode.eagle_head import EagleHead
 from jpaged.spec_decode.proposer import DRAFT_PENDING, RunnerProposer
 
@@ -69,31 +75,8 @@ def fill(graphdef, state, shared, kv_cache, packed, hidden, sampled, block_table
         out, kv_cache = head(aux, next_ids, inputs.positions, kv_cache)
     rows_out = out[inputs.logits_indices]
     pad = max_rows - num_rows
-    return kv_cache, (jnp.pad(rows_out, ((0, pad), (0, 0))), jnp.pad(head.draft(rows_out), (0, pad)))
-
-
-def chain(graphdef, state, shared, kv_cache, rows_state, rows, positions, block_tables, slots, *, num_steps: int):
-    """Drafts of `rows`' sequences (their rows in the last step's `rows_state`): the first from
-    there, then `num_steps` midlayer steps at positions + j (slots[j]; -1: padding): [1 + steps, seqs]."""
-    head = nnx.merge(graphdef, state, shared)
-    outs, drafts = rows_state
-    hidden, draft = outs[rows], drafts[rows]
-    live = positions >= 0
-    num_seqs = rows.shape[0]
-
-    def one_step(carry, j):
-        kv_cache, hidden, draft = carry
-        attn = AttentionMetadata(slots[j], block_tables, jnp.where(live, positions + j + 1, 0),
-                                 jnp.arange(num_seqs + 1, dtype=jnp.int32), True, jnp.int32(0))
-        with forward_context(ForwardContext(attn=attn)):
-            hidden, kv_cache = head.step(draft, hidden, jnp.maximum(positions, 0) + j, kv_cache)
-        draft = head.draft(hidden)
-        return (kv_cache, hidden, draft), draft
-
-    if num_steps == 0:  # k = 1: the first draft alone
-        return draft[None], kv_cache
-    (kv_cache, _, _), later = jax.lax.scan(one_step, (kv_cache, hidden, draft), jnp.arange(num_steps))
-    return jnp.concatenate([draft[None], later]), kv_cache
+    return kv_cache, (jnp.pad(rows_out, ((0, pad), (0, 0))), jnp.pad(head.draft(rows_out), (0, pad)),
+                      jnp.pad(tokens, (0, pad)))
 
 
 def _shared_state(modules: dict) -> nnx.State:
@@ -104,16 +87,21 @@ def _shared_state(modules: dict) -> nnx.State:
 
 class EagleRunner(ModelRunner):
     """The head's pages and executables: a ModelRunner over the head (block copies, swaps and
-    the executable cache as the target's), whose steps are `fill` and `chain`."""
+    the executable cache as the target's), whose steps are `fill` and eagle_ahead's `chain_ahead`;
+    its pool has the chain's scratch blocks past the target's block ids."""
 
     def __init__(self, head: EagleHead, num_steps: int, target_lora: bool, executable_cache, **shape):
+        # Past the target's block ids: the chain's scratch blocks (eagle_ahead.py), per chain row.
+        self.blocks_per_seq = scratch_blocks_per_seq(num_steps, head.kv_cache_spec.block_size)
+        self.scratch_base = shape["num_gpu_blocks"]
+        shape = {**shape, "num_gpu_blocks": shape["num_gpu_blocks"] + shape["max_num_seqs"] * self.blocks_per_seq}
         super().__init__(head.loaded, head.kv_cache_spec, **shape, executable_cache=executable_cache)
         self.num_chain_steps, self.target_lora = num_steps, target_lora
         self.max_rows = self.buckets.sample_rows(self.buckets.tokens[-1])
         hidden = head.loaded.hf_config.hidden_size
         rep, pool = self._replicated, jax.tree.map(lambda x: x.sharding, self.kv_cache)
         self.rows = (jnp.zeros((self.max_rows, hidden), self.dtype, device=rep),
-                     jnp.zeros(self.max_rows, jnp.int32, device=rep))
+                     jnp.zeros(self.max_rows, jnp.int32, device=rep), jnp.zeros(self.max_rows, jnp.int32, device=rep))
         model = head.loaded.model
         self.aux_width = model.num_aux * hidden
         # The head's own weights apart from the target's modules it calls (`shared`): those are
@@ -124,9 +112,11 @@ class EagleRunner(ModelRunner):
         self.loaded_shared = _shared_state({name: loaded_shared[name] for name in self.shared_names})
         self.target = None
         self._fill = lambda layout: jax.jit(functools.partial(fill, self.graphdef, layout=layout, max_rows=self.max_rows),
-                                            donate_argnums=(2,), out_shardings=(pool, (rep, rep)))
-        self._chain = jax.jit(functools.partial(chain, self.graphdef, num_steps=num_steps), donate_argnums=(2,),
-                              out_shardings=(rep, pool))
+                                            donate_argnums=(2,), out_shardings=(pool, (rep, rep, rep)))
+        self._ahead = jax.jit(functools.partial(chain_ahead, self.graphdef, num_steps=num_steps,
+                                                block_size=self.block_size, scratch_base=self.scratch_base,
+                                                blocks_per_seq=self.blocks_per_seq),
+                              donate_argnums=(2,), out_shardings=(rep, pool))
 
     def shared(self) -> nnx.State:
         """The target's modules the head calls, as the target's runner holds them now."""
@@ -144,7 +134,7 @@ class EagleRunner(ModelRunner):
             for size in self.output_sizes(tokens):
                 yield ("eagle_fill", tokens, size)
         for seqs in self.buckets.decode_tokens:
-            yield ("eagle_chain", seqs)
+            yield ("eagle_ahead", seqs)
         for op in BLOCK_OPS:
             for num_blocks in BLOCK_OP_SIZES:
                 yield (op, num_blocks)
@@ -158,10 +148,10 @@ class EagleRunner(ModelRunner):
             hidden = (jax.ShapeDtypeStruct((tokens, self.aux_width), self.dtype, sharding=rep), i32((tokens,)))
             return self._fill(layout), (self.state, self.loaded_shared, self.kv_cache, self._packed(layout), hidden,
                                         i32((size,)), self.block_table)
-        if key[0] == "eagle_chain":
-            seqs = key[1]
-            return self._chain, (self.state, self.loaded_shared, self.kv_cache, self.rows, i32((seqs,)), i32((seqs,)),
-                                 i32((seqs, self.buckets.width)), i32((self.num_chain_steps, seqs)))
+        if key[0] == "eagle_ahead":
+            seqs, k = key[1], self.num_chain_steps + 1
+            return self._ahead, (self.state, self.loaded_shared, self.kv_cache, self.rows, self.block_table,
+                                 i32((seqs,)), i32((seqs, k + 1)), i32((seqs, k)), i32((seqs,)), i32((seqs,)))
         return super()._jitted_and_args(key)
 
     def run_fill(self, num_tokens: int, inputs, hidden, sampled, block_table):
@@ -169,15 +159,16 @@ class EagleRunner(ModelRunner):
         self.kv_cache, self.rows = self._executable(("eagle_fill", num_tokens, sampled.shape[0]))(
             self.state, self.shared(), self.kv_cache, inputs, (aux.astype(self.dtype), ids), sampled, block_table)
 
-    def run_chain(self, rows, positions, block_tables, slots):
-        drafts, self.kv_cache = self._executable(("eagle_chain", len(rows)))(
-            self.state, self.shared(), self.kv_cache, self.rows, rows, positions, block_tables, slots)
-        return drafts
+    def run_ahead(self, block_table, *arrays):
+        """`chain_ahead` over the last fill (eagle_ahead.py): its output stays on the device."""
+        out, self.kv_cache = self._executable(("eagle_ahead", len(arrays[0])))(
+            self.state, self.shared(), self.kv_cache, self.rows, block_table, *arrays)
+        return out
 
 
 class EagleProposer(RunnerProposer):
-    """Drafts after scheduling (the plan reserves k slots per speculating sequence), from the
-    target's hidden states through the head's EagleRunner (`runner`)."""
+    """Drafts after each target step for the next (eagle_ahead.py; the plan reserves k slots per
+    speculating sequence), from the target's hidden states through the head's EagleRunner (`runner`)."""
 
     needs_hidden_states = True
 
@@ -186,6 +177,8 @@ class EagleProposer(RunnerProposer):
         self.aux_hidden_layers = head.aux_layers
         self.k = shape["num_speculative_tokens"]
         self.runner = EagleRunner(head, self.k - 1, target_lora, executable_cache, **shape)
+        self.ahead = []  # (plan, [(seq ids, the chain's output on the device)]) of dispatched steps not read yet
+        self.ready = {}  # the last read step's drafts: seq_id -> (position of the token they follow, drafts)
 
     # ------------------------------------------------------------------ the runner's hooks
     def attach(self, runner):
@@ -195,79 +188,61 @@ class EagleProposer(RunnerProposer):
         self.runner.run_fill(num_tokens, inputs, hidden, sampled, block_table)
 
     def device_ops(self) -> dict:
-        return {"eagle_chain": self.runner.run_chain}
+        return {"eagle_ahead": self._run_ahead}
+
+    def _run_ahead(self, *arrays):
+        return self.runner.run_ahead(self.runner.target.block_table, *arrays)
 
     def warm_up(self, stop=None):
         self.runner.warm_up(stop, list(self.runner.keys()))
 
     # ------------------------------------------------------------------ drafts
-    def propose(self, plan, scheduler, runner, seed_of):
-        """The drafts of the groups `plan` reserved them for (DRAFT_PENDING), into the plan. A
-        sequence the last target step did not sample its last token in (just swapped in) takes
-        none this step; if the chain fails, none does."""
-        pending = [s for s in plan.scheduled_seq_groups if s.spec_token_ids[:1] == [DRAFT_PENDING]]
-        if not pending:
+    def after_dispatch(self, dispatched, runner):
+        """Right after a target step's dispatch (its sampler and the head's fill on their way):
+        the chain from the tokens it samples, for the next step (eagle_ahead.py), dispatched with
+        no host read. Not after a step that skipped the hooks or speculation, nor one re-run
+        group by group (a failed batch); if dispatching fails, the next step drafts nothing."""
+        self.ahead = [(plan, chunks) for plan, chunks in self.ahead if plan is not dispatched.plan][-1:]
+        step = runner.last_prepared
+        if step is None or dispatched.plan.spec_disabled or len(dispatched.handles) != 1 or not dispatched.results:
             return
-        drafts = [[] for _ in pending]
         try:
-            found = self._rows_in_last_step(pending, scheduler, runner)
-            if found:
-                chained = self._chain(runner, [pending[i] for i, _ in found], [r for _, r in found], scheduler)
-                for (i, _), tokens in zip(found, chained):
-                    drafts[i] = tokens
+            chunks = [(part.seq_ids, runner.dispatch_op("eagle_ahead", *part.arrays))
+                      for part in ahead_inputs(dispatched, step, runner.input_batch, self.k, self.runner.buckets)]
         except Exception as e:
             if not runner.is_alive():
                 raise
-            logger.warning("the EAGLE head's proposals failed (%r): this step verifies no drafts", e)
-            drafts = [[] for _ in pending]
-        for scheduled, tokens in zip(pending, drafts):
-            scheduler.set_drafts(plan, scheduled, tokens)
+            logger.warning("the EAGLE head's proposals failed (%r): the next step verifies no drafts", e)
+            return
+        if chunks:
+            self.ahead.append((dispatched.plan, chunks))
 
-    @staticmethod
-    def _rows_in_last_step(pending, scheduler, runner) -> list[tuple[int, int]]:
-        """(index in `pending`, sampling row of the last target step that sampled its last token)."""
-        step = runner.last_prepared
-        if step is None:
-            return []
-        inputs, n = step.inputs, len(step.rows)
-        seq_index = {int(r): i for i, r in enumerate(step.rows)}
-        qsl, li = inputs.attn.query_start_loc, inputs.logits_indices[:step.num_rows]
-        found = []
-        for i, scheduled in enumerate(pending):
-            seq = scheduled.seqs[0]
-            j = seq_index.get(runner.input_batch.row_of.get(seq.seq_id, -1))
-            if j is None or j >= n:
-                continue
-            token = qsl[j] + (seq.get_len() - 2 - inputs.positions[qsl[j]])
-            if not qsl[j] <= token < qsl[j + 1]:
-                continue
-            hits = np.flatnonzero(li == token)
-            if len(hits):
-                found.append((i, int(hits[-1])))
-        return found
+    def read_ahead(self, dispatched, runner):
+        """With the step's sampled tokens: the drafts its chain computed, kept for the next
+        schedule (`ready`: seq_id -> (the position of the last token they follow, drafts))."""
+        mine = [chunks for plan, chunks in self.ahead if plan is dispatched.plan]
+        self.ahead = [(plan, chunks) for plan, chunks in self.ahead if plan is not dispatched.plan]
+        self.ready = {}
+        if not mine:
+            return
+        try:
+            for seq_ids, out in mine[0]:
+                out = np.asarray(out)
+                for i, seq_id in enumerate(seq_ids):
+                    self.ready[seq_id] = (int(out[-1, i]), out[:-1, i].tolist())
+        except Exception as e:
+            if not runner.is_alive():
+                raise
+            logger.warning("the EAGLE head's proposals failed (%r): the next step verifies no drafts", e)
+            self.ready = {}
 
-    def _chain(self, runner, scheduled, rows, scheduler) -> list[list[int]]:
-        eagle = self.runner
-        chunk = eagle.buckets.decode_tokens[-1]
-        out = []
-        for start in range(0, len(scheduled), chunk):
-            part, part_rows = scheduled[start:start + chunk], rows[start:start + chunk]
-            seqs = fit(eagle.buckets.decode_tokens, len(part))
-            row_arr = np.zeros(seqs, np.int32)
-            row_arr[:len(part)] = part_rows
-            positions = np.full(seqs, -1, np.int32)
-            tables = np.zeros((seqs, eagle.buckets.width), np.int32)
-            slots = np.full((eagle.num_chain_steps, seqs), -1, np.int32)
-            steps = []
-            for i, s in enumerate(part):
-                seq = s.seqs[0]
-                table = scheduler.block_manager.get_block_table(seq)
-                tables[i, :len(table)] = table
-                positions[i] = seq.get_len() - 1  # the last token's: the chain's first step
-                steps.append(len(s.spec_token_ids))
-                for j in range(min(eagle.num_chain_steps, steps[-1] - 1)):
-                    pos = positions[i] + j
-                    slots[j, i] = table[pos // eagle.block_size] * eagle.block_size + pos % eagle.block_size
-            drafts = np.asarray(runner.dispatch_op("eagle_chain", row_arr, positions, tables, slots))
-            out += [drafts[:k, i].tolist() for i, k in enumerate(steps)]
-        return out
+    def propose(self, plan, scheduler, runner, seed_of):
+        """The drafts of the groups `plan` reserved them for (DRAFT_PENDING), into the plan: those
+        the last step's chain computed (`ready`, no device call), where they follow the
+        sequence's last token (none for a sequence that step did not sample, e.g. just swapped in)."""
+        for scheduled in plan.scheduled_seq_groups:
+            if scheduled.spec_token_ids[:1] == [DRAFT_PENDING]:
+                seq = scheduled.seqs[0]
+                position, drafts = self.ready.get(seq.seq_id, (-1, []))
+                valid = position == seq.get_len() - 1 and not seq.num_pending_tokens
+                scheduler.set_drafts(plan, scheduled, drafts[:len(scheduled.spec_token_ids)] if valid else [])

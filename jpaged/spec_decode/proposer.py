@@ -4,7 +4,9 @@ A proposer drafts at one of two times. At scheduling (`draft`: host-only propose
 n-gram lookup), the drafts go straight into the plan. After scheduling and the step's block moves
 (`drafts_after_scheduling`: a draft model, whose K/V writes need the slots the scheduler
 allocates), the scheduler reserves DRAFT_PENDING placeholders and `propose` puts the drafts in
-(`Scheduler.set_drafts`).
+(`Scheduler.set_drafts`). A proposer may compute them a step early on the device, right after
+the target step that sampled (`after_dispatch`, read with that step's tokens by `read_ahead`: an
+EAGLE head, eagle_ahead.py), so that `propose` makes no device call.
 
 A proposer with device state hooks into the target's runner (jpaged/runner/model_runner.py), which
 calls the hooks and knows nothing else of it: `shared_pools` are KV pools addressed by the
@@ -42,6 +44,15 @@ class Proposer:
         """The drafts of the groups `plan` reserved DRAFT_PENDING for, into the plan
         (Scheduler.set_drafts), after the plan's block moves. `seed_of(params, seq)`: the seed
         the target's rows sample with."""
+
+    def after_dispatch(self, dispatched, runner) -> None:
+        """Right after a target step's dispatch (`dispatched`: its DispatchedStep), before any
+        host read: start the next step's drafts on the device from the tokens it samples (an
+        EAGLE head's chain, eagle_ahead.py)."""
+
+    def read_ahead(self, dispatched, runner) -> None:
+        """When `dispatched`'s sampled tokens are read: read the drafts `after_dispatch` started
+        for it, for the next step's `propose`."""
 
     # ------------------------------------------------------------------ the runner's hooks
     def attach(self, runner) -> None:
