@@ -238,8 +238,8 @@ def forward_cases(families_here=("pallas", "mosaic")):
         weights = spec.removeprefix("weights:") if spec and spec.startswith("weights:") else None
         spec = None if lora or weights else spec
         config = {"method": spec, "num_speculative_tokens": 3, **({"model": "tiny"} if spec == "draft_model" else
-                                                                  {"model": eagle3_head()} if spec == "eagle3" else
-                                                                  {"model": eagle_head()} if spec == "eagle" else {})}
+                                                                  {"model": eagle_head(3)} if spec == "eagle3" else
+                                                                  {"model": eagle_head(1)} if spec == "eagle" else {})}
         model = "tiny" if weights in (None, "fp8", "int8") else os.path.join(ROOT, "tests", "data",
                                                                               f"llmcompressor-{weights}")
         llm = engine(model, dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8,
@@ -383,29 +383,18 @@ def check_mosaic_refused() -> None:
 
 
 @functools.cache
-def eagle3_head() -> str:
-    """A random EAGLE-3 head for the tiny model, in the public layout (tests/eagle3_head.py)."""
+def eagle_head(version: int = 3) -> str:
+    """A random EAGLE-3 (or EAGLE-1/2) head for the tiny model, in the public layout
+    (tests/eagle3_head.py)."""
     import pathlib
     import tempfile
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from eagle3_head import write_head
+    import eagle3_head
     from jpaged.models import tiny
 
-    return write_head(pathlib.Path(tempfile.mkdtemp()) / "head", tiny.tiny_config())
-
-
-@functools.cache
-def eagle_head() -> str:
-    """A random EAGLE-1/2 head for the tiny model, in the public layout (tests/eagle3_head.py)."""
-    import pathlib
-    import tempfile
-
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from eagle3_head import write_eagle_head
-    from jpaged.models import tiny
-
-    return write_eagle_head(pathlib.Path(tempfile.mkdtemp()) / "head", tiny.tiny_config())
+    write = eagle3_head.write_head if version == 3 else eagle3_head.write_eagle_head
+    return write(pathlib.Path(tempfile.mkdtemp()) / "head", tiny.tiny_config())
 
 
 def eagle_cases(eagle, backend, name):
