@@ -327,18 +327,11 @@ def ragged_paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_len
     below the tile's first query, skip the mask's iota, compares and selects). Either takes the
     per-row mask (_attend's row_limits); the default is the kernel as measured on 2026-11-28."""
     check_supported(q, k_pages)
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, num_pages, page_size, _ = k_pages.shape
-    group = num_heads // num_kv_heads
-    gp = tiling.next_pow2(group)
-    tile = ROWS // gp
-    block = _block_keys(page_size, block_keys)
-    tables, (seq, tok0, pos0, n_rows), num_keys, _ = tiling.ragged_plan(
-        block_tables, num_pages, page_size, block // page_size, query_start_loc, context_lens, num_tokens, tile)
+    head_dim, (num_kv_heads, _, page_size, _) = q.shape[2], k_pages.shape
+    tables, seq, pos0, num_keys, qt, tile, block = query_tiles(
+        q, k_pages, block_tables, context_lens, query_start_loc, ROWS, block_keys)
     num_tiles = seq.shape[0]
-    qt = tiling.gather_query_tiles(q, tok0, n_rows, tile)
-    qt = qt.reshape(num_tiles, tile, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
-    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, gp - group), (0, 0), (0, 0))).reshape(num_tiles, num_kv_heads, ROWS, head_dim)
+    qt = qt.reshape(num_tiles, num_kv_heads, ROWS, head_dim)
     scale = default_scale(scale, head_dim)
 
     def kernel(seq_ref, pos0_ref, keys_ref, table_ref, q_ref, k_ref, v_ref, o_ref, o_smem, q_bar, q_smem, *scratch):
@@ -369,6 +362,34 @@ def ragged_paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_len
         interpret=_interpret_params(interpret),
         kernel_name="jpaged_ragged_prefill_mosaic",
     )(seq, pos0, num_keys, tables, qt, k_pages, v_pages)
-    out = out.reshape(num_tiles, num_kv_heads, gp, tile, head_dim)[:, :, :group].transpose(0, 3, 1, 2, 4)
-    return tiling.scatter_tiles_to_tokens(out.reshape(num_tiles, tile, num_heads, head_dim), query_start_loc,
-                                          num_tokens, tile)
+    return tokens_from_tiles(out, q, query_start_loc, tile)
+
+
+def query_tiles(q, k_pages, block_tables, context_lens, query_start_loc, rows: int, block_keys):
+    """A ragged prefill's plan in tiles of `rows` query rows (tile = rows / next_pow2(group) tokens
+    times the group's heads, head-major, the group padded to a power of two): the tables, each
+    tile's sequence, first position and keys, the query tiles [tiles, kv heads, padded group,
+    tile, head_dim], the tile's tokens and the keys per pipeline block."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    group = num_heads // num_kv_heads
+    gp = tiling.next_pow2(group)
+    tile = rows // gp
+    block = _block_keys(page_size, block_keys)
+    tables, (seq, tok0, pos0, n_rows), num_keys, _ = tiling.ragged_plan(
+        block_tables, num_pages, page_size, block // page_size, query_start_loc, context_lens, num_tokens, tile)
+    num_tiles = seq.shape[0]
+    qt = tiling.gather_query_tiles(q, tok0, n_rows, tile)
+    qt = qt.reshape(num_tiles, tile, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, gp - group), (0, 0), (0, 0)))
+    return tables, seq, pos0, num_keys, qt, tile, block
+
+
+def tokens_from_tiles(out, q, query_start_loc, tile: int):
+    """query_tiles' layout back to q's [tokens, heads, head_dim] (the padded heads dropped)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_tiles, num_kv_heads = out.shape[:2]
+    group = num_heads // num_kv_heads
+    out = out.reshape(num_tiles, num_kv_heads, tiling.next_pow2(group), tile, head_dim)[:, :, :group]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(num_tiles, tile, num_heads, head_dim)
+    return tiling.scatter_tiles_to_tokens(out, query_start_loc, num_tokens, tile)

@@ -19,11 +19,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import tiling
-from pallas_kernels.mosaic import ROWS, STAGES, _attend, _block_keys, _interpret_params, _wgmma_smem, check_supported
+from pallas_kernels.mosaic import (ROWS, STAGES, _attend, _interpret_params, _wgmma_smem, check_supported,
+                                    query_tiles, tokens_from_tiles)
 from pallas_kernels.xla import default_scale
 
 TEAM = 2  # consumer warpgroups per program
@@ -36,18 +35,10 @@ def ragged_paged_attention_mosaic_wide(q, k_pages, v_pages, block_tables, contex
     check_supported(q, k_pages)
     if k_pages.dtype != q.dtype:
         raise ValueError(f"the two-warpgroup prefill takes pages in q's dtype, not {k_pages.dtype}")
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, num_pages, page_size, _ = k_pages.shape
-    group = num_heads // num_kv_heads
-    gp = tiling.next_pow2(group)
-    tile = TEAM * ROWS // gp
-    block = _block_keys(page_size, block_keys)
-    tables, (seq, tok0, pos0, n_rows), num_keys, _ = tiling.ragged_plan(
-        block_tables, num_pages, page_size, block // page_size, query_start_loc, context_lens, num_tokens, tile)
+    head_dim, (num_kv_heads, _, page_size, _) = q.shape[2], k_pages.shape
+    tables, seq, pos0, num_keys, qt, tile, block = query_tiles(
+        q, k_pages, block_tables, context_lens, query_start_loc, TEAM * ROWS, block_keys)
     num_tiles = seq.shape[0]
-    qt = tiling.gather_query_tiles(q, tok0, n_rows, tile)
-    qt = qt.reshape(num_tiles, tile, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
-    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, gp - group), (0, 0), (0, 0)))
     qt = qt.reshape(num_tiles, num_kv_heads, TEAM, ROWS, head_dim)
     scale = default_scale(scale, head_dim)
 
@@ -85,6 +76,4 @@ def ragged_paged_attention_mosaic_wide(q, k_pages, v_pages, block_tables, contex
         interpret=_interpret_params(interpret),
         kernel_name="jpaged_ragged_prefill_mosaic_wide",
     )(seq, pos0, num_keys, tables, qt, k_pages, v_pages)
-    out = out.reshape(num_tiles, num_kv_heads, gp, tile, head_dim)[:, :, :group].transpose(0, 3, 1, 2, 4)
-    return tiling.scatter_tiles_to_tokens(out.reshape(num_tiles, tile, num_heads, head_dim), query_start_loc,
-                                          num_tokens, tile)
+    return tokens_from_tiles(out, q, query_start_loc, tile)

@@ -77,15 +77,11 @@ def test_prefill_block_variants_fp8_pages(monkeypatch, fp8):
     check_close(out, ref, "bf16", f"mosaic prefill {fp8} keys=128 diagonal")
 
 
-@pytest.mark.parametrize("page_dtype", ["bf16", "e4m3"])
-def test_decode_mask_diagonal_only(monkeypatch, page_dtype):
-    """Decode with only the block holding a split's last key masked: contexts on and off the 64-key
-    boundary, split-K forced (each split's last block is its own)."""
-    from pallas_kernels.mosaic import paged_attention_mosaic
-
+def decode_case(monkeypatch, lens, head_dim, page_dtype):
+    """A seeded decode batch over pages of `page_dtype` (16-token pages, 8 heads over 2 KV heads)
+    and its float64 reference."""
     rng = seeded(monkeypatch)
-    lens = [1, 63, 64, 65, 128, 0, 200, 255]
-    page, heads, kv_heads, head_dim = 16, 8, 2, 64
+    page, heads, kv_heads = 16, 8, 2
     k, v, tables, k64, v64 = make_cache(lens, kv_heads, page, head_dim,
                                         jnp.bfloat16 if page_dtype == "bf16" else FP8[page_dtype])
     q = jnp.asarray(rng.standard_normal((len(lens), heads, head_dim)), jnp.bfloat16)
@@ -93,6 +89,17 @@ def test_decode_mask_diagonal_only(monkeypatch, page_dtype):
     tables_np = np.asarray(tables)
     ref = np.stack([attend(q64[s], gather_seq(k64, tables_np[s], n), gather_seq(v64, tables_np[s], n),
                            1 / np.sqrt(head_dim)) for s, n in enumerate(lens)])
+    return q, k, v, tables, ref
+
+
+@pytest.mark.parametrize("page_dtype", ["bf16", "e4m3"])
+def test_decode_mask_diagonal_only(monkeypatch, page_dtype):
+    """Decode with only the block holding a split's last key masked: contexts on and off the 64-key
+    boundary, split-K forced (each split's last block is its own)."""
+    from pallas_kernels.mosaic import paged_attention_mosaic
+
+    lens = [1, 63, 64, 65, 128, 0, 200, 255]
+    q, k, v, tables, ref = decode_case(monkeypatch, lens, 64, page_dtype)
     for splits in (1, 2):
         out = paged_attention_mosaic(q, k, v, tables, jnp.asarray(lens, jnp.int32), num_splits=splits, interpret=True,
                                      mask_diagonal_only=True)
@@ -123,16 +130,8 @@ def test_decode_share_smem(monkeypatch, page_dtype):
     SM on sm_90), alone and with the diagonal-only mask, split-K forced."""
     from pallas_kernels.mosaic import paged_attention_mosaic
 
-    rng = seeded(monkeypatch)
     lens = [1, 63, 64, 65, 0, 200]
-    page, heads, kv_heads, head_dim = 16, 8, 2, 128
-    k, v, tables, k64, v64 = make_cache(lens, kv_heads, page, head_dim,
-                                        jnp.bfloat16 if page_dtype == "bf16" else FP8[page_dtype])
-    q = jnp.asarray(rng.standard_normal((len(lens), heads, head_dim)), jnp.bfloat16)
-    q64 = np.asarray(q, np.float64)
-    tables_np = np.asarray(tables)
-    ref = np.stack([attend(q64[s], gather_seq(k64, tables_np[s], n), gather_seq(v64, tables_np[s], n),
-                           1 / np.sqrt(head_dim)) for s, n in enumerate(lens)])
+    q, k, v, tables, ref = decode_case(monkeypatch, lens, 128, page_dtype)
     for splits, diagonal in ((1, False), (2, True)):
         out = paged_attention_mosaic(q, k, v, tables, jnp.asarray(lens, jnp.int32), num_splits=splits, interpret=True,
                                      share_smem=True, mask_diagonal_only=diagonal)

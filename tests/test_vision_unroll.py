@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import transformers as tf
 from flax import nnx
+from test_layer_stack import _Mesh
 
 from jpaged.models.clip_vision import CLIPVisionTower
 from jpaged.models.layers import Linear
@@ -16,16 +17,6 @@ from jpaged.models.stacked import SCAN_LAYERS_ENV, Unrollable, layers_form, unro
 from jpaged.models.vision_layers import EncoderStack
 
 SEED = 20261128
-
-
-class _Platform:
-    def __init__(self, platform):
-        self.platform = platform
-
-
-class _Mesh:
-    def __init__(self, platform):
-        self.devices = np.array([_Platform(platform)], dtype=object)
 
 
 def randomized(model, seed=SEED):
