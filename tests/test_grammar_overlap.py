@@ -24,7 +24,7 @@ REGEX = r"[0-9]{3}-[a-z]{2,4}"
 
 
 def seeded_rng():
-    seed = int(np.random.SeedSequence().entropy % 2**32)
+    seed = int(np.random.default_rng().integers(2**32))  # (conftest's test_seed: the same each run, printed)
     print(f"seed {seed}")
     return np.random.default_rng(seed)
 
