@@ -179,3 +179,42 @@ def test_engine_on_a_gpu_plans_its_pool_from_the_executables_memory(model, monke
                                                                            "bytes_in_use": resident})
     with pytest.raises(ValueError, match=r"no room for the KV cache: gpu_memory_utilization=0.9 of the 0.50 GiB"):
         jpaged.LLM(path, **kwargs)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_a_proposers_device_state_is_planned_before_the_pool(method, monkeypatch, tmp_path):
+    """A draft model's or an EAGLE head's runner holds device state besides its share of every block
+    (its own token histories and block tables; an EAGLE head's chain scratch blocks past the
+    target's block ids and its fill's rows). On a GPU the plan takes it off the pool before the
+    pool is sized: what the proposer's runner then holds, summed from its arrays, is what was planned."""
+    import jax
+
+    import jpaged
+    from eagle3_head import write_head
+    from jpaged.engine import start_up
+    from jpaged.models import tiny
+    from test_spec_decode_draft import write_tiny
+
+    limit, resident = GIB, 40 * 2**20
+    monkeypatch.setattr(start_up, "tightest_memory_stats", lambda devices: {"bytes_limit": limit,
+                                                                           "bytes_in_use": resident})
+    monkeypatch.setattr(start_up, "measure_step_memory", lambda *a: (0, "not measured"))
+    model = write_tiny(tmp_path / "draft", num_layers=1) if method == "draft_model" else \
+        write_head(tmp_path / "head", tiny.tiny_config())
+    llm = jpaged.LLM("tiny", max_num_seqs=8, max_model_len=256, max_num_batched_tokens=64, background_warmup=False,
+                     speculative_config={"method": method, "model": str(model), "num_speculative_tokens": 3})
+    engine = llm.llm_engine
+    target, runner = engine.runner, engine.proposer.runner
+    nbytes = lambda tree: sum(a.nbytes for a in jax.tree.leaves(tree))  # noqa: E731
+    held = nbytes((runner.token_history, runner.last_tokens, runner.block_table, getattr(runner, "rows", ())))
+    held += nbytes(runner.kv_cache) - target.num_gpu_blocks * runner.kv_cache_spec.bytes_per_block  # scratch blocks
+    target_state = nbytes((target.token_history, target.last_tokens, target.block_table))
+    assert held > 0 and engine.memory_plan.step_state == target_state + held
+    if method == "eagle3":
+        assert nbytes(runner.kv_cache) > target.num_gpu_blocks * runner.kv_cache_spec.bytes_per_block
+    bytes_per_block = target.kv_cache_spec.bytes_per_block + runner.kv_cache_spec.bytes_per_block
+    plan = engine.memory_plan
+    room = int(limit * 0.9) - resident - plan.step_state - plan.peak - plan.margin
+    assert target.num_gpu_blocks == room // bytes_per_block
+    out = llm.generate([[1, 2, 3, 4]], jpaged.SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6

@@ -3,7 +3,8 @@
 - A GPU: planned as vLLM's `determine_available_memory` does (GpuMemoryPlan): of the memory jax
   may use on the device (its `bytes_limit`: XLA_PYTHON_CLIENT_MEM_FRACTION of the device, 0.75 by
   default, preallocated or not), `gpu_memory_utilization` of it, minus what is resident before
-  the pool (the weights: `bytes_in_use`), minus the runner's step state (token histories), minus
+  the pool (the weights: `bytes_in_use`), minus the runners' step state (token histories; a
+  speculative proposer's runner's too, with an EAGLE head's chain scratch blocks), minus
   the peak transient memory of the executables the engine will run (measured from their
   compiled memory analysis: runner/step_memory.py), minus a stated margin. Swap space
   `swap_space` GiB (default 4).
@@ -44,7 +45,7 @@ class GpuMemoryPlan:
     limit: int  # what jax may use on the device (memory_stats' bytes_limit)
     utilization: float  # gpu_memory_utilization
     resident: int  # in use before the pool: the weights and what else the process holds
-    step_state: int  # the runner's per-row device state (token histories, last tokens)
+    step_state: int  # the runners' per-row device state (token histories, last tokens; a proposer's scratch)
     peak: int  # the largest executable's transient bytes (temporaries, new outputs, inputs)
     peak_of: str  # which executable
     margin: int

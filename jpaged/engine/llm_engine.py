@@ -143,7 +143,9 @@ class LLMEngine:
             loaded, kv_cache_spec, shape, config.num_scheduler_steps,
             executable_cache(fingerprint, self.devices))
         # Every process must allocate the same pool: the smallest one that fits everywhere.
-        pool = start_up.kv_pool_size(config, self.max_model_len, bytes_per_block, self.devices, measure)
+        proposer_state = DraftModelProposer.device_state_bytes(draft, **shape) if draft else \
+            EagleProposer.device_state_bytes(eagle, **shape) if eagle else 0
+        pool = start_up.kv_pool_size(config, self.max_model_len, bytes_per_block, self.devices, measure, proposer_state)
         num_gpu_blocks, num_cpu_blocks = distributed.min_across_processes(pool.num_gpu_blocks), pool.num_cpu_blocks
         self.memory_plan = pool.plan  # a GPU's (kv_pool_size.GpuMemoryPlan), None when not planned from its memory
         start_up.reserve_device_memory(self.devices, num_gpu_blocks * bytes_per_block)

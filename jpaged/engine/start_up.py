@@ -16,6 +16,7 @@ from jpaged.config import HOST_ONLY_OPTIONS, EngineConfig
 from jpaged.engine.kv_pool_size import GIB, PoolSize, pool_size
 from jpaged.models.kv_cache import KVCacheSpec
 from jpaged.models.stacked import layers_form
+from jpaged.runner.step_memory import step_state_bytes
 
 logger = logging.getLogger("jpaged.engine.llm_engine")  # the engine's own lines
 
@@ -85,12 +86,6 @@ def tightest_memory_stats(devices: list) -> dict | None:
 PROBE_BLOCKS = 256
 
 
-def step_state_bytes(max_num_seqs: int, max_model_len: int, block_size: int = 16) -> int:
-    """The runner's per-row device state: token histories (int32[max_num_seqs, max_model_len]), last
-    tokens, and block tables (int32[max_num_seqs + 1, max_model_len / block_size])."""
-    return 4 * max_num_seqs * (max_model_len + 1) + 4 * (max_num_seqs + 1) * -(-max_model_len // block_size)
-
-
 def measure_step_memory(loaded, kv_cache_spec, shape: dict, num_scheduler_steps: int, executable_cache):
     """The largest executables' memory (runner/step_memory.py), compiled on an abstract runner of
     the engine's shapes before the pool exists: (peak transient bytes, its executable). Without a proposer: a draft's or an EAGLE head's executables are not measured
@@ -106,10 +101,13 @@ def measure_step_memory(loaded, kv_cache_spec, shape: dict, num_scheduler_steps:
 
 
 def kv_pool_size(config: EngineConfig, max_model_len: int, bytes_per_block: int, devices: list,
-                 measure=None) -> PoolSize:
+                 measure=None, proposer_state: int = 0) -> PoolSize:
     """The KV pool and swap space in blocks (kv_pool_size.py: a GPU's memory plan, a CPU's rule),
     sized on the engine's devices. `measure()`: (peak transient bytes, its executable) of the
-    engine's executables, called only when a GPU's memory sizes the pool."""
+    engine's executables, called only when a GPU's memory sizes the pool. `proposer_state`: the
+    bytes per device a speculative proposer's runner holds besides its share of every block (its
+    own step state, an EAGLE head's chain scratch blocks: `device_state_bytes` in spec_decode),
+    planned as step state."""
     stats = tightest_memory_stats(devices)
     peak, peak_of = 0, "not measured"
     if stats is not None and not config.num_gpu_blocks_override and measure is not None:
@@ -119,7 +117,8 @@ def kv_pool_size(config: EngineConfig, max_model_len: int, bytes_per_block: int,
                      max_num_seqs=config.max_num_seqs, num_gpu_blocks_override=config.num_gpu_blocks_override,
                      gpu_memory_utilization=config.gpu_memory_utilization, swap_space=config.swap_space,
                      memory_stats=stats, ram_bytes=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
-                     step_state=step_state_bytes(config.max_num_seqs, max_model_len, config.block_size) if stats else 0,
+                     step_state=step_state_bytes(config.max_num_seqs, max_model_len, config.block_size) + proposer_state
+                     if stats else 0,
                      peak=peak, peak_of=peak_of)
     if pool.num_gpu_blocks < math.ceil(max_model_len / config.block_size):
         logger.warning("only %d KV blocks fit: fewer than one max_model_len sequence needs", pool.num_gpu_blocks)

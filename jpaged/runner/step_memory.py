@@ -17,6 +17,12 @@ import jax
 from jpaged.runner.buckets import BLOCK_OPS
 
 
+def step_state_bytes(max_num_seqs: int, max_model_len: int, block_size: int = 16) -> int:
+    """A ModelRunner's per-row device state: token histories (int32[max_num_seqs, max_model_len]),
+    last tokens, and block tables (int32[max_num_seqs + 1, max_model_len / block_size])."""
+    return 4 * max_num_seqs * (max_model_len + 1) + 4 * (max_num_seqs + 1) * -(-max_model_len // block_size)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
     """One executable's device bytes (per device), from XLA's memory analysis."""

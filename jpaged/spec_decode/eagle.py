@@ -44,7 +44,7 @@ from flax import nnx
 
 from jpaged.config import MAX_LOGPROBS
 from jpaged.models.forward_context import ForwardContext, forward_context
-from jpaged.runner.buckets import BLOCK_OP_SIZES, BLOCK_OPS
+from jpaged.runner.buckets import BLOCK_OP_SIZES, BLOCK_OPS, Buckets
 from jpaged.runner.input_batch import layout_of, unpack
 from jpaged.runner.step_functions import resolve
 from jpaged.runner.model_runner import ModelRunner
@@ -179,6 +179,20 @@ class EagleProposer(RunnerProposer):
         self.runner = EagleRunner(head, self.k - 1, target_lora, executable_cache, **shape)
         self.ahead = []  # (plan, [(seq ids, the chain's output on the device)]) of dispatched steps not read yet
         self.ready = {}  # the last read step's drafts: seq_id -> (position of the token they follow, drafts)
+
+    @classmethod
+    def device_state_bytes(cls, head: EagleHead, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                           num_speculative_tokens: int, **shape) -> int:
+        """Besides the runner's step state: the chain's scratch blocks (max_num_seqs rows of
+        `scratch_blocks_per_seq`) and the fill's rows (each sampling row's hidden state, draft, token)."""
+        spec = head.kv_cache_spec
+        scratch = max_num_seqs * scratch_blocks_per_seq(num_speculative_tokens - 1, spec.block_size)
+        buckets = Buckets.create(max_num_seqs, max_num_batched_tokens, -(-max_model_len // spec.block_size), 1,
+                                 num_speculative_tokens, max_model_len=max_model_len)
+        rows = buckets.sample_rows(buckets.tokens[-1])
+        hidden = head.loaded.hf_config.hidden_size * jnp.dtype(head.loaded.dtype).itemsize
+        return (super().device_state_bytes(head, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+                + scratch * spec.bytes_per_block + rows * (hidden + 8))
 
     # ------------------------------------------------------------------ the runner's hooks
     def attach(self, runner):

@@ -19,6 +19,8 @@ The defaults are a proposer with no device state; `Proposer()` itself proposes n
 runner's default: no speculation).
 """
 
+from jpaged.runner.step_memory import step_state_bytes
+
 # A draft that comes after scheduling: the plan reserves each sequence's drafts as this
 # placeholder, and Scheduler.set_drafts puts them in.
 DRAFT_PENDING = -1
@@ -106,6 +108,14 @@ class RunnerProposer(Proposer):
     drafts_after_scheduling = True
     runner = None  # set by the subclass's __init__
     method = ""  # speculative_config's method, for the sleep refusal
+
+    @classmethod
+    def device_state_bytes(cls, model, *, max_num_seqs: int, max_model_len: int, **shape) -> int:
+        """Bytes per device its runner will hold besides its share of every KV block (which the
+        pool's bytes per block count): the runner's step state. Known before the pool is sized
+        (engine/start_up.kv_pool_size plans them); `model` is what the proposer is built from (a
+        DraftModel, an EagleHead), `shape` the target runner's."""
+        return step_state_bytes(max_num_seqs, max_model_len, model.kv_cache_spec.block_size)
 
     def shared_pools(self) -> list:
         return [self.runner]
