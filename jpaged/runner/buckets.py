@@ -21,6 +21,15 @@ HISTORY_UPLOAD_ROWS = 16
 HISTORY_MIN_WIDTH = 256
 
 
+# The smallest token bucket, by platform (others: 1). On a GPU a step of fewer tokens costs what a
+# step of this many does: its forward reads every weight whatever the batch (an H100's or H200's
+# GEMMs stay memory-bound up to a few hundred tokens for a model's layers), and its padding rows'
+# attention is skipped (no context), so smaller buckets would only add compiles to the warm-up
+# (a forward each, 17-80 s deviceless for a 1B model here, with its autotuning on the GPU on top)
+# and sampler row buckets no step reaches. vLLM's TPU runner starts its token paddings at 16 too.
+MIN_TOKEN_BUCKET = {"gpu": 16}
+
+
 def history_widths(max_model_len: int) -> list[int]:
     """The token-history upload's widths: HISTORY_MIN_WIDTH, x4, ..., max_model_len."""
     return ladder(min(HISTORY_MIN_WIDTH, max_model_len), max_model_len, factor=4)
@@ -64,19 +73,24 @@ sends only each sequence's row index and the entries written since. The LM head 
     @classmethod
     def create(cls, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
                num_scheduler_steps: int = 1, num_speculative_tokens: int = 0,
-               batch_invariant: bool = False, max_model_len: int | None = None) -> "Buckets":
+               batch_invariant: bool = False, max_model_len: int | None = None,
+               min_tokens: int = 1) -> "Buckets":
         """Speculative decoding samples a row per draft too: up to max_num_seqs * (1 + k) rows
         (the scheduler keeps them within max_num_batched_tokens), on a doubling ladder above
         max_num_seqs, so that steps without drafts keep their row buckets. `batch_invariant`: no
         one-row buckets (measured: a lone decode's bits differ from a batched one's with them,
-        while batches of 2 to 8 agree; XLA special-cases size-1 axes)."""
+        while batches of 2 to 8 agree; XLA special-cases size-1 axes). `min_tokens`: the smallest
+        token bucket (MIN_TOKEN_BUCKET), at most max_num_seqs (a decode of every sequence keeps a
+        bucket of its own); row buckets below what it samples are left out."""
         least = 2 if batch_invariant and max_num_seqs >= 2 else 1
         rows = ladder(least, max_num_seqs, factor=8)
         max_rows = min(max_num_seqs * (1 + num_speculative_tokens), max_num_batched_tokens)
         if max_rows > max_num_seqs:
             rows += ladder(2 * max_num_seqs, max_rows)
         # Doubling token ladder: at most 2x padding.
-        return cls(ladder(least, max_num_batched_tokens), rows, max_num_seqs, max_blocks_per_seq, num_scheduler_steps,
+        tokens = ladder(min(max(least, min_tokens, 1), max_num_seqs, max_num_batched_tokens), max_num_batched_tokens)
+        rows = [r for r in rows if r >= fit(rows, min(tokens[0], rows[-1]))]
+        return cls(tokens, rows, max_num_seqs, max_blocks_per_seq, num_scheduler_steps,
                    tuple(history_widths(max_model_len)) if max_model_len else ())
 
     def seqs(self, num_tokens: int) -> int:

@@ -59,7 +59,7 @@ from jpaged.parallel import distributed
 from jpaged.parallel.sharding import TP_AXIS, kv_cache_sharding, replicated
 from jpaged.runner import kv_transfer, sampler, step_functions, step_inputs
 from jpaged.runner.deferred_sample import DeferredSampling
-from jpaged.runner.buckets import Buckets, update_chunks
+from jpaged.runner.buckets import MIN_TOKEN_BUCKET, Buckets, update_chunks
 from jpaged.runner.executable_cache import ExecutableCache
 from jpaged.runner.input_batch import InputBatch, Layout, layout_of, pack
 from jpaged.runner.prepare_inputs import prepare_step
@@ -123,7 +123,8 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps, DeferredSampling)
         # Swapped pages in flight: [layer, k/v, kv_heads, blocks, block_size, head_dim], split on kv heads.
         self._pages_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, None, TP_AXIS))
         self.buckets = Buckets.create(max_num_seqs, max_num_batched_tokens, math.ceil(max_model_len / block_size),
-                                      num_scheduler_steps, num_speculative_tokens, self.batch_invariant, max_model_len)
+                                      num_scheduler_steps, num_speculative_tokens, self.batch_invariant, max_model_len,
+                                      MIN_TOKEN_BUCKET.get(self.mesh.devices.flat[0].platform, 1))
         self.input_batch = InputBatch(max_num_seqs, self.buckets.width)
         self.step_builder = StepBuilder(self.input_batch, block_manager, structured_output, stop_checker, seed)
         # The token each InputBatch row sampled last, kept on the device: the next step can read it
