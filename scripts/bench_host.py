@@ -227,6 +227,32 @@ def measure(llm, num_seqs: int, steps: int, vocab_size: int, output_kind: str, o
             "overlapped_steps": overlapped, "phases_ms_per_step": phases}
 
 
+def measure_churn(llm, num_seqs: int, requests: int, steps: int, vocab_size: int, output_kind: str,
+                  output_thread=None) -> dict:
+    """--churn: `requests` requests through `num_seqs` seats, their output lengths drawn from 8 to
+    `steps` (seeded), so that seats free and waiting requests are admitted all along (online
+    serving's steady state): the wall time of the whole run, its steps, and how many of them left
+    a step in flight (overlapped)."""
+    engine = llm.llm_engine
+    rng = np.random.default_rng(requests)
+    for i in range(requests):
+        engine.add_request(f"c{num_seqs}-{i}", rng.integers(0, vocab_size, PROMPT_LEN).tolist(),
+                           jpaged.SamplingParams(temperature=0, max_tokens=int(rng.integers(8, steps + 1)),
+                                                 ignore_eos=True, output_kind=jpaged.RequestOutputKind[output_kind]))
+    hand = output_thread.handed.put if output_thread is not None else (lambda outputs: None)
+    num_steps = overlapped = 0
+    t = time.perf_counter()
+    while engine.has_unfinished_requests():
+        hand(engine.step())
+        num_steps += 1
+        overlapped += engine._in_flight is not None
+    wall = time.perf_counter() - t
+    if output_thread is not None:
+        output_thread.drain()
+    return {"num_seqs": num_seqs, "churn_requests": requests, "steps": num_steps, "overlapped_steps": overlapped,
+            "wall_s": round(wall, 3), "ms_per_step": round(1e3 * wall / num_steps, 3)}
+
+
 def main():
     global CLOCK
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -245,6 +271,8 @@ def main():
     p.add_argument("--guided", type=int, default=0, help="this many of each run's requests follow --guided-regex "
                    "(structured output; the stub draws their tokens from their masks)")
     p.add_argument("--guided-regex", default="[a-z ]*")
+    p.add_argument("--churn", type=int, default=0, help="instead: this many requests through max(--num-seqs) seats, "
+                   "output lengths 8 to --steps, admitted as seats free; wall time of the whole run")
     p.add_argument("--work-dir", default="/tmp/jpaged_bench_host")
     p.add_argument("--output-json")
     args, engine_args = p.parse_known_args()
@@ -274,7 +302,12 @@ def main():
     if args.detokenize_off_thread:
         llm.llm_engine.detokenize_later, args.output_kind = True, "DELTA"
         output_thread = OutputThread(llm.llm_engine)
-    for n in args.num_seqs:
+    if args.churn:
+        n = max(args.num_seqs)
+        measure_churn(llm, n, n, args.steps, vocab_size, args.output_kind, output_thread)  # warm the Python paths
+        results.append(measure_churn(llm, n, args.churn, args.steps, vocab_size, args.output_kind, output_thread))
+        print(json.dumps(results[-1]), flush=True)
+    for n in [] if args.churn else args.num_seqs:
         guided = (args.guided, args.guided_regex)
         measure(llm, n, 5, vocab_size, args.output_kind, output_thread, *guided)  # warm the Python paths
         results.append(measure(llm, n, args.steps, vocab_size, args.output_kind, output_thread, *guided))

@@ -21,8 +21,10 @@ def can_overlap(scheduler, results, max_model_len: int, lane=None) -> bool:
     token history, where the sampler appended the pending token; a grammar's mask needs the
     token only before the next step's SAMPLING: the runner launches that step's forward at once
     and its sampler once the token is read and the matcher advanced, runner/deferred_sample.py), nothing is
-    swapped out and nothing waits that a free seat would admit (no admission), every sequence can
-    take a block (no preemption) and has a position left under max_model_len.
+    swapped out, every sequence can take a block (no preemption) and has a position left under
+    max_model_len. Waiting requests are admitted behind the step in flight, as vLLM v1's async
+    scheduling admits them: a prompt needs no token of it, and the scheduler admits after the
+    running decodes took their blocks, so an admission never preempts.
 
     What is corrected one step late instead of refused (as vLLM's async scheduling does): a
     sequence that ends with its pending token (max_tokens, EOS, a stop) computes one more token,
@@ -63,8 +65,6 @@ def can_overlap(scheduler, results, max_model_len: int, lane=None) -> bool:
                     or (static and seq.get_output_len() >= group.sampling_params.max_tokens)):
                 return False
             num_seqs += 1
-    if scheduler.waiting and scheduler.max_num_seqs - seats >= scheduler.waiting[0].get_max_num_running_seqs():
-        return False  # a seat is free for the next request: admit it (its prefill) now
     return num_seqs > 0 and bm.get_num_free_gpu_blocks() >= num_seqs
 
 
@@ -78,8 +78,6 @@ def _lane_can_overlap(scheduler, lane, results, max_model_len: int) -> bool | No
         return None
     # Each row has its token pending (after the dispatch, one of its position + 1): room for one more.
     if lane.rows.host_tokens.any() or (lane.start + 2 >= max_model_len).any():
-        return False
-    if scheduler.waiting and scheduler.max_num_seqs - lane.n >= scheduler.waiting[0].get_max_num_running_seqs():
         return False
     return scheduler.block_manager.get_num_free_gpu_blocks() >= lane.n
 
