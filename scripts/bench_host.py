@@ -228,15 +228,15 @@ def measure(llm, num_seqs: int, steps: int, vocab_size: int, output_kind: str, o
 
 
 def measure_churn(llm, num_seqs: int, requests: int, steps: int, vocab_size: int, output_kind: str,
-                  output_thread=None) -> dict:
+                  output_thread=None, prompt_len: int = PROMPT_LEN) -> dict:
     """--churn: `requests` requests through `num_seqs` seats, their output lengths drawn from 8 to
     `steps` (seeded), so that seats free and waiting requests are admitted all along (online
     serving's steady state): the wall time of the whole run, its steps, and how many of them left
-    a step in flight (overlapped)."""
+    a step in flight (overlapped). `prompt_len` above max_num_batched_tokens: prompts in chunks."""
     engine = llm.llm_engine
     rng = np.random.default_rng(requests)
     for i in range(requests):
-        engine.add_request(f"c{num_seqs}-{i}", rng.integers(0, vocab_size, PROMPT_LEN).tolist(),
+        engine.add_request(f"c{num_seqs}-{i}", rng.integers(0, vocab_size, prompt_len).tolist(),
                            jpaged.SamplingParams(temperature=0, max_tokens=int(rng.integers(8, steps + 1)),
                                                  ignore_eos=True, output_kind=jpaged.RequestOutputKind[output_kind]))
     hand = output_thread.handed.put if output_thread is not None else (lambda outputs: None)
@@ -273,6 +273,7 @@ def main():
     p.add_argument("--guided-regex", default="[a-z ]*")
     p.add_argument("--churn", type=int, default=0, help="instead: this many requests through max(--num-seqs) seats, "
                    "output lengths 8 to --steps, admitted as seats free; wall time of the whole run")
+    p.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help="--churn's prompt length")
     p.add_argument("--work-dir", default="/tmp/jpaged_bench_host")
     p.add_argument("--output-json")
     args, engine_args = p.parse_known_args()
@@ -282,10 +283,10 @@ def main():
             {"true": True, "false": False}.get(value.lower(), value)
     model = micro_model(args.work_dir) if args.model == "micro" else args.model
     max_num_seqs = max(args.num_seqs)
-    max_model_len = args.max_model_len or PROMPT_LEN + args.steps * kwargs.get("num_scheduler_steps", 1) + 16
+    needed = max(PROMPT_LEN, args.prompt_len) + args.steps * kwargs.get("num_scheduler_steps", 1) + 16
+    max_model_len = args.max_model_len or needed
     # Every sequence's blocks fit: the figures are decode steps of max(--num-seqs) running sequences,
     # not preemptions (a CPU's default pool, 32k tokens, holds 256 x 446 tokens of a K=8 run only in part).
-    needed = PROMPT_LEN + args.steps * kwargs.get("num_scheduler_steps", 1) + 16
     kwargs.setdefault("num_gpu_blocks_override", max_num_seqs * -(-needed // kwargs.get("block_size", 16)) + 64)
     llm = jpaged.LLM(model=model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                      enforce_eager=args.device == "stub", **kwargs)
@@ -304,8 +305,9 @@ def main():
         output_thread = OutputThread(llm.llm_engine)
     if args.churn:
         n = max(args.num_seqs)
-        measure_churn(llm, n, n, args.steps, vocab_size, args.output_kind, output_thread)  # warm the Python paths
-        results.append(measure_churn(llm, n, args.churn, args.steps, vocab_size, args.output_kind, output_thread))
+        churn = (args.steps, vocab_size, args.output_kind, output_thread, args.prompt_len)
+        measure_churn(llm, n, n, *churn)  # warm the Python paths
+        results.append(measure_churn(llm, n, args.churn, *churn))
         print(json.dumps(results[-1]), flush=True)
     for n in [] if args.churn else args.num_seqs:
         guided = (args.guided, args.guided_regex)

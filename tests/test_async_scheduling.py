@@ -224,3 +224,54 @@ def test_requests_waiting_for_a_seat_do_not_stop_the_overlap():
     assert counts["waiting"] > 10 and counts["admitted"] > 5
     assert_same_greedy(reference, outs)
     assert [len(o.outputs[0].token_ids) for o in outs] == [sp.max_tokens for sp in params]
+
+
+def test_a_long_prompts_next_chunk_is_scheduled_behind_the_one_in_flight(test_seed):
+    """Prompts longer than a step's token budget are prefilled in chunks; a chunk's tokens are the
+    host's, so the next one is scheduled while the last is in flight (with blocks for it kept
+    free: no preemption), also for a lone prompt with nothing decoding. Outputs equal the
+    synchronous engine's; no block leaked."""
+    rng = np.random.default_rng(test_seed)
+    prompts = [rng.integers(0, 256, size=int(n)).tolist() for n in (150, 5, 90, 200, 12, 130)]
+    params = [jpaged.SamplingParams(temperature=0, max_tokens=int(rng.integers(3, 20)), ignore_eos=True, logprobs=1,
+                                    prompt_logprobs=2 if i == 3 else None)  # (its chunks wait for the read)
+              for i in range(len(prompts))]
+    limits = dict(LIMITS, max_model_len=256, max_num_batched_tokens=32)
+    runs = []
+    for async_scheduling in (False, True):
+        llm = jpaged.LLM("tiny", num_gpu_blocks_override=120, async_scheduling=async_scheduling, **limits)
+        engine = llm.llm_engine
+        events = {"dispatched": 0, "completed": 0, "chunks_behind": 0}
+        dispatch, complete, schedule = engine._dispatch, engine._complete, engine.scheduler.schedule
+
+        def dispatching(*args, _f=dispatch, _e=events):
+            _e["dispatched"] += 1
+            return _f(*args)
+
+        def completing(*args, _f=complete, _e=events):
+            _e["completed"] += 1
+            return _f(*args)
+
+        def scheduling(*args, _f=schedule, _e=events, _engine=engine, **kwargs):
+            prefilling = {g.request_id for g in _engine.scheduler.running if g.is_prefill()}
+            plan = _f(*args, **kwargs)
+            _e["chunks_behind"] += _e["dispatched"] > _e["completed"] and any(
+                s.seq_group.request_id in prefilling for s in plan.scheduled_seq_groups)
+            return plan
+
+        engine._dispatch, engine._complete, engine.scheduler.schedule = dispatching, completing, scheduling
+        first = llm.generate(prompts[:1], params[:1], use_tqdm=False)  # a lone prompt: only its chunks run
+        lone_behind = events["chunks_behind"]
+        outs = first + llm.generate(prompts[1:], params[1:], use_tqdm=False)
+        assert_all_blocks_free(llm)
+        runs.append((outs, lone_behind, events["chunks_behind"]))
+    (reference, _, _), (outs, lone_behind, behind) = runs
+    print("chunks scheduled behind a step in flight: lone prompt", lone_behind, "all", behind)
+    assert lone_behind >= 3 and behind > lone_behind
+    assert_same_greedy(reference, outs)
+    for ref, out in zip(reference, outs):
+        assert out.outputs[0].cumulative_logprob == pytest.approx(ref.outputs[0].cumulative_logprob, abs=1e-3)
+        assert (out.prompt_logprobs is None) == (ref.prompt_logprobs is None)
+    assert len(outs[3].prompt_logprobs) == len(prompts[3])
+    for ours, theirs in zip(outs[3].prompt_logprobs[1:], reference[3].prompt_logprobs[1:]):
+        assert ours.keys() == theirs.keys() and all(abs(ours[t] - theirs[t]) < 1e-4 for t in ours)

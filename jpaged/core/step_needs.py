@@ -22,7 +22,9 @@ def can_overlap(scheduler, results, max_model_len: int, lane=None) -> bool:
     token only before the next step's SAMPLING: the runner launches that step's forward at once
     and its sampler once the token is read and the matcher advanced, runner/deferred_sample.py), nothing is
     swapped out, every sequence can take a block (no preemption) and has a position left under
-    max_model_len. Waiting requests are admitted behind the step in flight, as vLLM v1's async
+    max_model_len. A prompt whose chunk is in flight with more to come takes its next chunk
+    behind it (its tokens are the host's), if blocks for that chunk are free too and it asks for
+    no prompt logprobs. Waiting requests are admitted behind the step in flight, as vLLM v1's async
     scheduling admits them: a prompt needs no token of it, and the scheduler admits after the
     running decodes took their blocks, so an admission never preempts.
 
@@ -44,7 +46,7 @@ def can_overlap(scheduler, results, max_model_len: int, lane=None) -> bool:
         return whole_lane
     step_groups = {s.seq_group.request_id for s, _, _ in results}
     bm = scheduler.block_manager
-    static, num_seqs, seats = bm.kv_allocation == "static", 0, 0
+    static, num_seqs, chunk_blocks = bm.kv_allocation == "static", 0, 0
     running = SequenceStatus.RUNNING
     for group in scheduler.running:
         if group.request_id not in step_groups or group.needs.host_tokens:
@@ -53,19 +55,26 @@ def can_overlap(scheduler, results, max_model_len: int, lane=None) -> bool:
         if len(seqs) == 1 and not static:  # (most groups, every step: the checks below inlined)
             seq = seqs[0]
             if seq.status is running:
-                if seq.num_pending_tokens != 1 or (len(seq.prompt_token_ids) + len(seq.output_token_ids) + 1
-                                                   >= max_model_len):
+                if seq.num_pending_tokens == 1:
+                    if len(seq.prompt_token_ids) + len(seq.output_token_ids) + 1 >= max_model_len:
+                        return False
+                    num_seqs += 1
+                elif (seq.num_pending_tokens == 0 and seq.get_num_uncomputed_tokens() > 0
+                      and group.prompt_logprobs is None):
+                    # A prompt's chunk in flight and more to come: its next chunk's tokens are the
+                    # host's (prompt logprobs' rows follow those read: Sequence.prompt_logprob_rows).
+                    # Blocks for the largest next chunk are kept free, so nothing is preempted.
+                    chunk = min(seq.get_num_uncomputed_tokens(), scheduler.max_num_batched_tokens)
+                    chunk_blocks += -(-chunk // bm.block_size) + 1
+                else:
                     return False
-                num_seqs += 1
-                seats += 1
             continue
-        seats += group.get_max_num_running_seqs()
         for seq in group.get_seqs(running):
             if (seq.num_pending_tokens != 1 or seq.get_len() >= max_model_len
                     or (static and seq.get_output_len() >= group.sampling_params.max_tokens)):
                 return False
             num_seqs += 1
-    return num_seqs > 0 and bm.get_num_free_gpu_blocks() >= num_seqs
+    return (num_seqs or chunk_blocks) > 0 and bm.get_num_free_gpu_blocks() >= num_seqs + chunk_blocks
 
 
 def _lane_can_overlap(scheduler, lane, results, max_model_len: int) -> bool | None:
