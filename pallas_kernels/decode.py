@@ -25,7 +25,9 @@ holding one.
 Slots past the context may hold anything (NaN too), so each block zeroes
 them in V before p @ V. (A variant that skipped that select in the blocks
 holding only the sequence's keys, `peel_tail`, measured 1.3-2x slower on an
-H200 at 32k contexts: 145 registers, 3 programs per SM; it was removed.)
+H200 at 32k contexts: 145 registers, 3 programs per SM. It is back as an option for transposed
+V pages, `v_transposed`, where the unselected fp8 V goes into the MMA by ldmatrix: 128 registers,
+4 programs per SM; docs/PERF.md, "fp8 V pages stored transposed".)
 fp8 pages with bf16 queries run their dots in f16
 (blocks.fp8_compute_dtype: one conversion per two values instead of three
 instructions per value through bf16), q brought within f16's range by a
