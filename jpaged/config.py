@@ -67,6 +67,9 @@ class EngineConfig:
     calculate_kv_scales: bool = _option(False, "fp8 KV cache without scales in the checkpoint: compute each "
                                         "layer's K and V scales from the first step's keys and values "
                                         "(default: scale 1.0)")
+    kv_cache_v_transposed: bool = _option(False, "fp8 KV cache: V blocks stored transposed ([head_dim, "
+                                          "block_size], FlashAttention-3's fp8 layout: the kernels' V operand "
+                                          "K-major); a variant not yet measured faster (docs/PERF.md)")
     gpu_memory_utilization: float = _option(0.9, "fraction of GPU memory the engine may use (weights + KV pool)")
     num_gpu_blocks_override: int | None = _option(None, "KV pool size in blocks, instead of sizing it from memory")
     swap_space: float | None = _option(None, "GiB of host memory per device for swapped-out KV blocks (default: 4 "
@@ -220,6 +223,8 @@ class EngineConfig:
         check("quantization", self.quantization in (None,) + QUANTIZATION_METHODS,
               f"None or one of {QUANTIZATION_METHODS}")
         check("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"one of {KV_CACHE_DTYPES}")
+        check("kv_cache_v_transposed", not self.kv_cache_v_transposed or self.kv_cache_dtype != "auto",
+              "False unless kv_cache_dtype is fp8 (the layout is fp8's)")
         check("device", self.device in (None,) + DEVICES, f"None or one of {DEVICES}")
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         check("num_scheduler_steps", self.num_scheduler_steps == 1 or self.speculative_config is None,

@@ -51,9 +51,9 @@ class Policy:
             if isinstance(node, Attention):
                 node.ops = dataclasses.replace(node.ops, static_chunks=chunks)
         spec, pool = runner.kv_cache_spec, runner.kv_cache
-        shape = spec.pool_shape(b * width)
-        kv_cache = KVCache(jnp.zeros(shape, pool.k_pages.dtype), jnp.zeros(shape, pool.v_pages.dtype),
-                           raw_of=pool.raw_of)
+        kv_cache = KVCache(jnp.zeros(spec.pool_shape(b * width), pool.k_pages.dtype),
+                           jnp.zeros(spec.v_pool_shape(b * width), pool.v_pages.dtype), raw_of=pool.raw_of,
+                           v_transposed=pool.v_transposed)
         pos = jnp.arange(t, dtype=jnp.int32)
         tables = jnp.arange(b * width, dtype=jnp.int32).reshape(b, width)
         slots = (tables[:, :, None] * page + jnp.arange(page, dtype=jnp.int32)).reshape(b, -1)[:, :t]

@@ -37,6 +37,11 @@ before. Those keys must be in the pages already (the scheduler keeps such a
 span in one chunk). Triton, the XLA twins and the batch-invariant attention
 take them; Mosaic does not ("auto" runs Triton for such calls).
 
+`v_transposed` (both ops, write_kv): V pages stored [num_kv_heads, num_pages, head_dim, page_size],
+a variant layout for fp8 pages (issue 66; cache_ops.py): the XLA twins and Triton kernels take it
+for any page dtype, Mosaic for decode over fp8 pages of a multiple of 32 keys ("auto" runs Triton
+for the rest). The engine's with kv_cache_v_transposed (EngineConfig), off by default.
+
 Backends (`backend` kwarg, the engine's attention_backend):
   "pallas"  Pallas kernels lowered through Triton (decode.py, prefill.py): any CUDA GPU.
   "mosaic"  Pallas kernels lowered through Mosaic GPU (mosaic.py): TMA + wgmma, sm_90+.
@@ -121,24 +126,30 @@ def _interpret(interpret) -> bool:
     return not targets_gpu() if interpret is None else bool(interpret)
 
 
-def _mosaic_takes(q, k_pages, sliding_window, logits_soft_cap, key_limits=None) -> bool:
+def _mosaic_takes(q, k_pages, sliding_window, logits_soft_cap, key_limits=None, v_pages=None) -> bool:
+    """v_pages: given for a decode call over transposed V pages (None: the standard layout)."""
     if sliding_window is not None or logits_soft_cap is not None or key_limits is not None:
         return False
     try:
-        from pallas_kernels.mosaic import check_supported as mosaic_check
+        from pallas_kernels.mosaic import check_supported as mosaic_check, check_v_transposed
 
         mosaic_check(q, k_pages)
+        if v_pages is not None:
+            check_v_transposed(k_pages, v_pages)
     except (ImportError, ValueError):  # a jax without Mosaic GPU, or a call it cannot take
         return False
     return True
 
 
 def call_family(backend: str, phase: str, q, k_pages, kv_dtype=None, sliding_window=None,
-                logits_soft_cap=None, key_limits=None) -> str:
+                logits_soft_cap=None, key_limits=None, v_pages=None) -> str:
     """The family one call runs: `backend`'s, except "auto" on a GPU, which runs the family
     choice.py's measurements pick for `phase` ("decode" or "prefill") and the pages' dtype
-    (`kv_dtype` for raw pools) where Mosaic takes the call, Triton otherwise."""
+    (`kv_dtype` for raw pools) where Mosaic takes the call, Triton otherwise. `v_pages`: given
+    when they are transposed (v_transposed)."""
     family = kernel_family(backend)
+    if family == "mosaic" and v_pages is not None and phase == "prefill":
+        raise ValueError("attention_backend='mosaic' has no prefill over transposed V pages yet: use 'pallas'")
     if family == "mosaic" and (sliding_window is not None or logits_soft_cap is not None):
         raise ValueError("attention_backend='mosaic' has no sliding window or logit soft-capping yet: use 'pallas'")
     if family == "mosaic" and key_limits is not None:
@@ -150,15 +161,15 @@ def call_family(backend: str, phase: str, q, k_pages, kv_dtype=None, sliding_win
     if gpu is None:  # interpret=True on a CPU with a GPU-less trace: Triton, as before
         return family
     page_dtype = k_pages.dtype if kv_dtype is None else kv_dtype
-    if choice.auto_family(gpu[1], phase, page_dtype) != "mosaic":
+    if choice.auto_family(gpu[1], phase, page_dtype) != "mosaic" or (v_pages is not None and phase == "prefill"):
         return family
-    return "mosaic" if _mosaic_takes(q, k_pages, sliding_window, logits_soft_cap, key_limits) else family
+    return "mosaic" if _mosaic_takes(q, k_pages, sliding_window, logits_soft_cap, key_limits, v_pages) else family
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits", "backend", "logits_soft_cap",
-                                             "kv_dtype"))
+                                             "kv_dtype", "v_transposed"))
 def paged_attention(q, k_pages, v_pages, block_tables, context_lens, *, scale=None, interpret=None, num_splits=None,
-                    backend="auto", sliding_window=None, logits_soft_cap=None, kv_dtype=None):
+                    backend="auto", sliding_window=None, logits_soft_cap=None, kv_dtype=None, v_transposed=False):
     """Decode attention over paged K/V.
 
     q [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim]
@@ -166,9 +177,13 @@ def paged_attention(q, k_pages, v_pages, block_tables, context_lens, *, scale=No
     pages. scale defaults to 1/sqrt(head_dim). num_splits (Pallas kernels)
     forces the number of split-K partitions; None picks it from the shapes.
     kv_dtype: the pages hold that dtype's raw bits (write_kv; jpaged's pools on a CPU).
+    v_transposed: v_pages are [num_kv_heads, num_pages, head_dim, page_size] (module docstring).
     """
-    family = call_family(backend, "decode", q, k_pages, kv_dtype, sliding_window, logits_soft_cap)
+    family = call_family(backend, "decode", q, k_pages, kv_dtype, sliding_window, logits_soft_cap,
+                         v_pages=v_pages if v_transposed else None)
     masking = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap) if family != "mosaic" else {}
+    if v_transposed:
+        masking["v_transposed"] = True
     if family == "xla":
         return paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, scale=scale, kv_dtype=kv_dtype,
                                    **masking)
@@ -183,10 +198,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, context_lens, *, scale=No
                   interpret=_interpret(interpret), **masking)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "backend", "logits_soft_cap", "kv_dtype"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "backend", "logits_soft_cap", "kv_dtype",
+                                             "v_transposed"))
 def ragged_paged_attention(
     q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None, interpret=None, backend="auto",
-    sliding_window=None, logits_soft_cap=None, kv_dtype=None, key_limits=None
+    sliding_window=None, logits_soft_cap=None, kv_dtype=None, key_limits=None, v_transposed=False
 ):
     """Causal attention of packed new tokens over paged K/V.
 
@@ -194,8 +210,11 @@ def ragged_paged_attention(
     query_start_loc int32[num_seqs + 1], nondecreasing; key_limits None or
     int32[num_tokens] (each query's last key when past its own). See module docstring.
     """
-    family = call_family(backend, "prefill", q, k_pages, kv_dtype, sliding_window, logits_soft_cap, key_limits)
+    family = call_family(backend, "prefill", q, k_pages, kv_dtype, sliding_window, logits_soft_cap, key_limits,
+                         v_pages if v_transposed else None)
     masking = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap) if family != "mosaic" else {}
+    if v_transposed:  # (call_family keeps such calls off Mosaic)
+        masking["v_transposed"] = True
     if key_limits is not None:  # (call_family keeps such calls off Mosaic)
         masking["key_limits"] = key_limits
     if family == "xla":

@@ -37,10 +37,11 @@ def normalize(out, l):
     return out / jnp.where(l > 0, l, 1.0)[:, None]
 
 
-def attend_block(carry, q, k, v, key_live, scale, row_ok=None, soft_cap=None):
-    """One online-softmax step. q [R, dp], k/v [B, dp]; key_live bool [B]
-    marks real keys, row_ok bool [R, B] (optional) a per-row (causal) mask;
-    soft_cap c (optional) maps scores to c * tanh(score / c)."""
+def attend_block(carry, q, k, v, key_live, scale, row_ok=None, soft_cap=None, v_transposed=False, mask_v=True):
+    """One online-softmax step. q [R, dp], k/v [B, dp] (v [dp, B] when `v_transposed`: the
+    transposed V pages' block, load_pages_transposed); key_live bool [B] marks real keys, row_ok
+    bool [R, B] (optional) a per-row (causal) mask; soft_cap c (optional) maps scores to
+    c * tanh(score / c). mask_v=False: every slot of v holds a written key (no select on v)."""
     out, m, l = carry
     prec = lax.Precision.HIGHEST  # IEEE fp32 instead of TF32; no-op for bf16
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=prec) * scale
@@ -52,8 +53,13 @@ def attend_block(carry, q, k, v, key_live, scale, row_ok=None, soft_cap=None):
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[:, None])
     # Unused slots may hold anything (even NaN): keep them out of p @ v.
-    v = jnp.where(key_live[:, None], v, jnp.zeros_like(v))
-    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
+    if v_transposed:  # p @ v.T: v's keys are its minor (contiguous) dimension, a K-major operand
+        v = jnp.where(key_live[None, :], v, jnp.zeros_like(v)) if mask_v else v
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                             precision=prec)
+    else:
+        v = jnp.where(key_live[:, None], v, jnp.zeros_like(v)) if mask_v else v
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
     return out * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
 
 
@@ -117,3 +123,19 @@ def load_pages(pages_ref, page_ids, head_dim, dtype):
         else:
             x = plgpu.load(pages_ref.at[idx], mask=mask, other=0).astype(dtype)
     return x.reshape(n * page_size, dp)
+
+
+def load_pages_transposed(pages_ref, page_ids, head_dim, dtype):
+    """Gather transposed pages [n] (pages_ref [num_pages, dp, page_size]: V stored [head_dim,
+    page_size] per page) -> [dp, n * page_size] in `dtype`, keys minor, zero past head_dim. One
+    pointer tensor [dp, n, page_size] whose minor dimension is a page's contiguous keys (16 bytes of
+    an fp8 page of 16), so the loads stay vectorized and p @ V's operand arrives K-major."""
+    n = page_ids.shape[0]
+    _, dp, page_size = pages_ref.shape
+    idx = (page_ids[None, :, None], jnp.arange(dp)[:, None, None], jnp.arange(page_size)[None, None, :])
+    if head_dim == dp:
+        x = _widen(plgpu.load(pages_ref.at[idx]), dtype)
+    else:
+        mask = idx[1] < head_dim
+        x = jnp.where(mask, _widen(plgpu.load(pages_ref.at[idx], mask=mask), dtype), jnp.zeros((), dtype))
+    return x.reshape(dp, n * page_size)

@@ -6,7 +6,10 @@ the page arrays are donated (callers jit with donate_argnums); there is no
 reduction or reuse a custom kernel could exploit.
 
 Layout: k_pages, v_pages [num_kv_heads, num_pages, page_size, head_dim];
-slot = page * page_size + offset.
+slot = page * page_size + offset. With `v_transposed` (a variant layout, for fp8 pages: issue 66)
+v_pages are [num_kv_heads, num_pages, head_dim, page_size], a page's keys contiguous per
+dimension, as FlashAttention-3 stores fp8 V: p @ V's operand is then K-major, which fp8 wgmma
+and 8-bit ldmatrix need. copy_blocks moves whole pages and takes either layout.
 """
 
 import functools
@@ -34,8 +37,13 @@ def quantize(x, dtype, scale):
     return jnp.clip(x.astype(jnp.float32) / scale, -largest, largest).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("kv_dtype",))
-def write_kv(k_pages, v_pages, k, v, slot_mapping, k_scale=None, v_scale=None, kv_dtype=None):
+def transpose_v_pages(v_pages):
+    """V pages from one layout to the other ([.., page_size, head_dim] <-> [.., head_dim, page_size])."""
+    return jnp.swapaxes(v_pages, -1, -2)
+
+
+@functools.partial(jax.jit, static_argnames=("kv_dtype", "v_transposed"))
+def write_kv(k_pages, v_pages, k, v, slot_mapping, k_scale=None, v_scale=None, kv_dtype=None, v_transposed=False):
     """Store k, v [T, num_kv_heads, head_dim] at slots int32[T].
 
     Negative slots (padding, -1) and slots >= num_pages * page_size are
@@ -55,15 +63,16 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping, k_scale=None, v_scale=None, k
     slots = jnp.where(slot_mapping < 0, num_pages * page_size, slot_mapping)
     pages_idx, offsets = slots // page_size, slots % page_size
 
-    def scatter(pages, new, scale):
-        new = jnp.swapaxes(new, 0, 1)  # [kvh, T, d]
+    def scatter(pages, new, scale, transposed=False):
         dtype = jnp.dtype(kv_dtype or pages.dtype)
         new = quantize(new, dtype, 1.0 if scale is None else scale) if dtype in FP8 else new.astype(dtype)
         if new.dtype != pages.dtype:  # raw bits
             new = jax.lax.bitcast_convert_type(new, pages.dtype)
-        return pages.at[:, pages_idx, offsets].set(new, mode="drop")
+        if transposed:  # the slice between the index arrays puts their [T] first: the update is [T, kvh, d]
+            return pages.at[:, pages_idx, :, offsets].set(new, mode="drop")
+        return pages.at[:, pages_idx, offsets].set(jnp.swapaxes(new, 0, 1), mode="drop")  # [kvh, T, d]
 
-    return scatter(k_pages, k, k_scale), scatter(v_pages, v, v_scale)
+    return scatter(k_pages, k, k_scale), scatter(v_pages, v, v_scale, v_transposed)
 
 
 @jax.jit

@@ -25,7 +25,9 @@ holding one.
 Slots past the context may hold anything (NaN too), so each block zeroes
 them in V before p @ V. (A variant that skipped that select in the blocks
 holding only the sequence's keys, `peel_tail`, measured 1.3-2x slower on an
-H200 at 32k contexts: 145 registers, 3 programs per SM; it was removed.)
+H200 at 32k contexts: 145 registers, 3 programs per SM. It is back as an option for transposed
+V pages, `v_transposed`, where the unselected fp8 V goes into the MMA by ldmatrix: 128 registers,
+4 programs per SM; docs/PERF.md, "fp8 V pages stored transposed".)
 fp8 pages with bf16 queries run their dots in f16
 (blocks.fp8_compute_dtype: one conversion per two values instead of three
 instructions per value through bf16), q brought within f16's range by a
@@ -88,7 +90,7 @@ def _target():
 
 
 def _decode_kernel(ctx_ref, window_ref, factor_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *stat_refs, scale,
-                   head_dim, pages_per_iter, soft_cap):
+                   head_dim, pages_per_iter, soft_cap, v_transposed=False, peel_tail=False):
     seq, split = pl.program_id(0), pl.program_id(2)
     page_size = k_ref.shape[1]
     rows, dp = q_ref.shape
@@ -103,20 +105,29 @@ def _decode_kernel(ctx_ref, window_ref, factor_ref, table_ref, q_ref, k_ref, v_r
 
     last = table_ref.shape[0] // pages_per_iter - 1
 
-    def body(i, state):
+    def body(i, state, mask_v=True):
         carry, ids = state
         # The next block's page ids, read now: its K/V copies need not wait for them, so Triton's
         # pipeline (num_stages 3) has them in flight while this block computes.
         next_ids = table_ref[pl.ds(jnp.minimum(i + 1, last) * pages_per_iter, pages_per_iter)]
         k = blocks.load_pages(k_ref, ids, head_dim, q.dtype)  # fp8 pages: widened in registers
-        v = blocks.load_pages(v_ref, ids, head_dim, q.dtype)
+        if v_transposed:
+            v = blocks.load_pages_transposed(v_ref, ids, head_dim, q.dtype)
+        else:
+            v = blocks.load_pages(v_ref, ids, head_dim, q.dtype)
         key = i * block + jnp.arange(block)
-        carry = blocks.attend_block(carry, q, k, v, (key >= start) & (key < num_keys), scale, soft_cap=soft_cap)
+        carry = blocks.attend_block(carry, q, k, v, (key >= start) & (key < num_keys), scale, soft_cap=soft_cap,
+                                    v_transposed=v_transposed, mask_v=mask_v)
         return carry, next_ids
 
     first, end = start // block, tiling.cdiv(num_keys, block)
     ids = table_ref[pl.ds(jnp.minimum(first, last) * pages_per_iter, pages_per_iter)]
-    (out, m, l), _ = lax.fori_loop(first, end, body, (blocks.init_carry(rows, dp), ids))
+    state = (blocks.init_carry(rows, dp), ids)
+    if peel_tail:  # blocks of the sequence's keys alone (V unselected: no slot past the context), then the last
+        full = jnp.maximum(first, num_keys // block)
+        state = lax.fori_loop(first, full, functools.partial(body, mask_v=False), state)
+        first = full
+    (out, m, l), _ = lax.fori_loop(first, end, body, state)
     if stat_refs:  # split-K partial: combined outside
         m_ref, l_ref = stat_refs
         o_ref[...] = out
@@ -127,14 +138,19 @@ def _decode_kernel(ctx_ref, window_ref, factor_ref, table_ref, q_ref, k_ref, v_r
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret", "logits_soft_cap", "fp8_as_bits",
-                                             "num_stages"))
+                                             "num_stages", "v_transposed", "peel_tail"))
 def paged_attention_pallas(
     q, k_pages, v_pages, block_tables, context_lens, *, scale=None, num_splits=None, interpret=False,
-    sliding_window=None, logits_soft_cap=None, fp8_as_bits=None, num_stages=None
+    sliding_window=None, logits_soft_cap=None, fp8_as_bits=None, num_stages=None, v_transposed=False,
+    peel_tail=False
 ):
     """fp8_as_bits: e4m3 pages read as bytes and widened by arithmetic (None: below sm_89 only).
     num_stages: Triton's software pipelining depth (None: decode_stages' rule for the grid and
-    the target GPU); bench_kernels times 2 and 3 against it."""
+    the target GPU); bench_kernels times 2 and 3 against it. v_transposed: v_pages are
+    [num_kv_heads, num_pages, head_dim, page_size] (cache_ops.write_kv(v_transposed=True)), so
+    p @ V's operand has its keys contiguous (K-major: ldmatrix for fp8, no byte loads). peel_tail:
+    the blocks before the one holding the context's end run without V's select (module docstring;
+    with v_transposed, fp8 V then goes from shared memory straight into the MMA's registers)."""
     k_pages, v_pages = blocks.pages_for_triton(k_pages, fp8_as_bits), blocks.pages_for_triton(v_pages, fp8_as_bits)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -161,9 +177,10 @@ def paged_attention_pallas(
         out_shape += [stat, stat]
         out_specs += [stat_spec, stat_spec]
     page_spec = pl.BlockSpec((None, num_pages, page_size, dp), lambda s, h, k: (h, 0, 0, 0))
+    v_spec = pl.BlockSpec((None, num_pages, dp, page_size), lambda s, h, k: (h, 0, 0, 0)) if v_transposed else page_spec
     kernel = functools.partial(
         _decode_kernel, scale=default_scale(scale, head_dim), head_dim=head_dim, pages_per_iter=pages_per_iter,
-        soft_cap=logits_soft_cap,
+        soft_cap=logits_soft_cap, v_transposed=v_transposed, peel_tail=peel_tail,
     )
     window = jnp.full((1,), blocks.NO_WINDOW if sliding_window is None else sliding_window, jnp.int32)
     res = pl.pallas_call(
@@ -176,7 +193,7 @@ def paged_attention_pallas(
             pl.BlockSpec((None, per_split), lambda s, h, k: (s, k)),
             pl.BlockSpec((None, None, rows, dp), lambda s, h, k: (s, h, 0, 0)),
             page_spec,
-            page_spec,
+            v_spec,
         ],
         out_specs=out_specs,
         out_shape=out_shape,

@@ -41,6 +41,10 @@ MIN_BLOCK_KEYS = 64  # keys per pipeline step (more when one page is larger)
 STAGES = 2
 MASK_VALUE = -1e30  # finite: a fully masked row never computes inf - inf
 LOG2E = 1.4426950408889634
+# Transposed fp8 V pages (v_transposed): p goes to its wgmma in e4m3, scaled by 2**P_SHIFT (exp2 of the
+# scores minus the row max plus P_SHIFT: at most 256, below e4m3's 448) so that p down to 2**-14 keeps
+# e4m3's normal precision; the sums l carry the same factor, which the output's division cancels.
+P_SHIFT = 8.0
 
 
 def check_supported(q, k_pages):
@@ -64,7 +68,7 @@ def _interpret_params(interpret):
 
 
 def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scale, causal, scratch, num_full=0,
-            row_limits=False, team=None):
+            row_limits=False, team=None, v_transposed=False):
     """Online-softmax attention of q_smem's rows over keys [0, num_keys) of the pages listed in
     table_ref[first_page:]. causal = (pos0, tile) (prefill): row r is the query at position
     pos0 + r % tile (head-major rows) and sees keys up to its own position. The first `num_full`
@@ -76,6 +80,9 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
     the K/V stages; warpgroup 0 issues the copies once both have arrived on `consumed` (a barrier per
     stage) after their PV, and zeroes the last block's dead V slots before both pass `sync`.
     causal = (pos0, tile, row0): the rows are rows row0.. of the tile's (0 when absent).
+    v_transposed: fp8 V pages [head_dim, page_size] each, landing whole in a [pages, head_dim, page_size]
+    stage (a TMA copy needs contiguous shared memory): per page, p @ V's B operand is K-major, so one
+    fp8 wgmma per page runs on the stage itself (p in e4m3, P_SHIFT), with no widening.
     Returns fp32 (out [ROWS, d] unnormalised, max [ROWS] in log2 units, sumexp [ROWS])."""
     k_smem, v_smem, p_smem, k_bar, v_bar, *wide = scratch
     page_size = k_ref.shape[2]
@@ -89,7 +96,8 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
             page = table_ref[first_page + i * pages_per_block + j]
             rows = pl.ds(j * page_size, page_size)
             plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, rows], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_bar.at[slot])
+            v_dst = v_smem.at[slot, j] if v_transposed else v_smem.at[slot, rows]
+            plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_dst, v_bar.at[slot])
 
     num_blocks = tiling.cdiv(num_keys, block)
     wg, consumed, sync = team or (0, None, None)
@@ -144,11 +152,11 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
             s = s * (scale * LOG2E)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new - P_SHIFT if v_transposed else m_new, s.shape, [0]))
         l = l * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         plgpu.barrier_wait(v_bar.at[slot])
-        v_op = _widened(v_smem.at[slot], wide[1], dtype) if wide else v_smem.at[slot]
+        v_op = _widened(v_smem.at[slot], wide[1], dtype) if wide and not v_transposed else v_smem.at[slot]
 
         if masked:
             # The last block's slots past num_keys may hold anything (even NaN): 0 * NaN would
@@ -157,8 +165,17 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
             def _():
                 @pl.when(wg == 0)
                 def _():
-                    row = plgpu.broadcasted_iota(jnp.int32, (block, head_dim), 0, layout=plgpu.Layout.WGMMA)
-                    v_op[...] = jnp.where(i * block + row < num_keys, v_op[...], jnp.zeros((), dtype))
+                    if v_transposed:  # pages [head_dim, page_size]: keys along the columns
+                        col = plgpu.broadcasted_iota(jnp.int32, (head_dim, page_size), 1, layout=plgpu.Layout.WGMMA)
+                        for j in range(pages_per_block):
+                            page = v_op.at[j]
+                            live = i * block + j * page_size + col < num_keys
+                            # (no 8-bit select: through f16, exact for fp8; the last block only)
+                            x = page[...].astype(jnp.float16)
+                            page[...] = jnp.where(live, x, jnp.zeros((), x.dtype)).astype(page.dtype)
+                    else:
+                        row = plgpu.broadcasted_iota(jnp.int32, (block, head_dim), 0, layout=plgpu.Layout.WGMMA)
+                        v_op[...] = jnp.where(i * block + row < num_keys, v_op[...], jnp.zeros((), dtype))
                     plgpu.commit_smem()
 
                 if team:  # the other warpgroup's PV waits for the zeroes
@@ -167,11 +184,15 @@ def _attend(q_smem, k_ref, v_ref, table_ref, kv_head, first_page, num_keys, scal
 
         # p goes through shared memory: the one wgmma form GPU interpret mode simulates, so
         # the path tested on the CPU is the path compiled (registers would save a round trip).
-        p_smem[...] = p.astype(dtype)
+        p_smem[...] = p.astype(p_smem.dtype)  # e4m3 with transposed fp8 V
         plgpu.commit_smem()
 
         def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_op)
+            if v_transposed:  # one fp8 wgmma per page: its keys are a K group of p's columns
+                for j in range(pages_per_block):
+                    plgpu.wgmma(acc_ref, p_smem.at[:, pl.ds(j * page_size, page_size)], v_op.at[j].transpose((1, 0)))
+            else:
+                plgpu.wgmma(acc_ref, p_smem, v_op)
             return acc_ref[...]
 
         # A fresh accumulator, added in registers (interpret mode has no run_state over ACC refs).
@@ -207,12 +228,12 @@ def _widened(stage, wide, dtype):
     return wide
 
 
-def _wgmma_smem(shape, dtype):
+def _wgmma_smem(shape, dtype, swizzle=None):
     """A wgmma (or TMA) operand in shared memory: swizzled (8, swizzle / itemsize) tiles, the
-    swizzle as wide as a row up to 128 bytes (jax 0.10 wants them spelled out; 0.11 would infer
-    them)."""
+    swizzle (bytes) as wide as a row up to 128 bytes unless given (jax 0.10 wants them spelled out;
+    0.11 would infer them)."""
     itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(128, shape[-1] * itemsize)
+    swizzle = swizzle or min(128, shape[-1] * itemsize)
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
                                                 plgpu.SwizzleTransform(swizzle)))
 
@@ -226,27 +247,52 @@ def _block_keys(page_size, block_keys=None):
     return block
 
 
-def _scratch(head_dim, page_size, dtype, page_dtype, block):
+def _scratch(head_dim, page_size, dtype, page_dtype, block, v_transposed=False):
     """q, K and V stages (in the pages' dtype), p, the stages' barriers, and for fp8 pages the
-    K and V blocks widened to q's dtype."""
+    K and V blocks widened to q's dtype. v_transposed: V stages [pages, head_dim, page_size] and p in
+    e4m3, both swizzled by a page's row of keys (wgmma takes one swizzle for both operands), and K's
+    widened block only."""
     pages = _wgmma_smem((STAGES, block, head_dim), page_dtype)
     # Every page's copy arrives on its stage's barrier: it completes when all have landed.
     barrier = plgpu.Barrier(num_arrivals=block // page_size, num_barriers=STAGES)
+    if v_transposed:
+        swizzle = min(128, page_size)  # bytes: fp8
+        v_pages = _wgmma_smem((STAGES, block // page_size, head_dim, page_size), page_dtype, swizzle)
+        p = _wgmma_smem((ROWS, block), jnp.float8_e4m3fn, swizzle)
+        return (_wgmma_smem((ROWS, head_dim), dtype), pages, v_pages, p, barrier, barrier,
+                _wgmma_smem((block, head_dim), dtype))
     wide = () if page_dtype == dtype else (_wgmma_smem((block, head_dim), dtype),) * 2
     return (_wgmma_smem((ROWS, head_dim), dtype), pages, pages, _wgmma_smem((ROWS, block), dtype), barrier, barrier,
             *wide)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret", "mask_diagonal_only", "share_smem"))
+def check_v_transposed(k_pages, v_pages):
+    """ValueError unless the pages can take the transposed fp8 V path: fp8 pages, V
+    [kv heads, pages, head_dim, page_size] with pages of a multiple of 32 keys (a page's row of
+    keys is a whole swizzle row for TMA and fp8 wgmma, which has no 16-byte swizzle)."""
+    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    if k_pages.dtype not in FP8 or v_pages.shape != (num_kv_heads, num_pages, head_dim, page_size):
+        raise ValueError(f"v_transposed takes fp8 pages, V as [kv heads, pages, head_dim, page]; got {k_pages.dtype} "
+                         f"K {k_pages.shape}, V {v_pages.shape}")
+    if page_size % 32:
+        raise ValueError(f"Mosaic's v_transposed needs a page size that is a multiple of 32 (fp8 wgmma's "
+                         f"swizzle), got {page_size}: use 'pallas'")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret", "mask_diagonal_only", "share_smem",
+                                             "v_transposed"))
 def paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_lens, *, scale=None, num_splits=None,
-                           interpret=False, mask_diagonal_only=False, share_smem=False):
+                           interpret=False, mask_diagonal_only=False, share_smem=False, v_transposed=False):
     """Decode attention (see pallas_kernels.paged_attention) on Mosaic GPU. Variants for
     bench_kernels: mask_diagonal_only (only the block holding a split's last key is masked, with the
     per-row mask), share_smem (the K/V stages, p and the fp8 widening buffers live in a scope of
     their own, and the f32 output's 32 KB staging buffer reuses their memory after the loop:
     sm_90 compile for head_dim 128, 93 KB of shared memory instead of 124 KB, 2 programs per SM
-    instead of 1)."""
+    instead of 1), v_transposed (fp8 V pages stored [head_dim, page_size]: the PV wgmma in fp8 on
+    the TMA's stage, p in e4m3; check_v_transposed)."""
     check_supported(q, k_pages)
+    if v_transposed:
+        check_v_transposed(k_pages, v_pages)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     group = num_heads // num_kv_heads
@@ -265,7 +311,7 @@ def paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_lens, *, s
     else:
         factor = jnp.ones((1,), jnp.float32)
 
-    q_type, *loop_types = _scratch(head_dim, page_size, qp.dtype, k_pages.dtype, block)
+    q_type, *loop_types = _scratch(head_dim, page_size, qp.dtype, k_pages.dtype, block, v_transposed)
     out_types = (plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32),
                  plgpu.SMEM((ROWS,), jnp.float32))
 
@@ -277,7 +323,8 @@ def paged_attention_mosaic(q, k_pages, v_pages, block_tables, context_lens, *, s
         def attend(q_smem, *loop_scratch):
             return _attend(q_smem, k_ref, v_ref, table_ref.at[s], h, split * per_split, num_keys,
                            scale * factor_ref[0], None, loop_scratch,
-                           num_full=num_keys // block if mask_diagonal_only else 0, row_limits=mask_diagonal_only)
+                           num_full=num_keys // block if mask_diagonal_only else 0, row_limits=mask_diagonal_only,
+                           v_transposed=v_transposed)
 
         def write(acc, m, l, o_smem, m_smem, l_smem):
             o_smem[...] = acc

@@ -51,7 +51,7 @@ def query_tile(num_tokens: int, num_seqs: int, group_pow2: int) -> int:
 
 def _prefill_kernel(
     seq_ref, pos0_ref, keys_ref, window_ref, factor_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale, head_dim,
-    tile, pages_per_iter, soft_cap, bidirectional
+    tile, pages_per_iter, soft_cap, bidirectional, v_transposed=False
 ):
     # refs: (last_ref, o_ref) with per-row key limits (last_ref [rows]: each row's last key), else (o_ref,).
     last_ref, o_ref = refs if bidirectional else (None, *refs)
@@ -70,24 +70,27 @@ def _prefill_kernel(
     def body(i, carry):
         ids = table_ref[seq, pl.ds(i * pages_per_iter, pages_per_iter)]
         k = blocks.load_pages(k_ref, ids, head_dim, q.dtype)  # fp8 pages: widened in registers
-        v = blocks.load_pages(v_ref, ids, head_dim, q.dtype)
+        load_v = blocks.load_pages_transposed if v_transposed else blocks.load_pages
+        v = load_v(v_ref, ids, head_dim, q.dtype)
         k_pos = i * block + jnp.arange(block)
         visible = (k_pos[None, :] <= q_last[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
         key_live = (k_pos >= start) & (k_pos < num_keys)
-        return blocks.attend_block(carry, q, k, v, key_live, scale, visible, soft_cap)
+        return blocks.attend_block(carry, q, k, v, key_live, scale, visible, soft_cap, v_transposed)
 
     out, _, l = lax.fori_loop(start // block, tiling.cdiv(num_keys, block), body, blocks.init_carry(rows, dp))
     o_ref[...] = blocks.normalize(out, l).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "q_tile", "logits_soft_cap", "fp8_as_bits"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "q_tile", "logits_soft_cap", "fp8_as_bits",
+                                             "v_transposed"))
 def ragged_paged_attention_pallas(
     q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None, interpret=False, q_tile=None,
-    sliding_window=None, logits_soft_cap=None, fp8_as_bits=None, key_limits=None
+    sliding_window=None, logits_soft_cap=None, fp8_as_bits=None, key_limits=None, v_transposed=False
 ):
     """q_tile overrides the tokens per tile (tests use it to cross tiles); fp8_as_bits: e4m3 pages
     read as bytes and widened by arithmetic (None: below sm_89 only); key_limits: int32[tokens],
-    the last key each query sees when past its own position (pallas_kernels.ragged_paged_attention)."""
+    the last key each query sees when past its own position (pallas_kernels.ragged_paged_attention);
+    v_transposed: v_pages [num_kv_heads, num_pages, head_dim, page_size] (decode.py)."""
     k_pages, v_pages = blocks.pages_for_triton(k_pages, fp8_as_bits), blocks.pages_for_triton(v_pages, fp8_as_bits)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -115,6 +118,7 @@ def ragged_paged_attention_pallas(
 
     scalar_spec = pl.BlockSpec((num_tiles,), lambda j, h: (0,))
     page_spec = pl.BlockSpec((None, num_pages, page_size, dp), lambda j, h: (h, 0, 0, 0))
+    v_spec = pl.BlockSpec((None, num_pages, dp, page_size), lambda j, h: (h, 0, 0, 0)) if v_transposed else page_spec
     row_spec = pl.BlockSpec((None, None, rows, dp), lambda j, h: (j, h, 0, 0))
     kernel = functools.partial(
         _prefill_kernel,
@@ -124,6 +128,7 @@ def ragged_paged_attention_pallas(
         pages_per_iter=pages_per_iter,
         soft_cap=logits_soft_cap,
         bidirectional=key_limits is not None,
+        v_transposed=v_transposed,
     )
     extra_specs, extra_args = [], []
     if key_limits is not None:  # each row's last key, head-major rows as q's (row r: token r % tile)
@@ -142,7 +147,7 @@ def ragged_paged_attention_pallas(
             pl.BlockSpec(tables.shape, lambda j, h: (0, 0)),
             row_spec,
             page_spec,
-            page_spec,
+            v_spec,
             *extra_specs,
         ],
         out_specs=row_spec,

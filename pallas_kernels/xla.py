@@ -18,6 +18,7 @@ Softmax is computed in fp32; rows with no visible key give zeros, not NaN.
 fp8 pages are widened to q's dtype as they are gathered (the caller folds the
 K scale into q and the V scale into the output). `kv_dtype`: the pages hold that
 dtype's raw bits (cache_ops.write_kv), reinterpreted as they are gathered.
+`v_transposed`: v_pages in cache_ops' variant layout [kvh, P, head_dim, page_size].
 
 Optional, as the kernels: `sliding_window` w (an int or a traced int32 scalar)
 lets a query at position p see only keys in (p - w, p], and the loop starts at
@@ -44,10 +45,14 @@ def default_scale(scale, head_dim):
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-def _gather_pages(pages, tables):
-    """pages [kvh, P, ps, d], tables int32[N, W] (in range) -> [kvh, N, W*ps, d]."""
-    kvh, _, ps, d = pages.shape
+def _gather_pages(pages, tables, transposed=False):
+    """pages [kvh, P, ps, d] ([kvh, P, d, ps] when `transposed`: cache_ops' V variant), tables
+    int32[N, W] (in range) -> [kvh, N, W*ps, d]."""
     n, w = tables.shape
+    if transposed:
+        kvh, _, d, ps = pages.shape
+        return jnp.swapaxes(pages[:, tables], -1, -2).reshape(kvh, n, w * ps, d)
+    kvh, _, ps, d = pages.shape
     return pages[:, tables].reshape(kvh, n, w * ps, d)
 
 
@@ -108,9 +113,9 @@ def _first_key(starts, contexts):
     return jnp.where(jnp.any(live), jnp.min(jnp.where(live, starts, jnp.iinfo(jnp.int32).max)), 0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "logits_soft_cap", "kv_dtype"))
+@functools.partial(jax.jit, static_argnames=("scale", "logits_soft_cap", "kv_dtype", "v_transposed"))
 def paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, *, scale=None, sliding_window=None,
-                        logits_soft_cap=None, kv_dtype=None):
+                        logits_soft_cap=None, kv_dtype=None, v_transposed=False):
     """Decode attention: q [S, H, d] -> [S, H, d]; see paged_attention."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size = k_pages.shape[:3]
@@ -121,7 +126,7 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, *, scal
 
     def chunk_scores(chunk_tables, first_key):
         k = as_dtype(_gather_pages(k_pages, chunk_tables), kv_dtype).astype(q.dtype)  # [kvh, S, keys, d]; fp8 pages widened
-        v = as_dtype(_gather_pages(v_pages, chunk_tables), kv_dtype).astype(q.dtype)
+        v = as_dtype(_gather_pages(v_pages, chunk_tables, v_transposed), kv_dtype).astype(q.dtype)
         key = first_key + jnp.arange(k.shape[2])[None, :]
         key_ok = (key < context_lens[:, None]) & (key >= window_start[:, None])  # [S, keys]
         # Masking V too keeps non-finite garbage in unused (or freed) slots out of 0 * x.
@@ -144,9 +149,10 @@ def xla_query_tile(num_tokens: int, num_seqs: int) -> int:
     return min(128, tiling.next_pow2(avg))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "logits_soft_cap", "kv_dtype"))
+@functools.partial(jax.jit, static_argnames=("scale", "logits_soft_cap", "kv_dtype", "v_transposed"))
 def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, scale=None,
-                               sliding_window=None, logits_soft_cap=None, kv_dtype=None, key_limits=None):
+                               sliding_window=None, logits_soft_cap=None, kv_dtype=None, key_limits=None,
+                               v_transposed=False):
     """Ragged prefill: q [T, H, d] -> [T, H, d]; see ragged_paged_attention."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size = k_pages.shape[:3]
@@ -164,7 +170,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, 
 
     def chunk_scores(chunk_tables, first_key):
         k = as_dtype(_gather_pages(k_pages, chunk_tables), kv_dtype).astype(q.dtype)  # [kvh, NT, keys, d]; fp8 pages widened
-        v = as_dtype(_gather_pages(v_pages, chunk_tables), kv_dtype).astype(q.dtype)
+        v = as_dtype(_gather_pages(v_pages, chunk_tables, v_transposed), kv_dtype).astype(q.dtype)
         key = first_key + jnp.arange(k.shape[2], dtype=jnp.int32)
         key_ok = (key[None, :] < tile_context[:, None]) & (key[None, :] >= tile_start[:, None])  # [NT, keys]
         v = jnp.where(key_ok[None, :, :, None], v, jnp.zeros((), v.dtype))

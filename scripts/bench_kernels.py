@@ -46,7 +46,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pallas_kernels as pk  # noqa: E402
+from bench_kernel_variants import VARIANT_MIN_CONTEXT, decode_variants, prefill_variants, print_variants  # noqa: E402
 
 # The KV cache's fp8 names (jpaged.config.KV_CACHE_DTYPES, jpaged.models.kv_cache.FP8_DTYPES), spelled
 # out: importing jpaged needs packages a bare GPU image lacks (msgspec), and this runs there alone.
@@ -224,38 +226,12 @@ def bench_prefill(batch, length, heads, kv_heads, grid, iters, on_gpu=False, var
         name: (jax.jit(lambda *a, b=name: pk.ragged_paged_attention(*a, backend=b)), paged)
         for name in ("pallas", "mosaic", "xla")
     }
-    from pallas_kernels import mosaic, mosaic_wide
-
-    def prefill_variant(wide=False, **kw):
-        fn = mosaic_wide.ragged_paged_attention_mosaic_wide if wide else mosaic.ragged_paged_attention_mosaic
-        return jax.jit(lambda *a: fn(*a, interpret=not on_gpu, **kw))
-
-    impls |= {name: (prefill_variant(**kw), paged) for name, kw in MOSAIC_PREFILL_VARIANTS.items() if variants}
+    if variants:
+        impls |= prefill_variants(paged, not on_gpu)
     dense_args = (q.reshape(batch, length, heads, head_dim), k_dense, v_dense)
     dense, implementation, why = dense_reference(dense_args, on_gpu)
     impls["dense"] = (dense, dense_args)
     return time_impls(impls, iters), implementation, why
-
-
-# Variants for a GPU run to decide (a compile each), beside each family's default:
-# - Triton decode, 16-bit pages: 2 and 3 pipeline stages, forced. The default follows the grid
-#   (decode.decode_stages: 3 stages on sm_90 when the grid fits one wave of 2 programs per SM, as at
-#   8 x 32k; else 2): its row equals one of them.
-# - Triton decode, fp8 pages: the old 2 stages (the default is 3 since issue 66).
-VARIANTS = {"pallas[stages=2]": dict(num_stages=2), "pallas[stages=3]": dict(num_stages=3)}
-FP8_VARIANTS = {"pallas[stages=2]": dict(num_stages=2)}
-# - Mosaic prefill (FlashAttention-3's choices): the mask only on the blocks a tile's diagonal
-#   crosses (`diag`), 128-key blocks (`keys=128`: 176 KB of shared memory, 1 program per SM instead
-#   of 2), and both; two warpgroups sharing the K/V stages (`2wg`: mosaic_wide.py, 128 rows a program, the
-#   diagonal-only mask), at 64 and 128 keys. Mosaic decode, 16-bit and fp8 pages: the output's staging buffer in the loop
-#   buffers' memory (`2/SM`: 93 KB of shared memory instead of 124 KB, 2 programs per SM instead of
-#   1), alone and with only each split's last block masked.
-MOSAIC_PREFILL_VARIANTS = {"mosaic[diag]": dict(mask_diagonal_only=True), "mosaic[keys=128]": dict(block_keys=128),
-                           "mosaic[keys=128,diag]": dict(block_keys=128, mask_diagonal_only=True),
-                           "mosaic[2wg,diag]": dict(wide=True), "mosaic[2wg,keys=128,diag]": dict(wide=True, block_keys=128)}
-MOSAIC_DECODE_VARIANTS = {"mosaic[2/SM]": dict(share_smem=True),
-                          "mosaic[2/SM,diag]": dict(share_smem=True, mask_diagonal_only=True)}
-VARIANT_MIN_CONTEXT = 4096  # the quick grid's points
 
 
 def bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters, kv_cache_dtype=None, variants=True):
@@ -287,24 +263,15 @@ def bench_point(batch, context, heads, kv_heads, grid, on_gpu, iters, kv_cache_d
         }
         impls[f"xla {kv_cache_dtype}"] = (jax.jit(pk.paged_attention_xla), (q, k8, v8, tables, lens))
     if variants and (context >= VARIANT_MIN_CONTEXT or not on_gpu):
-        from pallas_kernels.decode import paged_attention_pallas
+        def fp8_inputs_at(other_page):  # the same point over pages of another size, in fp8
+            q2, k2, v2, t2, l2 = make_inputs(jax.random.PRNGKey(batch * 7 + context), batch, context, heads, kv_heads,
+                                             head_dim, other_page, dtype)
+            fp8 = FP8_DTYPES[kv_cache_dtype]
+            return q2, k2.astype(fp8), v2.astype(fp8), t2, l2
 
-        def variant(**kw):
-            return jax.jit(lambda *a: paged_attention_pallas(*a, interpret=interpret, **kw))
-
-        from pallas_kernels.mosaic import paged_attention_mosaic
-
-        def mosaic_variant(**kw):
-            return jax.jit(lambda *a: paged_attention_mosaic(*a, interpret=interpret, **kw))
-
-        impls |= {name: (variant(**kw), (q, k_pages, v_pages, tables, lens)) for name, kw in VARIANTS.items()}
-        impls |= {name: (mosaic_variant(**kw), (q, k_pages, v_pages, tables, lens))
-                  for name, kw in MOSAIC_DECODE_VARIANTS.items()}
-        if kv_cache_dtype:
-            impls |= {f"{name} {kv_cache_dtype}": (variant(**kw), impls[f"pallas {kv_cache_dtype}"][1])
-                      for name, kw in FP8_VARIANTS.items()}
-            impls |= {f"{name} {kv_cache_dtype}": (mosaic_variant(**kw), impls[f"mosaic {kv_cache_dtype}"][1])
-                      for name, kw in MOSAIC_DECODE_VARIANTS.items()}
+        impls |= decode_variants((q, k_pages, v_pages, tables, lens),
+                                 impls[f"pallas {kv_cache_dtype}"][1] if kv_cache_dtype else None, kv_cache_dtype,
+                                 interpret, fp8_inputs_at)
     peer, why = jax_peer(interpret, context // page)
     if peer is not None:
         impls["jax_peer"] = (peer, (q, k_pages, v_pages, tables, lens))
@@ -404,41 +371,6 @@ def main(argv=None):
     print_variants(rows, grid)
     print(f"\nbench_kernels: {time.perf_counter() - started:.0f} s")
     return rows
-
-
-def default_stages(batch, context, kv_heads, grid, itemsize):
-    """(num_stages, programs) the Triton decode kernel's default picks for a point (decode.decode_stages
-    over its grid, on the GPU jax runs on)."""
-    from pallas_kernels import blocks, decode, tiling
-
-    per_iter = max(1, blocks.KEYS_PER_ITER // grid["page"])
-    programs = batch * kv_heads * tiling.auto_num_splits(batch * kv_heads, context // grid["page"], per_iter)
-    return decode.decode_stages(programs, itemsize, *decode._target()), programs
-
-
-def print_variants(rows, grid):
-    """Each variant (an impl named `family[...]`, fp8 ones with the dtype after) against its family's
-    default at the same point: time and ratio (below 1: the variant is faster), and for Triton decode
-    the depth its default took there."""
-    variants = [r for r in rows if "[" in r["impl"]]
-    if not variants:
-        return
-    print("\nVariants against their default (ratio < 1: the variant is faster)")
-    print("| phase | batch x context | variant | µs | default | default µs | variant / default |")
-    print("|---|---|---|---|---|---|---|")
-    for r in variants:
-        base = r["impl"][:r["impl"].index("[")] + r["impl"][r["impl"].index("]") + 1:]
-        ref = next((x for x in rows if x["kind"] == r["kind"] and x["impl"] == base
-                    and (x["batch"], x["context"]) == (r["batch"], r["context"])), None)
-        label = base
-        if base.startswith("pallas") and r["kind"] == "decode":
-            itemsize = 1 if base != "pallas" else jnp.dtype(grid["dtype"]).itemsize
-            stages, programs = default_stages(r["batch"], r["context"], r["kv_heads"], grid, itemsize)
-            label = f"{base} (stages={stages}, {programs} programs)"
-        ok = ref is not None and not isinstance(ref["seconds"], str) and not isinstance(r["seconds"], str)
-        cells = (f"{r['seconds'] * 1e6:.1f} | {label} | {ref['seconds'] * 1e6:.1f} | {r['seconds'] / ref['seconds']:.3f}"
-                 if ok else f"{r['seconds'] if isinstance(r['seconds'], str) else '-'} | {label} | - | -")
-        print(f"| {r['kind']} | {r['batch']} x {r['context']} | {r['impl']} | {cells} |")
 
 
 def print_summary(rows, kv_cache_dtype, dtype):

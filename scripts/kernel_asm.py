@@ -13,6 +13,7 @@ Needs Python 3.12 with jax[cuda13]==0.11.2 (the CUDA plugin; no GPU):
   JAX_PLATFORMS=cpu python scripts/kernel_asm.py --family pallas --pages e4m3
   JAX_PLATFORMS=cpu python scripts/kernel_asm.py --family pallas --pages bf16 --option num_stages=3
   JAX_PLATFORMS=cpu python scripts/kernel_asm.py --family mosaic --pages e4m3 --keep /tmp/asm
+  JAX_PLATFORMS=cpu python scripts/kernel_asm.py --family pallas --pages e4m3 --option v_transposed=1
   JAX_PLATFORMS=cpu python scripts/kernel_asm.py --family mosaic --phase prefill --batch 1 --context 8192 \
       --option block_keys=128 --option mask_diagonal_only=1
 """
@@ -207,6 +208,11 @@ def compile_kernel(args, dump_dir: str):
     pages = spec((args.kv_heads, num_pages, page, d), pages_dtype)
     tables, lens = spec((args.batch, args.context // page), jnp.int32), spec((args.batch,), jnp.int32)
     options = {k: int(v) if v.isdigit() else v for k, v in (o.split("=", 1) for o in args.option)}
+    if options.get("v_transposed"):  # V pages [kv heads, pages, head_dim, page] (cache_ops' variant layout)
+        options["v_transposed"] = True
+        v_pages = spec((args.kv_heads, num_pages, d, page), pages_dtype)
+    else:
+        v_pages = pages
     if args.phase == "decode":
         q = spec((args.batch, args.heads, d), dtype)
         if args.family == "pallas" and options:
@@ -215,7 +221,7 @@ def compile_kernel(args, dump_dir: str):
             fn = lambda *a: paged_attention_mosaic(*a, interpret=False, **options)  # noqa: E731
         else:
             fn = lambda *a: pk.paged_attention(*a, backend=args.family, interpret=False)  # noqa: E731
-        inputs = (q, pages, pages, tables, lens)
+        inputs = (q, pages, v_pages, tables, lens)
     else:
         q = spec((args.batch * args.context, args.heads, d), dtype)
         if args.family == "mosaic" and options:
@@ -223,9 +229,13 @@ def compile_kernel(args, dump_dir: str):
 
             kernel = wide if options.pop("wide", 0) else ragged_paged_attention_mosaic
             fn = lambda *a: kernel(*a, interpret=False, **options)  # noqa: E731
+        elif options:
+            from pallas_kernels.prefill import ragged_paged_attention_pallas
+
+            fn = lambda *a: ragged_paged_attention_pallas(*a, interpret=False, **options)  # noqa: E731
         else:
             fn = lambda *a: pk.ragged_paged_attention(*a, backend=args.family, interpret=False)  # noqa: E731
-        inputs = (q, pages, pages, tables, lens, spec((args.batch + 1,), jnp.int32))
+        inputs = (q, pages, v_pages, tables, lens, spec((args.batch + 1,), jnp.int32))
     os.environ.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump_dir)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         return jax.jit(fn).trace(*inputs).lower().compile()
@@ -283,7 +293,8 @@ def main(argv=None) -> int:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--option", action="append", default=[],
                         help="KEY=VALUE for the Triton decode kernel (num_stages=3) or a Mosaic kernel "
-                             "(block_keys=128, mask_diagonal_only=1, wide=1: prefill)")
+                             "(block_keys=128, mask_diagonal_only=1, wide=1: prefill); v_transposed=1: V pages "
+                             "stored [head_dim, page_size] (either family)")
     parser.add_argument("--keep", help="a directory for the cubin, SASS and Mosaic dumps")
     args = parser.parse_args(argv)
     if args.keep:

@@ -141,18 +141,26 @@ def kernel_cases(families_here=("pallas", "mosaic")):
                    f"page={page}", functools.partial(_with_key_limits, backend="pallas"), "pallas",
                    args + [jax.ShapeDtypeStruct((args[0].shape[0],), jnp.int32)])
 
-    # bench_kernels' variants (issue 66): Triton's depths, Mosaic's 2/SM, diagonal masks, 128-key blocks, 2 wgs
-    from pallas_kernels import decode as triton, mosaic, mosaic_wide
+    # bench_kernels' variants (issue 66): Triton's depths, Mosaic's 2/SM, diagonal masks, 128-key blocks, 2 wgs;
+    # fp8 V pages stored transposed (v_transposed: Triton decode and prefill, Mosaic decode at pages of 32+)
+    from pallas_kernels import decode as triton, mosaic, mosaic_wide, prefill as triton_prefill
     variants = [("decode", triton.paged_attention_pallas, dict(num_stages=n), None) for n in (2, 3)] + [
         ("decode", mosaic.paged_attention_mosaic, dict(share_smem=True, mask_diagonal_only=True), t) for t in (None, e4m3)]
     variants += [("prefill", mosaic.ragged_paged_attention_mosaic, dict(block_keys=k, mask_diagonal_only=d), t)
                  for k, d, t in ((None, True, None), (128, False, None), (128, True, e4m3))] + [
         ("prefill", mosaic_wide.ragged_paged_attention_mosaic_wide, dict(block_keys=k), None) for k in (None, 128)]
+    variants += [("decode", triton.paged_attention_pallas, dict(v_transposed=True, peel_tail=p), t)
+                 for p, t in ((True, e4m3), (False, e5m2))] + [
+        ("prefill", triton_prefill.ragged_paged_attention_pallas, dict(v_transposed=True), e4m3)] + [
+        ("decode", mosaic.paged_attention_mosaic, dict(v_transposed=True, share_smem=s), t) for s, t in ((0, e4m3), (1, e5m2))]
     for phase, fn, options, page_dtype in variants:
-        backend = "pallas" if fn is triton.paged_attention_pallas else "mosaic"
+        backend = "pallas" if fn.__name__.endswith("_pallas") else "mosaic"
+        page = 32 if backend == "mosaic" and options.get("v_transposed") else 16
         if backend in families_here:
-            args = (decode if phase == "decode" else prefill)(bf16, 32, 8, 128, 16, page_dtype=page_dtype)
-            yield (f"{phase} {backend}{options} pages={jnp.dtype(page_dtype or bf16).name} heads=32/8 d=128 page=16",
+            args = (decode if phase == "decode" else prefill)(bf16, 32, 8, 128, page, page_dtype=page_dtype)
+            if options.get("v_transposed"):  # V pages [kv heads, pages, head_dim, page_size]
+                args[2] = jax.ShapeDtypeStruct(args[2].shape[:2] + args[2].shape[:1:-1], args[2].dtype)
+            yield (f"{phase} {backend}{options} pages={jnp.dtype(page_dtype or bf16).name} heads=32/8 d=128 page={page}",
                    functools.partial(fn, **options), backend, args)
 
 

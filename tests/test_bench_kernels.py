@@ -27,6 +27,9 @@ def test_tiny_run_reports_copy_share_fp8_ratio_and_summary(capsys):
     assert "fp8_ratio" not in decode["pallas"]
     other = 2 * 1 * 4 * 64 * 2 + 4 * 1 * (32 // 16 + 1)  # q and out (bf16), block table and length
     assert decode["pallas"]["bytes"] - other == 2 * (decode["pallas fp8"]["bytes"] - other)
+    for impl in ("pallas[vT] fp8", "pallas[vT,select] fp8"):  # fp8 V pages stored transposed: timed beside the default
+        assert isinstance(decode[impl]["seconds"], float), decode[impl]
+    assert {"mosaic[vT,page=32] fp8", "mosaic[page=32] fp8"} <= set(decode)  # (Mosaic: GPU interpret mode, jax >= 0.11)
     prefill = {r["impl"]: r for r in rows if r["kind"] == "prefill"}
     assert prefill["dense"]["implementation"] == "xla" and abs(prefill["dense"]["pct_dense"] - 100) < 1e-9
     assert prefill["pallas"]["tflops"] > 0 and prefill["pallas"]["pct_dense"] > 0

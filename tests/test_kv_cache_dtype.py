@@ -270,3 +270,34 @@ def test_server_kv_cache_dtype_flag():
         assert any("KV cache float8_e4m3fn, scales calculated from the first step" in line for line in server.log)
     finally:
         assert server.stop() == 0
+
+
+def test_fp8_v_transposed_engine_matches_the_standard_layout():
+    """kv_cache_v_transposed (V blocks [head_dim, block_size], pallas_kernels' variant layout): a
+    cramped engine that swaps (the host keeps V in the standard layout), copies blocks on write (n=2)
+    and hits cached prefixes gives the standard layout's outputs; fp8 only, and Mosaic (no prefill
+    over transposed V) refused at start-up."""
+    rng = np.random.default_rng(SEED)
+    prefix = rng.integers(0, 256, 40).tolist()
+    prompts, params = fp8_workload(rng, 8)
+    prompts = [prefix + p if i % 2 else p for i, p in enumerate(prompts)]
+    params[3] = jpaged.SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=params[3].max_tokens, ignore_eos=True,
+                                      logprobs=5)
+    common = dict(kv_cache_dtype="fp8", num_gpu_blocks_override=20, preemption_mode="swap", swap_space=0.05,
+                  enable_prefix_caching=True, enforce_eager=True, **LIMITS)
+    outs = {}
+    for transposed in (False, True):
+        llm = jpaged.LLM("tiny", kv_cache_v_transposed=transposed, **common)
+        outs[transposed] = llm.generate(prompts, params, use_tqdm=False)
+        pool = llm.llm_engine.runner.kv_cache
+        k_shape, v_shape = pool.k_pages.shape, pool.v_pages.shape
+        assert pool.v_transposed == transposed
+        assert v_shape == (k_shape[:2] + k_shape[:1:-1] if transposed else k_shape), (k_shape, v_shape)
+        assert llm.stats()["num_preemptions"] > 0 and llm.stats()["prefix_cache_hits"] > 0
+        assert_all_blocks_free(llm)
+    assert_close_outputs(outs[False], outs[True], atol=1e-4)
+    with pytest.raises(ValueError, match="kv_cache_v_transposed"):
+        jpaged.LLM("tiny", kv_cache_v_transposed=True)  # 16-bit pages
+    with pytest.raises(ValueError, match="no prefill over transposed V"):
+        jpaged.LLM("tiny", kv_cache_dtype="fp8", kv_cache_v_transposed=True, attention_backend="mosaic",
+                   enforce_eager=True)

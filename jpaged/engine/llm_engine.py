@@ -118,7 +118,8 @@ class LLMEngine:
         self.max_model_len = start_up.derive_max_model_len(loaded.hf_config, config.max_model_len)
         max_num_batched_tokens = config.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs)
         kv_cache_spec = KVCacheSpec.of_model(loaded.model, config.block_size,
-                                             kv_dtype(config.kv_cache_dtype, loaded.dtype), config.tensor_parallel_size)
+                                             kv_dtype(config.kv_cache_dtype, loaded.dtype), config.tensor_parallel_size,
+                                             config.kv_cache_v_transposed)
         check_kernels(loaded.model, kv_cache_spec, loaded.dtype, config.attention_backend)
         spec_config = config.speculative_config
         lora_targets = add_lora_slots(loaded.model, loaded.mesh, config.max_loras, config.max_lora_rank) \

@@ -25,7 +25,8 @@ from pallas_kernels.cache_ops import FP8, RAW_BITS, as_dtype
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["k_pages", "v_pages", "k_scale", "v_scale", "scales_pending"], meta_fields=["raw_of"])
+                   data_fields=["k_pages", "v_pages", "k_scale", "v_scale", "scales_pending"],
+                   meta_fields=["raw_of", "v_transposed"])
 @dataclasses.dataclass
 class KVCache:
     k_pages: jax.Array
@@ -39,6 +40,9 @@ class KVCache:
     # On a CPU for dtypes narrower than 32 bits: XLA's CPU backend cannot scatter them in place
     # (pallas_kernels.cache_ops.write_kv).
     raw_of: np.dtype | None = None
+    # v_pages are [num_kv_heads, pages, head_dim, block_size] (pallas_kernels.cache_ops' variant
+    # layout for fp8 caches, kv_cache_v_transposed); k_pages keep [.., block_size, head_dim].
+    v_transposed: bool = False
 
     def replace(self, **changes) -> "KVCache":
         return dataclasses.replace(self, **changes)
@@ -74,14 +78,16 @@ class KVCacheSpec:
     block_size: int
     dtype: np.dtype
     tp_size: int = 1  # the head axis is split over this many devices
+    v_transposed: bool = False  # V pages [.., head_dim, block_size] (KVCache.v_transposed)
 
     @classmethod
-    def of_model(cls, model: nnx.Module, block_size: int, dtype, tp_size: int = 1) -> "KVCacheSpec":
+    def of_model(cls, model: nnx.Module, block_size: int, dtype, tp_size: int = 1,
+                 v_transposed: bool = False) -> "KVCacheSpec":
         """Read off the model's layer stack and attention layers (one spec for every layer)."""
         nodes = [node for _, node in nnx.iter_graph(model)]
         stack = next(node for node in nodes if isinstance(node, LayerStack))
         num_kv_heads, head_dim = next(node for node in nodes if isinstance(node, Attention)).k_proj.out_shape
-        return cls(stack.num_layers, num_kv_heads, head_dim, block_size, np.dtype(dtype), tp_size)
+        return cls(stack.num_layers, num_kv_heads, head_dim, block_size, np.dtype(dtype), tp_size, v_transposed)
 
     @property
     def bytes_per_block(self) -> int:
@@ -93,8 +99,14 @@ class KVCacheSpec:
         """k_pages / v_pages: [num_kv_heads, num_layers * num_blocks, block_size, head_dim]."""
         return (self.num_kv_heads, self.num_layers * num_blocks, self.block_size, self.head_dim)
 
+    def v_pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """v_pages: pool_shape's, or [.., head_dim, block_size] when v_transposed."""
+        shape = self.pool_shape(num_blocks)
+        return shape[:2] + shape[:1:-1] if self.v_transposed else shape
+
     def swapped_pages_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Blocks in flight between the pool and the host: [layers, k/v, kv_heads, blocks, block_size, head_dim]."""
+        """Blocks in flight between the pool and the host: [layers, k/v, kv_heads, blocks, block_size, head_dim]
+        (V in the standard layout whatever the pool's: kv_transfer transposes it)."""
         return (self.num_layers, 2, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
 
     def host_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -124,9 +136,11 @@ class KVCacheSpec:
     def abstract(self, num_blocks: int, sharding, scales=None, calculate_scales: bool = False) -> KVCache:
         """The KVCache `allocate` would return, as shapes (jax.ShapeDtypeStruct) only: nothing is
         allocated (a runner that compiles to measure memory before the pool is sized)."""
-        shape, raw = self.pool_shape(num_blocks), stores_raw_bits(self.dtype, sharding)
-        pages = jax.ShapeDtypeStruct(shape, RAW_BITS[self.dtype.itemsize] if raw else self.dtype, sharding=sharding)
-        cache = KVCache(pages, pages, raw_of=self.dtype if raw else None)
+        raw = stores_raw_bits(self.dtype, sharding)
+        pages, v_pages = (jax.ShapeDtypeStruct(shape, RAW_BITS[self.dtype.itemsize] if raw else self.dtype,
+                                               sharding=sharding)
+                          for shape in (self.pool_shape(num_blocks), self.v_pool_shape(num_blocks)))
+        cache = KVCache(pages, v_pages, raw_of=self.dtype if raw else None, v_transposed=self.v_transposed)
         if self.quantized:
             replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
             scale = jax.ShapeDtypeStruct((self.num_layers,), jnp.float32, sharding=replicated)

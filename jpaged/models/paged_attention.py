@@ -51,7 +51,7 @@ class AttentionOps:
         # check_vma=False: the Pallas kernels do not declare how they vary across the mesh.
         pool = KVCache(pages, pages, *(None if x is None else P() for x in
                                        (kv_cache.k_scale, kv_cache.v_scale, kv_cache.scales_pending)),
-                       raw_of=kv_cache.raw_of)
+                       raw_of=kv_cache.raw_of, v_transposed=kv_cache.v_transposed)
         return jax.shard_map(attend, mesh=self.mesh, in_specs=(heads, heads, heads, pool, P(), P()),
                              out_specs=(heads, pool), check_vma=False)(
             q, k, v, kv_cache, meta, sliding_window)
@@ -62,12 +62,13 @@ class AttentionOps:
         if kv_cache.k_scale is not None:  # fp8 pages: this layer's scales
             kv_cache, k_scale, v_scale = self._layer_scales(kv_cache, k, v, meta.layer)
         k_pages, v_pages = pallas_kernels.write_kv(kv_cache.k_pages, kv_cache.v_pages, k, v, meta.slot_mapping,
-                                                   k_scale, v_scale, kv_dtype=kv_cache.raw_of)
+                                                   k_scale, v_scale, kv_dtype=kv_cache.raw_of,
+                                                   v_transposed=kv_cache.v_transposed)
         kv_cache = kv_cache.replace(k_pages=k_pages, v_pages=v_pages)
         if k_scale is not None:  # q . (k8 * k_scale) = (q * k_scale) . k8: the kernels only widen fp8 pages
             q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
         out = self._kernels(q, k_pages, v_pages, meta, sliding_window, scale, logits_soft_cap, decode_only,
-                            kv_cache.raw_of)
+                            kv_cache.raw_of, kv_cache.v_transposed)
         if v_scale is not None:  # sum_j p_j (v8_j * v_scale) = v_scale * sum_j p_j v8_j
             out = (out.astype(jnp.float32) * v_scale).astype(out.dtype)
         return out, kv_cache
@@ -87,11 +88,12 @@ class AttentionOps:
                                     v_scale=kv_cache.v_scale.at[layer].set(v_scale))
         return kv_cache, k_scale, v_scale
 
-    def _kernels(self, q, k_pages, v_pages, meta, sliding_window, scale, logits_soft_cap, decode_only, kv_dtype):
+    def _kernels(self, q, k_pages, v_pages, meta, sliding_window, scale, logits_soft_cap, decode_only, kv_dtype,
+                 v_transposed=False):
         args = (q, k_pages, v_pages, meta.block_tables, meta.context_lens)
         # pallas_kernels picks the kernels (interpret mode for Pallas ones off-GPU).
         opts = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, backend=self.backend,
-                    kv_dtype=kv_dtype)
+                    kv_dtype=kv_dtype, **({"v_transposed": True} if v_transposed else {}))
 
         def decode():
             return pallas_kernels.paged_attention(*args, **opts)
@@ -101,7 +103,7 @@ class AttentionOps:
         def ragged():
             return pallas_kernels.ragged_paged_attention(*args, meta.query_start_loc, **opts, **limits)
 
-        if self.batch_invariant:
+        if self.batch_invariant:  # (EngineConfig refuses kv_cache_v_transposed with it)
             return invariant.ragged_paged_attention_invariant(*args, meta.query_start_loc, scale=scale,
                                                               sliding_window=sliding_window,
                                                               logits_soft_cap=logits_soft_cap, kv_dtype=kv_dtype,
@@ -122,6 +124,9 @@ def check_kernels(model, spec: KVCacheSpec, dtype, backend: str) -> None:
     """A model or KV cache dtype the chosen kernels cannot take is a ValueError at start-up, not at
     the first step that traces them (enforce_eager compiles nothing before serving)."""
     attention = next(node for _, node in nnx.iter_graph(model) if isinstance(node, Attention))
+    if spec.v_transposed and pallas_kernels.kernel_family(backend) == "mosaic":
+        raise ValueError("kv_cache_v_transposed: attention_backend='mosaic' has no prefill over transposed V blocks "
+                         "yet: use 'pallas' or 'auto'")
     num_heads, head_dim = attention.q_proj.out_shape
     pallas_kernels.check_supported(jax.ShapeDtypeStruct((1, num_heads, head_dim), dtype),
                                    jax.ShapeDtypeStruct(spec.pool_shape(1), spec.dtype), backend)

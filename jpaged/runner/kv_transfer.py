@@ -42,7 +42,8 @@ def gather_blocks(num_layers, kv_cache: KVCache, blocks):
     """Blocks' pages of every layer: [num_layers, k/v, num_kv_heads, blocks, page_size, head_dim]."""
     k, v = kv_cache.k_pages, kv_cache.v_pages
     pages = every_layer(blocks, num_layers, k.shape[1] // num_layers)
-    both = jnp.stack([k[:, pages], v[:, pages]])  # [2, kv_heads, layers * blocks, ...]
+    v_blocks = jnp.swapaxes(v[:, pages], -1, -2) if kv_cache.v_transposed else v[:, pages]  # the host's: standard
+    both = jnp.stack([k[:, pages], v_blocks])  # [2, kv_heads, layers * blocks, ...]
     both = both.reshape(both.shape[:2] + (num_layers, len(blocks)) + both.shape[3:])
     return both.transpose(2, 0, 1, 3, 4, 5)
 
@@ -56,8 +57,11 @@ def scatter_blocks(num_layers, kv_cache: KVCache, pages, blocks) -> KVCache:
         part = part.transpose(1, 0, 2, 3, 4)
         return part.reshape((part.shape[0], -1) + part.shape[3:])
 
+    v_new = layer_major(pages[:, 1])
+    if kv_cache.v_transposed:  # (the host's V is in the standard layout)
+        v_new = jnp.swapaxes(v_new, -1, -2)
     return kv_cache.replace(k_pages=k.at[:, dst].set(layer_major(pages[:, 0]), mode="drop"),
-                            v_pages=v.at[:, dst].set(layer_major(pages[:, 1]), mode="drop"))
+                            v_pages=v.at[:, dst].set(v_new, mode="drop"))
 
 
 class BlockOps:
