@@ -65,6 +65,9 @@ GPU_GRID = dict(
 )
 # One GPU call's worth (scripts/gpu_check.sh): long contexts, where decode is bandwidth-bound.
 QUICK_GRID = dict(GPU_GRID, batch=[8, 64], context=[4096, 32768], heads=[(32, 8)], prefill=[(1, 2048), (1, 8192)])
+# gpu_check's 1B workload (Llama-3.2-1B: head_dim 64; 512-token prompts, 128 sequences decoding at
+# up to 640 tokens): the attention of issue 61's decode step at batch 128 and of its prefill chunks.
+STEP_1B_GRID = dict(GPU_GRID, batch=[128], context=[640], heads=[(32, 8)], head_dim=64, prefill=[(4, 512)])
 # bf16 and head_dim 64: shapes the Mosaic kernels take.
 TINY_GRID = dict(batch=[1, 4], context=[32, 128], heads=[(4, 2)], head_dim=64, page=16, dtype=jnp.bfloat16,
                  prefill=[(2, 64)])
@@ -286,6 +289,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny grid (default when no GPU is present)")
     parser.add_argument("--quick", action="store_true", help="a few long-context points (GPU)")
+    parser.add_argument("--step-1b", action="store_true",
+                        help="the 1B workload's attention (batch 128 x 640, head_dim 64; prefill 4 x 512) (GPU)")
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=1 << 21, help="skip points with batch * context above this")
     parser.add_argument("--kv-cache-dtype", choices=sorted(FP8_DTYPES),
@@ -296,7 +301,7 @@ def main(argv=None):
     started = time.perf_counter()
     on_gpu = jax.default_backend() == "gpu"
     tiny = args.tiny or not on_gpu
-    grid = TINY_GRID if tiny else QUICK_GRID if args.quick else GPU_GRID
+    grid = TINY_GRID if tiny else STEP_1B_GRID if args.step_1b else QUICK_GRID if args.quick else GPU_GRID
     iters = args.iters or (2 if tiny else 20)
     nbytes = copy_bytes(on_gpu)
     copy_bw = copy_bandwidth(nbytes, warmup_s=0.5 if on_gpu else 0.05)
