@@ -78,12 +78,19 @@ class AheadInputs:
     """One chunk of rows: whose (seq ids) and the host arrays the device call takes."""
     seq_ids: list
     arrays: tuple  # (table_rows, verify_rows, drafts, num_drafts, first_pos), padded to a decode bucket
-    output_lens: np.ndarray  # int32[seqs]: each sequence's output length as dispatched (its rows' first sample index)
+    # int32[seqs]: the first draft's output position with no draft accepted (the sequence's
+    # output length as dispatched, + 1 after a sampled token)
+    first_sample: np.ndarray
+    # int32[seqs]: the new last token when the host knows it (a prompt's last token, left alone
+    # for the next step by a prefill chunk: `prompt_tail`), else -1 (the token sampled)
+    fixed_tokens: np.ndarray
 
 
-def ahead_inputs(dispatched, step, input_batch, k: int, buckets) -> list[AheadInputs]:
+def ahead_inputs(dispatched, step, input_batch, k: int, buckets, prompt_tail: bool = False) -> list[AheadInputs]:
     """The rows of a dispatched step (one batch: `step` its runner's `last_prepared`), in
-    chunks of at most the largest decode bucket, each padded to a decode bucket."""
+    chunks of at most the largest decode bucket, each padded to a decode bucket. `prompt_tail`:
+    also a sequence whose prefill chunk leaves one prompt token for the next step (which drafts
+    from it, Speculator.propose), its drafts from that token."""
     inputs, n = step.inputs, len(step.rows)
     seq_index = {int(r): i for i, r in enumerate(step.rows)}
     qsl, li, positions = inputs.attn.query_start_loc, inputs.logits_indices[:step.num_rows], inputs.positions
@@ -100,11 +107,17 @@ def ahead_inputs(dispatched, step, input_batch, k: int, buckets) -> list[AheadIn
         if j is None or j >= n:
             continue
         drafts = list(scheduled.spec_token_ids)
-        first = int(qsl[j + 1]) - 1 - len(drafts)
-        rows = [row_at.get(t) for t in range(first, int(qsl[j + 1]))]
-        if first < int(qsl[j]) or None in rows or len(drafts) > k:
+        end = int(qsl[j + 1]) - 1  # the sequence's last token in the step
+        first = end - len(drafts)
+        rows, fixed = [row_at.get(t) for t in range(first, end + 1)], -1
+        if first < int(qsl[j]) or len(drafts) > k:
             continue
-        found.append((seq.seq_id, int(step.rows[j]), rows, drafts, int(positions[first]), seq.get_output_len()))
+        if None in rows:
+            if not prompt_tail or drafts or seq.num_pending_tokens or int(positions[end]) + 2 != seq.get_len():
+                continue
+            rows, fixed = [0], seq.get_last_token_id()
+        found.append((seq.seq_id, int(step.rows[j]), rows, drafts, int(positions[first]),
+                      seq.get_output_len() + (fixed < 0), fixed))
     chunk, out = buckets.decode_tokens[-1], []
     for start in range(0, len(found), chunk):
         part = found[start:start + chunk]
@@ -114,13 +127,16 @@ def ahead_inputs(dispatched, step, input_batch, k: int, buckets) -> list[AheadIn
         drafts = np.full((seqs, k), -1, np.int32)
         num_drafts = np.zeros(seqs, np.int32)
         first_pos = np.full(seqs, -1, np.int32)
-        output_lens = np.zeros(seqs, np.int32)
-        for i, (_, table_row, rows, tokens, pos, output_len) in enumerate(part):
-            table_rows[i], first_pos[i], num_drafts[i], output_lens[i] = table_row, pos, len(tokens), output_len
+        first_sample = np.zeros(seqs, np.int32)
+        fixed_tokens = np.full(seqs, -1, np.int32)
+        for i, (_, table_row, rows, tokens, pos, sample, fixed) in enumerate(part):
+            table_rows[i], first_pos[i], num_drafts[i] = table_row, pos, len(tokens)
+            first_sample[i], fixed_tokens[i] = sample, fixed
             verify[i, :len(rows)] = rows
             verify[i, len(rows):] = rows[-1]
             drafts[i, :len(tokens)] = tokens
-        out.append(AheadInputs([p[0] for p in part], (table_rows, verify, drafts, num_drafts, first_pos), output_lens))
+        out.append(AheadInputs([p[0] for p in part], (table_rows, verify, drafts, num_drafts, first_pos),
+                               first_sample, fixed_tokens))
     return out
 
 
@@ -133,6 +149,7 @@ class AheadProposer(RunnerProposer):
 
     k = 0
     label = "the proposer's"  # for the warnings
+    prompt_tail = False  # ahead_inputs' prompt_tail: drafts from a prompt's last token left for the next step
 
     def __init__(self):
         self.ahead = []  # (plan, [(seq ids, the call's output on the device)]) of dispatched steps not read yet
@@ -169,7 +186,8 @@ class AheadProposer(RunnerProposer):
             return
         try:
             chunks = [(part.seq_ids, self.dispatch_ahead(part, dispatched, runner))
-                      for part in ahead_inputs(dispatched, step, runner.input_batch, self.k, self.runner.buckets)]
+                      for part in ahead_inputs(dispatched, step, runner.input_batch, self.k, self.runner.buckets,
+                                                 self.prompt_tail)]
         except Exception as e:
             if not runner.is_alive():
                 raise

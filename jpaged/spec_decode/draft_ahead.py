@@ -50,15 +50,17 @@ def draft_ahead(graphdef, logits_sharding, state, kv_cache, tokens, block_table,
     table; `packed`: ((table_rows int32[seqs]: each row's row in it, verify_rows int32[seqs,
     k + 1]: the sampling rows at its last token and its drafts, drafts int32[seqs, k]: the
     step's drafts, the first `num_drafts` real, first_pos int32[seqs]: the position of its last
-    token before the drafts, -1: padding), the draft rows' SamplingMetadata, sample_index the
-    first draft's output position with no draft accepted). Returns int32[num_steps + 1, seqs]:
-    the drafts, then the new last token's position (-1: padding), and the draft's pool."""
-    (table_rows, verify_rows, drafts, num_drafts, first_pos), meta = unpack(packed, layout)
+    token before the drafts, -1: padding, fixed int32[seqs]: the new last token if the host
+    knows it (a prompt's last token, ahead.ahead_inputs' prompt_tail), else -1), the draft rows'
+    SamplingMetadata, sample_index the first draft's output position with no draft accepted).
+    Returns int32[num_steps + 1, seqs]: the drafts, then the new last token's position (-1:
+    padding), and the draft's pool."""
+    (table_rows, verify_rows, drafts, num_drafts, first_pos, fixed), meta = unpack(packed, layout)
     num_seqs = drafts.shape[0]
     live = first_pos >= 0
     seq_index = jnp.arange(num_seqs, dtype=jnp.int32)
     accepted = accepted_count(tokens, verify_rows, drafts, num_drafts)
-    token = tokens[verify_rows[seq_index, accepted]]
+    token = jnp.where(fixed >= 0, fixed, tokens[verify_rows[seq_index, accepted]])
     positions = jnp.where(live, first_pos + accepted + 1, -1)
     kv_cache, tables, slots_of = scratch_tables(num_layers, kv_cache, block_table, table_rows, positions,
                                                 block_size=block_size, scratch_base=scratch_base,
@@ -104,9 +106,9 @@ class DraftRunner(ModelRunner):
         self.max_rows = self.buckets.rows[-1]  # (the target's ladder: the same shape)
         rep, pool = self._replicated, jax.tree.map(lambda x: x.sharding, self.kv_cache)
         # (closures over values, not the runner: step_functions.layout_jits says why)
-        ahead = functools.partial(draft_ahead, self.graphdef, rep, num_layers=self.num_layers, num_steps=num_steps,
-                                  block_size=self.block_size, scratch_base=self.scratch_base,
-                                  blocks_per_seq=blocks_per_seq)
+        self.ahead_options = dict(num_layers=self.num_layers, num_steps=num_steps, block_size=self.block_size,
+                                  scratch_base=self.scratch_base, blocks_per_seq=blocks_per_seq)
+        ahead = functools.partial(draft_ahead, self.graphdef, rep, **self.ahead_options)
         self._ahead = lambda layout: jax.jit(functools.partial(ahead, layout=layout), donate_argnums=(1,),
                                              out_shardings=(rep, pool))
         max_rows = self.max_rows
@@ -137,7 +139,7 @@ class DraftRunner(ModelRunner):
     def _ahead_host_inputs(self, seqs: int):
         k = self.num_draft_steps
         rows = tuple(np.zeros(shape, np.int32) for shape in ((seqs,), (seqs, k + 1), (seqs, k), (seqs,), (seqs,)))
-        return rows, self.ahead_metadata(seqs)
+        return rows + (np.zeros(seqs, np.int32),), self.ahead_metadata(seqs)  # (+ fixed: pack_ahead)
 
     def run_ahead(self, sampled, rows: int, seqs: int, packed: np.ndarray, block_table):
         """`draft_ahead` over the target step whose packed sampler output is `sampled` (its
@@ -153,12 +155,12 @@ def pack_ahead(runner: DraftRunner, part, target_batch) -> np.ndarray:
     """One chunk of ahead.AheadInputs as draft_ahead's packed input: its arrays and the draft
     rows' sampler arrays, each row's knobs (key and temperature / top-k/p / min-p) from the
     target's InputBatch row (`target_batch`, padding: its neutral row), its first sample index
-    the sequence's output length + 1."""
+    the first draft's output position with none accepted."""
     table_rows = part.arrays[0]
     meta = runner.ahead_metadata(len(table_rows))
     meta = dataclasses.replace(
         meta, temperature=target_batch.temperature[table_rows], top_k=target_batch.top_k[table_rows],
         top_p=target_batch.top_p[table_rows], min_p=target_batch.min_p[table_rows],
         seeds=target_batch.seeds[table_rows], seq_index=target_batch.seq_index[table_rows],
-        sample_index=(part.output_lens + 1).astype(np.int32))
-    return pack((part.arrays, meta))
+        sample_index=part.first_sample)
+    return pack((part.arrays + (part.fixed_tokens,), meta))

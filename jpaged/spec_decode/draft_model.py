@@ -100,6 +100,7 @@ class DraftModelProposer(AheadProposer):
 
     method = "draft_model"
     drafts_ahead = True
+    prompt_tail = True  # (a prompt's last token, left for the next step by a chunk, is known: drafts from it)
     label = "the draft model's"
 
     def __init__(self, draft: DraftModel, executable_cache, target_lora: bool = False, **shape):
