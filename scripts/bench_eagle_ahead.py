@@ -1,16 +1,21 @@
-"""EAGLE speculative steps from the host's side: device reads between a step's schedule and its
-target step's launch, the wall time from schedule to launch, and the step clock's phases (ms per
-step), over a greedy batch. With the head's chain run right after the step that sampled
-(spec_decode/eagle_ahead.py) a speculative step reads nothing before its launch; before it, the
-chain ran in the dispatch and its drafts were read there (one blocking read per step).
+"""EAGLE or draft-model speculative steps from the host's side: device reads between a step's
+schedule and its target step's launch, the wall time from schedule to launch, and the step clock's
+phases (ms per step), over a greedy batch. With the drafts computed right after the step that
+sampled (spec_decode/eagle_ahead.py, draft_ahead.py) a speculative step reads nothing before its
+launch; before it, the head's chain or the draft model's k-step loop ran in the dispatch and its
+drafts were read there (one blocking read per step).
 
-  python scripts/bench_eagle_ahead.py [--model tiny] [--eagle3 DIR] [--batch 8] [--max-tokens 64] [--k 3]
+  python scripts/bench_eagle_ahead.py [--method eagle3|draft_model] [--model tiny] [--eagle3 DIR]
+      [--draft DIR] [--batch 8] [--max-tokens 64] [--k 3] [--temperature 0]
 
 Without --eagle3 on the tiny model: a random head (tests/eagle3_head.py; drafts are rarely accepted,
 the host's side is what is measured). On a GPU: --model DIR --eagle3 HEAD (scripts/train_eagle3.py).
+--method draft_model: the draft checkpoint --draft (default: the tiny model cut to its first 2
+layers, tests/test_spec_decode_draft.py's write_tiny; "tiny": the model itself, every draft accepted).
 """
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
@@ -77,30 +82,40 @@ def instrument(engine) -> list:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--method", choices=("eagle3", "draft_model"), default="eagle3")
     parser.add_argument("--model", default="tiny")
+    parser.add_argument("--draft", default=None, help="--method draft_model: the draft's checkpoint")
+    parser.add_argument("--temperature", type=float, default=0.0, help="> 0: seeded sampling, one seed per request")
     parser.add_argument("--eagle3", default=None, help="an EAGLE-3 head's directory (default: a random tiny head)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    head = args.eagle3
-    if head is None:
-        from eagle3_head import write_head
-        from jpaged.models import tiny
-        head = str(write_head(pathlib.Path(tempfile.mkdtemp()) / "head", tiny.tiny_config()))
-    llm = jpaged.LLM(args.model, speculative_config={"method": "eagle3", "model": head,
+    if args.method == "draft_model":
+        model = args.draft
+        if model is None:
+            from test_spec_decode_draft import write_tiny
+            model = write_tiny(pathlib.Path(tempfile.mkdtemp()) / "tiny-2-layers", num_layers=2)
+    else:
+        model = args.eagle3
+        if model is None:
+            from eagle3_head import write_head
+            from jpaged.models import tiny
+            model = str(write_head(pathlib.Path(tempfile.mkdtemp()) / "head", tiny.tiny_config()))
+    llm = jpaged.LLM(args.model, speculative_config={"method": args.method, "model": model,
                                                      "num_speculative_tokens": args.k},
                      max_model_len=512, max_num_seqs=max(args.batch, 8), max_num_batched_tokens=512,
                      background_warmup=False)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 200, 24).tolist() for _ in range(args.batch)]
-    sp = jpaged.SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    sp = [jpaged.SamplingParams(temperature=args.temperature, top_p=0.9 if args.temperature else 1.0, seed=i,
+                                max_tokens=args.max_tokens, ignore_eos=True) for i in range(args.batch)]
     llm.generate(prompts, sp, use_tqdm=False)  # every shape met once
     steps = instrument(llm.llm_engine)
     before = llm.stats()
     start = time.perf_counter()
-    llm.generate(prompts, sp, use_tqdm=False)
+    outputs = llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - start
     after = llm.stats()
     spec = [s for s in steps if s[0]]
@@ -111,6 +126,8 @@ def main() -> int:
         "phases_ms_per_step": {p: round(ms, 3) for p, ms, _ in table(before, after)},
         "draft_tokens": after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"],
         "accepted_tokens": after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"],
+        # The outputs, in one number: equal across runs (before/after a change) when the tokens are.
+        "tokens_hash": hashlib.sha256(json.dumps([o.outputs[0].token_ids for o in outputs]).encode()).hexdigest()[:16],
     }
     print(json.dumps(result, indent=1))
     if args.json:

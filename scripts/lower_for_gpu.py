@@ -36,6 +36,7 @@ from jpaged.models.stacked import Unrollable  # noqa: E402
 from jpaged.parallel.sharding import TP_AXIS  # noqa: E402
 from jpaged.runner import step_functions  # noqa: E402
 from jpaged.runner.input_batch import layout_of  # noqa: E402
+from jpaged.spec_decode.draft_ahead import draft_ahead  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -227,7 +228,7 @@ def forward_cases(families_here=("pallas", "mosaic")):
     with the KV pool donated as the engine does. Returns (label, lowered-or-exception thunk, backend)."""
     # (backend, kv_cache_dtype, speculative decoding): with drafts, the forward of a verification
     # step samples a row per token, more rows than max_num_seqs (no multi-step with it); a draft
-    # model adds its K/V-only forward and its 3-step proposal loop.
+    # model adds its K/V-only forward and its 3 decode steps after the step (draft_ahead.py).
     seen = set()
     for backend, kv_cache_dtype, spec in (("pallas", "auto", None), ("mosaic", "auto", None),
                                           ("pallas", "fp8", None), ("mosaic", "fp8", None), ("pallas", "auto", "ngram"),
@@ -274,16 +275,22 @@ def forward_cases(families_here=("pallas", "mosaic")):
                           lower_for_cuda(f, *a, donate_argnums=(1,))), backend
         if spec:
             assert runner._abstract_inputs(32).logits_indices.shape == (32,)  # a row per token
-        if spec == "draft_model":  # the draft's K/V-only forward over that step, and its proposals
+        if spec == "draft_model":  # the draft's K/V-only forward over that step, and its drafts after it
             draft = runner.proposer.runner  # the draft model's runner, owned by its proposer
-            graphdef, state, kv_cache, _ = _abstract_model(draft)
+            graphdef, state, kv_cache, (_, block_table) = _abstract_model(draft)
             layout = layout_of(draft._abstract_inputs(32))
             forward_kv = functools.partial(step_functions.forward_kv, graphdef, layout=layout)
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
             yield f"draft model K/V forward {backend} tokens=32", (
                 lambda f=forward_kv, a=(state, kv_cache, packed, *last_tokens):
                 lower_for_cuda(f, *a, donate_argnums=(1,))), backend
-            runner, steps, label = draft, 3, f"draft model proposals {backend} tokens=8 steps=3"
+            layout = layout_of(draft._ahead_host_inputs(8))  # (draft_ahead.py: 8 rows, 3 decode steps)
+            ahead = functools.partial(draft_ahead, graphdef, PartitionSpec(), layout=layout, **draft.ahead_options)
+            i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+            args = (state, kv_cache, i32((draft.max_rows,)), block_table, i32((layout.size,)))
+            yield f"draft model drafts after the step {backend} seqs=8 steps=3", (
+                lambda f=ahead, a=args: lower_for_cuda(f, *a, donate_argnums=(1,))), backend
+            continue
         elif spec in ("eagle3", "eagle"):  # the head over that step (its pages), and its 3-draft chain
             yield from eagle_cases(runner.proposer.runner, backend, "EAGLE-3" if spec == "eagle3" else "EAGLE-1")
             continue

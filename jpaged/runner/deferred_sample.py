@@ -70,6 +70,8 @@ class DeferredSampling:
             logits, smeta, self.last_tokens, self.token_history)
         if hidden:
             self.proposer.after_step(num_tokens, inputs, self.hidden_states, out, self.block_table)  # (EAGLE: its K/V)
+        if hooks:
+            self.proposer.after_sample(out, self.block_table)  # (a draft model drafts the next step from it)
         return out
 
     def _run_step(self, key, inputs: np.ndarray, smeta: np.ndarray):

@@ -154,7 +154,7 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps, DeferredSampling)
         # more sequences has more tokens), whose forwards also compile without hidden states.
         self.hookless_from = math.inf if disable_by_batch_size is None else 0 if not self.return_hidden else \
             min((t for t in self.buckets.tokens if t > disable_by_batch_size), default=math.inf)
-        self.last_prepared = None  # with hidden states: the last step's host inputs (which row is whose)
+        self.last_prepared = None  # hidden states or drafts_ahead: the last step's host inputs (which row is whose)
         self._kept_logits = {}  # forwards whose sampling waits for grammar masks, by id (deferred_sample.py)
         # Decode steps (a token per sequence, known to the host) get executables of their own that
         # run the decode kernel alone (keys ("forward", n, "decode")), where the kernels differ:
@@ -415,7 +415,7 @@ class ModelRunner(distributed.DriverOps, kv_transfer.BlockOps, DeferredSampling)
         self.flush_block_table(self.dispatch_op)
         inputs, num_sample_rows = step.inputs, len(step.inputs.logits_indices)
         hooks = not (spec_disabled and step.num_tokens >= self.hookless_from)
-        if self.return_hidden:  # (None: this step keeps no hidden states; no row drafts from it)
+        if self.return_hidden or self.proposer.drafts_ahead:  # (None: this step skipped the hooks)
             self.last_prepared = step if hooks else None
         full = not multi_step and step_inputs.needs_full_sampler(ib, batch)
         greedy = not multi_step and not full and step_inputs.is_all_greedy(ib, batch)

@@ -8,10 +8,16 @@ keeps exactly the target's distribution.
                 share block ids for copies and swaps, device operations, warm-up, sleep)
   ngram.py      NgramProposer, prompt lookup: the tokens that followed the last occurrence of
                 the sequence's own suffix (host, numpy)
+  ahead.py      drafts computed right after the target step that sampled, the host's side
+                (vLLM v1's order; the EAGLE head's and the draft model's): which rows verify
+                which drafts, the scratch blocks past the target's, and AheadProposer, which
+                dispatches them with the step, reads them with its tokens and puts them in the
+                next plan (Scheduler.set_drafts, in place of the reserved ones)
   draft_model.py  DraftModelProposer, a smaller checkpoint of the same vocabulary: loaded and
-                checked here; it owns the draft's ModelRunner (pages, forward, executables) and
-                drafts after scheduling and the step's block moves (Scheduler.set_drafts puts
-                them in the plan in place of the reserved ones)
+                checked here; it owns the draft's DraftRunner (pages, forward, executables)
+  draft_ahead.py  the draft model's k decode steps from each sequence's new last token (its
+                accepted drafts counted on the device), dispatched right after the target
+                step that sampled, its drafts read with that step's tokens
   eagle_head.py the EAGLE-3 head (fc, one midlayer, norm, a reduced-vocabulary LM head, d2t/t2d)
                 and the EAGLE-1/2 head (fc over the embedding and the target's output, one decoder
                 layer, the target's LM head), in the public checkpoints' layouts, loaded and checked

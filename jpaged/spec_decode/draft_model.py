@@ -11,34 +11,36 @@ draft's K/V-only forward over the same tokens (prefill chunks, decodes, verified
 wherever the target has K/V, the draft has too (a cached prefix, a swapped-in sequence); except
 steps above disable_by_batch_size, which skip it (vLLM's skip_proposer): their tokens' draft K/V
 stay missing, so drafts after them are accepted less often, the output unchanged.
-DraftModelProposer owns all of it: the draft's ModelRunner (weights, pages, executables), run
+DraftModelProposer owns all of it: the draft's DraftRunner (weights, pages, executables), run
 through the hooks of the Proposer interface (proposer.py).
 
-A step's drafts: after scheduling (which reserves k lookahead slots per speculating sequence),
-the draft runs k decode steps in one device call (the multi-step loop) from each sequence's last
-token, writing its K/V into the reserved slots. Each draft row samples with the key of the
-target's row at that output position and the request's temperature and top-k/p, so where the
-two models agree the draft is the very token the target draws (the two share Gumbel noise).
-Verification is unchanged: accept while the target's draw equals the draft. The output is the
-target's own sampling, token for token, for every seed (greedy: argmax agreement).
+A step's drafts come from the step before it, as vLLM v1's (draft_ahead.py, ahead.py): right
+after a target step's dispatch (`after_dispatch`: its sampler on its way, no host read between),
+one device call per chunk of speculating sequences works out each one's accepted drafts and new
+last token from the step's sampled tokens, and runs the draft's k decode steps from there,
+writing the draft's K/V to scratch blocks past the target's (the real pages keep the step's
+K/V forward's entries). Its output is read with the step's tokens (`read_ahead`, into `ready`);
+the next step's `propose` (after scheduling, which reserves k lookahead slots per speculating
+sequence) puts those drafts in with no device call where they follow the sequence as it now
+stands. A sequence without them (the step before did not sample it: just swapped in, or it
+skipped the hooks above disable_by_batch_size, or the call failed) takes no drafts that step.
+Each draft row samples with the key of the target's row at that output position and the
+request's temperature and top-k/p, so where the two models agree the draft is the very token
+the target draws (the two share Gumbel noise). Verification is unchanged: accept while the
+target's draw equals the draft. The output is the target's own sampling, token for token, for
+every seed (greedy: argmax agreement).
 """
 
 import dataclasses
-import logging
 
 from jpaged.models.kv_cache import KVCacheSpec, kv_dtype
 from jpaged.models.layers import common_sliding_window
 from jpaged.models.loader import LoadedModel, load_model
 from jpaged.models.paged_attention import check_kernels
-from jpaged.runner.buckets import BLOCK_OP_SIZES, BLOCK_OPS, block_table_keys
-from jpaged.runner.model_runner import ModelRunner
-from jpaged.runner.prepare_inputs import SeqInput, prepare_inputs
-from jpaged.runner.input_batch import pack
-from jpaged.runner.step_inputs import StepBatch
+from jpaged.runner.buckets import BLOCK_OP_SIZES, BLOCK_OPS
 from jpaged.runner.step_functions import StepHandle
-from jpaged.spec_decode.proposer import DRAFT_PENDING, RunnerProposer
-
-logger = logging.getLogger(__name__)
+from jpaged.spec_decode.ahead import AheadProposer
+from jpaged.spec_decode.draft_ahead import DraftRunner, pack_ahead
 
 
 @dataclasses.dataclass
@@ -77,97 +79,64 @@ def load_draft_model(config, target: LoadedModel, max_model_len: int) -> DraftMo
     return DraftModel(loaded, spec)
 
 
-def draft_keys(buckets, lora: bool = False):
+def draft_keys(runner, lora: bool = False):
     """A draft model's executables: its K/V-only forward over each token bucket of the target's
-    steps, its k-step proposal loop (multi_step with k = num_scheduler_steps) per decode bucket,
-    and the block operations on its pages. `lora`: the target's step inputs carry LoRA slots."""
-    for tokens in buckets.tokens:
+    steps, its drafts after a step (draft_ahead.py: the k decode steps per decode bucket, and
+    the sampled tokens' padding per sampler output), and the block operations on its pages.
+    `lora`: the target's step inputs carry LoRA slots."""
+    for tokens in runner.buckets.tokens:
         yield ("kv_forward", tokens) + (("lora",) if lora else ())
-    for tokens in buckets.decode_tokens:
-        yield ("multi_step", tokens)
+    yield from runner.ahead_keys()
     for op in BLOCK_OPS:
         for num_blocks in BLOCK_OP_SIZES:
             yield (op, num_blocks)
-    yield from block_table_keys()
 
 
-class DraftModelProposer(RunnerProposer):
-    """Drafts after scheduling, from the draft model's ModelRunner (`runner`, which it owns: built
-    with the target's shape and num_scheduler_steps = k, its pages sharing the target's block ids)."""
+class DraftModelProposer(AheadProposer):
+    """Drafts after each target step for the next (draft_ahead.py, ahead.py; the plan reserves k
+    slots per speculating sequence), from the draft model's DraftRunner (`runner`, which it
+    owns: built with the target's shape, its pages sharing the target's block ids, plus the
+    drafts' scratch blocks)."""
 
     method = "draft_model"
+    drafts_ahead = True
+    prompt_tail = True  # (a prompt's last token, left for the next step by a chunk, is known: drafts from it)
+    label = "the draft model's"
 
     def __init__(self, draft: DraftModel, executable_cache, target_lora: bool = False, **shape):
         """`shape`: the target runner's (its blocks, sequences, tokens, lengths and drafts);
         `target_lora`: the target has LoRA slots (its steps' inputs carry each token's slot; the
         draft has no adapters: its drafts are the base model's, verified by the adapted target)."""
+        super().__init__()
         self.target_lora = target_lora
-        self.runner = ModelRunner(draft.loaded, draft.kv_cache_spec, **shape,
-                                  num_scheduler_steps=shape["num_speculative_tokens"], executable_cache=executable_cache)
+        self.k = shape["num_speculative_tokens"]
+        self.runner = DraftRunner(draft.loaded, draft.kv_cache_spec, self.k, executable_cache, **shape)
+        # The target's last step's packed sampler output and device block table (after_sample).
+        self.sampled = self.block_table = None
 
     # ------------------------------------------------------------------ the runner's hooks
     def forward_kv(self, num_tokens: int, inputs, last_tokens, block_table):
         # the step's tokens' K/V in the draft's pages
         self.runner.run_kv_forward(num_tokens, inputs, last_tokens, block_table, self.target_lora)
 
+    def after_sample(self, sampled, block_table):
+        self.sampled, self.block_table = sampled, block_table
+
     def device_ops(self) -> dict:
-        return {"propose": self.runner.run_multi_step, "draft_block_table": self.runner._write_block_table}
+        return {"draft_ahead": self._run_ahead}
+
+    def _run_ahead(self, rows: int, seqs: int, packed):
+        return self.runner.run_ahead(self.sampled, rows, seqs, packed, self.block_table)
 
     def warm_up(self, stop=None):
-        self.runner.warm_up(stop, list(draft_keys(self.runner.buckets, self.target_lora)))
+        self.runner.warm_up(stop, list(draft_keys(self.runner, self.target_lora)))
 
     # ------------------------------------------------------------------ drafts
-    def propose(self, plan, scheduler, runner, seed_of):
-        """The drafts of the groups `plan` reserved them for (DRAFT_PENDING), into the plan
-        (Scheduler.set_drafts). If proposing fails, those groups decode without drafts this step."""
-        pending = [s for s in plan.scheduled_seq_groups if s.spec_token_ids[:1] == [DRAFT_PENDING]]
-        if not pending:
-            return
-        seqs, rows = [], []
-        for scheduled in pending:
-            group, seq = scheduled.seq_group, scheduled.seqs[0]
-            seqs.append(SeqInput(seq.seq_id, [seq.get_last_token_id()], seq.get_len() - 1,
-                                 scheduler.block_manager.get_block_table(seq), 1))
-            # The key and sampling knobs of the target's first row (not its penalties, bans or grammar):
-            # (params, seed, seq_index, sample_index).
-            rows.append((group.sampling_params, seed_of(group.sampling_params, seq), group.seqs.index(seq),
-                         seq.get_output_len()))
-        try:
-            drafts = self.draft_tokens(runner, seqs, rows, [len(s.spec_token_ids) for s in pending])
-        except Exception as e:
-            if not runner.is_alive():
-                raise
-            logger.warning("the draft model's proposals failed (%r): this step verifies no drafts", e)
-            drafts = [[] for _ in pending]
-        for scheduled, tokens in zip(pending, drafts):
-            scheduler.set_drafts(plan, scheduled, tokens)
+    def can_ahead(self, dispatched, runner) -> bool:
+        handle = dispatched.handles[0]  # (a grammar step's deferred sampler has not run yet; a multi-step decode)
+        return isinstance(handle, StepHandle) and handle.num_steps == 1 and self.sampled is not None
 
-    def draft_tokens(self, target, seqs: list[SeqInput], sampling_rows: list, steps_of: list[int]) -> list[list[int]]:
-        """From each sequence's last token (one SeqInput token, one sample), `steps_of[i]` tokens,
-        drafted one after another on the device by the draft's k-step decode loop (run through
-        the `target` runner's dispatch: multi-host sends it). Each row samples with the target
-        row's key at that output position (`sampling_rows`: the first one's (params, seed,
-        seq_index, sample_index); the draft's InputBatch rows keep them), so a draft is the
-        token the target draws there when the two models agree, and verification keeps the
-        target's draws exactly (spec_decode/__init__.py). The blocks must hold slots for every
-        drafted token."""
-        draft, drafts = self.runner, []
-        chunk = draft.buckets.decode_tokens[-1]  # a decode bucket holds at most this many sequences
-        for start in range(0, len(seqs), chunk):
-            part = slice(start, start + chunk)
-            ib = draft.input_batch
-            ib.free_absent({s.seq_id for s in seqs[part]})
-            for s, (sp, seed, index, _) in zip(seqs[part], sampling_rows[part]):
-                if s.seq_id not in ib.row_of:
-                    ib.add(s.seq_id, sp, seed, index, key_only=True)
-            step = prepare_inputs(seqs[part], ib, draft.buckets, draft.block_size, multi_step=True,
-                                  steps_of=steps_of[part])
-            draft.flush_block_table(target.dispatch_op, "draft_block_table")
-            num_rows = len(step.inputs.logits_indices)
-            rows = StepBatch(src=step.rows.tolist(), sample_index=[r[3] for r in sampling_rows[part]])
-            smeta = draft.sampling_metadata(rows, num_rows, False)
-            out = target.dispatch_op("propose", step.num_tokens,
-                                     pack((step.inputs, smeta, step.dst_rows, step.lookahead_slots)))
-            outs = target.collect(StepHandle(out, num_rows, 0, step.num_rows, draft.buckets.num_scheduler_steps))
-            drafts += [[outs[j].token_ids[i] for j in range(k)] for i, k in enumerate(steps_of[part])]
-        return drafts
+    def dispatch_ahead(self, part, dispatched, runner):
+        """The draft's k decode steps (draft_ahead.py) from the tokens the step samples."""
+        return runner.dispatch_op("draft_ahead", dispatched.handles[0].num_rows, len(part.arrays[0]),
+                                  pack_ahead(self.runner, part, runner.input_batch))

@@ -35,11 +35,9 @@ target's own draws whatever the drafts are.
 
 import dataclasses
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jpaged.config import MAX_LOGPROBS
@@ -48,12 +46,9 @@ from jpaged.runner.buckets import BLOCK_OP_SIZES, BLOCK_OPS, Buckets
 from jpaged.runner.input_batch import layout_of, unpack
 from jpaged.runner.step_functions import resolve
 from jpaged.runner.model_runner import ModelRunner
-from jpaged.spec_decode.eagle_ahead import ahead_inputs, chain_ahead, scratch_blocks_per_seq
+from jpaged.spec_decode.ahead import AheadProposer, scratch_blocks_per_seq
+from jpaged.spec_decode.eagle_ahead import chain_ahead
 from jpaged.spec_decode.eagle_head import EagleHead
-from jpaged.spec_decode.proposer import DRAFT_PENDING, RunnerProposer
-
-logger = logging.getLogger(__name__)
-
 
 def fill(graphdef, state, shared, kv_cache, packed, hidden, sampled, block_table, *, layout, max_rows: int):
     """The head over one target step (see the module's doc; `block_table`: the target's, which
@@ -166,19 +161,21 @@ class EagleRunner(ModelRunner):
         return out
 
 
-class EagleProposer(RunnerProposer):
-    """Drafts after each target step for the next (eagle_ahead.py; the plan reserves k slots per
-    speculating sequence), from the target's hidden states through the head's EagleRunner (`runner`)."""
+class EagleProposer(AheadProposer):
+    """Drafts after each target step for the next (eagle_ahead.py, ahead.py; the plan reserves k
+    slots per speculating sequence), from the target's hidden states through the head's
+    EagleRunner (`runner`)."""
 
     needs_hidden_states = True
+    drafts_ahead = True
+    label = "the EAGLE head's"
 
     def __init__(self, head: EagleHead, executable_cache, target_lora: bool = False, **shape):
+        super().__init__()
         self.method = head.method
         self.aux_hidden_layers = head.aux_layers
         self.k = shape["num_speculative_tokens"]
         self.runner = EagleRunner(head, self.k - 1, target_lora, executable_cache, **shape)
-        self.ahead = []  # (plan, [(seq ids, the chain's output on the device)]) of dispatched steps not read yet
-        self.ready = {}  # the last read step's drafts: seq_id -> (position of the token they follow, drafts)
 
     @classmethod
     def device_state_bytes(cls, head: EagleHead, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
@@ -211,52 +208,6 @@ class EagleProposer(RunnerProposer):
         self.runner.warm_up(stop, list(self.runner.keys()))
 
     # ------------------------------------------------------------------ drafts
-    def after_dispatch(self, dispatched, runner):
-        """Right after a target step's dispatch (its sampler and the head's fill on their way):
-        the chain from the tokens it samples, for the next step (eagle_ahead.py), dispatched with
-        no host read. Not after a step that skipped the hooks or speculation, nor one re-run
-        group by group (a failed batch); if dispatching fails, the next step drafts nothing."""
-        self.ahead = [(plan, chunks) for plan, chunks in self.ahead if plan is not dispatched.plan][-1:]
-        step = runner.last_prepared
-        if step is None or dispatched.plan.spec_disabled or len(dispatched.handles) != 1 or not dispatched.results:
-            return
-        try:
-            chunks = [(part.seq_ids, runner.dispatch_op("eagle_ahead", *part.arrays))
-                      for part in ahead_inputs(dispatched, step, runner.input_batch, self.k, self.runner.buckets)]
-        except Exception as e:
-            if not runner.is_alive():
-                raise
-            logger.warning("the EAGLE head's proposals failed (%r): the next step verifies no drafts", e)
-            return
-        if chunks:
-            self.ahead.append((dispatched.plan, chunks))
-
-    def read_ahead(self, dispatched, runner):
-        """With the step's sampled tokens: the drafts its chain computed, kept for the next
-        schedule (`ready`: seq_id -> (the position of the last token they follow, drafts))."""
-        mine = [chunks for plan, chunks in self.ahead if plan is dispatched.plan]
-        self.ahead = [(plan, chunks) for plan, chunks in self.ahead if plan is not dispatched.plan]
-        self.ready = {}
-        if not mine:
-            return
-        try:
-            for seq_ids, out in mine[0]:
-                out = np.asarray(out)
-                for i, seq_id in enumerate(seq_ids):
-                    self.ready[seq_id] = (int(out[-1, i]), out[:-1, i].tolist())
-        except Exception as e:
-            if not runner.is_alive():
-                raise
-            logger.warning("the EAGLE head's proposals failed (%r): the next step verifies no drafts", e)
-            self.ready = {}
-
-    def propose(self, plan, scheduler, runner, seed_of):
-        """The drafts of the groups `plan` reserved them for (DRAFT_PENDING), into the plan: those
-        the last step's chain computed (`ready`, no device call), where they follow the
-        sequence's last token (none for a sequence that step did not sample, e.g. just swapped in)."""
-        for scheduled in plan.scheduled_seq_groups:
-            if scheduled.spec_token_ids[:1] == [DRAFT_PENDING]:
-                seq = scheduled.seqs[0]
-                position, drafts = self.ready.get(seq.seq_id, (-1, []))
-                valid = position == seq.get_len() - 1 and not seq.num_pending_tokens
-                scheduler.set_drafts(plan, scheduled, drafts[:len(scheduled.spec_token_ids)] if valid else [])
+    def dispatch_ahead(self, part, dispatched, runner):
+        """The chain (eagle_ahead.py) from the tokens the step samples, after the head's fill."""
+        return runner.dispatch_op("eagle_ahead", *part.arrays)

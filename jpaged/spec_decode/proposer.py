@@ -6,12 +6,14 @@ n-gram lookup), the drafts go straight into the plan. After scheduling and the s
 allocates), the scheduler reserves DRAFT_PENDING placeholders and `propose` puts the drafts in
 (`Scheduler.set_drafts`). A proposer may compute them a step early on the device, right after
 the target step that sampled (`after_dispatch`, read with that step's tokens by `read_ahead`: an
-EAGLE head, eagle_ahead.py), so that `propose` makes no device call.
+EAGLE head's chain, eagle_ahead.py, or a draft model's k decode steps, draft_ahead.py; the host's
+side of both in ahead.py), so that `propose` makes no device call.
 
 A proposer with device state hooks into the target's runner (jpaged/runner/model_runner.py), which
 calls the hooks and knows nothing else of it: `shared_pools` are KV pools addressed by the
 target's block ids (block copies and swaps iterate over them with the runner's own), `forward_kv`
 sees every step's forward inputs (a draft model keeps its pages level with the target's),
+`after_sample` every step's sampled tokens on the device,
 `attach` hands it the target's runner (whose weights an EAGLE head reads),
 `device_ops` are its device operations by name (a multi-host driver sends those too),
 `warm_up` compiles its executables, and `check_sleep` refuses sleep when it cannot follow.
@@ -36,6 +38,9 @@ class Proposer:
     # With needs_hidden_states: the hidden states entering these target layers at every token
     # instead (EAGLE-3's low, middle and high features), with the step's input ids.
     aux_hidden_layers: tuple[int, ...] = ()
+    # True: `after_dispatch` drafts the next step from the step just dispatched (ahead.py): the
+    # runner keeps that step's host inputs (`ModelRunner.last_prepared`).
+    drafts_ahead = False
 
     # ------------------------------------------------------------------ drafts
     def draft(self, token_ids: list[int], k: int) -> list[int]:
@@ -75,6 +80,11 @@ class Proposer:
         """With needs_hidden_states: every target step's packed inputs, the forward's hidden
         states (on the device), the sampler's packed output (on the device) and the target's
         device block table."""
+
+    def after_sample(self, sampled, block_table) -> None:
+        """Every target step's sampler's packed output (on the device) and the target's device
+        block table, unless the step skipped the hooks: what a proposer that drafts right after
+        the step (`after_dispatch`) reads in its device operation (multi-host: on every process)."""
 
     def device_ops(self) -> dict:
         """Device operations by name, run by the target runner's dispatch (multi-host: everywhere)."""
