@@ -444,36 +444,33 @@ def main() -> int:
     devices = list(DEVICES) if (which := parser.parse_args().device) == "all" else [which]
     failures = 0
 
-    def check(label, lower, backend, expect_aliases=0):
+    def run(label, lower, verify):  # every case is reported, then the exit status says whether any failed
         nonlocal failures
         start = time.perf_counter()
         try:
-            lowered = lower()
+            print(f"ok    {label}: {verify(lower())} ({time.perf_counter() - start:.1f} s)")
+        except Exception as e:
+            failures += 1
+            print(f"FAIL  {label}: {type(e).__name__}: {str(e)[:2000]}")
+
+    def kernels(backend, expect_aliases=0):  # the family's kernels only; the KV pool donated
+        def verify(lowered):
             calls = kernel_calls(lowered)
             if not calls or set(calls) != {backend}:
                 raise RuntimeError(f"expected {backend} kernels, found {calls or 'none'}")
             aliases = lowered.as_text().count("tf.aliasing_output")
             if aliases < expect_aliases:
                 raise RuntimeError(f"the KV pool is not donated: {aliases} aliased outputs, expected {expect_aliases}")
-            note = f"; KV pool aliased ({aliases} buffers)" if expect_aliases else ""
-            print(f"ok    {label}: {len(calls)} {backend} kernel(s) verified{note} ({time.perf_counter() - start:.1f} s)")
-        except Exception as e:  # every case is reported, then the exit status says whether any failed
-            failures += 1
-            print(f"FAIL  {label}: {type(e).__name__}: {str(e)[:2000]}")
+            return f"{len(calls)} {backend} kernel(s) verified" + (
+                f"; KV pool aliased ({aliases} buffers)" if expect_aliases else "")
+        return verify
 
-    def check_xla(label, lower):  # XLA only: no kernels expected
-        nonlocal failures
-        start = time.perf_counter()
-        try:
-            lowered = lower()
-            if kernel_calls(lowered):
-                raise RuntimeError(f"expected XLA only, found kernels {kernel_calls(lowered)}")
-            if "stablehlo.dot_general" not in lowered.as_text():
-                raise RuntimeError("no matmul in the lowered forward")
-            print(f"ok    {label}: lowered ({time.perf_counter() - start:.1f} s)")
-        except Exception as e:
-            failures += 1
-            print(f"FAIL  {label}: {type(e).__name__}: {str(e)[:2000]}")
+    def xla_only(lowered):  # no kernels expected
+        if kernel_calls(lowered):
+            raise RuntimeError(f"expected XLA only, found kernels {kernel_calls(lowered)}")
+        if "stablehlo.dot_general" not in lowered.as_text():
+            raise RuntimeError("no matmul in the lowered forward")
+        return "lowered"
 
     for device in devices:
         MESH = mesh_for(device)
@@ -483,22 +480,18 @@ def main() -> int:
         print(f"jax {jax.__version__}, Python {sys.version.split()[0]}: lowering for CUDA on "
               f"{DEVICES[device].device_kind} ({'/'.join(families)} kernels)")
         if families == ("pallas",):
-            try:
-                check_mosaic_refused()
-                print("ok    attention_backend='mosaic' refused below sm_90, with the reason and 'pallas' named")
-            except Exception as e:
-                failures += 1
-                print(f"FAIL  mosaic refusal: {type(e).__name__}: {e}")
+            run("attention_backend='mosaic' below sm_90", check_mosaic_refused,
+                lambda _: "refused, with the reason and 'pallas' named")
         for label, fn, backend, args in kernel_cases(families):
-            check(label, functools.partial(lower_for_cuda, fn, *args), backend)
+            run(label, functools.partial(lower_for_cuda, fn, *args), kernels(backend))
         with abstract_gpu():
             compute_capability = pk.gpu_device()[1]
         for label, fn, backend, args in auto_cases(compute_capability):
-            check(label, functools.partial(lower_for_cuda, fn, *args), backend)
+            run(label, functools.partial(lower_for_cuda, fn, *args), kernels(backend))
         for label, lower, backend in (*forward_cases(families), *key_limit_cases(families)):
-            check(label, lower, backend, expect_aliases=2)  # k_pages and v_pages
+            run(label, lower, kernels(backend, expect_aliases=2))  # k_pages and v_pages
         for label, lower in (*invariant_cases(), *pooling_cases()):
-            check_xla(label, lower)
+            run(label, lower, xla_only)
     print("all lowered" if not failures else f"{failures} case(s) failed")
     return 1 if failures else 0
 

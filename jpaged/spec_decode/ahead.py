@@ -151,6 +151,22 @@ class AheadProposer(RunnerProposer):
     label = "the proposer's"  # for the warnings
     prompt_tail = False  # ahead_inputs' prompt_tail: drafts from a prompt's last token left for the next step
 
+    @staticmethod
+    def chain_steps(k: int) -> int:
+        """Positions the device call writes past the new last token's, in scratch (a draft model's
+        k decode steps; an EAGLE head's first draft comes with the fill: k - 1)."""
+        return k
+
+    @classmethod
+    def device_state_bytes(cls, model, *, max_num_seqs: int, max_model_len: int, num_speculative_tokens: int,
+                           **shape) -> int:
+        """Besides the runner's step state: the scratch blocks (max_num_seqs rows of
+        `scratch_blocks_per_seq`), known before the pool is sized."""
+        spec = model.kv_cache_spec
+        scratch = max_num_seqs * scratch_blocks_per_seq(cls.chain_steps(num_speculative_tokens), spec.block_size)
+        return (super().device_state_bytes(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+                + scratch * spec.bytes_per_block)
+
     def __init__(self):
         self.ahead = []  # (plan, [(seq ids, the call's output on the device)]) of dispatched steps not read yet
         self.ready = {}  # the last read step's drafts: seq_id -> (position of the token they follow, drafts)

@@ -110,7 +110,8 @@ class DraftModelProposer(AheadProposer):
         super().__init__()
         self.target_lora = target_lora
         self.k = shape["num_speculative_tokens"]
-        self.runner = DraftRunner(draft.loaded, draft.kv_cache_spec, self.k, executable_cache, **shape)
+        self.runner = DraftRunner(draft.loaded, draft.kv_cache_spec, self.chain_steps(self.k), executable_cache,
+                                  **shape)
         # The target's last step's packed sampler output and device block table (after_sample).
         self.sampled = self.block_table = None
 

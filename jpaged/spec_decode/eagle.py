@@ -175,21 +175,24 @@ class EagleProposer(AheadProposer):
         self.method = head.method
         self.aux_hidden_layers = head.aux_layers
         self.k = shape["num_speculative_tokens"]
-        self.runner = EagleRunner(head, self.k - 1, target_lora, executable_cache, **shape)
+        self.runner = EagleRunner(head, self.chain_steps(self.k), target_lora, executable_cache, **shape)
+
+    @staticmethod
+    def chain_steps(k: int) -> int:
+        return k - 1  # (the first draft comes with the fill)
 
     @classmethod
     def device_state_bytes(cls, head: EagleHead, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                            num_speculative_tokens: int, **shape) -> int:
-        """Besides the runner's step state: the chain's scratch blocks (max_num_seqs rows of
-        `scratch_blocks_per_seq`) and the fill's rows (each sampling row's hidden state, draft, token)."""
+        """Besides the runner's step state and the chain's scratch blocks: the fill's rows (each
+        sampling row's hidden state, draft, token)."""
         spec = head.kv_cache_spec
-        scratch = max_num_seqs * scratch_blocks_per_seq(num_speculative_tokens - 1, spec.block_size)
         buckets = Buckets.create(max_num_seqs, max_num_batched_tokens, -(-max_model_len // spec.block_size), 1,
                                  num_speculative_tokens, max_model_len=max_model_len)
         rows = buckets.sample_rows(buckets.tokens[-1])
         hidden = head.loaded.hf_config.hidden_size * jnp.dtype(head.loaded.dtype).itemsize
-        return (super().device_state_bytes(head, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-                + scratch * spec.bytes_per_block + rows * (hidden + 8))
+        return super().device_state_bytes(head, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                          num_speculative_tokens=num_speculative_tokens) + rows * (hidden + 8)
 
     # ------------------------------------------------------------------ the runner's hooks
     def attach(self, runner):
