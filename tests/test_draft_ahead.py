@@ -9,7 +9,7 @@ import pytest
 
 import hf_reference
 import jpaged
-from test_eagle_ahead import generate, instrument
+from test_eagle_ahead import break_ahead_calls, generate, instrument
 from test_spec_decode_draft import write_tiny
 
 LIMITS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_gpu_blocks_override=128)
@@ -243,27 +243,7 @@ def test_a_failing_call_leaves_the_next_step_without_drafts(shared_llm):
     sp = jpaged.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     expected = generate(shared_llm("tiny", enforce_eager=True, **LIMITS), prompts, sp)
     llm = jpaged.LLM("tiny", speculative_config=spec("tiny"), enforce_eager=True, **LIMITS)
-    proposer, scheduler = llm.llm_engine.runner.proposer, llm.llm_engine.scheduler
-    run_ahead, calls, given = proposer.runner.run_ahead, [], []
-
-    class Unreadable:
-        def __array__(self, dtype=None, copy=None):
-            raise RuntimeError("the drafts are lost")
-
-    def failing(*args):
-        calls.append(len(calls))
-        if len(calls) == 3:
-            raise RuntimeError("the drafts failed to dispatch")
-        out = run_ahead(*args)
-        return Unreadable() if len(calls) == 5 else out
-
-    set_drafts = scheduler.set_drafts
-
-    def recording(plan, scheduled, tokens):
-        given.append((len(calls), list(tokens)))
-        return set_drafts(plan, scheduled, tokens)
-
-    proposer.runner.run_ahead, scheduler.set_drafts = failing, recording
+    given = break_ahead_calls(llm)
     assert generate(llm, prompts, sp) == expected
     after_failures = [tokens for n, tokens in given if n in (3, 5)]
     assert len(after_failures) >= 2 and not any(after_failures)  # after the failures: none

@@ -135,6 +135,32 @@ def test_speculative_steps_launch_without_device_reads_and_verify_the_last_steps
     assert used > 10
 
 
+def break_ahead_calls(llm, dispatch_fails: int = 3, read_fails: int = 5) -> list:
+    """The proposer's device call after a step (run_ahead) fails to dispatch at its
+    `dispatch_fails`-th call, and its output fails to read at its `read_fails`-th. Returns the
+    drafts the scheduler is given from now on: (how many calls were made by then, the drafts)."""
+    proposer, scheduler = llm.llm_engine.runner.proposer, llm.llm_engine.scheduler
+    run_ahead, set_drafts, calls, given = proposer.runner.run_ahead, scheduler.set_drafts, [], []
+
+    class Unreadable:
+        def __array__(self, dtype=None, copy=None):
+            raise RuntimeError("the drafts are lost")
+
+    def failing(*args):
+        calls.append(len(calls))
+        if len(calls) == dispatch_fails:
+            raise RuntimeError("the drafts failed to dispatch")
+        out = run_ahead(*args)
+        return Unreadable() if len(calls) == read_fails else out
+
+    def recording(plan, scheduled, tokens):
+        given.append((len(calls), list(tokens)))
+        return set_drafts(plan, scheduled, tokens)
+
+    proposer.runner.run_ahead, scheduler.set_drafts = failing, recording
+    return given
+
+
 def test_a_failing_chain_leaves_the_next_step_without_drafts(head, shared_llm):
     """The head's chain fails to dispatch once, then its output fails to read once: each time the
     next step verifies no drafts (a warning), the outputs are those without speculation."""
@@ -143,27 +169,7 @@ def test_a_failing_chain_leaves_the_next_step_without_drafts(head, shared_llm):
     expected = generate(shared_llm("tiny", enforce_eager=True, **LIMITS), prompts, sp)
     llm = jpaged.LLM("tiny", speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3},
                      enforce_eager=True, **LIMITS)
-    proposer, scheduler = llm.llm_engine.runner.proposer, llm.llm_engine.scheduler
-    run_ahead, calls, given = proposer.runner.run_ahead, [], []
-
-    class Unreadable:
-        def __array__(self, dtype=None, copy=None):
-            raise RuntimeError("the chain's output is lost")
-
-    def failing(*args):
-        calls.append(len(calls))
-        if len(calls) == 3:
-            raise RuntimeError("the chain failed to dispatch")
-        out = run_ahead(*args)
-        return Unreadable() if len(calls) == 5 else out
-
-    set_drafts = scheduler.set_drafts
-
-    def recording(plan, scheduled, tokens):
-        given.append((len(calls), list(tokens)))
-        return set_drafts(plan, scheduled, tokens)
-
-    proposer.runner.run_ahead, scheduler.set_drafts = failing, recording
+    given = break_ahead_calls(llm)
     assert generate(llm, prompts, sp) == expected
     assert all(not tokens for n, tokens in given if n in (3, 5))  # after the failures: none
     assert any(tokens for n, tokens in given if n not in (3, 5))
