@@ -88,7 +88,7 @@ sends only each sequence's row index and the entries written since. The LM head 
         if max_rows > max_num_seqs:
             rows += ladder(2 * max_num_seqs, max_rows)
         # Doubling token ladder: at most 2x padding.
-        tokens = ladder(min(max(least, min_tokens, 1), max_num_seqs, max_num_batched_tokens), max_num_batched_tokens)
+        tokens = ladder(min(max(least, min_tokens), max_num_seqs, max_num_batched_tokens), max_num_batched_tokens)
         rows = [r for r in rows if r >= fit(rows, min(tokens[0], rows[-1]))]
         return cls(tokens, rows, max_num_seqs, max_blocks_per_seq, num_scheduler_steps,
                    tuple(history_widths(max_model_len)) if max_model_len else ())
