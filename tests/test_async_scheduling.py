@@ -226,11 +226,15 @@ def test_requests_waiting_for_a_seat_do_not_stop_the_overlap():
     assert [len(o.outputs[0].token_ids) for o in outs] == [sp.max_tokens for sp in params]
 
 
-def test_a_long_prompts_next_chunk_is_scheduled_behind_the_one_in_flight(test_seed):
+@pytest.mark.parametrize("model", ["tiny", "llama"])
+def test_a_long_prompts_next_chunk_is_scheduled_behind_the_one_in_flight(model, test_seed, tmp_path):
     """Prompts longer than a step's token budget are prefilled in chunks; a chunk's tokens are the
     host's, so the next one is scheduled while the last is in flight (with blocks for it kept
     free: no preemption), also for a lone prompt with nothing decoding. Outputs equal the
-    synchronous engine's; no block leaked."""
+    synchronous engine's; no block leaked. On `tiny` and on a Llama made by save_pretrained."""
+    from test_kv_pool_size import _random_llama
+
+    path = "tiny" if model == "tiny" else _random_llama(tmp_path / "llama", test_seed)
     rng = np.random.default_rng(test_seed)
     prompts = [rng.integers(0, 256, size=int(n)).tolist() for n in (150, 5, 90, 200, 12, 130)]
     params = [jpaged.SamplingParams(temperature=0, max_tokens=int(rng.integers(3, 20)), ignore_eos=True, logprobs=1,
@@ -239,7 +243,7 @@ def test_a_long_prompts_next_chunk_is_scheduled_behind_the_one_in_flight(test_se
     limits = dict(LIMITS, max_model_len=256, max_num_batched_tokens=32)
     runs = []
     for async_scheduling in (False, True):
-        llm = jpaged.LLM("tiny", num_gpu_blocks_override=120, async_scheduling=async_scheduling, **limits)
+        llm = jpaged.LLM(path, num_gpu_blocks_override=120, async_scheduling=async_scheduling, **limits)
         engine = llm.llm_engine
         events = {"dispatched": 0, "completed": 0, "chunks_behind": 0}
         dispatch, complete, schedule = engine._dispatch, engine._complete, engine.scheduler.schedule
